@@ -1,0 +1,50 @@
+"""A GLM-5 with every mechanism switched on, small enough to train in seconds on a CPU.
+
+Dense and MoE layers, MLA with its low-rank paths, DSA with index_topk below the sequence length (so the
+indexer really selects), one MTP layer, group-limited routing off as in GLM-5.
+"""
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+  config = ml_collections.ConfigDict()
+  config.name = "glm5_tiny"
+  m = config.model = ml_collections.ConfigDict()
+  m.vocab_size = 512
+  m.hidden_size = 64
+  m.intermediate_size = 128
+  m.moe_intermediate_size = 32
+  m.num_hidden_layers = 3
+  m.first_k_dense_replace = 1
+  m.num_nextn_predict_layers = 1
+  m.num_attention_heads = 4
+  m.num_key_value_heads = 4
+  m.q_lora_rank = 32
+  m.kv_lora_rank = 32
+  m.qk_nope_head_dim = 16
+  m.qk_rope_head_dim = 8
+  m.v_head_dim = 16
+  m.n_routed_experts = 8
+  m.n_shared_experts = 1
+  m.num_experts_per_tok = 2
+  m.routed_scaling_factor = 2.5
+  m.n_group = 1
+  m.topk_group = 1
+  m.norm_topk_prob = True
+  m.index_topk = 32
+  m.index_n_heads = 4
+  m.index_head_dim = 16
+  m.rope_theta = 1e4
+  m.rope_interleave = True
+  m.indexer_rope_interleave = True
+  m.max_position_embeddings = 2048
+  m.rms_norm_eps = 1e-5
+  m.tie_word_embeddings = False
+  m.initializer_range = 0.02
+  m.use_dsa = True
+  m.attention_impl = "reference"
+  m.dtype = "float32"
+  m.param_dtype = "float32"
+  m.remat_policy = "none"
+  return config

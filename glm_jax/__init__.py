@@ -1,0 +1,1 @@
+"""glm-jax: GLM-5 (MoE + MLA + DeepSeek Sparse Attention + MTP) in JAX / Flax NNX."""

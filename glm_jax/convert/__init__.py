@@ -1,0 +1,1 @@
+"""Checkpoint format converters (Hugging Face GlmMoeDsaForCausalLM)."""

@@ -1,0 +1,318 @@
+"""Hugging Face interop for GlmMoeDsaForCausalLM checkpoints (config.json + safetensors).
+
+  cfg, model = hf.load(path)        # single file or sharded with model.safetensors.index.json
+  hf.save(cfg, model, path)         # the same format back, loadable by transformers
+
+Reading is tensor by tensor. Routed experts are read in either layout: per expert
+(`mlp.experts.{e}.gate_proj.weight`, the released format and what transformers' save_pretrained writes) or
+fused (`mlp.experts.gate_up_proj` [E, 2I, D], `mlp.experts.down_proj` [E, D, I], transformers' in-memory
+layout); `save` writes per expert. MTP layers live at `model.layers.{num_hidden_layers + k}` in the
+DeepSeek-V3 layout (enorm, hnorm, eh_proj, shared_head.norm, plus that layer's attention and MoE);
+transformers ignores them. A checkpoint without them (anything transformers saved) loads with freshly
+initialized MTP layers and a warning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+from safetensors.flax import save_file
+
+from glm_jax.model.config import ModelConfig
+from glm_jax.model.transformer import GlmMoeDsa, MTPLayer
+
+log = logging.getLogger(__name__)
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+# Tensors a HF checkpoint may carry that hold nothing of the model (rope caches).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+  """One HF tensor and where it lives in our state: the leaf's path and its index along stacked axes
+  (layer, expert). kind: "plain" (same layout), "linear" (HF [out, in] <-> ours [in..., out...] with
+  `n_in` leading input dims), "fused_gate_up" / "fused_down" (transformers' fused expert tensors)."""
+  hf_name: str
+  path: tuple[str | int, ...]
+  index: tuple[int, ...] = ()
+  kind: str = "plain"
+  n_in: int = 1
+  mtp: int | None = None  # which MTP layer the tensor belongs to, if any
+
+
+def _layer_specs(cfg: ModelConfig, prefix: str, path: tuple, index: tuple, moe: bool, mtp: int | None,
+                 fused_experts: bool) -> Iterator[TensorSpec]:
+  def spec(hf_suffix, sub, kind="plain", n_in=1, expert=()):
+    return TensorSpec(f"{prefix}.{hf_suffix}", path + sub, index + expert, kind, n_in, mtp)
+
+  yield spec("input_layernorm.weight", ("input_layernorm", "weight"))
+  yield spec("post_attention_layernorm.weight", ("post_attention_layernorm", "weight"))
+  for name in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"):
+    yield spec(f"self_attn.{name}.weight", ("self_attn", name), "linear")
+  yield spec("self_attn.o_proj.weight", ("self_attn", "o_proj"), "linear", n_in=2)  # ours [H, dv, D]
+  for name in ("q_a_layernorm", "kv_a_layernorm"):
+    yield spec(f"self_attn.{name}.weight", ("self_attn", name, "weight"))
+  for name in ("wq_b", "wk", "weights_proj"):
+    yield spec(f"self_attn.indexer.{name}.weight", ("self_attn", "indexer", name), "linear")
+  for name in ("weight", "bias"):
+    yield spec(f"self_attn.indexer.k_norm.{name}", ("self_attn", "indexer", "k_norm", name))
+  if not moe:
+    for name in ("gate_proj", "up_proj", "down_proj"):
+      yield spec(f"mlp.{name}.weight", ("mlp", name), "linear")
+    return
+  yield spec("mlp.gate.weight", ("mlp", "router"), "linear")
+  yield spec("mlp.gate.e_score_correction_bias", ("mlp", "e_score_correction_bias"))
+  if cfg.n_shared_experts:
+    for name in ("gate_proj", "up_proj", "down_proj"):
+      yield spec(f"mlp.shared_experts.{name}.weight", ("mlp", "shared_experts", name), "linear")
+  if fused_experts:
+    yield spec("mlp.experts.gate_up_proj", ("mlp",), "fused_gate_up")
+    yield spec("mlp.experts.down_proj", ("mlp", "down_proj"), "fused_down")
+    return
+  for e in range(cfg.n_routed_experts):
+    for name in ("gate_proj", "up_proj", "down_proj"):
+      yield spec(f"mlp.experts.{e}.{name}.weight", ("mlp", name), "linear", expert=(e,))
+
+
+def tensor_specs(cfg: ModelConfig, *, fused_experts: bool = False) -> list[TensorSpec]:
+  """Every tensor of a GlmMoeDsaForCausalLM checkpoint for `cfg`, MTP layers included."""
+  specs = [TensorSpec("model.embed_tokens.weight", ("embed_tokens", "embedding")),
+           TensorSpec("model.norm.weight", ("norm", "weight"))]
+  if not cfg.tie_word_embeddings:
+    specs.append(TensorSpec("lm_head.weight", ("lm_head",), kind="linear"))
+  for i in range(cfg.num_hidden_layers):
+    moe = i >= cfg.num_dense_layers
+    stack, j = ("moe_layers", i - cfg.num_dense_layers) if moe else ("dense_layers", i)
+    specs += _layer_specs(cfg, f"model.layers.{i}", (stack,), (j,), moe, None, fused_experts)
+  for k in range(cfg.num_nextn_predict_layers):
+    i = cfg.num_hidden_layers + k
+    p, base = f"model.layers.{i}", ("mtp", k)
+    specs += [TensorSpec(f"{p}.enorm.weight", base + ("enorm", "weight"), mtp=k),
+              TensorSpec(f"{p}.hnorm.weight", base + ("hnorm", "weight"), mtp=k),
+              TensorSpec(f"{p}.eh_proj.weight", base + ("eh_proj",), kind="linear", mtp=k),
+              TensorSpec(f"{p}.shared_head.norm.weight", base + ("shared_head_norm", "weight"), mtp=k)]
+    specs += _layer_specs(cfg, p, base + ("layer",), (), i >= cfg.first_k_dense_replace, k, fused_experts)
+  return specs
+
+
+def _shared_copies(cfg: ModelConfig) -> dict[str, str]:
+  """MTP tensors that the DeepSeek-V3 layout stores as copies of shared ones: {copy: original}."""
+  head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+  out = {}
+  for k in range(cfg.num_nextn_predict_layers):
+    p = f"model.layers.{cfg.num_hidden_layers + k}"
+    out[f"{p}.embed_tokens.weight"] = "model.embed_tokens.weight"
+    out[f"{p}.shared_head.head.weight"] = head
+  return out
+
+
+def _slice_shape(spec: TensorSpec, leaves: dict[tuple, jax.ShapeDtypeStruct]) -> tuple[int, ...]:
+  if spec.kind == "fused_gate_up":
+    return leaves[spec.path + ("gate_proj",)].shape[len(spec.index):]
+  return leaves[spec.path].shape[len(spec.index):]
+
+
+def hf_shape(spec: TensorSpec, ours: tuple[int, ...]) -> tuple[int, ...]:
+  """The HF tensor's shape given the shape of our slice."""
+  if spec.kind == "plain":
+    return ours
+  if spec.kind == "linear":
+    return (math.prod(ours[spec.n_in:]), math.prod(ours[:spec.n_in]))
+  if spec.kind == "fused_gate_up":  # ours [E, D, I] (gate and up alike) -> HF [E, 2I, D]
+    return (ours[0], 2 * ours[2], ours[1])
+  if spec.kind == "fused_down":  # ours [E, I, D] -> HF [E, D, I]
+    return (ours[0], ours[2], ours[1])
+  raise ValueError(f"unknown tensor kind {spec.kind!r}")
+
+
+def to_ours(spec: TensorSpec, t: np.ndarray, ours: tuple[int, ...]) -> dict[tuple, np.ndarray]:
+  """{leaf path: our slice} for one HF tensor."""
+  if spec.kind == "plain":
+    return {spec.path: t}
+  if spec.kind == "linear":
+    return {spec.path: t.T.reshape(ours)}
+  if spec.kind == "fused_gate_up":
+    i = ours[2]
+    return {spec.path + ("gate_proj",): t[:, :i].transpose(0, 2, 1),
+            spec.path + ("up_proj",): t[:, i:].transpose(0, 2, 1)}
+  if spec.kind == "fused_down":
+    return {spec.path: t.transpose(0, 2, 1)}
+  raise ValueError(f"unknown tensor kind {spec.kind!r}")
+
+
+def to_hf(spec: TensorSpec, ours: np.ndarray) -> np.ndarray:
+  """The HF tensor for one of our slices (plain and linear kinds; `save` writes per-expert tensors)."""
+  if spec.kind == "plain":
+    return ours
+  if spec.kind == "linear":
+    return ours.reshape(math.prod(ours.shape[:spec.n_in]), -1).T
+  raise ValueError(f"to_hf: kind {spec.kind!r} is read-only")
+
+
+class _Reader:
+  """Tensor-by-tensor access to a single or sharded safetensors checkpoint."""
+
+  def __init__(self, path: str):
+    index_path, single = os.path.join(path, INDEX_FILE), os.path.join(path, SINGLE_FILE)
+    if os.path.exists(index_path):
+      with open(index_path) as f:
+        weight_map = json.load(f).get("weight_map")
+      if not isinstance(weight_map, dict):
+        raise ValueError(f"{index_path}: no 'weight_map' object")
+      self.file_of = {name: os.path.join(path, fname) for name, fname in weight_map.items()}
+      for fname in sorted(set(self.file_of.values())):
+        if not os.path.exists(fname):
+          raise FileNotFoundError(f"{index_path} names shard {os.path.basename(fname)}, which is not in {path}")
+    elif os.path.exists(single):
+      with safe_open(single, framework="flax") as f:
+        self.file_of = {name: single for name in f.keys()}
+    else:
+      raise FileNotFoundError(f"{path}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
+    self._open: dict[str, Any] = {}
+
+  def names(self) -> set[str]:
+    return set(self.file_of)
+
+  def _handle(self, fname: str):
+    if fname not in self._open:
+      self._open[fname] = safe_open(fname, framework="flax").__enter__()
+    return self._open[fname]
+
+  def shape(self, name: str) -> tuple[int, ...]:
+    return tuple(self._handle(self.file_of[name]).get_slice(name).get_shape())
+
+  def get(self, name: str, dtype) -> np.ndarray:
+    return np.asarray(self._handle(self.file_of[name]).get_tensor(name).astype(dtype))
+
+  def close(self):
+    for h in self._open.values():
+      h.__exit__(None, None, None)
+    self._open.clear()
+
+
+def load_config(path: str, **overrides: Any) -> ModelConfig:
+  cfg_path = os.path.join(path, "config.json")
+  if not os.path.exists(cfg_path):
+    raise FileNotFoundError(f"{path}: no config.json (expected a Hugging Face model directory)")
+  with open(cfg_path) as f:
+    return ModelConfig.from_hf_dict(json.load(f), **overrides)
+
+
+def load(path: str, *, seed: int = 0, **overrides: Any) -> tuple[ModelConfig, GlmMoeDsa]:
+  """Reads a HF GlmMoeDsaForCausalLM directory. `overrides` replace ModelConfig fields (dtype, use_dsa, ...).
+  A missing, unexpected or wrongly shaped tensor raises ValueError naming it with both shapes."""
+  cfg = load_config(path, **overrides)
+  reader = _Reader(path)
+  try:
+    names = reader.names()
+    fused = any(n.endswith("mlp.experts.gate_up_proj") for n in names)
+    specs = tensor_specs(cfg, fused_experts=fused)
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: GlmMoeDsa(cfg, nnx.Rngs(seed))))
+    leaves = {path: v for path, v in nnx.to_flat_state(abstract)}
+
+    expected = {s.hf_name for s in specs} | set(_shared_copies(cfg))
+    unexpected = sorted(n for n in names - expected if not n.endswith(_IGNORED_SUFFIXES))
+    if unexpected:
+      raise ValueError(f"{path}: unexpected tensor(s) {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''} "
+                       f"for this config ({len(unexpected)} in all)")
+    mtp_present = {k: any(s.hf_name in names for s in specs if s.mtp == k)
+                   for k in range(cfg.num_nextn_predict_layers)}
+    missing = [s for s in specs if s.hf_name not in names and (s.mtp is None or mtp_present[s.mtp])]
+    if missing:
+      s = missing[0]
+      raise ValueError(f"{path}: missing tensor {s.hf_name} (expected shape "
+                       f"{list(hf_shape(s, _slice_shape(s, leaves)))}); {len(missing)} missing in all")
+
+    arrays = {p: np.zeros(v.shape, v.dtype) for p, v in leaves.items()
+              if p[0] != "mtp" or mtp_present[p[1]]}
+    for s in specs:
+      if s.hf_name not in names:
+        continue
+      ours = _slice_shape(s, leaves)
+      want, found = hf_shape(s, ours), reader.shape(s.hf_name)
+      if tuple(found) != tuple(want):
+        raise ValueError(f"{path}: tensor {s.hf_name} has shape {list(found)}, expected {list(want)}")
+      for leaf_path, value in to_ours(s, reader.get(s.hf_name, np.float32), ours).items():
+        arrays[leaf_path][s.index] = value
+  finally:
+    reader.close()
+
+  state = nnx.to_flat_state(abstract)
+  for p, v in state:
+    if p in arrays:
+      v.set_value(jnp.asarray(arrays[p], v.dtype))
+  model = nnx.merge(graphdef, nnx.from_flat_state(state))
+  for k, present in mtp_present.items():
+    if not present:
+      log.warning("%s: no MTP tensors for model.layers.%d; MTP layer %d is freshly initialized",
+                  path, cfg.num_hidden_layers + k, k)
+      model.mtp[k] = MTPLayer(cfg, cfg.num_hidden_layers + k, nnx.Rngs(seed + 1 + k))
+  return cfg, model
+
+
+def save(cfg: ModelConfig, model: GlmMoeDsa, path: str, *, max_shard_bytes: int = 5 * 2**30,
+         dtype: str | None = None, overwrite: bool = False) -> None:
+  """Writes config.json and safetensors (sharded with an index file past max_shard_bytes), per-expert layout,
+  MTP layers at model.layers.{num_hidden_layers + k}. Written to a temporary directory first: a failure
+  leaves `path` as it was. An existing non-empty `path` is replaced only with overwrite=True."""
+  if os.path.exists(path) and os.listdir(path) and not overwrite:
+    raise FileExistsError(f"{path} exists and is not empty; pass overwrite=True to replace it")
+  out_dtype = jnp.dtype(dtype or cfg.param_dtype)
+  leaves = {p: v[...] for p, v in nnx.to_flat_state(nnx.state(model))}
+  parent = os.path.dirname(os.path.abspath(path))
+  os.makedirs(parent, exist_ok=True)
+  tmp = tempfile.mkdtemp(prefix=".hf-save-", dir=parent)
+  try:
+    tensors: dict[str, jax.Array] = {}
+    for s in tensor_specs(cfg):
+      value = leaves[s.path][s.index] if s.index else leaves[s.path]
+      keep = jnp.float32 if s.hf_name.endswith("e_score_correction_bias") else out_dtype
+      tensors[s.hf_name] = jnp.asarray(to_hf(s, np.asarray(value)), keep)
+    for copy, original in _shared_copies(cfg).items():
+      tensors[copy] = tensors[original]
+    _write_shards(tensors, tmp, max_shard_bytes)
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+      json.dump(cfg.to_hf_dict(), f, indent=2)
+    if os.path.exists(path):
+      shutil.rmtree(path)
+    os.replace(tmp, path)
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
+
+
+def _write_shards(tensors: dict[str, jax.Array], out_dir: str, max_shard_bytes: int) -> None:
+  shards: list[dict[str, jax.Array]] = [{}]
+  size = 0
+  for name, t in tensors.items():
+    if shards[-1] and size + t.nbytes > max_shard_bytes:
+      shards.append({})
+      size = 0
+    shards[-1][name] = t
+    size += t.nbytes
+  if len(shards) == 1:
+    save_file(shards[0], os.path.join(out_dir, SINGLE_FILE), metadata={"format": "pt"})
+    return
+  weight_map = {}
+  for i, shard in enumerate(shards):
+    fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+    save_file(shard, os.path.join(out_dir, fname), metadata={"format": "pt"})
+    weight_map.update({name: fname for name in shard})
+  total = sum(t.nbytes for t in tensors.values())
+  with open(os.path.join(out_dir, INDEX_FILE), "w") as f:
+    json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)

@@ -1,0 +1,231 @@
+"""The model's configuration: HF GlmMoeDsaConfig names, validated once at construction.
+
+Configs are written as ml_collections ConfigDicts (configs/*.py); `ModelConfig.from_dict` turns the
+`model` field into this frozen dataclass and rejects impossible values with a message that names the field,
+its value and what is valid. Field names follow transformers' GlmMoeDsaConfig wherever one exists, so a
+released config.json maps one to one (see `ModelConfig.from_hf_dict`); fields after the marked line are ours.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+# "pallas" joins this tuple when the DSA kernels land (pallas_kernels/); until then it is rejected here.
+ATTENTION_IMPLS = ("reference",)
+REMAT_POLICIES = ("none", "full", "dots", "dots_with_no_batch_dims")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  # --- HF GlmMoeDsaConfig fields (defaults are the released GLM-5 744B-A40B numbers) ---
+  vocab_size: int = 154880
+  hidden_size: int = 6144
+  intermediate_size: int = 12288  # dense MLP width (first_k_dense_replace layers)
+  moe_intermediate_size: int = 2048  # width of each routed expert and of each shared expert
+  num_hidden_layers: int = 78
+  num_attention_heads: int = 64
+  num_key_value_heads: int = 64  # MLA: every head has its own k/v, so this must equal num_attention_heads
+  n_shared_experts: int = 1
+  n_routed_experts: int = 256
+  routed_scaling_factor: float = 2.5
+  kv_lora_rank: int = 512
+  q_lora_rank: int = 2048
+  qk_rope_head_dim: int = 64
+  v_head_dim: int = 256
+  qk_nope_head_dim: int = 192
+  n_group: int = 1
+  topk_group: int = 1
+  num_experts_per_tok: int = 8
+  norm_topk_prob: bool = True
+  hidden_act: str = "silu"
+  max_position_embeddings: int = 202752
+  initializer_range: float = 0.02
+  rms_norm_eps: float = 1e-5
+  tie_word_embeddings: bool = False
+  rope_theta: float = 1e6  # HF keeps it in rope_parameters["rope_theta"]
+  attention_bias: bool = False
+  index_topk: int = 2048
+  index_head_dim: int = 128
+  index_n_heads: int = 32
+  first_k_dense_replace: int = 3
+  num_nextn_predict_layers: int = 1  # MTP depth; released as layer index num_hidden_layers
+  bos_token_id: int | None = 0
+  eos_token_id: int | None = 1
+  pad_token_id: int | None = None
+  # --- ours (no HF field) ---
+  rope_interleave: bool = True  # MLA rope on interleaved pairs (GLM-5, DeepSeek); False = half split
+  indexer_rope_interleave: bool = True  # GLM-5 True; DeepSeek-V3.2's indexer uses the half split
+  mla_norm_eps: float = 1e-6  # q_a_layernorm / kv_a_layernorm (HF builds them with eps 1e-6)
+  index_norm_eps: float = 1e-6  # the indexer's k LayerNorm
+  use_dsa: bool = True  # False: every layer is plain causal MLA, the indexer is still built and scored
+  attention_impl: str = "reference"  # "reference": pure jnp, the oracle (the kernels add "pallas")
+  dtype: str = "float32"  # activations and matmul inputs; softmax, router and norms run in fp32
+  param_dtype: str = "float32"
+  remat_policy: str = "none"  # per scanned layer: none | full | dots | dots_with_no_batch_dims
+
+  def __post_init__(self):
+    _validate(self)
+
+  # Derived sizes.
+  @property
+  def qk_head_dim(self) -> int:
+    return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+  @property
+  def kv_latent_dim(self) -> int:
+    """Width of the absorbed (MQA-form) key: the kv latent plus the shared rope key (576 for GLM-5)."""
+    return self.kv_lora_rank + self.qk_rope_head_dim
+
+  @property
+  def num_dense_layers(self) -> int:
+    return min(self.first_k_dense_replace, self.num_hidden_layers)
+
+  @property
+  def num_moe_layers(self) -> int:
+    return self.num_hidden_layers - self.num_dense_layers
+
+  @property
+  def softmax_scale(self) -> float:
+    return self.qk_head_dim**-0.5
+
+  def replace(self, **changes: Any) -> ModelConfig:
+    return dataclasses.replace(self, **changes)
+
+  @classmethod
+  def from_dict(cls, d: Mapping[str, Any]) -> ModelConfig:
+    """From a mapping (a ConfigDict's `model` field); an unknown key is an error that lists the valid ones."""
+    d = dict(d.to_dict() if hasattr(d, "to_dict") else d)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - names)
+    if unknown:
+      raise ValueError(
+          f"model config: unknown field(s) {unknown}; valid fields are: {', '.join(sorted(names))}"
+      )
+    return cls(**d)
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_hf_dict(cls, hf: Mapping[str, Any], **overrides: Any) -> ModelConfig:
+    """From a HF GlmMoeDsaConfig dict (config.json). HF fields that change the math and that this codebase
+    does not implement are rejected by name; purely bookkeeping fields (architectures, dtype, ...) are ignored."""
+    hf = dict(hf)
+    if hf.get("model_type", "glm_moe_dsa") != "glm_moe_dsa":
+      raise ValueError(f"config.json: model_type={hf['model_type']!r}; expected 'glm_moe_dsa'")
+    kwargs: dict[str, Any] = {}
+    names = {f.name for f in dataclasses.fields(cls)}
+    for k, v in hf.items():
+      if k in names:
+        kwargs[k] = v
+    rope = hf.get("rope_parameters") or {}
+    if "rope_theta" in hf:
+      kwargs["rope_theta"] = hf["rope_theta"]
+    if rope:
+      rope_type = rope.get("rope_type", rope.get("type", "default"))
+      if rope_type != "default":
+        raise ValueError(
+            f"config.json: rope_parameters.rope_type={rope_type!r}; only 'default' (no YaRN scaling) is implemented"
+        )
+      if "rope_theta" in rope:
+        kwargs["rope_theta"] = rope["rope_theta"]
+    if isinstance(kwargs.get("eos_token_id"), list):
+      kwargs["eos_token_id"] = kwargs["eos_token_id"][0]
+    _check_hf_layer_patterns(hf, kwargs)
+    kwargs.update(overrides)
+    return cls(**kwargs)
+
+  def to_hf_dict(self) -> dict[str, Any]:
+    """The HF GlmMoeDsaConfig dict for this config (what `hf.save` writes as config.json)."""
+    ours = {
+        "rope_interleave", "indexer_rope_interleave", "mla_norm_eps", "index_norm_eps", "use_dsa",
+        "attention_impl", "dtype", "param_dtype", "remat_policy", "rope_theta",
+    }
+    d = {k: v for k, v in self.to_dict().items() if k not in ours}
+    d.update(
+        model_type="glm_moe_dsa",
+        architectures=["GlmMoeDsaForCausalLM"],
+        rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
+        mlp_layer_types=["dense"] * self.num_dense_layers + ["sparse"] * self.num_moe_layers,
+        indexer_types=["full"] * self.num_hidden_layers,
+        head_dim=self.qk_rope_head_dim,
+        dtype=self.param_dtype,
+    )
+    return d
+
+
+def _check_hf_layer_patterns(hf: Mapping[str, Any], kwargs: dict[str, Any]) -> None:
+  n = kwargs.get("num_hidden_layers", ModelConfig.num_hidden_layers)
+  k = min(kwargs.get("first_k_dense_replace", ModelConfig.first_k_dense_replace), n)
+  mlp_types = hf.get("mlp_layer_types")
+  if mlp_types is not None and list(mlp_types) != ["dense"] * k + ["sparse"] * (n - k):
+    raise ValueError(
+        f"config.json: mlp_layer_types={mlp_types}; only first_k_dense_replace={k} dense layers followed by "
+        "MoE layers is implemented"
+    )
+  indexer_types = hf.get("indexer_types")
+  if indexer_types is not None and any(t != "full" for t in indexer_types):
+    raise ValueError(
+        f"config.json: indexer_types={indexer_types}; only 'full' (every layer runs its own indexer) is "
+        "implemented, not GLM-5.2's shared top-k"
+    )
+  if hf.get("hidden_act", "silu") != "silu":
+    raise ValueError(f"config.json: hidden_act={hf['hidden_act']!r}; only 'silu' is implemented")
+
+
+def _validate(c: ModelConfig) -> None:
+  def fail(field: str, valid: str):
+    raise ValueError(f"model config: {field}={getattr(c, field)!r} is invalid; {valid}")
+
+  for f in ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "n_routed_experts", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim",
+            "v_head_dim", "qk_nope_head_dim", "n_group", "topk_group", "num_experts_per_tok", "index_topk",
+            "index_head_dim", "index_n_heads", "max_position_embeddings"):
+    v = getattr(c, f)
+    if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+      fail(f, "must be a positive integer")
+  for f in ("n_shared_experts", "first_k_dense_replace", "num_nextn_predict_layers"):
+    v = getattr(c, f)
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+      fail(f, "must be a non-negative integer")
+  if c.num_key_value_heads != c.num_attention_heads:
+    fail("num_key_value_heads", f"MLA needs it equal to num_attention_heads={c.num_attention_heads}")
+  if c.num_experts_per_tok > c.n_routed_experts:
+    fail("num_experts_per_tok", f"must be <= n_routed_experts={c.n_routed_experts}")
+  if c.n_routed_experts % c.n_group:
+    fail("n_group", f"must divide n_routed_experts={c.n_routed_experts}")
+  if c.topk_group > c.n_group:
+    fail("topk_group", f"must be <= n_group={c.n_group}")
+  if c.n_group > 1 and c.n_routed_experts // c.n_group < 2:
+    fail("n_group", "group-limited routing scores a group by its top-2 experts, so each group needs >= 2 experts")
+  if c.n_group > 1 and c.num_experts_per_tok > c.topk_group * (c.n_routed_experts // c.n_group):
+    fail("num_experts_per_tok", f"must be <= topk_group * experts per group = "
+         f"{c.topk_group * (c.n_routed_experts // c.n_group)}")
+  if c.qk_rope_head_dim % 2:
+    fail("qk_rope_head_dim", "must be even (rope rotates pairs)")
+  if c.index_head_dim < c.qk_rope_head_dim:
+    fail("index_head_dim", f"must be >= qk_rope_head_dim={c.qk_rope_head_dim} (rope covers its first part)")
+  if c.routed_scaling_factor <= 0:
+    fail("routed_scaling_factor", "must be > 0")
+  if c.rope_theta <= 0:
+    fail("rope_theta", "must be > 0")
+  if c.rms_norm_eps <= 0 or c.mla_norm_eps <= 0 or c.index_norm_eps <= 0:
+    fail("rms_norm_eps", "all norm eps values must be > 0")
+  if c.hidden_act != "silu":
+    fail("hidden_act", "only 'silu' (SwiGLU) is implemented")
+  if c.attention_bias:
+    fail("attention_bias", "only False is implemented (GLM-5 has no attention bias)")
+  if c.attention_impl not in ATTENTION_IMPLS:
+    fail("attention_impl", f"one of {ATTENTION_IMPLS}")
+  if c.remat_policy not in REMAT_POLICIES:
+    fail("remat_policy", f"one of {REMAT_POLICIES}")
+  for f in ("dtype", "param_dtype"):
+    if getattr(c, f) not in DTYPES:
+      fail(f, f"one of {DTYPES}")
+  for f in ("bos_token_id", "eos_token_id", "pad_token_id"):
+    v = getattr(c, f)
+    if v is not None and not 0 <= v < c.vocab_size:
+      fail(f, f"must be None or in [0, vocab_size={c.vocab_size})")

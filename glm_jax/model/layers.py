@@ -1,0 +1,135 @@
+"""Building blocks: parameters with logical axes, RMSNorm, LayerNorm, RoPE, the SwiGLU MLP, the embedding.
+
+Kernels are stored input-first ([in, out], heads split out where a head exists), so `x @ w` is the layer.
+Every parameter carries logical axis names in its `out_sharding` metadata (eager sharding off): the mesh
+rules that map them onto devices live with the sharding code, not here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from glm_jax.model.config import ModelConfig
+
+
+def dtype_of(name: str) -> jnp.dtype:
+  return jnp.dtype(name)
+
+
+def param(rngs: nnx.Rngs, shape: Sequence[int], axes: Sequence[str | None], cfg: ModelConfig,
+          init: str = "normal") -> nnx.Param:
+  """A parameter initialized like HF (normal(0, initializer_range), ones for norm scales, zeros for biases)."""
+  dtype = dtype_of(cfg.param_dtype)
+  if init == "normal":
+    value = cfg.initializer_range * jax.random.normal(rngs.params(), shape, dtype)
+  elif init == "ones":
+    value = jnp.ones(shape, dtype)
+  elif init == "zeros":
+    value = jnp.zeros(shape, dtype)
+  else:
+    raise ValueError(f"init={init!r}; one of 'normal', 'ones', 'zeros'")
+  return nnx.Param(value, out_sharding=tuple(axes), eager_sharding=False)
+
+
+def dense(x: jax.Array, w: nnx.Param, dtype: jnp.dtype, spec: str = "...d,df->...f") -> jax.Array:
+  """x @ w in the compute dtype with fp32 accumulation."""
+  return jnp.einsum(spec, x.astype(dtype), w[...].astype(dtype), preferred_element_type=jnp.float32).astype(dtype)
+
+
+class RMSNorm(nnx.Module):
+  """y = x / sqrt(mean(x^2) + eps) * g, computed in fp32."""
+
+  def __init__(self, dim: int, eps: float, cfg: ModelConfig, rngs: nnx.Rngs, axis_name: str = "norm"):
+    self.eps = eps
+    self.weight = param(rngs, (dim,), (axis_name,), cfg, init="ones")
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return (y.astype(x.dtype) * self.weight[...].astype(x.dtype))
+
+
+class LayerNorm(nnx.Module):
+  """y = (x - mean) / sqrt(var + eps) * g + b, computed in fp32 (the indexer's key norm)."""
+
+  def __init__(self, dim: int, eps: float, cfg: ModelConfig, rngs: nnx.Rngs, axis_name: str = "norm"):
+    self.eps = eps
+    self.weight = param(rngs, (dim,), (axis_name,), cfg, init="ones")
+    self.bias = param(rngs, (dim,), (axis_name,), cfg, init="zeros")
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    mean = jnp.mean(x32, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+    y = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
+    return (y * self.weight[...] + self.bias[...]).astype(x.dtype)
+
+
+def rope_angles(positions_BT: jax.Array, dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+  """cos, sin [B, T, dim/2] for inv_freq_i = theta^(-2i/dim)."""
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+  angles = positions_BT.astype(jnp.float32)[..., None] * inv_freq
+  return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jax.Array, cos_BTF: jax.Array, sin_BTF: jax.Array, interleave: bool) -> jax.Array:
+  """Rotates x [B, T, ..., dim] by position. interleave: pairs (x0, x1), (x2, x3), ... (GLM-5 / DeepSeek);
+  otherwise the half split (x_i, x_{i + dim/2}). Computed in fp32, returned in x's dtype."""
+  extra = x.ndim - cos_BTF.ndim
+  cos = cos_BTF.reshape(cos_BTF.shape[:2] + (1,) * extra + cos_BTF.shape[2:])
+  sin = sin_BTF.reshape(cos.shape)
+  x32 = x.astype(jnp.float32)
+  if interleave:
+    pairs = x32.reshape(x.shape[:-1] + (x.shape[-1] // 2, 2))
+    a, b = pairs[..., 0], pairs[..., 1]
+    out = jnp.stack([a * cos - b * sin, b * cos + a * sin], axis=-1).reshape(x.shape)
+  else:
+    a, b = jnp.split(x32, 2, axis=-1)
+    out = jnp.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
+  return out.astype(x.dtype)
+
+
+class MLP(nnx.Module):
+  """SwiGLU: down(silu(x @ gate) * (x @ up))."""
+
+  def __init__(self, cfg: ModelConfig, width: int, rngs: nnx.Rngs):
+    self.dtype = dtype_of(cfg.dtype)
+    d = cfg.hidden_size
+    self.gate_proj = param(rngs, (d, width), ("embed", "mlp"), cfg)
+    self.up_proj = param(rngs, (d, width), ("embed", "mlp"), cfg)
+    self.down_proj = param(rngs, (width, d), ("mlp", "embed"), cfg)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    h = jax.nn.silu(dense(x, self.gate_proj, self.dtype)) * dense(x, self.up_proj, self.dtype)
+    return dense(h, self.down_proj, self.dtype)
+
+
+class Embed(nnx.Module):
+  """Token embedding [V, D]. Ids outside [0, V) give NaN rows (never a silent clamp); `check_token_ids`
+  raises a readable error on concrete inputs before that."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.dtype = dtype_of(cfg.dtype)
+    self.embedding = param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), cfg)
+
+  def __call__(self, ids_BT: jax.Array) -> jax.Array:
+    table = self.embedding[...].astype(self.dtype)
+    return jnp.take(table, ids_BT, axis=0, mode="fill", fill_value=jnp.nan)
+
+
+def check_token_ids(ids: jax.Array, vocab_size: int, name: str = "input_ids") -> None:
+  """Raises ValueError naming the bad id when `ids` is concrete; a no-op while tracing."""
+  if isinstance(ids, jax.core.Tracer):
+    return
+  if not jnp.issubdtype(ids.dtype, jnp.integer):
+    raise ValueError(f"{name}: dtype {ids.dtype} is not an integer type")
+  if ids.size == 0:
+    return
+  lo, hi = int(jnp.min(ids)), int(jnp.max(ids))
+  if lo < 0 or hi >= vocab_size:
+    bad = lo if lo < 0 else hi
+    raise ValueError(f"{name}: token id {bad} is outside the vocabulary [0, {vocab_size})")

@@ -1,0 +1,139 @@
+"""MLA, multi-head latent attention, with DSA's top-k selection.
+
+  c_q = RMSNorm(h W_DQ);  [q_nope_h ; q_rope_h] = c_q W_UQ_h;  q_rope = RoPE(q_rope)
+  [c_kv ; k_rope] = h W_DKV;  c_kv = RMSNorm(c_kv);  k_rope = RoPE(k_rope), one rope key for all heads
+  [k_nope_h ; v_h] = c_kv W_UKV_h
+MHA form (training, dense): k_h = [k_nope_h ; k_rope], softmax(q_h . k_h * scale) v_h.
+Absorbed (MQA) form: q~_h = [q_nope_h W_UK_h^T ; q_rope_h] against the single 576-wide key [c_kv ; k_rope];
+o_h = (sum_s p_s c_kv_s) W_UV_h. DSA attends in this form over the indexer's top-k keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from glm_jax.model.config import ModelConfig
+from glm_jax.model.indexer import Indexer
+from glm_jax.model.layers import RMSNorm, apply_rope, dense, dtype_of, param
+from pallas_kernels.lightning_indexer_reference import lightning_indexer_scores, lightning_indexer_topk
+from pallas_kernels.sparse_mla_attention_reference import sparse_mla_attention
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class AttentionInputs:
+  """Per-sequence tensors every layer shares: rope angles, segment ids and the dense visibility mask."""
+  cos: jax.Array  # [B, T, qk_rope_head_dim / 2]
+  sin: jax.Array
+  segment_ids: jax.Array  # [B, T] int32; tokens attend only within their segment
+  mask: jax.Array  # [B, T, T] bool: causal and same segment
+
+
+class MLA(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.dtype = dtype_of(cfg.dtype)
+    d, h = cfg.hidden_size, cfg.num_attention_heads
+    self.q_a_proj = param(rngs, (d, cfg.q_lora_rank), ("embed", "q_lora"), cfg)
+    self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.mla_norm_eps, cfg, rngs)
+    self.q_b_proj = param(rngs, (cfg.q_lora_rank, h, cfg.qk_head_dim), ("q_lora", "heads", "qk_head_dim"), cfg)
+    self.kv_a_proj_with_mqa = param(rngs, (d, cfg.kv_latent_dim), ("embed", "kv_lora"), cfg)
+    self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.mla_norm_eps, cfg, rngs)
+    self.kv_b_proj = param(rngs, (cfg.kv_lora_rank, h, cfg.qk_nope_head_dim + cfg.v_head_dim),
+                           ("kv_lora", "heads", "kv_head_dim"), cfg)
+    self.o_proj = param(rngs, (h, cfg.v_head_dim, d), ("heads", "v_head_dim", "embed"), cfg)
+    self.indexer = Indexer(cfg, rngs)
+
+  def dsa_active(self, seq_len: int) -> bool:
+    """Top-k selection changes anything only when a query can see more than index_topk keys."""
+    return self.cfg.use_dsa and seq_len > self.cfg.index_topk
+
+  def project(self, x_BTD: jax.Array, inp: AttentionInputs):
+    """The low-rank paths: (c_q, q_nope, q_rope, c_kv, k_rope)."""
+    cfg = self.cfg
+    cq_BTR = self.q_a_layernorm(dense(x_BTD, self.q_a_proj, self.dtype))
+    q_BTHK = dense(cq_BTR, self.q_b_proj, self.dtype, "btr,rhk->bthk")
+    q_nope, q_rope = q_BTHK[..., :cfg.qk_nope_head_dim], q_BTHK[..., cfg.qk_nope_head_dim:]
+    q_rope = apply_rope(q_rope, inp.cos, inp.sin, cfg.rope_interleave)
+    kv_BTL = dense(x_BTD, self.kv_a_proj_with_mqa, self.dtype)
+    ckv_BTR = self.kv_a_layernorm(kv_BTL[..., :cfg.kv_lora_rank])
+    k_rope_BTR = apply_rope(kv_BTL[..., cfg.kv_lora_rank:], inp.cos, inp.sin, cfg.rope_interleave)
+    return cq_BTR, q_nope, q_rope, ckv_BTR, k_rope_BTR
+
+  def mha(self, q_nope, q_rope, ckv_BSR, k_rope_BSR, mask_BTS) -> jax.Array:
+    """MHA form: per-head keys and values expanded from the latent. Returns o [B, T, H, v_head_dim]."""
+    cfg = self.cfg
+    kv_BSHK = dense(ckv_BSR, self.kv_b_proj, self.dtype, "bsr,rhk->bshk")
+    k_nope, v_BSHV = kv_BSHK[..., :cfg.qk_nope_head_dim], kv_BSHK[..., cfg.qk_nope_head_dim:]
+    s_BHTS = (jnp.einsum("bthk,bshk->bhts", q_nope, k_nope, preferred_element_type=jnp.float32)
+              + jnp.einsum("bthk,bsk->bhts", q_rope, k_rope_BSR, preferred_element_type=jnp.float32))
+    s_BHTS = jnp.where(mask_BTS[:, None], s_BHTS * cfg.softmax_scale, -jnp.inf)
+    p_BHTS = _safe_softmax(s_BHTS)
+    return jnp.einsum("bhts,bshv->bthv", p_BHTS.astype(self.dtype), v_BSHV,
+                      preferred_element_type=jnp.float32).astype(self.dtype)
+
+  def absorbed_q_kv(self, q_nope, q_rope, ckv_BSR, k_rope_BSR) -> tuple[jax.Array, jax.Array]:
+    """The absorbed query [B, T, H, kv_lora + rope] and the shared key [B, S, kv_lora + rope]."""
+    w_uk = self.kv_b_proj[...][..., :self.cfg.qk_nope_head_dim]  # [R, H, dn]
+    q_lat = jnp.einsum("bthn,rhn->bthr", q_nope, w_uk.astype(self.dtype),
+                       preferred_element_type=jnp.float32).astype(self.dtype)
+    return (jnp.concatenate([q_lat, q_rope], axis=-1), jnp.concatenate([ckv_BSR, k_rope_BSR], axis=-1))
+
+  def absorbed_out(self, o_lat_BTHR: jax.Array) -> jax.Array:
+    """o_h = o_lat_h W_UV_h: [B, T, H, v_head_dim]."""
+    w_uv = self.kv_b_proj[...][..., self.cfg.qk_nope_head_dim:]  # [R, H, dv]
+    return jnp.einsum("bthr,rhv->bthv", o_lat_BTHR, w_uv.astype(self.dtype),
+                      preferred_element_type=jnp.float32).astype(self.dtype)
+
+  def absorbed_dense(self, q_nope, q_rope, ckv_BSR, k_rope_BSR, mask_BTS) -> jax.Array:
+    """Dense attention computed in the absorbed form (equal to `mha`; the decode path's shape)."""
+    q_BTHL, kv_BSL = self.absorbed_q_kv(q_nope, q_rope, ckv_BSR, k_rope_BSR)
+    s_BHTS = jnp.einsum("bthl,bsl->bhts", q_BTHL, kv_BSL, preferred_element_type=jnp.float32)
+    s_BHTS = jnp.where(mask_BTS[:, None], s_BHTS * self.cfg.softmax_scale, -jnp.inf)
+    p_BHTS = _safe_softmax(s_BHTS)
+    o_lat = jnp.einsum("bhts,bsr->bthr", p_BHTS.astype(self.dtype), ckv_BSR,
+                       preferred_element_type=jnp.float32).astype(self.dtype)
+    return self.absorbed_out(o_lat)
+
+  def __call__(self, x_BTD: jax.Array, inp: AttentionInputs, *, form: str = "mha",
+               return_index_scores: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Returns (out [B, T, D], aux). With DSA active, aux["topk_indices"] [B, T, index_topk]; with
+    return_index_scores, aux["index_scores"] [B, T, T] (fp32, -inf where not visible)."""
+    cfg = self.cfg
+    seq_len = x_BTD.shape[1]
+    cq_BTR, q_nope, q_rope, ckv_BTR, k_rope_BTR = self.project(x_BTD, inp)
+    aux: dict[str, jax.Array] = {}
+    dsa = self.dsa_active(seq_len)
+    if dsa or return_index_scores:
+      q_i, k_i, w_i = self.indexer(x_BTD, cq_BTR, inp.cos, inp.sin)
+      if return_index_scores:
+        aux["index_scores"] = jnp.where(inp.mask, lightning_indexer_scores(q_i, k_i, w_i), -jnp.inf)
+    if dsa:
+      idx_BTK, _ = lightning_indexer_topk(q_i, k_i, w_i, topk=cfg.index_topk, causal=True,
+                                          q_segment_ids=inp.segment_ids, kv_segment_ids=inp.segment_ids)
+      aux["topk_indices"] = idx_BTK
+      q_BTHL, kv_BSL = self.absorbed_q_kv(q_nope, q_rope, ckv_BTR, k_rope_BTR)
+      o_lat, _ = sparse_mla_attention(q_BTHL, kv_BSL, idx_BTK, sm_scale=cfg.softmax_scale,
+                                      v_dim=cfg.kv_lora_rank)
+      o_BTHV = self.absorbed_out(o_lat)
+    elif form == "mha":
+      o_BTHV = self.mha(q_nope, q_rope, ckv_BTR, k_rope_BTR, inp.mask)
+    elif form == "absorbed":
+      o_BTHV = self.absorbed_dense(q_nope, q_rope, ckv_BTR, k_rope_BTR, inp.mask)
+    else:
+      raise ValueError(f"MLA form={form!r}; one of 'mha', 'absorbed'")
+    return dense(o_BTHV, self.o_proj, self.dtype, "bthv,hvd->btd"), aux
+
+
+def _safe_softmax(s: jax.Array) -> jax.Array:
+  """Softmax over the last axis in fp32; a row with nothing visible gives zeros, not NaN."""
+  m = jnp.max(s, axis=-1, keepdims=True)
+  m = jnp.where(jnp.isneginf(m), 0.0, m)
+  p = jnp.exp(s - m)
+  l = jnp.sum(p, axis=-1, keepdims=True)
+  return p / jnp.where(l == 0, 1.0, l)

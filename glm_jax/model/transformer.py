@@ -1,0 +1,181 @@
+"""The GLM-5 decoder: embedding, dense layers, MoE layers (two scanned stacks), final norm, head, MTP.
+
+  h_0 = Emb(x);  h_{l+1} = h_l' + FFN_l(RMSNorm(h_l')),  h_l' = h_l + MLA_l(RMSNorm(h_l))
+  logits = RMSNorm(h_L) W_head
+The first `first_k_dense_replace` layers use a dense SwiGLU MLP, the rest the MoE block; each group is one
+stack of layers (a leading layer axis on every parameter) applied with `jax.lax.scan`, so compile time
+does not grow with depth. Packed documents: `segment_ids` keep attention inside a document and
+`positions` restart its rope at 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from glm_jax.model.config import ModelConfig
+from glm_jax.model.layers import MLP, Embed, RMSNorm, check_token_ids, dense, dtype_of, param, rope_angles
+from glm_jax.model.mla import MLA, AttentionInputs
+from glm_jax.model.moe import MoE
+from pallas_kernels.lightning_indexer_reference import visible_mask
+
+REMAT_POLICIES: dict[str, Callable | None] = {
+    "full": None,  # save nothing: recompute the whole layer in the backward pass
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_with_no_batch_dims": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class ModelOutput:
+  """logits [B, T, V] fp32 (position t predicts token t+1); mtp_logits [n_mtp, B, T, V] (depth k at t
+  predicts token t+1+k; the last k positions have no target) or None; aux: per-layer statistics stacked on a
+  leading layer axis: "expert_counts", "expert_probs" [L_moe, B, E] (MoE layers), "topk_indices"
+  [L, B, T, K] when DSA is active, "index_scores" [L, B, T, T] when asked for; "mtp_*" for MTP layers."""
+  logits: jax.Array
+  mtp_logits: jax.Array | None
+  aux: dict[str, jax.Array]
+
+
+class DecoderLayer(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, moe: bool, rngs: nnx.Rngs):
+    self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg, rngs)
+    self.self_attn = MLA(cfg, rngs)
+    self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg, rngs)
+    self.mlp = MoE(cfg, rngs) if moe else MLP(cfg, cfg.intermediate_size, rngs)
+
+  def __call__(self, x_BTD: jax.Array, inp: AttentionInputs, *, form: str = "mha",
+               return_index_scores: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
+    a, aux = self.self_attn(self.input_layernorm(x_BTD), inp, form=form,
+                            return_index_scores=return_index_scores)
+    x_BTD = x_BTD + a
+    m = self.mlp(self.post_attention_layernorm(x_BTD))
+    if isinstance(m, tuple):
+      m, router_aux = m
+      aux = {**aux, **router_aux}
+    return x_BTD + m, aux
+
+
+def stacked_layers(cfg: ModelConfig, moe: bool, n: int, rngs: nnx.Rngs) -> DecoderLayer | None:
+  """n DecoderLayers as one module whose parameters have a leading "layers" axis."""
+  if n == 0:
+    return None
+
+  @nnx.split_rngs(splits=n)
+  @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+  def make(r: nnx.Rngs) -> DecoderLayer:
+    return DecoderLayer(cfg, moe, r)
+
+  return make(rngs)
+
+
+def scan_layers(stack: DecoderLayer | None, x_BTD: jax.Array, inp: AttentionInputs, remat_policy: str,
+                **kwargs) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """Applies a stack layer by layer with jax.lax.scan; per-layer aux comes back stacked [L, ...]."""
+  if stack is None:
+    return x_BTD, {}
+  graphdef, state = nnx.split(stack)
+
+  def body(x, layer_state):
+    return nnx.merge(graphdef, layer_state)(x, inp, **kwargs)
+
+  if remat_policy != "none":
+    body = jax.checkpoint(body, policy=REMAT_POLICIES[remat_policy], prevent_cse=False)
+  return jax.lax.scan(body, x_BTD, state)
+
+
+class MTPLayer(nnx.Module):
+  """One multi-token-prediction module: h' = eh_proj([enorm(Emb(t_{i+k})) ; hnorm(h_i)]), a decoder layer,
+  then the shared head after its own norm (DeepSeek-V3 MTP; GLM-5 ships one, as layer index 78)."""
+
+  def __init__(self, cfg: ModelConfig, layer_index: int, rngs: nnx.Rngs):
+    self.dtype = dtype_of(cfg.dtype)
+    d = cfg.hidden_size
+    self.enorm = RMSNorm(d, cfg.rms_norm_eps, cfg, rngs)
+    self.hnorm = RMSNorm(d, cfg.rms_norm_eps, cfg, rngs)
+    self.eh_proj = param(rngs, (2 * d, d), ("mtp_in", "embed"), cfg)
+    self.layer = DecoderLayer(cfg, layer_index >= cfg.first_k_dense_replace, rngs)
+    self.shared_head_norm = RMSNorm(d, cfg.rms_norm_eps, cfg, rngs)
+
+  def __call__(self, h_BTD: jax.Array, emb_next_BTD: jax.Array, inp: AttentionInputs, *, form: str = "mha"
+               ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+    """Returns (the new hidden state h^k, its normed output for the head, aux)."""
+    x = jnp.concatenate([self.enorm(emb_next_BTD), self.hnorm(h_BTD)], axis=-1)
+    x = dense(x, self.eh_proj, self.dtype)
+    h, aux = self.layer(x, inp, form=form)
+    return h, self.shared_head_norm(h), aux
+
+
+class GlmMoeDsa(nnx.Module):
+  """GLM-5 as a causal LM. `model(input_ids)` -> ModelOutput with `.logits` [B, T, V]."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.dtype = dtype_of(cfg.dtype)
+    self.embed_tokens = Embed(cfg, rngs)
+    self.dense_layers = stacked_layers(cfg, False, cfg.num_dense_layers, rngs)
+    self.moe_layers = stacked_layers(cfg, True, cfg.num_moe_layers, rngs)
+    self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg, rngs)
+    self.lm_head = (None if cfg.tie_word_embeddings
+                    else param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), cfg))
+    self.mtp = nnx.List([MTPLayer(cfg, cfg.num_hidden_layers + k, rngs)
+                         for k in range(cfg.num_nextn_predict_layers)])
+
+  def head(self, x_BTD: jax.Array) -> jax.Array:
+    """fp32 logits from normed hidden states."""
+    if self.lm_head is None:
+      w = self.embed_tokens.embedding[...].astype(self.dtype)
+      return jnp.einsum("btd,vd->btv", x_BTD, w, preferred_element_type=jnp.float32)
+    return jnp.einsum("btd,dv->btv", x_BTD, self.lm_head[...].astype(self.dtype),
+                      preferred_element_type=jnp.float32)
+
+  def __call__(self, input_ids: jax.Array, *, positions: jax.Array | None = None,
+               segment_ids: jax.Array | None = None, form: str = "mha", return_index_scores: bool = False,
+               compute_mtp: bool = True) -> ModelOutput:
+    """input_ids [B, T] int; positions [B, T] (default 0..T-1); segment_ids [B, T] (default one segment).
+    form: "mha" or "absorbed" for the dense attention path (DSA always attends in the absorbed form)."""
+    cfg = self.cfg
+    if input_ids.ndim != 2:
+      raise ValueError(f"input_ids: shape {input_ids.shape}; expected [batch, seq_len]")
+    check_token_ids(input_ids, cfg.vocab_size)
+    b, t = input_ids.shape
+    for name, arr in (("positions", positions), ("segment_ids", segment_ids)):
+      if arr is not None and arr.shape != (b, t):
+        raise ValueError(f"{name}: shape {arr.shape}; expected input_ids' shape {(b, t)}")
+    if positions is None:
+      positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    if segment_ids is None:
+      segment_ids = jnp.zeros((b, t), jnp.int32)
+    cos, sin = rope_angles(positions, cfg.qk_rope_head_dim, cfg.rope_theta)
+    mask = visible_mask(t, t, causal=True, q_segment_ids=segment_ids, kv_segment_ids=segment_ids)
+    inp = AttentionInputs(cos=cos, sin=sin, segment_ids=segment_ids, mask=mask)
+
+    emb_BTD = self.embed_tokens(input_ids)
+    kw = dict(form=form, return_index_scores=return_index_scores)
+    h, dense_aux = scan_layers(self.dense_layers, emb_BTD, inp, cfg.remat_policy, **kw)
+    h, moe_aux = scan_layers(self.moe_layers, h, inp, cfg.remat_policy, **kw)
+    aux = {k: v for k, v in moe_aux.items() if k.startswith("expert_")}
+    for key in ("topk_indices", "index_scores"):
+      parts = [a[key] for a in (dense_aux, moe_aux) if key in a]
+      if parts:
+        aux[key] = jnp.concatenate(parts, axis=0)
+    logits = self.head(self.norm(h))
+
+    mtp_logits = None
+    if compute_mtp and len(self.mtp):
+      outs = []
+      for k, layer in enumerate(self.mtp):
+        # Depth k+1 at position i reads the embedding of token i+k+1; positions past the end get a zero
+        # embedding (their targets do not exist, the loss masks them).
+        emb_next = jnp.concatenate([emb_BTD[:, k + 1:], jnp.zeros_like(emb_BTD[:, :k + 1])], axis=1)
+        h, normed, mtp_aux = layer(h, emb_next, inp, form=form)
+        outs.append(self.head(normed))
+        aux.update({f"mtp{k}_{name}": v for name, v in mtp_aux.items() if name.startswith("expert_")})
+      mtp_logits = jnp.stack(outs)
+    return ModelOutput(logits=logits, mtp_logits=mtp_logits, aux=aux)
