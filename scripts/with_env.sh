@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs a command inside the project's virtual environment, creating or refreshing it first.
 #   bash scripts/with_env.sh python launch/model_info.py --config=configs/glm5_tiny.py
-#   bash scripts/with_env.sh pytest -n 2 tests
+#   bash scripts/with_env.sh pytest -n 2 --dist loadfile tests
 # The venv lives in .venv (override with GLM_JAX_VENV); it is rebuilt only when requirements*.txt or
 # setup.cfg change. Python: $PYTHON, else python3 (3.11 and 3.12 are supported).
 set -euo pipefail

@@ -134,7 +134,7 @@ class ModelConfig:
         kwargs["rope_theta"] = rope["rope_theta"]
     if isinstance(kwargs.get("eos_token_id"), list):
       kwargs["eos_token_id"] = kwargs["eos_token_id"][0]
-    _check_hf_layer_patterns(hf, kwargs)
+    _check_hf_supported(hf, kwargs)
     kwargs.update(overrides)
     return cls(**kwargs)
 
@@ -157,7 +157,13 @@ class ModelConfig:
     return d
 
 
-def _check_hf_layer_patterns(hf: Mapping[str, Any], kwargs: dict[str, Any]) -> None:
+def _check_hf_supported(hf: Mapping[str, Any], kwargs: dict[str, Any]) -> None:
+  """Rejects, by name, config.json settings that change the math in ways this codebase does not implement."""
+  for key, supported in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc"), ("rope_scaling", None),
+                         ("quantization_config", None)):
+    if key in hf and hf[key] not in (supported, None):
+      what = f"only {supported!r}" if supported else "only none (load a bf16/fp32 checkpoint)"
+      raise ValueError(f"config.json: {key}={hf[key]!r}; {what} is implemented")
   n = kwargs.get("num_hidden_layers", ModelConfig.num_hidden_layers)
   k = min(kwargs.get("first_k_dense_replace", ModelConfig.first_k_dense_replace), n)
   mlp_types = hf.get("mlp_layer_types")

@@ -1,0 +1,30 @@
+"""launch/model_info.py, run as a user would: its counts are the public reference's figures."""
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_info(*args):
+  out = subprocess.run([sys.executable, "launch/model_info.py", *args], cwd=ROOT, check=True,
+                       capture_output=True, text=True, timeout=300).stdout
+  return json.loads(out.strip().splitlines()[-1])
+
+
+def test_glm5_744b_counts_match_the_reference():
+  info = run_info("--config=configs/glm5_744b.py")
+  # transformers' GlmMoeDsaForCausalLM for the released config: 743.91e9 parameters (no MTP), 41.78e9
+  # active with 8 of 256 experts; the MTP layer adds 9.95e9.
+  assert round(info["total"] / 1e9, 2) == 743.91
+  assert round(info["active"] / 1e9, 2) == 41.78
+  assert round(info["mtp"] / 1e9, 2) == 9.95
+
+
+def test_flag_overrides_reach_the_model():
+  info = run_info("--config=configs/glm5_tiny.py", "--config.model.vocab_size=300", "--forward_tokens=48")
+  assert info["logits_shape"] == [1, 48, 300]
+  # A freshly initialized model predicts close to uniformly: loss near ln(V).
+  assert abs(info["init_loss"] - info["ln_vocab"]) < 0.1
