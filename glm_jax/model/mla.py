@@ -20,7 +20,7 @@ from glm_jax.model.config import ModelConfig
 from glm_jax.model.indexer import Indexer
 from glm_jax.model.layers import RMSNorm, apply_rope, dense, dtype_of, param
 from pallas_kernels.lightning_indexer_reference import lightning_indexer_scores, lightning_indexer_topk
-from pallas_kernels.sparse_mla_attention_reference import sparse_mla_attention
+from pallas_kernels.sparse_mla_attention_reference import gather_kv, sparse_mla_attention
 
 
 @jax.tree_util.register_dataclass
@@ -65,15 +65,22 @@ class MLA(nnx.Module):
     k_rope_BTR = apply_rope(kv_BTL[..., cfg.kv_lora_rank:], inp.cos, inp.sin, cfg.rope_interleave)
     return cq_BTR, q_nope, q_rope, ckv_BTR, k_rope_BTR
 
-  def mha(self, q_nope, q_rope, ckv_BSR, k_rope_BSR, mask_BTS) -> jax.Array:
-    """MHA form: per-head keys and values expanded from the latent. Returns o [B, T, H, v_head_dim]."""
+  def mha_probs(self, q_nope, q_rope, ckv_BSR, k_rope_BSR, mask_BTS) -> tuple[jax.Array, jax.Array]:
+    """MHA form up to the softmax: (p [B, H, T, S] fp32, v [B, S, H, v_head_dim])."""
     cfg = self.cfg
     kv_BSHK = dense(ckv_BSR, self.kv_b_proj, self.dtype, "bsr,rhk->bshk")
     k_nope, v_BSHV = kv_BSHK[..., :cfg.qk_nope_head_dim], kv_BSHK[..., cfg.qk_nope_head_dim:]
     s_BHTS = (jnp.einsum("bthk,bshk->bhts", q_nope, k_nope, preferred_element_type=jnp.float32)
               + jnp.einsum("bthk,bsk->bhts", q_rope, k_rope_BSR, preferred_element_type=jnp.float32))
     s_BHTS = jnp.where(mask_BTS[:, None], s_BHTS * cfg.softmax_scale, -jnp.inf)
-    p_BHTS = _safe_softmax(s_BHTS)
+    return _safe_softmax(s_BHTS), v_BSHV
+
+  def mha(self, q_nope, q_rope, ckv_BSR, k_rope_BSR, mask_BTS) -> jax.Array:
+    """MHA form: per-head keys and values expanded from the latent. Returns o [B, T, H, v_head_dim]."""
+    p_BHTS, v_BSHV = self.mha_probs(q_nope, q_rope, ckv_BSR, k_rope_BSR, mask_BTS)
+    return self._mha_out(p_BHTS, v_BSHV)
+
+  def _mha_out(self, p_BHTS, v_BSHV) -> jax.Array:
     return jnp.einsum("bhts,bshv->bthv", p_BHTS.astype(self.dtype), v_BSHV,
                       preferred_element_type=jnp.float32).astype(self.dtype)
 
@@ -101,33 +108,68 @@ class MLA(nnx.Module):
     return self.absorbed_out(o_lat)
 
   def __call__(self, x_BTD: jax.Array, inp: AttentionInputs, *, form: str = "mha",
-               return_index_scores: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
+               return_index_scores: bool = False, indexer_loss: bool = False
+               ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Returns (out [B, T, D], aux). With DSA active, aux["topk_indices"] [B, T, index_topk]; with
-    return_index_scores, aux["index_scores"] [B, T, T] (fp32, -inf where not visible)."""
+    return_index_scores, aux["index_scores"] [B, T, T] (fp32, -inf where not visible); with indexer_loss,
+    aux["indexer_kl"]: the indexer's KL to the main attention, over the visible keys when attention is
+    dense (DSA warm-up) and over the selected keys when it is sparse. The indexer reads a detached copy
+    of its inputs, so its only gradient is this KL and the KL trains nothing else."""
     cfg = self.cfg
     seq_len = x_BTD.shape[1]
     cq_BTR, q_nope, q_rope, ckv_BTR, k_rope_BTR = self.project(x_BTD, inp)
     aux: dict[str, jax.Array] = {}
     dsa = self.dsa_active(seq_len)
-    if dsa or return_index_scores:
-      q_i, k_i, w_i = self.indexer(x_BTD, cq_BTR, inp.cos, inp.sin)
+    if dsa or return_index_scores or indexer_loss:
+      q_i, k_i, w_i = self.indexer(jax.lax.stop_gradient(x_BTD), jax.lax.stop_gradient(cq_BTR),
+                                   inp.cos, inp.sin)
+      if return_index_scores or (indexer_loss and not dsa):
+        scores_BTS = jnp.where(inp.mask, lightning_indexer_scores(q_i, k_i, w_i), -jnp.inf)
       if return_index_scores:
-        aux["index_scores"] = jnp.where(inp.mask, lightning_indexer_scores(q_i, k_i, w_i), -jnp.inf)
+        aux["index_scores"] = scores_BTS
     if dsa:
-      idx_BTK, _ = lightning_indexer_topk(q_i, k_i, w_i, topk=cfg.index_topk, causal=True,
-                                          q_segment_ids=inp.segment_ids, kv_segment_ids=inp.segment_ids)
+      idx_BTK, vals_BTK = lightning_indexer_topk(q_i, k_i, w_i, topk=cfg.index_topk, causal=True,
+                                                 q_segment_ids=inp.segment_ids, kv_segment_ids=inp.segment_ids)
       aux["topk_indices"] = idx_BTK
       q_BTHL, kv_BSL = self.absorbed_q_kv(q_nope, q_rope, ckv_BTR, k_rope_BTR)
-      o_lat, _ = sparse_mla_attention(q_BTHL, kv_BSL, idx_BTK, sm_scale=cfg.softmax_scale,
-                                      v_dim=cfg.kv_lora_rank)
+      o_lat, lse_BTH = sparse_mla_attention(q_BTHL, kv_BSL, idx_BTK, sm_scale=cfg.softmax_scale,
+                                            v_dim=cfg.kv_lora_rank)
       o_BTHV = self.absorbed_out(o_lat)
+      if indexer_loss:
+        p_BTHK = selected_attention_probs(q_BTHL, kv_BSL, idx_BTK, lse_BTH, cfg.softmax_scale)
+        aux["indexer_kl"] = indexer_kl(jnp.sum(p_BTHK, axis=2), vals_BTK, idx_BTK >= 0)
     elif form == "mha":
-      o_BTHV = self.mha(q_nope, q_rope, ckv_BTR, k_rope_BTR, inp.mask)
+      p_BHTS, v_BSHV = self.mha_probs(q_nope, q_rope, ckv_BTR, k_rope_BTR, inp.mask)
+      o_BTHV = self._mha_out(p_BHTS, v_BSHV)
+      if indexer_loss:
+        aux["indexer_kl"] = indexer_kl(jnp.sum(p_BHTS, axis=1), scores_BTS, inp.mask)
     elif form == "absorbed":
+      if indexer_loss:
+        raise ValueError("indexer_loss with dense attention needs form='mha'")
       o_BTHV = self.absorbed_dense(q_nope, q_rope, ckv_BTR, k_rope_BTR, inp.mask)
     else:
       raise ValueError(f"MLA form={form!r}; one of 'mha', 'absorbed'")
     return dense(o_BTHV, self.o_proj, self.dtype, "bthv,hvd->btd"), aux
+
+
+def selected_attention_probs(q_BTHL: jax.Array, kv_BSL: jax.Array, idx_BTK: jax.Array, lse_BTH: jax.Array,
+                             sm_scale: float) -> jax.Array:
+  """The sparse attention's probabilities over the selected keys, p = exp(s - lse): [B, T, H, K] fp32."""
+  kv_BTKL = gather_kv(kv_BSL, idx_BTK)
+  s_BTHK = jnp.einsum("bthl,btkl->bthk", q_BTHL, kv_BTKL, preferred_element_type=jnp.float32) * sm_scale
+  p_BTHK = jnp.exp(s_BTHK - jnp.where(jnp.isneginf(lse_BTH), 0.0, lse_BTH)[..., None])
+  return jnp.where((idx_BTK >= 0)[:, :, None, :], p_BTHK, 0.0)
+
+
+def indexer_kl(p_target_BTS: jax.Array, scores_BTS: jax.Array, valid_BTS: jax.Array) -> jax.Array:
+  """mean_t KL(p[t] || softmax(I[t])) over the valid keys, p = the head-summed attention, L1-normalized
+  and treated as a constant (DS32's indexer loss, averaged over query tokens instead of summed)."""
+  p = jax.lax.stop_gradient(p_target_BTS.astype(jnp.float32))
+  p = jnp.where(valid_BTS, p, 0.0)
+  p = p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
+  log_q = jax.nn.log_softmax(jnp.where(valid_BTS, scores_BTS, -jnp.inf), axis=-1)
+  terms = jnp.where(valid_BTS & (p > 0), p * (jnp.log(jnp.where(p > 0, p, 1.0)) - log_q), 0.0)
+  return jnp.mean(jnp.sum(terms, axis=-1))
 
 
 def _safe_softmax(s: jax.Array) -> jax.Array:

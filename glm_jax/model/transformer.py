@@ -36,7 +36,8 @@ class ModelOutput:
   """logits [B, T, V] fp32 (position t predicts token t+1); mtp_logits [n_mtp, B, T, V] (depth k at t
   predicts token t+1+k; the last k positions have no target) or None; aux: per-layer statistics stacked on a
   leading layer axis: "expert_counts", "expert_probs" [L_moe, B, E] (MoE layers), "topk_indices"
-  [L, B, T, K] when DSA is active, "index_scores" [L, B, T, T] when asked for; "mtp_*" for MTP layers."""
+  [L, B, T, K] when DSA is active, "index_scores" [L, B, T, T] and "indexer_kl" [L] when asked for;
+  "mtp{k}_expert_*" [B, E] for MoE MTP layers."""
   logits: jax.Array
   mtp_logits: jax.Array | None
   aux: dict[str, jax.Array]
@@ -51,9 +52,10 @@ class DecoderLayer(nnx.Module):
     self.mlp = MoE(cfg, rngs) if moe else MLP(cfg, cfg.intermediate_size, rngs)
 
   def __call__(self, x_BTD: jax.Array, inp: AttentionInputs, *, form: str = "mha",
-               return_index_scores: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
+               return_index_scores: bool = False, indexer_loss: bool = False
+               ) -> tuple[jax.Array, dict[str, jax.Array]]:
     a, aux = self.self_attn(self.input_layernorm(x_BTD), inp, form=form,
-                            return_index_scores=return_index_scores)
+                            return_index_scores=return_index_scores, indexer_loss=indexer_loss)
     x_BTD = x_BTD + a
     m = self.mlp(self.post_attention_layernorm(x_BTD))
     if isinstance(m, tuple):
@@ -137,9 +139,10 @@ class GlmMoeDsa(nnx.Module):
 
   def __call__(self, input_ids: jax.Array, *, positions: jax.Array | None = None,
                segment_ids: jax.Array | None = None, form: str = "mha", return_index_scores: bool = False,
-               compute_mtp: bool = True) -> ModelOutput:
+               indexer_loss: bool = False, compute_mtp: bool = True) -> ModelOutput:
     """input_ids [B, T] int; positions [B, T] (default 0..T-1); segment_ids [B, T] (default one segment).
-    form: "mha" or "absorbed" for the dense attention path (DSA always attends in the absorbed form)."""
+    form: "mha" or "absorbed" for the dense attention path (DSA always attends in the absorbed form).
+    indexer_loss: each layer reports aux["indexer_kl"] [L] (see MLA.__call__)."""
     cfg = self.cfg
     if input_ids.ndim != 2:
       raise ValueError(f"input_ids: shape {input_ids.shape}; expected [batch, seq_len]")
@@ -157,11 +160,11 @@ class GlmMoeDsa(nnx.Module):
     inp = AttentionInputs(cos=cos, sin=sin, segment_ids=segment_ids, mask=mask)
 
     emb_BTD = self.embed_tokens(input_ids)
-    kw = dict(form=form, return_index_scores=return_index_scores)
+    kw = dict(form=form, return_index_scores=return_index_scores, indexer_loss=indexer_loss)
     h, dense_aux = scan_layers(self.dense_layers, emb_BTD, inp, cfg.remat_policy, **kw)
     h, moe_aux = scan_layers(self.moe_layers, h, inp, cfg.remat_policy, **kw)
     aux = {k: v for k, v in moe_aux.items() if k.startswith("expert_")}
-    for key in ("topk_indices", "index_scores"):
+    for key in ("topk_indices", "index_scores", "indexer_kl"):
       parts = [a[key] for a in (dense_aux, moe_aux) if key in a]
       if parts:
         aux[key] = jnp.concatenate(parts, axis=0)

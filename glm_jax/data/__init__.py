@@ -1,0 +1,23 @@
+"""Pretraining data on Grain: sources, tokenizer, packing, per-process sharding, checkpointable iterators.
+
+  tok = load_tokenizer(cfg.data); check_vocab(tok, cfg.model.vocab_size)
+  it = make_train_iterator(cfg.data, tok, process_index=jax.process_index(), process_count=jax.process_count())
+  batch = next(it)   # {"input_ids", "segment_ids", "positions"}: [batch_size // process_count, seq_len] int32
+  eval_batches = make_eval_batches(cfg.data, tok)
+  baseline = unigram_entropy(cfg.data, tok)   # nats/token; the held-out loss must beat it
+
+The iterator is saved in the same Orbax step as the model, with grain's handler:
+  mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                          data=grain.checkpoint.CheckpointSave(it)))
+  mngr.restore(step, args=ocp.args.Composite(state=..., data=grain.checkpoint.CheckpointRestore(it)))
+(one JSON file per process, process_{i}-of-{n}.json; `it` is restored in place).
+"""
+
+from glm_jax.data.config import default_data_config, validate_data_config
+from glm_jax.data.pipeline import make_eval_batches, make_train_iterator, unigram_entropy
+from glm_jax.data.tokenizer import SPECIAL_TOKENS, Tokenizer, check_vocab, load_tokenizer
+
+__all__ = [
+    "SPECIAL_TOKENS", "Tokenizer", "check_vocab", "default_data_config", "load_tokenizer",
+    "make_eval_batches", "make_train_iterator", "unigram_entropy", "validate_data_config",
+]

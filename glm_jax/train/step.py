@@ -1,0 +1,168 @@
+"""The pretraining step: one pure jax.jit over (train state, batch), graphdef closed over.
+
+Stages (train.dsa_stage, GLM5_FACTS section 3):
+  dense:  dense attention; loss = LM + w_mtp MTP + w_bal balance
+  warmup: dense attention; every parameter but the indexer frozen (optimizer mask); loss = indexer KL
+  sparse: top-k attention; loss = LM + w_mtp MTP + w_bal balance + w_idx indexer KL, where the KL reaches
+          only the indexer (its input is detached) and the LM loss cannot reach it (top-k is discrete)
+Gradients are accumulated over `train.microbatches`, clipped to `train.grad_clip_norm`; a step whose loss or
+gradient norm is not finite, or whose loss exceeds `train.spike_factor` x its running mean, is skipped:
+parameters, optimizer state and expert biases stay as they were and `skipped` is 1 in the metrics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from glm_jax.model.moe import ExpertBias
+from glm_jax.model.transformer import GlmMoeDsa
+from glm_jax.train import losses
+
+STAGES = ("dense", "warmup", "sparse")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class TrainState:
+  step: jax.Array  # int32: batches consumed
+  params: Any  # nnx.State of nnx.Param
+  rest: Any  # nnx.State of the other variables (expert biases)
+  opt_state: Any
+  loss_ema: jax.Array  # running mean of the loss, for the spike guard (0 before the first step)
+  skipped: jax.Array  # int32: steps skipped so far
+
+
+def split_model(model: GlmMoeDsa):
+  """(graphdef, params, rest)."""
+  return nnx.split(model, nnx.Param, ...)
+
+
+def init_train_state(model: GlmMoeDsa, optimizer: optax.GradientTransformation):
+  graphdef, params, rest = split_model(model)
+  state = TrainState(step=jnp.zeros((), jnp.int32), params=params, rest=rest,
+                     opt_state=optimizer.init(params), loss_ema=jnp.zeros((), jnp.float32),
+                     skipped=jnp.zeros((), jnp.int32))
+  return graphdef, state
+
+
+def is_indexer_param(path: tuple) -> bool:
+  return "indexer" in [str(p) for p in path]
+
+
+def _forward_losses(graphdef, params, rest, batch, stage: str, train_cfg) -> tuple[jax.Array, dict]:
+  model = nnx.merge(graphdef, params, rest)
+  out = model(batch["input_ids"], positions=batch["positions"], segment_ids=batch["segment_ids"],
+              indexer_loss=stage in ("warmup", "sparse"))
+  m = losses.lm_and_mtp_losses(out.logits, out.mtp_logits, batch["input_ids"], batch["segment_ids"])
+  counts = {k: v for k, v in out.aux.items() if k.endswith("expert_counts")}
+  if "expert_counts" in out.aux:
+    m["balance_loss"] = losses.sequence_balance_loss(out.aux["expert_counts"], out.aux["expert_probs"],
+                                                     model.cfg.num_experts_per_tok)
+  else:
+    m["balance_loss"] = jnp.zeros((), jnp.float32)
+  m["indexer_kl"] = jnp.mean(out.aux["indexer_kl"]) if "indexer_kl" in out.aux else jnp.zeros((), jnp.float32)
+  if stage == "warmup":
+    loss = m["indexer_kl"]
+  else:
+    loss = (m["lm_loss"] + train_cfg.mtp_loss_weight * m["mtp_loss"]
+            + train_cfg.balance_loss_weight * m["balance_loss"])
+    if stage == "sparse":
+      loss = loss + train_cfg.indexer_loss_weight * m["indexer_kl"]
+  m["loss"] = loss
+  return loss, (m, counts)
+
+
+def _update_expert_biases(rest, counts: dict[str, jax.Array], rate: float):
+  """Applies the aux-loss-free rule to every ExpertBias in `rest` from the step's expert counts."""
+  out = []
+  for path, var in nnx.to_flat_state(rest):
+    if isinstance(var, ExpertBias):
+      if path[0] == "moe_layers":
+        new = losses.expert_bias_update(var[...], counts["expert_counts"], rate)  # counts [L, B, E]
+      elif path[0] == "mtp":
+        new = losses.expert_bias_update(var[...][None], counts[f"mtp{path[1]}_expert_counts"][None], rate)[0]
+      else:
+        raise ValueError(f"expert bias at unexpected path {path}")
+      var = var.replace(value=new)
+    out.append((path, var))
+  return nnx.from_flat_state(out)
+
+
+def make_train_step(graphdef, optimizer: optax.GradientTransformation, schedule: Callable, train_cfg
+                    ) -> Callable:
+  """Returns jitted step(state, batch) -> (state, metrics). batch: input_ids, segment_ids, positions
+  [global_batch, seq_len] int32; the batch is split into train_cfg.microbatches equal parts."""
+  stage = train_cfg.dsa_stage
+  if stage not in STAGES:
+    raise ValueError(f"train.dsa_stage={stage!r}; one of {STAGES}")
+  n_micro = train_cfg.microbatches
+  bias_rate = 0.0 if stage == "warmup" else train_cfg.expert_bias_rate
+  grad_fn = jax.value_and_grad(_forward_losses, argnums=1, has_aux=True)
+
+  def step(state: TrainState, batch: dict[str, jax.Array]):
+    b = batch["input_ids"].shape[0]
+    if b % n_micro:
+      raise ValueError(f"train.microbatches={n_micro} does not divide the batch of {b} sequences")
+    micro = jax.tree.map(lambda x: x.reshape((n_micro, b // n_micro) + x.shape[1:]), batch)
+
+    def micro_grads(mb):
+      (_, (m, counts)), g = grad_fn(graphdef, state.params, state.rest, mb, stage, train_cfg)
+      return g, m, counts
+
+    def accumulate(carry, mb):
+      return jax.tree.map(jnp.add, carry, micro_grads(mb)), None
+
+    shapes = jax.eval_shape(micro_grads, jax.tree.map(lambda x: x[0], micro))
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    (grads, m, counts), _ = jax.lax.scan(accumulate, zeros, micro)
+    grads = jax.tree.map(lambda g: g / n_micro, grads)
+    m = {k: (v if k == "tokens" else v / n_micro) for k, v in m.items()}
+
+    grad_norm = optax.global_norm(grads)
+    if train_cfg.grad_clip_norm > 0:
+      scale = jnp.minimum(1.0, train_cfg.grad_clip_norm / (grad_norm + 1e-6))
+      grads = jax.tree.map(lambda g: g * scale, grads)
+    updates, new_opt_state = optimizer.update(grads, state.opt_state, state.params)
+    new_params = optax.apply_updates(state.params, updates)
+    new_rest = _update_expert_biases(state.rest, counts, bias_rate) if bias_rate else state.rest
+
+    loss = m["loss"]
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    spike = ((train_cfg.spike_factor > 0) & (state.step >= train_cfg.spike_min_steps)
+             & (loss > train_cfg.spike_factor * state.loss_ema))
+    skip = ~finite | spike
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(skip, o, n), new, old)
+    ema = jnp.where(state.loss_ema == 0, loss,
+                    train_cfg.spike_ema * state.loss_ema + (1 - train_cfg.spike_ema) * loss)
+    new_state = TrainState(
+        step=state.step + 1,
+        params=keep(new_params, state.params),
+        rest=keep(new_rest, state.rest),
+        opt_state=keep(new_opt_state, state.opt_state),
+        loss_ema=jnp.where(skip, state.loss_ema, ema),
+        skipped=state.skipped + skip.astype(jnp.int32))
+    metrics = dict(m, grad_norm=grad_norm, lr=schedule(state.step), skipped=skip.astype(jnp.int32))
+    if "expert_counts" in counts:
+      metrics["expert_load_entropy"] = losses.expert_load_entropy(counts["expert_counts"])
+    return new_state, metrics
+
+  return jax.jit(step, donate_argnums=(0,))
+
+
+def make_eval_step(graphdef) -> Callable:
+  """Returns jitted eval(params, rest, batch) -> (sum of next-token NLL, number of target tokens)."""
+
+  def evaluate(params, rest, batch):
+    model = nnx.merge(graphdef, params, rest)
+    out = model(batch["input_ids"], positions=batch["positions"], segment_ids=batch["segment_ids"],
+                compute_mtp=False)
+    targets, valid = losses.shifted_targets(batch["input_ids"], batch["segment_ids"], 1)
+    return losses.cross_entropy(out.logits, targets, valid)
+
+  return jax.jit(evaluate)

@@ -1,0 +1,161 @@
+"""The pretraining loop: data -> jit step -> metrics, evals and checkpoints; resumes from its workdir.
+
+`train_and_evaluate(config, workdir)` is everything launch/train.py does. Everything that can be checked
+before work starts is checked first (config values, data path, tokenizer size, the workdir's checkpoints),
+so a bad run stops with a message and touches nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from absl import logging
+from flax import nnx
+
+from glm_jax import data as data_lib
+from glm_jax.model import GlmMoeDsa, ModelConfig, param_counts
+from glm_jax.train import optimizers, step as step_lib
+from glm_jax.train.checkpoint import Checkpointer
+from glm_jax.train.metrics import MetricsWriter
+
+_POSITIVE_INTS = ("steps", "microbatches", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints")
+
+
+def validate_train_config(train: ml_collections.ConfigDict) -> None:
+  for field in _POSITIVE_INTS:
+    value = train[field]
+    if not isinstance(value, int) or value <= 0:
+      raise ValueError(f"train.{field}={value!r} is invalid; must be a positive integer")
+  if train.dsa_stage not in step_lib.STAGES:
+    raise ValueError(f"train.dsa_stage={train.dsa_stage!r} is invalid; one of {step_lib.STAGES}")
+  for field in ("grad_clip_norm", "mtp_loss_weight", "balance_loss_weight", "indexer_loss_weight",
+                "expert_bias_rate", "spike_factor"):
+    if not train[field] >= 0:
+      raise ValueError(f"train.{field}={train[field]!r} is invalid; must be >= 0")
+  if not 0 <= train.spike_ema < 1:
+    raise ValueError(f"train.spike_ema={train.spike_ema!r} is invalid; must be in [0, 1)")
+
+
+def model_config_for_stage(config: ml_collections.ConfigDict) -> ModelConfig:
+  """The model config with attention dense in the dense and warm-up stages and DSA in the sparse stage."""
+  cfg = ModelConfig.from_dict(config.model)
+  stage = config.train.dsa_stage
+  if stage == "sparse":
+    if not cfg.use_dsa:
+      raise ValueError("train.dsa_stage='sparse' needs model.use_dsa=True")
+    if config.data.seq_len <= cfg.index_topk:
+      raise ValueError(f"train.dsa_stage='sparse' with data.seq_len={config.data.seq_len} <= "
+                       f"model.index_topk={cfg.index_topk}: top-k would select every key; lower index_topk")
+    return cfg
+  return cfg.replace(use_dsa=False)
+
+
+def _as_jax(batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+  return {k: jnp.asarray(batch[k]) for k in ("input_ids", "segment_ids", "positions")}
+
+
+def evaluate(eval_step, state: step_lib.TrainState, batches: list[dict[str, np.ndarray]]) -> float:
+  """Held-out next-token loss in nats per token."""
+  total, count = 0.0, 0.0
+  for batch in batches:
+    nll, n = eval_step(state.params, state.rest, _as_jax(batch))
+    total += float(nll)
+    count += float(n)
+  return total / max(count, 1.0)
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+  """Trains for config.train.steps steps (resuming from workdir's latest checkpoint) and returns the
+  summary that launch/train.py prints: eval_loss and unigram_entropy in nats per token, and more."""
+  train = config.train
+  validate_train_config(train)
+  model_cfg = model_config_for_stage(config)
+  tokenizer = data_lib.load_tokenizer(config.data)
+  data_lib.check_vocab(tokenizer, model_cfg.vocab_size)
+  checkpointer = Checkpointer(workdir, save_every=train.checkpoint_every, keep=train.keep_checkpoints,
+                              async_save=train.async_checkpoints)
+  config_dict = config.to_dict()
+  checkpointer.check_compatible(config_dict)
+
+  model = GlmMoeDsa(model_cfg, nnx.Rngs(train.seed))
+  trainable = step_lib.is_indexer_param if train.dsa_stage == "warmup" else None
+  params = nnx.state(model, nnx.Param)
+  optimizer = optimizers.make_optimizer(config.optimizer, params, trainable=trainable)
+  schedule = optimizers.learning_rate_schedule(config.optimizer)
+  graphdef, state = step_lib.init_train_state(model, optimizer)
+  del model, params
+  train_step = step_lib.make_train_step(graphdef, optimizer, schedule, train)
+  eval_step = step_lib.make_eval_step(graphdef)
+
+  data_iter = data_lib.make_train_iterator(config.data, tokenizer, process_index=jax.process_index(),
+                                           process_count=jax.process_count())
+  eval_batches = data_lib.make_eval_batches(config.data, tokenizer)
+  start = checkpointer.latest_step()
+  if start is not None:
+    state = checkpointer.restore(start, state, data_iter)
+    logging.info("resumed from %s at step %d", checkpointer.directory, start)
+  start = start or 0
+  counts = param_counts(model_cfg)
+  logging.info("glm5 %s: %.3e params (%.3e active), stage %s, %d steps", config.get("name", "?"),
+               counts["total"], counts["active"], train.dsa_stage, train.steps)
+
+  writer = MetricsWriter(workdir, tensorboard=train.tensorboard)
+  tokens_per_step = config.data.batch_size * config.data.seq_len
+  last_loss = math.nan
+  eval_loss = None
+  try:
+    from tqdm import tqdm
+    bar = tqdm(total=train.steps, initial=start, disable=None, dynamic_ncols=True, desc="train")
+    t_log, steps_since_log = time.perf_counter(), 0
+    for step in range(start, train.steps):
+      state, metrics = train_step(state, _as_jax(next(data_iter)))
+      steps_since_log += 1
+      done = step + 1
+      if done % train.log_every == 0 or done == train.steps:
+        metrics = jax.device_get(metrics)
+        elapsed = time.perf_counter() - t_log
+        metrics["tokens_per_s"] = steps_since_log * tokens_per_step / max(elapsed, 1e-9)
+        row = writer.write(done, metrics)
+        last_loss = row["loss"]
+        if row["skipped"]:
+          logging.warning("step %d skipped: loss %.4g, grad norm %.4g", done, row["loss"], row["grad_norm"])
+        bar.set_postfix(loss=f"{row['loss']:.3f}", refresh=False)
+        t_log, steps_since_log = time.perf_counter(), 0
+      if done % train.eval_every == 0 or done == train.steps:
+        eval_loss = evaluate(eval_step, state, eval_batches)
+        writer.write(done, {"eval_loss": eval_loss})
+      checkpointer.save(done, state, data_iter, config_dict, force=done == train.steps)
+      _test_hook_kill_during_save(done)
+      bar.update(1)
+    bar.close()
+    checkpointer.wait()
+  finally:
+    checkpointer.close()
+    writer.close()
+
+  if eval_loss is None:  # nothing left to train: report the restored model
+    eval_loss = evaluate(eval_step, state, eval_batches)
+  return {"step": int(state.step), "eval_loss": eval_loss,
+          "unigram_entropy": data_lib.unigram_entropy(config.data, tokenizer),
+          "train_loss": last_loss, "skipped_steps": int(state.skipped), "params": counts["total"],
+          "active_params": counts["active"], "workdir": os.path.abspath(workdir)}
+
+
+def _test_hook_kill_during_save(step: int) -> None:
+  """For the crash test only: GLM_JAX_TEST_KILL_DURING_SAVE=<step> SIGKILLs this process right after the
+  asynchronous save of <step> started, while Orbax is still writing it."""
+  target = os.environ.get("GLM_JAX_TEST_KILL_DURING_SAVE")
+  if target and int(target) == step:
+    os.kill(os.getpid(), 9)
+
+
+def summary_line(summary: dict[str, Any]) -> str:
+  return json.dumps(summary)
