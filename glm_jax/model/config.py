@@ -173,6 +173,14 @@ def _check_hf_supported(hf: Mapping[str, Any], kwargs: dict[str, Any]) -> None:
         "MoE layers is implemented"
     )
   indexer_types = hf.get("indexer_types")
+  if indexer_types is None:  # transformers derives it from these two when absent
+    pattern = hf.get("index_topk_pattern")
+    if pattern is not None and any(t not in ("F", "full") for t in pattern):
+      raise ValueError(f"config.json: index_topk_pattern={pattern!r}; only all-'F' (every layer runs its own "
+                       "indexer) is implemented, not GLM-5.2's shared top-k")
+    if pattern is None and hf.get("index_topk_freq", 1) > 1:
+      raise ValueError(f"config.json: index_topk_freq={hf['index_topk_freq']!r}; only 1 (every layer runs its "
+                       "own indexer) is implemented, not GLM-5.2's shared top-k")
   if indexer_types is not None and any(t != "full" for t in indexer_types):
     raise ValueError(
         f"config.json: indexer_types={indexer_types}; only 'full' (every layer runs its own indexer) is "

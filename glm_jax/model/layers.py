@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from glm_jax.model.config import ModelConfig
@@ -118,6 +119,7 @@ class Embed(nnx.Module):
 
   def __call__(self, ids_BT: jax.Array) -> jax.Array:
     table = self.embedding[...].astype(self.dtype)
+    ids_BT = jnp.where(ids_BT < 0, table.shape[0], ids_BT)  # take() would wrap negative ids numpy-style
     return jnp.take(table, ids_BT, axis=0, mode="fill", fill_value=jnp.nan)
 
 
@@ -125,11 +127,12 @@ def check_token_ids(ids: jax.Array, vocab_size: int, name: str = "input_ids") ->
   """Raises ValueError naming the bad id when `ids` is concrete; a no-op while tracing."""
   if isinstance(ids, jax.core.Tracer):
     return
-  if not jnp.issubdtype(ids.dtype, jnp.integer):
+  ids = np.asarray(ids)  # numpy, so this also works on concrete ids closed over by a jit trace
+  if not np.issubdtype(ids.dtype, np.integer):
     raise ValueError(f"{name}: dtype {ids.dtype} is not an integer type")
   if ids.size == 0:
     return
-  lo, hi = int(jnp.min(ids)), int(jnp.max(ids))
+  lo, hi = int(ids.min()), int(ids.max())
   if lo < 0 or hi >= vocab_size:
     bad = lo if lo < 0 else hi
     raise ValueError(f"{name}: token id {bad} is outside the vocabulary [0, {vocab_size})")
