@@ -9,6 +9,7 @@ DSA stage) is refused before anything is restored or overwritten.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -28,6 +29,7 @@ COMPARED_TRAIN_FIELDS = ("dsa_stage",)
 
 def config_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
   """Human-readable differences that make a checkpoint unusable under `current`."""
+  current = json.loads(json.dumps(current))  # as the checkpoint stored it: tuples become lists
   diffs = []
   for section in COMPARED_SECTIONS:
     a, b = saved.get(section, {}), current.get(section, {})
@@ -72,13 +74,13 @@ class Checkpointer:
                               config=ocp.args.JsonSave(dict(config)))
     return self.manager.save(step, args=args, force=force)
 
-  def restore(self, step: int, abstract_state: Any, data_iter: grain.DatasetIterator) -> Any:
-    """The saved TrainState (onto `abstract_state`'s structure and shardings); `data_iter` is advanced in
-    place to where the saved run stood."""
-    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_state)
-    out = self.manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract), data=grain.checkpoint.CheckpointRestore(data_iter)))
-    return out["state"]
+  def restore(self, step: int, abstract_state: Any, data_iter: grain.DatasetIterator | None = None) -> Any:
+    """The saved TrainState (onto `abstract_state`'s structure and shardings); `data_iter`, when given, is
+    advanced in place to where the saved run stood."""
+    items = {"state": ocp.args.StandardRestore(jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_state))}
+    if data_iter is not None:
+      items["data"] = grain.checkpoint.CheckpointRestore(data_iter)
+    return self.manager.restore(step, args=ocp.args.Composite(**items))["state"]
 
   def wait(self) -> None:
     self.manager.wait_until_finished()

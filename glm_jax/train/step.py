@@ -124,7 +124,7 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, schedule:
     grads = jax.tree.map(lambda g: g / n_micro, grads)
     m = {k: (v if k == "tokens" else v / n_micro) for k, v in m.items()}
 
-    grad_norm = optax.global_norm(grads)
+    grad_norm = optax.tree.norm(grads)
     if train_cfg.grad_clip_norm > 0:
       scale = jnp.minimum(1.0, train_cfg.grad_clip_norm / (grad_norm + 1e-6))
       grads = jax.tree.map(lambda g: g * scale, grads)

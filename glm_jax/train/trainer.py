@@ -58,6 +58,16 @@ def model_config_for_stage(config: ml_collections.ConfigDict) -> ModelConfig:
   return cfg.replace(use_dsa=False)
 
 
+def create_train_state(config: ml_collections.ConfigDict, model_cfg: ModelConfig):
+  """(graphdef, initial TrainState, optimizer, lr schedule) for a config; the warm-up stage's optimizer
+  freezes everything but the indexer."""
+  model = GlmMoeDsa(model_cfg, nnx.Rngs(config.train.seed))
+  trainable = step_lib.is_indexer_param if config.train.dsa_stage == "warmup" else None
+  optimizer = optimizers.make_optimizer(config.optimizer, nnx.state(model, nnx.Param), trainable=trainable)
+  graphdef, state = step_lib.init_train_state(model, optimizer)
+  return graphdef, state, optimizer, optimizers.learning_rate_schedule(config.optimizer)
+
+
 def _as_jax(batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
   return {k: jnp.asarray(batch[k]) for k in ("input_ids", "segment_ids", "positions")}
 
@@ -85,13 +95,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   config_dict = config.to_dict()
   checkpointer.check_compatible(config_dict)
 
-  model = GlmMoeDsa(model_cfg, nnx.Rngs(train.seed))
-  trainable = step_lib.is_indexer_param if train.dsa_stage == "warmup" else None
-  params = nnx.state(model, nnx.Param)
-  optimizer = optimizers.make_optimizer(config.optimizer, params, trainable=trainable)
-  schedule = optimizers.learning_rate_schedule(config.optimizer)
-  graphdef, state = step_lib.init_train_state(model, optimizer)
-  del model, params
+  graphdef, state, optimizer, schedule = create_train_state(config, model_cfg)
   train_step = step_lib.make_train_step(graphdef, optimizer, schedule, train)
   eval_step = step_lib.make_eval_step(graphdef)
 
