@@ -85,6 +85,10 @@ def evaluate(eval_step, state: step_lib.TrainState, batches: list[dict[str, np.n
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   """Trains for config.train.steps steps (resuming from workdir's latest checkpoint) and returns the
   summary that launch/train.py prints: eval_loss and unigram_entropy in nats per token, and more."""
+  missing = [s for s in ("model", "data", "train", "optimizer") if s not in config]
+  if missing:
+    raise ValueError(f"config {config.get('name', '?')!r} has no {missing} section(s); training needs model, data, "
+                     "train and optimizer (see configs/glm5_tiny.py)")
   train = config.train
   validate_train_config(train)
   model_cfg = model_config_for_stage(config)

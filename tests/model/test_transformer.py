@@ -14,6 +14,7 @@ from glm_jax.model.config import ModelConfig
 from glm_jax.model.layers import rope_angles
 from glm_jax.model.mla import AttentionInputs
 from glm_jax.model.transformer import GlmMoeDsa
+from random_init import init_module
 
 B, T = 2, 8
 CFG = ModelConfig(vocab_size=40, hidden_size=16, intermediate_size=24, moe_intermediate_size=8, num_hidden_layers=3,
@@ -21,20 +22,6 @@ CFG = ModelConfig(vocab_size=40, hidden_size=16, intermediate_size=24, moe_inter
                   q_lora_rank=12, kv_lora_rank=10, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5,
                   n_routed_experts=4, num_experts_per_tok=2, index_topk=3, index_n_heads=2, index_head_dim=8,
                   rope_theta=100.0)  # index_topk < T: DSA really selects in every layer
-
-
-def init_module(ctor, seed, scale=0.3):
-  """Builds a module abstractly and fills it from numpy (no per-shape XLA compiles): weights N(0, scale^2),
-  norm scales and biases 1 + N(0, 0.2^2), so that every parameter matters to the outputs."""
-  graphdef, state = nnx.split(nnx.eval_shape(ctor))
-  rng = np.random.default_rng(seed)
-
-  def fill(path, a):
-    is_norm = any("norm" in str(getattr(p, "key", "")) for p in path)
-    z = rng.standard_normal(a.shape)
-    return jnp.asarray(1 + 0.2 * z if is_norm else scale * z, a.dtype)
-
-  return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(fill, state))
 
 
 def make_model(cfg, seed=0):
