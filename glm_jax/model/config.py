@@ -65,6 +65,8 @@ class ModelConfig:
   dtype: str = "float32"  # activations and matmul inputs; softmax, router and norms run in fp32
   param_dtype: str = "float32"
   remat_policy: str = "none"  # per scanned layer: none | full | dots | dots_with_no_batch_dims
+  scan_unroll: bool = False  # unroll the layer scans: compile time grows with depth, XLA's cost analysis
+  #                            then counts every layer (it counts a loop body once)
 
   def __post_init__(self):
     _validate(self)
@@ -142,7 +144,7 @@ class ModelConfig:
     """The HF GlmMoeDsaConfig dict for this config (what `hf.save` writes as config.json)."""
     ours = {
         "rope_interleave", "indexer_rope_interleave", "mla_norm_eps", "index_norm_eps", "use_dsa",
-        "attention_impl", "dtype", "param_dtype", "remat_policy", "rope_theta",
+        "attention_impl", "dtype", "param_dtype", "remat_policy", "scan_unroll", "rope_theta",
     }
     d = {k: v for k, v in self.to_dict().items() if k not in ours}
     d.update(

@@ -78,7 +78,7 @@ def stacked_layers(cfg: ModelConfig, moe: bool, n: int, rngs: nnx.Rngs) -> Decod
 
 
 def scan_layers(stack: DecoderLayer | None, x_BTD: jax.Array, inp: AttentionInputs, remat_policy: str,
-                **kwargs) -> tuple[jax.Array, dict[str, jax.Array]]:
+                unroll: bool = False, **kwargs) -> tuple[jax.Array, dict[str, jax.Array]]:
   """Applies a stack layer by layer with jax.lax.scan; per-layer aux comes back stacked [L, ...]."""
   if stack is None:
     return x_BTD, {}
@@ -89,7 +89,7 @@ def scan_layers(stack: DecoderLayer | None, x_BTD: jax.Array, inp: AttentionInpu
 
   if remat_policy != "none":
     body = jax.checkpoint(body, policy=REMAT_POLICIES[remat_policy], prevent_cse=False)
-  return jax.lax.scan(body, x_BTD, state)
+  return jax.lax.scan(body, x_BTD, state, unroll=unroll)
 
 
 class MTPLayer(nnx.Module):
@@ -161,8 +161,8 @@ class GlmMoeDsa(nnx.Module):
 
     emb_BTD = self.embed_tokens(input_ids)
     kw = dict(form=form, return_index_scores=return_index_scores, indexer_loss=indexer_loss)
-    h, dense_aux = scan_layers(self.dense_layers, emb_BTD, inp, cfg.remat_policy, **kw)
-    h, moe_aux = scan_layers(self.moe_layers, h, inp, cfg.remat_policy, **kw)
+    h, dense_aux = scan_layers(self.dense_layers, emb_BTD, inp, cfg.remat_policy, cfg.scan_unroll, **kw)
+    h, moe_aux = scan_layers(self.moe_layers, h, inp, cfg.remat_policy, cfg.scan_unroll, **kw)
     aux = {k: v for k, v in moe_aux.items() if k.startswith("expert_")}
     for key in ("topk_indices", "index_scores", "indexer_kl"):
       parts = [a[key] for a in (dense_aux, moe_aux) if key in a]
