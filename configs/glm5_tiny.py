@@ -67,6 +67,7 @@ def get_config() -> ml_collections.ConfigDict:
   t.steps = 600
   t.seed = 0
   t.dsa_stage = "dense"  # "dense" | "warmup" (indexer only, KL to dense attention) | "sparse" (top-k)
+  t.init_from = ""  # a workdir whose latest checkpoint's weights start this run (e.g. dense -> warmup)
   t.microbatches = 1  # gradient accumulation: the batch is split into this many parts
   t.grad_clip_norm = 1.0  # 0 = off
   t.mtp_loss_weight = 0.3  # GLM-4.5's weight early in training

@@ -16,7 +16,9 @@ from typing import Any
 
 import grain
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
+from flax import nnx
 
 # Config fields that may change between a run and its resumption (they do not change the saved state).
 RUNTIME_FIELDS = {
@@ -27,18 +29,20 @@ COMPARED_SECTIONS = ("model", "optimizer")
 COMPARED_TRAIN_FIELDS = ("dsa_stage",)
 
 
-def config_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
+def config_differences(saved: Mapping[str, Any], current: Mapping[str, Any], *,
+                       sections: tuple[str, ...] = COMPARED_SECTIONS,
+                       train_fields: tuple[str, ...] = COMPARED_TRAIN_FIELDS) -> list[str]:
   """Human-readable differences that make a checkpoint unusable under `current`."""
   current = json.loads(json.dumps(current))  # as the checkpoint stored it: tuples become lists
   diffs = []
-  for section in COMPARED_SECTIONS:
+  for section in sections:
     a, b = saved.get(section, {}), current.get(section, {})
     for key in sorted(set(a) | set(b)):
       if key in RUNTIME_FIELDS.get(section, ()):
         continue
       if a.get(key) != b.get(key):
         diffs.append(f"{section}.{key}: checkpoint {a.get(key)!r}, config {b.get(key)!r}")
-  for key in COMPARED_TRAIN_FIELDS:
+  for key in train_fields:
     a, b = saved.get("train", {}).get(key), current.get("train", {}).get(key)
     if a != b:
       diffs.append(f"train.{key}: checkpoint {a!r}, config {b!r}")
@@ -47,22 +51,27 @@ def config_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> 
 
 class Checkpointer:
 
-  def __init__(self, workdir: str, *, save_every: int, keep: int, async_save: bool = True):
+  def __init__(self, workdir: str, *, save_every: int = 1, keep: int = 1, async_save: bool = True,
+               read_only: bool = False):
     self.directory = os.path.join(os.path.abspath(workdir), "checkpoints")
+    if read_only and not os.path.isdir(self.directory):
+      raise FileNotFoundError(f"{workdir}: no checkpoints directory ({self.directory} does not exist)")
     options = ocp.CheckpointManagerOptions(save_interval_steps=save_every, max_to_keep=keep,
-                                           enable_async_checkpointing=async_save, create=True)
+                                           enable_async_checkpointing=async_save, create=not read_only,
+                                           read_only=read_only)
     self.manager = ocp.CheckpointManager(self.directory, options=options)
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
 
-  def check_compatible(self, config: Mapping[str, Any]) -> None:
-    """Raises ValueError naming every field where the latest checkpoint's config differs from `config`."""
+  def check_compatible(self, config: Mapping[str, Any], **compare) -> None:
+    """Raises ValueError naming every field where the latest checkpoint's config differs from `config`
+    (`compare`: config_differences' sections / train_fields)."""
     step = self.latest_step()
     if step is None:
       return
     saved = self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
-    diffs = config_differences(saved, config)
+    diffs = config_differences(saved, config, **compare)
     if diffs:
       raise ValueError(f"{self.directory} holds checkpoints (latest step {step}) of an incompatible config: "
                        + "; ".join(diffs) + ". Use another --workdir, or the checkpoint's config.")
@@ -81,6 +90,27 @@ class Checkpointer:
     if data_iter is not None:
       items["data"] = grain.checkpoint.CheckpointRestore(data_iter)
     return self.manager.restore(step, args=ocp.args.Composite(**items))["state"]
+
+  def restore_weights(self, step: int, params: Any, rest: Any) -> tuple[Any, Any]:
+    """(params, rest) with every array taken from the checkpoint at `step`, whatever optimizer state or
+    stage it was saved with; a missing or differently shaped array is an error that names it."""
+    saved = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))["state"]
+
+    def fill(state, tree, name):
+      out = []
+      for path, var in nnx.to_flat_state(state):
+        node = tree
+        for key in [str(p) for p in path] + ["value"]:
+          if not isinstance(node, Mapping) or key not in node:
+            raise ValueError(f"{self.directory}/{step}: no {name} array at {'/'.join(map(str, path))}")
+          node = node[key]
+        if tuple(node.shape) != tuple(var.shape):
+          raise ValueError(f"{self.directory}/{step}: {name} {'/'.join(map(str, path))} has shape "
+                           f"{list(node.shape)}, the model expects {list(var.shape)}")
+        out.append((path, var.replace(value=jnp.asarray(node, var.dtype))))
+      return nnx.from_flat_state(out)
+
+    return fill(params, saved["params"], "parameter"), fill(rest, saved["rest"], "variable")
 
   def wait(self) -> None:
     self.manager.wait_until_finished()

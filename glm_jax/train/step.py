@@ -135,7 +135,7 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, schedule:
     loss = m["loss"]
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     spike = ((train_cfg.spike_factor > 0) & (state.step >= train_cfg.spike_min_steps)
-             & (loss > train_cfg.spike_factor * state.loss_ema))
+             & (state.loss_ema > 0) & (loss > train_cfg.spike_factor * state.loss_ema))
     skip = ~finite | spike
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(skip, o, n), new, old)
     ema = jnp.where(state.loss_ema == 0, loss,

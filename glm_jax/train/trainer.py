@@ -36,6 +36,8 @@ def validate_train_config(train: ml_collections.ConfigDict) -> None:
       raise ValueError(f"train.{field}={value!r} is invalid; must be a positive integer")
   if train.dsa_stage not in step_lib.STAGES:
     raise ValueError(f"train.dsa_stage={train.dsa_stage!r} is invalid; one of {step_lib.STAGES}")
+  if not isinstance(train.init_from, str):
+    raise ValueError(f"train.init_from={train.init_from!r} is invalid; a workdir path or ''")
   for field in ("grad_clip_norm", "mtp_loss_weight", "balance_loss_weight", "indexer_loss_weight",
                 "expert_bias_rate", "spike_factor"):
     if not train[field] >= 0:
@@ -98,6 +100,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                               async_save=train.async_checkpoints)
   config_dict = config.to_dict()
   checkpointer.check_compatible(config_dict)
+  resume_step = checkpointer.latest_step()
+  init_source = None
+  if resume_step is None and train.init_from:
+    init_source = Checkpointer(train.init_from, read_only=True)
+    if init_source.latest_step() is None:
+      raise ValueError(f"train.init_from={train.init_from!r}: no complete checkpoint in {init_source.directory}")
+    init_source.check_compatible(config_dict, sections=("model",), train_fields=())
 
   graphdef, state, optimizer, schedule = create_train_state(config, model_cfg)
   train_step = step_lib.make_train_step(graphdef, optimizer, schedule, train)
@@ -106,10 +115,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   data_iter = data_lib.make_train_iterator(config.data, tokenizer, process_index=jax.process_index(),
                                            process_count=jax.process_count())
   eval_batches = data_lib.make_eval_batches(config.data, tokenizer)
-  start = checkpointer.latest_step()
+  start = resume_step
   if start is not None:
     state = checkpointer.restore(start, state, data_iter)
     logging.info("resumed from %s at step %d", checkpointer.directory, start)
+  elif init_source is not None:
+    source_step = init_source.latest_step()
+    state.params, state.rest = init_source.restore_weights(source_step, state.params, state.rest)
+    init_source.close()
+    logging.info("initialized from %s step %d", init_source.directory, source_step)
   start = start or 0
   counts = param_counts(model_cfg)
   logging.info("glm5 %s: %.3e params (%.3e active), stage %s, %d steps", config.get("name", "?"),

@@ -158,3 +158,30 @@ def test_bad_input_stops_before_work(tmp_path, cache_dir, changes, message):
   with pytest.raises((ValueError, FileNotFoundError), match=message):
     train_and_evaluate(make_config(cache_dir, **changes), str(tmp_path))
   assert not os.path.exists(tmp_path / "checkpoints") or not os.listdir(tmp_path / "checkpoints")
+
+
+def test_init_from_starts_the_warmup_stage_from_a_dense_run(straight_run, cache_dir, tmp_path):
+  """Dense -> warm-up, as GLM-5 trains DSA: the warm-up run starts from the dense run's weights and changes
+  only the indexer, so its held-out loss (dense attention) is exactly the dense run's."""
+  workdir, summary = straight_run
+  config = make_config(cache_dir, **{"train.dsa_stage": "warmup", "train.steps": 3, "train.init_from": workdir})
+  warm = train_and_evaluate(config, str(tmp_path))
+  assert warm["eval_loss"] == summary["eval_loss"]
+  model_cfg = model_config_for_stage(config)
+  _, state, _, _ = create_train_state(config, model_cfg)
+  source = Checkpointer(workdir, read_only=True).restore_weights(9, state.params, state.rest)[0]
+  trained = Checkpointer(str(tmp_path), read_only=True).restore_weights(3, state.params, state.rest)[0]
+  from flax import nnx
+  changed = {p: not np.array_equal(a[...], b[...])
+             for (p, a), (_, b) in zip(nnx.to_flat_state(source), nnx.to_flat_state(trained))}
+  assert not any(c for p, c in changed.items() if "indexer" not in p)
+  assert any(c for p, c in changed.items() if "indexer" in p)
+
+
+def test_init_from_an_incompatible_run_is_refused(straight_run, cache_dir, tmp_path):
+  workdir, _ = straight_run
+  config = make_config(cache_dir, **{"train.init_from": workdir, "model.hidden_size": 96})
+  with pytest.raises(ValueError, match=r"model\.hidden_size: checkpoint 64, config 96"):
+    train_and_evaluate(config, str(tmp_path))
+  with pytest.raises(FileNotFoundError, match="no checkpoints directory"):
+    train_and_evaluate(make_config(cache_dir, **{"train.init_from": str(tmp_path / "nothing")}), str(tmp_path))
