@@ -36,8 +36,8 @@ class ModelOutput:
   """logits [B, T, V] fp32 (position t predicts token t+1); mtp_logits [n_mtp, B, T, V] (depth k at t
   predicts token t+1+k; the last k positions have no target) or None; aux: per-layer statistics stacked on a
   leading layer axis: "expert_counts", "expert_probs" [L_moe, B, E] (MoE layers), "topk_indices"
-  [L, B, T, K] when DSA is active, "index_scores" [L, B, T, T] and "indexer_kl" [L] when asked for;
-  "mtp{k}_expert_*" [B, E] for MoE MTP layers."""
+  [L, B, T, K] when DSA is active, "index_scores" [L, B, T, T] when asked for, "indexer_kl" [L + n_mtp]
+  (the MTP layers last) when asked for; "mtp{k}_expert_*" [B, E] for MoE MTP layers."""
   logits: jax.Array
   mtp_logits: jax.Array | None
   aux: dict[str, jax.Array]
@@ -105,12 +105,12 @@ class MTPLayer(nnx.Module):
     self.layer = DecoderLayer(cfg, layer_index >= cfg.first_k_dense_replace, rngs)
     self.shared_head_norm = RMSNorm(d, cfg.rms_norm_eps, cfg, rngs)
 
-  def __call__(self, h_BTD: jax.Array, emb_next_BTD: jax.Array, inp: AttentionInputs, *, form: str = "mha"
-               ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+  def __call__(self, h_BTD: jax.Array, emb_next_BTD: jax.Array, inp: AttentionInputs, *, form: str = "mha",
+               indexer_loss: bool = False) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
     """Returns (the new hidden state h^k, its normed output for the head, aux)."""
     x = jnp.concatenate([self.enorm(emb_next_BTD), self.hnorm(h_BTD)], axis=-1)
     x = dense(x, self.eh_proj, self.dtype)
-    h, aux = self.layer(x, inp, form=form)
+    h, aux = self.layer(x, inp, form=form, indexer_loss=indexer_loss)
     return h, self.shared_head_norm(h), aux
 
 
@@ -177,8 +177,10 @@ class GlmMoeDsa(nnx.Module):
         # Depth k+1 at position i reads the embedding of token i+k+1; positions past the end get a zero
         # embedding (their targets do not exist, the loss masks them).
         emb_next = jnp.concatenate([emb_BTD[:, k + 1:], jnp.zeros_like(emb_BTD[:, :k + 1])], axis=1)
-        h, normed, mtp_aux = layer(h, emb_next, inp, form=form)
+        h, normed, mtp_aux = layer(h, emb_next, inp, form=form, indexer_loss=indexer_loss)
         outs.append(self.head(normed))
         aux.update({f"mtp{k}_{name}": v for name, v in mtp_aux.items() if name.startswith("expert_")})
+        if indexer_loss:  # the MTP layer's own indexer learns the same KL
+          aux["indexer_kl"] = jnp.concatenate([aux["indexer_kl"], mtp_aux["indexer_kl"][None]])
       mtp_logits = jnp.stack(outs)
     return ModelOutput(logits=logits, mtp_logits=mtp_logits, aux=aux)
