@@ -74,14 +74,14 @@ def _as_jax(batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
   return {k: jnp.asarray(batch[k]) for k in ("input_ids", "segment_ids", "positions")}
 
 
-def evaluate(eval_step, state: step_lib.TrainState, batches: list[dict[str, np.ndarray]]) -> float:
-  """Held-out next-token loss in nats per token."""
+def evaluate(eval_step, state: step_lib.TrainState, batches: list[dict[str, np.ndarray]]) -> float | None:
+  """Held-out next-token loss in nats per token; None when there is no held-out data (eval_fraction 0)."""
   total, count = 0.0, 0.0
   for batch in batches:
     nll, n = eval_step(state.params, state.rest, _as_jax(batch))
     total += float(nll)
     count += float(n)
-  return total / max(count, 1.0)
+  return total / count if count else None
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
@@ -151,7 +151,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
           logging.warning("step %d skipped: loss %.4g, grad norm %.4g", done, row["loss"], row["grad_norm"])
         bar.set_postfix(loss=f"{row['loss']:.3f}", refresh=False)
         t_log, steps_since_log = time.perf_counter(), 0
-      if done % train.eval_every == 0 or done == train.steps:
+      if (done % train.eval_every == 0 or done == train.steps) and eval_batches:
         eval_loss = evaluate(eval_step, state, eval_batches)
         writer.write(done, {"eval_loss": eval_loss})
       checkpointer.save(done, state, data_iter, config_dict, force=done == train.steps)
@@ -163,7 +163,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     checkpointer.close()
     writer.close()
 
-  if eval_loss is None:  # nothing left to train: report the restored model
+  if eval_loss is None:  # nothing left to train (or no held-out data): report the model as it stands
     eval_loss = evaluate(eval_step, state, eval_batches)
   return {"step": int(state.step), "eval_loss": eval_loss,
           "unigram_entropy": data_lib.unigram_entropy(config.data, tokenizer),
