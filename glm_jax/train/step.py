@@ -94,10 +94,11 @@ def _update_expert_biases(rest, counts: dict[str, jax.Array], rate: float):
   return nnx.from_flat_state(out)
 
 
-def make_train_step(graphdef, optimizer: optax.GradientTransformation, schedule: Callable, train_cfg
-                    ) -> Callable:
+def make_train_step(graphdef, optimizer: optax.GradientTransformation, schedule: Callable, train_cfg, *,
+                    state_shardings: Any = None, batch_sharding: Any = None) -> Callable:
   """Returns jitted step(state, batch) -> (state, metrics). batch: input_ids, segment_ids, positions
-  [global_batch, seq_len] int32; the batch is split into train_cfg.microbatches equal parts."""
+  [global_batch, seq_len] int32; the batch is split into train_cfg.microbatches equal parts. With shardings
+  (glm_jax.sharding), the state keeps its layout across steps and the batch is split over the mesh."""
   stage = train_cfg.dsa_stage
   if stage not in STAGES:
     raise ValueError(f"train.dsa_stage={stage!r}; one of {STAGES}")
@@ -152,7 +153,10 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, schedule:
       metrics["expert_load_entropy"] = losses.expert_load_entropy(counts["expert_counts"])
     return new_state, metrics
 
-  return jax.jit(step, donate_argnums=(0,))
+  if state_shardings is None:
+    return jax.jit(step, donate_argnums=(0,))
+  return jax.jit(step, donate_argnums=(0,), in_shardings=(state_shardings, batch_sharding),
+                 out_shardings=(state_shardings, None))
 
 
 def make_eval_step(graphdef) -> Callable:

@@ -1,0 +1,1 @@
+"""Meshes, logical axis rules, sharded state, and compile-only TPU topologies."""

@@ -1,0 +1,59 @@
+"""Shardings for the whole train state from the parameters' logical axes, and sharded creation.
+
+A parameter's spec comes from its `out_sharding` metadata through LOGICAL_AXIS_RULES. Optimizer-state
+leaves (Adam moments, Muon momentum) are matched to the parameter whose path ends their own and take its
+spec when the shapes agree (dimension by dimension where Muon split a leaf); everything else (step
+counters, scalars) is replicated. `create_sharded` runs a state constructor under jit with these
+out_shardings, so no host ever holds the whole model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from glm_jax.sharding.mesh import checked_spec, logical_to_spec
+from glm_jax.train.optimizers import path_names
+
+
+def param_specs(params: nnx.State, mesh: Mesh) -> dict[tuple, P]:
+  """{parameter path names: PartitionSpec} for an nnx.State (abstract or not), divisibility checked."""
+  specs = {}
+  for path, var in nnx.to_flat_state(params):
+    axes = var.get_metadata().get("out_sharding")
+    if axes is None:
+      raise ValueError(f"parameter {'/'.join(map(str, path))} has no logical axes (out_sharding metadata)")
+    names = tuple(path)
+    specs[names] = checked_spec(logical_to_spec(axes), var.shape, mesh, "parameter " + "/".join(map(str, path)))
+  return specs
+
+
+def _spec_for_leaf(names: tuple, shape: tuple, specs: dict[tuple, P], mesh: Mesh) -> P:
+  for start in range(len(names)):
+    spec = specs.get(names[start:])
+    if spec is not None and len(spec) == len(shape):
+      return P(*(a if a is None or d % mesh.shape[a] == 0 else None for a, d in zip(spec, shape)))
+  return P()
+
+
+def tree_shardings(tree: Any, specs: dict[tuple, P], mesh: Mesh) -> Any:
+  """NamedShardings shaped like `tree` (any pytree of arrays / ShapeDtypeStructs)."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, x: NamedSharding(mesh, _spec_for_leaf(path_names(path), tuple(x.shape), specs, mesh)), tree)
+
+
+def create_sharded(make_state: Callable[[], Any], params_of: Callable[[Any], nnx.State], mesh: Mesh
+                   ) -> tuple[Any, Any]:
+  """(state, shardings): `make_state()` traced abstractly to find the shardings, then run under jit with
+  them as out_shardings. `params_of(state)` picks the nnx.State of parameters (and other variables) whose
+  logical axes define the specs."""
+  abstract = jax.eval_shape(make_state)
+  specs = param_specs(params_of(abstract), mesh)
+  shardings = tree_shardings(abstract, specs, mesh)
+  with jax.set_mesh(mesh):
+    state = jax.jit(make_state, out_shardings=shardings)()
+  return state, shardings
