@@ -7,6 +7,8 @@
 Group-limited routing (n_group > 1): a group's score is the sum of its top-2 biased scores; only experts
 in the topk_group best groups can be picked. Dispatch sorts the (token, slot) pairs by expert and runs
 `jax.lax.ragged_dot` over the per-expert groups: no capacity, no dropped tokens, no one-hot over experts.
+Under a mesh whose "expert" axis is larger than 1, experts are split over it and tokens travel by
+all-to-all (moe_parallel.expert_parallel_ffn), computing the same thing.
 """
 
 from __future__ import annotations
@@ -84,8 +86,13 @@ class MoE(nnx.Module):
     x_ND = x_BTD.reshape(b * t, d)
     logits_NE = jnp.einsum("nd,de->ne", x_ND.astype(jnp.float32), self.router[...].astype(jnp.float32))
     w_NK, idx_NK, s_NE = route(logits_NE, self.e_score_correction_bias[...], cfg)
-    y_ND = grouped_ffn(x_ND, w_NK, idx_NK, self.gate_proj[...], self.up_proj[...], self.down_proj[...],
-                       self.dtype)
+    experts = (x_ND, w_NK, idx_NK, self.gate_proj[...], self.up_proj[...], self.down_proj[...], self.dtype)
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and mesh.shape.get("expert", 1) > 1:  # expert parallelism: shard_map + all-to-all
+      from glm_jax.model.moe_parallel import expert_parallel_ffn  # it builds on grouped_ffn, defined here
+      y_ND = expert_parallel_ffn(*experts, mesh=mesh)
+    else:
+      y_ND = grouped_ffn(*experts)
     y_BTD = y_ND.reshape(b, t, d)
     if self.shared_experts is not None:
       y_BTD = y_BTD + self.shared_experts(x_BTD)

@@ -7,6 +7,7 @@ so a bad run stops with a message and touches nothing.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -22,6 +23,8 @@ from flax import nnx
 
 from glm_jax import data as data_lib
 from glm_jax.model import GlmMoeDsa, ModelConfig, param_counts
+from glm_jax.sharding.mesh import batch_sharding, make_mesh
+from glm_jax.sharding.state import create_sharded
 from glm_jax.train import optimizers, step as step_lib
 from glm_jax.train.checkpoint import Checkpointer
 from glm_jax.train.metrics import MetricsWriter
@@ -70,15 +73,34 @@ def create_train_state(config: ml_collections.ConfigDict, model_cfg: ModelConfig
   return graphdef, state, optimizer, optimizers.learning_rate_schedule(config.optimizer)
 
 
-def _as_jax(batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-  return {k: jnp.asarray(batch[k]) for k in ("input_ids", "segment_ids", "positions")}
+def create_sharded_train_state(config: ml_collections.ConfigDict, model_cfg: ModelConfig, mesh):
+  """create_train_state's (graphdef, state, optimizer, schedule) with the state created directly in its
+  sharded layout on `mesh` (no host holds it whole), and the state's shardings."""
+  built = {}
+
+  def make_state():
+    graphdef, state, optimizer, schedule = create_train_state(config, model_cfg)
+    built.update(graphdef=graphdef, optimizer=optimizer, schedule=schedule)
+    return state
+
+  state, shardings = create_sharded(make_state, lambda s: s.params, mesh)
+  return built["graphdef"], state, built["optimizer"], built["schedule"], shardings
 
 
-def evaluate(eval_step, state: step_lib.TrainState, batches: list[dict[str, np.ndarray]]) -> float | None:
+def _global_batch(batch: dict[str, np.ndarray], sharding) -> dict[str, jax.Array]:
+  """This process's rows -> the global batch: as is on one device, assembled across processes on a mesh."""
+  keys = ("input_ids", "segment_ids", "positions")
+  if sharding is None:
+    return {k: jnp.asarray(batch[k]) for k in keys}
+  return {k: jax.make_array_from_process_local_data(sharding, batch[k]) for k in keys}
+
+
+def evaluate(eval_step, state: step_lib.TrainState, batches: list[dict[str, np.ndarray]],
+             sharding=None) -> float | None:
   """Held-out next-token loss in nats per token; None when there is no held-out data (eval_fraction 0)."""
   total, count = 0.0, 0.0
   for batch in batches:
-    nll, n = eval_step(state.params, state.rest, _as_jax(batch))
+    nll, n = eval_step(state.params, state.rest, _global_batch(batch, sharding))
     total += float(nll)
     count += float(n)
   return total / count if count else None
@@ -108,13 +130,21 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       raise ValueError(f"train.init_from={train.init_from!r}: no complete checkpoint in {init_source.directory}")
     init_source.check_compatible(config_dict, sections=("model",), train_fields=())
 
-  graphdef, state, optimizer, schedule = create_train_state(config, model_cfg)
-  train_step = step_lib.make_train_step(graphdef, optimizer, schedule, train)
+  mesh = make_mesh(config.mesh) if "mesh" in config else None
+  if mesh is None:
+    graphdef, state, optimizer, schedule = create_train_state(config, model_cfg)
+    shardings = data_sharding = None
+  else:
+    graphdef, state, optimizer, schedule, shardings = create_sharded_train_state(config, model_cfg, mesh)
+    data_sharding = batch_sharding(mesh)
+  train_step = step_lib.make_train_step(graphdef, optimizer, schedule, train, state_shardings=shardings,
+                                        batch_sharding=data_sharding)
   eval_step = step_lib.make_eval_step(graphdef)
 
   data_iter = data_lib.make_train_iterator(config.data, tokenizer, process_index=jax.process_index(),
                                            process_count=jax.process_count())
-  eval_batches = data_lib.make_eval_batches(config.data, tokenizer)
+  eval_batches = data_lib.make_eval_batches(config.data, tokenizer, process_index=jax.process_index(),
+                                            process_count=jax.process_count())
   start = resume_step
   if start is not None:
     state = checkpointer.restore(start, state, data_iter)
@@ -122,12 +152,17 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   elif init_source is not None:
     source_step = init_source.latest_step()
     state.params, state.rest = init_source.restore_weights(source_step, state.params, state.rest)
+    if shardings is not None:
+      state = jax.device_put(state, shardings)
     init_source.close()
     logging.info("initialized from %s step %d", init_source.directory, source_step)
   start = start or 0
   counts = param_counts(model_cfg)
   logging.info("glm5 %s: %.3e params (%.3e active), stage %s, %d steps", config.get("name", "?"),
                counts["total"], counts["active"], train.dsa_stage, train.steps)
+
+  def mesh_context():  # the MoE's expert parallelism reads the mesh from this context
+    return jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
 
   writer = MetricsWriter(workdir, tensorboard=train.tensorboard)
   tokens_per_step = config.data.batch_size * config.data.seq_len
@@ -138,7 +173,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     bar = tqdm(total=train.steps, initial=start, disable=None, dynamic_ncols=True, desc="train")
     t_log, steps_since_log = time.perf_counter(), 0
     for step in range(start, train.steps):
-      state, metrics = train_step(state, _as_jax(next(data_iter)))
+      with mesh_context():
+        state, metrics = train_step(state, _global_batch(next(data_iter), data_sharding))
       steps_since_log += 1
       done = step + 1
       if done % train.log_every == 0 or done == train.steps:
@@ -152,7 +188,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         bar.set_postfix(loss=f"{row['loss']:.3f}", refresh=False)
         t_log, steps_since_log = time.perf_counter(), 0
       if (done % train.eval_every == 0 or done == train.steps) and eval_batches:
-        eval_loss = evaluate(eval_step, state, eval_batches)
+        with mesh_context():
+          eval_loss = evaluate(eval_step, state, eval_batches, data_sharding)
         writer.write(done, {"eval_loss": eval_loss})
       checkpointer.save(done, state, data_iter, config_dict, force=done == train.steps)
       _test_hook_kill_during_save(done)
@@ -164,7 +201,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     writer.close()
 
   if eval_loss is None:  # nothing left to train (or no held-out data): report the model as it stands
-    eval_loss = evaluate(eval_step, state, eval_batches)
+    with mesh_context():
+      eval_loss = evaluate(eval_step, state, eval_batches, data_sharding)
   return {"step": int(state.step), "eval_loss": eval_loss,
           "unigram_entropy": data_lib.unigram_entropy(config.data, tokenizer),
           "train_loss": last_loss, "skipped_steps": int(state.skipped), "params": counts["total"],

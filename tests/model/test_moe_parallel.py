@@ -1,0 +1,142 @@
+"""Expert parallelism (moe_parallel.expert_parallel_ffn) against the one-device dropless MoE (moe.grouped_ffn):
+outputs and gradients on 8 simulated CPU devices for several meshes and routings, including every pair sent to one
+expert, and the compiled program really exchanging tokens with an all-to-all.
+
+The checks need 8 devices. tests/conftest.py asks for them before jax is imported; when this process has fewer
+(jax initialised earlier with other flags), each check reruns this file as a script in a subprocess with
+XLA_FLAGS set, and the test asserts on the JSON it prints."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+from glm_jax.model.moe import grouped_ffn
+from glm_jax.model.moe_parallel import expert_parallel_ffn, expert_parallel_specs
+
+N, D, I, E, K = 64, 16, 8, 16, 3
+TOL = 1e-5
+
+# name -> (axis sizes, axis names, sharding of the expert weights' D axis before the call)
+MESHES = {
+    "expert8": ((8,), ("expert",), None),
+    "data2_expert4": ((2, 4), ("data", "expert"), None),
+    "expert2_data4": ((2, 4), ("expert", "data"), None),
+    # tensor-parallel experts (I split, psum) and an fsdp-sharded D that must be all-gathered
+    "expert2_fsdp2_tensor2": ((2, 2, 2), ("expert", "fsdp", "tensor"), "fsdp"),
+    # no expert axis: no exchange, data parallel grouped_ffn
+    "data8": ((8,), ("data",), None),
+}
+
+
+def routings(rng):
+  """Expert ids [N, K]: random top-k, every pair to expert 0, every pair to the last shard's experts."""
+  random = np.argsort(rng.random((N, E)), axis=-1)[:, :K]
+  last = np.broadcast_to(E - 1 - np.arange(K) % 2, (N, K))
+  return {"random": random, "all_to_expert_0": np.zeros((N, K)), "all_to_last_experts": last}
+
+
+def inputs(seed=0):
+  rng = np.random.default_rng(seed)
+  f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
+  x, w = f(N, D), jnp.asarray(rng.random((N, K)), jnp.float32)
+  gate, up, down = 0.3 * f(E, D, I), 0.3 * f(E, D, I), 0.3 * f(E, I, D)
+  ct = f(N, D)  # the cotangent pulled back for the gradients
+  return x, w, gate, up, down, ct, {k: jnp.asarray(v, jnp.int32) for k, v in routings(rng).items()}
+
+
+def value_and_grads(ffn, x, w, idx, gate, up, down, ct):
+  """(y, d<y, ct>/d(x, w, gate, up, down))."""
+  y, pull = jax.vjp(lambda x, w, g, u, d: ffn(x, w, idx, g, u, d), x, w, gate, up, down)
+  return y, pull(ct)
+
+
+def check(name: str) -> dict:
+  """Max |expert parallel - grouped_ffn| of y and of each gradient per routing, and whether the compiled
+  program has an all-to-all. Needs jax.device_count() >= 8."""
+  shape, names, d_axis = MESHES[name]
+  mesh = jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names))
+  x, w, gate, up, down, ct, idxs = inputs()
+  specs = expert_parallel_specs(mesh)
+  put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
+  if d_axis is not None:  # D of the expert weights sharded too, as the fsdp rules would
+    specs = dict(specs, gate=P(specs["gate"][0], d_axis, specs["gate"][2]),
+                 up=P(specs["up"][0], d_axis, specs["up"][2]), down=P(specs["down"][0], specs["down"][1], d_axis))
+  sx, sw, sct = put(x, specs["x"]), put(w, specs["w"]), put(ct, specs["y"])
+  sg, su, sd = put(gate, specs["gate"]), put(up, specs["up"]), put(down, specs["down"])
+
+  ep = lambda x, w, i, g, u, d: expert_parallel_ffn(x, w, i, g, u, d, jnp.float32, mesh=mesh)
+  ref = lambda x, w, i, g, u, d: grouped_ffn(x, w, i, g, u, d, jnp.float32)
+  ep_fn = jax.jit(lambda *a: value_and_grads(ep, *a))
+  ref_fn = jax.jit(lambda *a: value_and_grads(ref, *a))
+
+  out = {"errors": {}, "ref_scale": {}}
+  for routing, idx in idxs.items():
+    y, grads = ep_fn(sx, sw, put(idx, specs["idx"]), sg, su, sd, sct)
+    y_ref, grads_ref = ref_fn(x, w, idx, gate, up, down, ct)
+    errs, scales = {}, {}
+    for key, a, b in zip(("y", "dx", "dw", "dgate", "dup", "ddown"), (y, *grads), (y_ref, *grads_ref)):
+      errs[key] = float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+      scales[key] = float(np.max(np.abs(np.asarray(b))))
+    out["errors"][routing] = errs
+    out["ref_scale"][routing] = scales
+
+  idx = put(idxs["random"], specs["idx"])
+  hlo = ep_fn.lower(sx, sw, idx, sg, su, sd, sct).compile().as_text()
+  out["has_all_to_all"] = "all-to-all" in hlo  # also matches ragged-all-to-all
+
+  # bf16: equal to grouped_ffn in bf16 up to bf16 rounding (rows travel in bf16)
+  y16 = jax.jit(lambda *a: expert_parallel_ffn(*a, jnp.bfloat16, mesh=mesh))(sx, sw, idx, sg, su, sd)
+  y16_ref = grouped_ffn(x, w, idxs["random"], gate, up, down, jnp.bfloat16)
+  out["bf16_rel_error"] = float(np.max(np.abs(np.asarray(y16, np.float32) - np.asarray(y16_ref, np.float32)))
+                                / np.max(np.abs(np.asarray(y16_ref, np.float32))))
+  return out
+
+
+def run_check(name: str) -> dict:
+  if jax.device_count() >= 8:
+    return check(name)
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+  proc = subprocess.run([sys.executable, os.path.abspath(__file__), name], env=env, capture_output=True, text=True,
+                        timeout=300, cwd=os.path.dirname(os.path.abspath(__file__)))
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", list(MESHES))
+def test_expert_parallel_equals_grouped_ffn(name):
+  result = run_check(name)
+  assert set(result["errors"]) == {"random", "all_to_expert_0", "all_to_last_experts"}
+  for routing, errs in result["errors"].items():
+    for key, err in errs.items():
+      scale = result["ref_scale"][routing][key]
+      assert scale > 1e-3, (routing, key, scale)  # the quantity is not trivially zero
+      assert err <= TOL * max(1.0, scale), (name, routing, key, err, scale)
+  has_expert_axis = "expert" in MESHES[name][1]
+  assert result["has_all_to_all"] == has_expert_axis, result["has_all_to_all"]
+  assert result["bf16_rel_error"] < 2e-2, result["bf16_rel_error"]
+
+
+def test_errors_name_the_sizes():
+  mesh = jax.make_mesh((1,), ("expert",), axis_types=(AxisType.Auto,), devices=jax.devices()[:1])
+  x, w, gate, up, down, _, idxs = inputs()
+  ffn = lambda x, w, g, u, d, m: expert_parallel_ffn(x, w, idxs["random"][:x.shape[0]], g, u, d, jnp.float32, mesh=m)
+  if jax.device_count() >= 3:
+    mesh3 = jax.make_mesh((3,), ("expert",), axis_types=(AxisType.Auto,), devices=jax.devices()[:3])
+    with pytest.raises(ValueError, match="n_routed_experts=16 must divide over mesh axis 'expert' of size 3"):
+      ffn(x[:48], w[:48], gate, up, down, mesh3)
+    with pytest.raises(ValueError, match="N=64 tokens must divide over the token axes"):
+      ffn(x, w, gate, up, down, mesh3)
+  # an expert axis of size 1 is grouped_ffn
+  np.testing.assert_allclose(ffn(x, w, gate, up, down, mesh),
+                             grouped_ffn(x, w, idxs["random"], gate, up, down, jnp.float32), atol=TOL)
+
+
+if __name__ == "__main__":  # the subprocess of run_check
+  print(json.dumps(check(sys.argv[1])))
