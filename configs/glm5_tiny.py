@@ -84,6 +84,13 @@ def get_config() -> ml_collections.ConfigDict:
   t.async_checkpoints = True
   t.tensorboard = True
 
+  # Device mesh (glm_jax/sharding/mesh.py): -1 = the remaining devices. One device trains unsharded.
+  mesh = config.mesh = ml_collections.ConfigDict()
+  mesh.data = 1
+  mesh.fsdp = -1
+  mesh.expert = 1
+  mesh.tensor = 1
+
   o = config.optimizer = ml_collections.ConfigDict()
   o.name = "muon"  # "muon" (hidden matrices; AdamW for embedding, head, norms, router) | "adamw"
   o.lr = 3e-3

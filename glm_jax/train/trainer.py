@@ -131,6 +131,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     init_source.check_compatible(config_dict, sections=("model",), train_fields=())
 
   mesh = make_mesh(config.mesh) if "mesh" in config else None
+  if mesh is not None and mesh.size == 1:
+    mesh = None  # one device: the plain path, nothing to shard
   if mesh is None:
     graphdef, state, optimizer, schedule = create_train_state(config, model_cfg)
     shardings = data_sharding = None

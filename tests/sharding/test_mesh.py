@@ -158,6 +158,8 @@ def test_train_and_evaluate_on_a_mesh_matches_one_device(tmp_path):
       config.train[k] = v
     if mesh:
       config.mesh = ml_collections.ConfigDict(mesh)
+    else:  # no mesh section: the unsharded path, on device 0
+      del config["mesh"]
     summary = train_and_evaluate(config, str(workdir))
     with open(workdir / "metrics.jsonl") as f:
       return summary, [r["loss"] for r in map(json.loads, f) if "loss" in r]
