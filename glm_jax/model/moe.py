@@ -45,23 +45,35 @@ def route(logits_NE: jax.Array, bias_E: jax.Array, cfg: ModelConfig
   return w_NK * cfg.routed_scaling_factor, idx_NK.astype(jnp.int32), s_NE
 
 
-def grouped_ffn(x_ND: jax.Array, w_NK: jax.Array, idx_NK: jax.Array, gate_EDI: jax.Array,
-                up_EDI: jax.Array, down_EID: jax.Array, dtype: jnp.dtype) -> jax.Array:
-  """sum_k w[n, k] * SwiGLU_{idx[n, k]}(x[n]) with tokens sorted by expert and ragged_dot per group."""
-  n, k = idx_NK.shape
-  n_experts = gate_EDI.shape[0]
-  flat_e = idx_NK.reshape(-1)
-  order = jnp.argsort(flat_e, stable=True)
-  token_of = order // k
-  group_sizes = jnp.bincount(flat_e, length=n_experts).astype(jnp.int32)
-  xs = x_ND[token_of].astype(dtype)
+def expert_swiglu(xs: jax.Array, group_sizes: jax.Array, gate_EDI: jax.Array, up_EDI: jax.Array,
+                  down_EID: jax.Array, dtype: jnp.dtype) -> jax.Array:
+  """fp32 rows: row m through the SwiGLU expert of its group (rows sorted by expert; rows past the last group
+  give 0), one ragged_dot per projection."""
 
   def gmm(a, w):
     return jax.lax.ragged_dot(a, w.astype(dtype), group_sizes, preferred_element_type=jnp.float32)
 
   h = (jax.nn.silu(gmm(xs, gate_EDI)) * gmm(xs, up_EDI)).astype(dtype)
-  ys = gmm(h, down_EID) * w_NK.reshape(-1)[order][:, None]
-  return jnp.zeros((n, x_ND.shape[-1]), jnp.float32).at[token_of].add(ys).astype(dtype)
+  return gmm(h, down_EID)
+
+
+def grouped_ffn_f32(x_ND: jax.Array, w_NK: jax.Array, idx_NK: jax.Array, gate_EDI: jax.Array,
+                    up_EDI: jax.Array, down_EID: jax.Array, dtype: jnp.dtype) -> jax.Array:
+  """sum_k w[n, k] * SwiGLU_{idx[n, k]}(x[n]) in fp32, with tokens sorted by expert and ragged_dot per group."""
+  n, k = idx_NK.shape
+  flat_e = idx_NK.reshape(-1)
+  order = jnp.argsort(flat_e, stable=True)
+  token_of = order // k
+  group_sizes = jnp.bincount(flat_e, length=gate_EDI.shape[0]).astype(jnp.int32)
+  ys = expert_swiglu(x_ND[token_of].astype(dtype), group_sizes, gate_EDI, up_EDI, down_EID, dtype)
+  ys = ys * w_NK.reshape(-1)[order][:, None].astype(jnp.float32)
+  return jnp.zeros((n, x_ND.shape[-1]), jnp.float32).at[token_of].add(ys)
+
+
+def grouped_ffn(x_ND: jax.Array, w_NK: jax.Array, idx_NK: jax.Array, gate_EDI: jax.Array,
+                up_EDI: jax.Array, down_EID: jax.Array, dtype: jnp.dtype) -> jax.Array:
+  """grouped_ffn_f32 in `dtype`: the dropless MoE on one device."""
+  return grouped_ffn_f32(x_ND, w_NK, idx_NK, gate_EDI, up_EDI, down_EID, dtype).astype(dtype)
 
 
 class MoE(nnx.Module):

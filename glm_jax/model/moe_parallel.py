@@ -42,24 +42,13 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from glm_jax.model.moe import grouped_ffn
+from glm_jax.model.moe import expert_swiglu, grouped_ffn, grouped_ffn_f32
 
 __all__ = ["expert_parallel_ffn", "expert_parallel_specs"]
 
 
 def _exclusive_cumsum(a: jax.Array, axis: int = -1) -> jax.Array:
   return jnp.cumsum(a, axis=axis) - a
-
-
-def _swiglu_rows(xs: jax.Array, group_sizes: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array,
-                 dtype: jnp.dtype) -> jax.Array:
-  """fp32 [M, D]: row m through the SwiGLU expert of its group (rows sorted by expert, rows past the groups: 0)."""
-
-  def gmm(a, w):
-    return jax.lax.ragged_dot(a, w.astype(dtype), group_sizes, preferred_element_type=jnp.float32)
-
-  h = (jax.nn.silu(gmm(xs, gate)) * gmm(xs, up)).astype(dtype)
-  return gmm(h, down)
 
 
 def _resolved_axes(mesh: Mesh, expert_axis: str, token_axes: Sequence[str], tensor_axis: str | None
@@ -140,14 +129,7 @@ def expert_parallel_ffn(x_ND: jax.Array, w_NK: jax.Array, idx_NK: jax.Array, gat
     return y_nD.astype(dtype)
 
   def local(x, w, idx, gate, up, down):  # one expert shard: grouped_ffn on the local tokens
-    n_loc = idx.shape[0]
-    flat_e = idx.reshape(-1)
-    order = jnp.argsort(flat_e, stable=True)
-    token_of = order // k
-    group_sizes = jnp.bincount(flat_e, length=n_experts).astype(jnp.int32)
-    ys = _swiglu_rows(x[token_of].astype(dtype), group_sizes, gate, up, down, dtype)
-    ys = ys * w.reshape(-1)[order][:, None].astype(jnp.float32)
-    return finish(jnp.zeros((n_loc, d), jnp.float32).at[token_of].add(ys))
+    return finish(grouped_ffn_f32(x, w, idx, gate, up, down, dtype))
 
   def exchange(x, w, idx, gate, up, down):
     n_loc = idx.shape[0]
@@ -188,7 +170,7 @@ def expert_parallel_ffn(x_ND: jax.Array, w_NK: jax.Array, idx_NK: jax.Array, gat
     m = jnp.arange(rows, dtype=jnp.int32)
     xs = jnp.where((m < group_sizes.sum())[:, None], recv.reshape(rows, d)[from_row], 0)
 
-    out = _swiglu_rows(xs, group_sizes, gate, up, down, dtype).astype(dtype)  # [rows, D], expert-major
+    out = expert_swiglu(xs, group_sizes, gate, up, down, dtype).astype(dtype)  # [rows, D], expert-major
 
     # Combine: back to sender-major order, the reverse all-to-all, gate weights, scatter-add onto the tokens.
     back = jnp.where(recv_valid.reshape(-1)[:, None], out[pos], 0).reshape(n_shards, cap, d)
