@@ -9,10 +9,12 @@ Metrics go to <workdir>/metrics.jsonl and <workdir>/tensorboard, checkpoints to 
 The run ends by printing one JSON line: eval_loss and unigram_entropy (nats per token), step, and more.
 """
 
+import json
+
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from glm_jax.train.trainer import summary_line, train_and_evaluate
+from glm_jax.train.trainer import train_and_evaluate
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (default: workdirs/<config name>).")
@@ -25,7 +27,7 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO; -v 0 brings it back
   config = _CONFIG.value
   workdir = _WORKDIR.value or f"workdirs/{config.get('name', 'run')}"
-  print(summary_line(train_and_evaluate(config, workdir)), flush=True)
+  print(json.dumps(train_and_evaluate(config, workdir)), flush=True)
 
 
 if __name__ == "__main__":

@@ -252,11 +252,10 @@ def load(path: str, *, seed: int = 0, **overrides: Any) -> tuple[ModelConfig, Gl
   finally:
     reader.close()
 
-  state = nnx.to_flat_state(abstract)
-  for p, v in state:
+  for p, v in leaves.items():
     if p in arrays:
       v.set_value(jnp.asarray(arrays[p], v.dtype))
-  model = nnx.merge(graphdef, nnx.from_flat_state(state))
+  model = nnx.merge(graphdef, nnx.from_flat_state(list(leaves.items())))
   for k, present in mtp_present.items():
     if not present:
       log.warning("%s: no MTP tensors for model.layers.%d; MTP layer %d is freshly initialized",

@@ -8,7 +8,6 @@ so a bad run stops with a message and touches nothing.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import time
@@ -217,7 +216,3 @@ def _test_hook_kill_during_save(step: int) -> None:
   target = os.environ.get("GLM_JAX_TEST_KILL_DURING_SAVE")
   if target and int(target) == step:
     os.kill(os.getpid(), 9)
-
-
-def summary_line(summary: dict[str, Any]) -> str:
-  return json.dumps(summary)
