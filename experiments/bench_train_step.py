@@ -80,25 +80,29 @@ between `ratio` and the dot ratio is elementwise work (softmax, masks, norms, ro
 from __future__ import annotations
 
 import argparse
-import collections
 import importlib.util
 import json
-import math
 import os
-import re
 import statistics
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-from glm_jax.model import ModelConfig, param_counts  # noqa: E402
-from glm_jax.train import optimizers, step as step_lib, trainer  # noqa: E402
-
+from glm_jax.model import param_counts
+from glm_jax.train import step as step_lib
+from glm_jax.train import trainer
+from glm_jax.train.flops import (
+  analytic_flops,
+  hlo_dot_flops,
+  matmul_params,
+  muon_ns_flops,
+  ragged_dot_extra_flops,
+)
 
 # ----------------------------------------------------------------------------------------------- configs
 
@@ -136,197 +140,6 @@ def medium_config(base):
   config.data.seq_len = 256
   config.data.batch_size = 8
   return config
-
-
-# ----------------------------------------------------------------------------------------------- analytic
-
-
-def matmul_params(cfg: ModelConfig) -> dict[str, int]:
-  """Matmul parameters one token passes through, per component (see the module docstring)."""
-  d, h = cfg.hidden_size, cfg.num_attention_heads
-  p_attn = (d * cfg.q_lora_rank + cfg.q_lora_rank * h * cfg.qk_head_dim + d * cfg.kv_latent_dim
-            + cfg.kv_lora_rank * h * (cfg.qk_nope_head_dim + cfg.v_head_dim) + h * cfg.v_head_dim * d)
-  p_mlp = 3 * d * cfg.intermediate_size
-  expert = 3 * d * cfg.moe_intermediate_size
-  p_moe = d * cfg.n_routed_experts + expert * cfg.n_shared_experts + expert * cfg.num_experts_per_tok
-  p_head = d * cfg.vocab_size
-  p_idx = cfg.q_lora_rank * cfg.index_n_heads * cfg.index_head_dim + d * cfg.index_head_dim + d * cfg.index_n_heads
-  n_mtp = cfg.num_nextn_predict_layers
-  mtp_moe = [cfg.num_hidden_layers + k >= cfg.first_k_dense_replace for k in range(n_mtp)]
-  p_main = cfg.num_hidden_layers * p_attn + cfg.num_dense_layers * p_mlp + cfg.num_moe_layers * p_moe + p_head
-  p_mtp = sum(2 * d * d + p_attn + (p_moe if moe else p_mlp) + p_head for moe in mtp_moe)
-  return {"attn_per_layer": p_attn, "dense_mlp_per_layer": p_mlp, "moe_active_per_layer": p_moe,
-          "head": p_head, "indexer_per_layer": p_idx, "main": p_main, "mtp": p_mtp,
-          "moe_layers_incl_mtp": cfg.num_moe_layers + sum(mtp_moe), "routed_expert": expert}
-
-
-def analytic_flops(cfg: ModelConfig, b: int, t: int, stage: str) -> dict[str, float]:
-  """Training FLOPs of one step by the formulas of the module docstring, with their parts."""
-  p = matmul_params(cfg)
-  n = b * t
-  h, layers, n_mtp = cfg.num_attention_heads, cfg.num_hidden_layers, cfg.num_nextn_predict_layers
-  a_dense = 2 * b * h * t * t * cfg.qk_head_dim + 2 * b * h * t * t * cfg.v_head_dim
-  a_sparse = (2 * b * t * h * cfg.index_topk * cfg.kv_latent_dim + 2 * b * t * h * cfg.index_topk * cfg.kv_lora_rank)
-  a_idx = 2 * b * t * t * cfg.index_n_heads * cfg.index_head_dim + 2 * b * t * t * cfg.index_n_heads
-  out: dict[str, float] = {}
-  if stage == "dense":
-    out["params_main"] = 6 * n * p["main"]
-    out["params_mtp"] = 6 * n * p["mtp"]
-    out["attention"] = 3 * a_dense * (layers + n_mtp)
-    out["attention_causal_half_flops"] = out["attention"] / 2
-  elif stage == "warmup":
-    out["params_main_forward_only"] = 2 * n * p["main"]
-    out["params_mtp_forward_only"] = 2 * n * p["mtp"]
-    out["attention_forward_only"] = a_dense * (layers + n_mtp)
-    out["attention_causal_half_flops"] = out["attention_forward_only"] / 2
-    out["indexer_projections"] = 4 * n * p["indexer_per_layer"] * layers
-    out["indexer_scores"] = 3 * a_idx * layers
-  elif stage == "sparse":
-    out["params_main"] = 6 * n * p["main"]
-    out["params_mtp"] = 6 * n * p["mtp"]
-    out["attention_sparse"] = 3 * a_sparse * (layers + n_mtp)
-    out["indexer_projections"] = 4 * n * p["indexer_per_layer"] * layers + 2 * n * p["indexer_per_layer"] * n_mtp
-    out["indexer_scores"] = 3 * a_idx * layers + a_idx * n_mtp
-  else:
-    raise ValueError(f"dsa_stage={stage!r}")
-  out["total"] = sum(v for k, v in out.items() if k != "attention_causal_half_flops")
-  return out
-
-
-def ragged_dot_extra_flops(cfg: ModelConfig, b: int, t: int, stage: str) -> float:
-  """FLOPs the CPU lowering of ragged_dot adds: every routed row against all E experts, not just its own."""
-  p = matmul_params(cfg)
-  passes = 2 if stage == "warmup" else 6  # forward only in the warm-up stage (the model is frozen there)
-  return (passes * b * t * cfg.num_experts_per_tok * p["routed_expert"] * (cfg.n_routed_experts - 1)
-          * p["moe_layers_incl_mtp"])
-
-
-def _axes(a) -> tuple[int, ...]:
-  return tuple(a) if isinstance(a, (tuple, list)) else (a,)
-
-
-def muon_ns_flops(opt_cfg, params, trainable) -> tuple[float, int]:
-  """(Newton-Schulz FLOPs of one optimizer step, number of matrices orthogonalized)."""
-  plan = optimizers.leaf_plan(opt_cfg, params, trainable=trainable)
-  steps = int(optimizers._checked(opt_cfg).muon_ns_steps)  # pylint: disable=protected-access
-  shapes = {optimizers.path_names(path): tuple(x.shape) for path, x in jax.tree_util.tree_leaves_with_path(params)}
-  total, count = 0.0, 0
-  for names, lp in plan.items():
-    if lp.label != "muon":
-      continue
-    shape = shapes[names]
-    parts = [shape[:-1] + (s,) for s in lp.split_sizes] if lp.split_sizes else [shape]
-    for part, dims in zip(parts, lp.muon_dims):
-      red = [a % len(part) for a in _axes(dims.reduction_axis)]
-      outp = [a % len(part) for a in _axes(dims.output_axis)]
-      m = math.prod(part[a] for a in red)
-      n = math.prod(part[a] for a in outp)
-      batch = math.prod(part) // (m * n)
-      lo, hi = min(m, n), max(m, n)
-      total += batch * steps * (4 * lo * lo * hi + 2 * lo ** 3)
-      count += batch
-  return total, count
-
-
-# ----------------------------------------------------------------------------------------------- HLO dots
-
-_COMP_RE = re.compile(r"^(ENTRY )?%?([\w.\-]+) \(.*\) -> .*\{\s*$")
-_SHAPE_RE = re.compile(r"%([\w.\-]+) = [a-z]+[0-9]*\[([\d,]*)\]")
-_DOT_RE = re.compile(r"%([\w.\-]+) = [a-z]+[0-9]*\[([\d,]*)\][^ ]* dot\(%([\w.\-]+), %([\w.\-]+)\)")
-_CALL_RE = re.compile(r"(?:calls|body|to_apply)=%([\w.\-]+)")
-_CALLS_LIST_RE = re.compile(r"(?:branch_computations|called_computations)=\{([^}]*)\}")
-_TRIP_RE = re.compile(r'known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
-_OPNAME_RE = re.compile(r'op_name="([^"]*)"')
-
-
-def _dims(s: str) -> tuple[int, ...]:
-  return tuple(int(x) for x in s.split(",") if x)
-
-
-def _phase(op_name: str) -> str:
-  if "transpose(jvp" in op_name:
-    return "backward"
-  if "jvp(" in op_name:
-    return "forward"
-  if "vmap(" in op_name:
-    return "optimizer"
-  return "no_op_name" if not op_name else "other"
-
-
-def hlo_dot_flops(hlo_text: str) -> dict:
-  """Dot FLOPs of an optimized HLO module, while bodies times their known trip count, split by phase."""
-  comps: dict[str, list[str]] = {}
-  entry, current = None, None
-  for line in hlo_text.splitlines():
-    m = _COMP_RE.match(line)
-    if m:
-      current = m.group(2)
-      comps[current] = []
-      if m.group(1):
-        entry = current
-    elif line.startswith("}"):
-      current = None
-    elif current is not None:
-      comps[current].append(line)
-  local: dict[str, collections.Counter] = {}
-  calls: dict[str, list[tuple[str, int]]] = {}
-  details: dict[str, list] = {}
-  unknown_trip = 0
-  for name, lines in comps.items():
-    shapes = {m.group(1): _dims(m.group(2)) for m in (_SHAPE_RE.search(l) for l in lines) if m}
-    counter, callees, det = collections.Counter(), [], []
-    for l in lines:
-      d = _DOT_RE.search(l)
-      if d:
-        out, lhs, rhs = _dims(d.group(2)), shapes.get(d.group(3)), shapes.get(d.group(4))
-        cm = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", l)
-        contract = math.prod(lhs[i] for i in _dims(cm.group(1))) if (cm and lhs is not None) else 0
-        flops = 2 * math.prod(out) * contract
-        op = _OPNAME_RE.search(l)
-        op_name = op.group(1) if op else ""
-        counter[_phase(op_name)] += flops
-        det.append((flops, _phase(op_name), lhs, rhs, out, op_name))
-      mult = 1
-      if " while(" in l:
-        tm = _TRIP_RE.search(l)
-        if tm:
-          mult = int(tm.group(1))
-        else:
-          unknown_trip += 1
-      for c in _CALL_RE.findall(l):
-        callees.append((c, mult))
-      for group in _CALLS_LIST_RE.findall(l):
-        callees.extend((c.strip().lstrip("%"), 1) for c in group.split(",") if c.strip())
-    local[name], calls[name], details[name] = counter, callees, det
-  memo: dict[str, collections.Counter] = {}
-
-  def total(name: str) -> collections.Counter:
-    if name not in memo:
-      acc = collections.Counter(local.get(name, {}))
-      for callee, mult in calls.get(name, []):
-        for k, v in total(callee).items():
-          acc[k] += mult * v
-      memo[name] = acc
-    return memo[name]
-
-  by_phase = total(entry)
-  # Multiplicity of every computation (for the verbose listing of the largest dots).
-  mult_of: dict[str, int] = collections.defaultdict(int)
-
-  def visit(name: str, mult: int):
-    mult_of[name] += mult
-    for callee, m in calls.get(name, []):
-      visit(callee, mult * m)
-
-  visit(entry, 1)
-  top = collections.Counter()
-  for name, det in details.items():
-    for flops, phase, lhs, rhs, out, op_name in det:
-      short = re.sub(r"(while/body/|closed_call/|jit\(step\)/)", "", op_name)
-      top[(phase, str(lhs), str(rhs), str(out), short)] += flops * mult_of.get(name, 0)
-  n_while = hlo_text.count(" while(")
-  return {"total": float(sum(by_phase.values())), "by_phase": {k: float(v) for k, v in sorted(by_phase.items())},
-          "while_loops": n_while, "while_loops_without_trip_count": unknown_trip, "top": top}
 
 
 # ----------------------------------------------------------------------------------------------- bench

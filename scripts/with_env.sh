@@ -8,7 +8,7 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${GLM_JAX_VENV:-$root/.venv}"
 stamp="$venv/.glm-jax-installed"
-want="$(cat "$root/requirements.txt" "$root/requirements-test.txt" "$root/setup.cfg" | sha256sum | cut -d' ' -f1)"
+want="$(cat "$root"/requirements*.txt "$root/setup.cfg" | sha256sum | cut -d' ' -f1)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "[with_env] setting up $venv (first run or requirements changed; a few minutes)" >&2
   "${PYTHON:-python3}" -m venv "$venv"
@@ -20,4 +20,9 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
 fi
 cd "$root"
 export PATH="$venv/bin:$PATH"
+# The venv has libtpu (for compiling to TPU topologies); on a host without TPU chips keep jax on the CPU rather
+# than have every process probe for a TPU and contend for libtpu's lockfile. Set JAX_PLATFORMS to override.
+if [ -z "${JAX_PLATFORMS+x}" ] && ! ls /dev/accel0 /dev/vfio/0 >/dev/null 2>&1; then
+  export JAX_PLATFORMS=cpu
+fi
 exec "$@"

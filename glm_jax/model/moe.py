@@ -46,15 +46,16 @@ def route(logits_NE: jax.Array, bias_E: jax.Array, cfg: ModelConfig
 
 
 def expert_swiglu(xs: jax.Array, group_sizes: jax.Array, gate_EDI: jax.Array, up_EDI: jax.Array,
-                  down_EID: jax.Array, dtype: jnp.dtype) -> jax.Array:
-  """fp32 rows: row m through the SwiGLU expert of its group (rows sorted by expert; rows past the last group
-  give 0), one ragged_dot per projection."""
+                  down_EID: jax.Array, dtype: jnp.dtype, out_dtype: jnp.dtype = jnp.float32) -> jax.Array:
+  """Row m through the SwiGLU expert of its group (rows sorted by expert; rows past the last group give 0), one
+  ragged_dot per projection, matmuls in `dtype` accumulated in fp32; the result in out_dtype (fp32 by default;
+  `dtype` when the rows travel on in `dtype` anyway, which also keeps their gradient in `dtype`)."""
 
-  def gmm(a, w):
-    return jax.lax.ragged_dot(a, w.astype(dtype), group_sizes, preferred_element_type=jnp.float32)
+  def gmm(a, w, out=jnp.float32):
+    return jax.lax.ragged_dot(a, w.astype(dtype), group_sizes, preferred_element_type=out)
 
   h = (jax.nn.silu(gmm(xs, gate_EDI)) * gmm(xs, up_EDI)).astype(dtype)
-  return gmm(h, down_EID)
+  return gmm(h, down_EID, out_dtype)
 
 
 def grouped_ffn_f32(x_ND: jax.Array, w_NK: jax.Array, idx_NK: jax.Array, gate_EDI: jax.Array,

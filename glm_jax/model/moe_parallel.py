@@ -10,16 +10,18 @@ E_l = E / P experts (P = size of the expert axis). Per device:
      every sender sent;
   3. reorder the received rows (sender-major, expert-minor) into expert-major order and run the SwiGLU experts
      as `jax.lax.ragged_dot` over the E_l local groups, as grouped_ffn does;
-  4. combine: the reverse all-to-all returns every row to the device that owns its token, which applies the gate
-     weight and scatter-adds into y (fp32) as grouped_ffn does.
+  4. combine: the reverse all-to-all returns every row to the device that owns its token, which gathers each
+     token's K rows ([n, K, D], in `dtype`) and sums them with the gate weights in fp32, as grouped_ffn does.
 
 Dropless with static shapes: no capacity factor, no token is ever dropped, for any routing. The price is that
 every buffer is sized for the worst case: a sender may route all its n*K pairs to one shard (C = n*K rows per
 destination slot), and a receiver may get all P*n*K pairs of its expert group. Activation memory per device per
-MoE layer is therefore ~ P*n*K*D (send) + P*n*K*D (receive) + P*n*K*D (sorted) in `dtype`, plus the fp32 expert
-intermediates P*n*K*(2*I_local + D), i.e. P times what balanced routing actually needs, and the dense all-to-all
-moves P*n*K*D elements each way however few rows are real. Fine for small expert axes and for tests; at scale
-bound P*n (fewer tokens per device or a smaller expert axis) or give up droplessness with a capacity.
+MoE layer is therefore ~ P*n*K*D (send) + P*n*K*D (receive) + P*n*K*D (sorted) + P*n*K*D (expert outputs) in
+`dtype`, plus the fp32 expert intermediates P*n*K*2*I_local, i.e. P times what balanced routing actually needs,
+and the dense all-to-all moves P*n*K*D elements each way however few rows are real. Everything [P*n*K, D] stays
+in `dtype` (its gradients too); only the n*K real rows are weighted in fp32. For glm5_744b on v5p-1024 (P = 8,
+n = 4096, K = 8, D = 6144) one such buffer is 3 GiB; bound P*n (fewer tokens per device or a smaller expert
+axis) or give up droplessness with a capacity to go further.
 
 Why the dense `jax.lax.all_to_all` and not `jax.lax.ragged_all_to_all`: with jax 0.10.2 the ragged collective
 does not run on CPU ("UNIMPLEMENTED: HLO opcode `ragged-all-to-all` is not supported by XLA:CPU
@@ -138,7 +140,6 @@ def expert_parallel_ffn(x_ND: jax.Array, w_NK: jax.Array, idx_NK: jax.Array, gat
     flat_e = idx.reshape(-1).astype(jnp.int32)
     order = jnp.argsort(flat_e, stable=True)  # pairs by expert = by destination shard
     token_of = order // k
-    w_sorted = w.reshape(-1)[order].astype(jnp.float32)
     counts_PL = jnp.bincount(flat_e, length=n_experts).astype(jnp.int32).reshape(n_shards, e_local)
     send_sizes = counts_PL.sum(1)
     send_start = _exclusive_cumsum(send_sizes)
@@ -170,14 +171,20 @@ def expert_parallel_ffn(x_ND: jax.Array, w_NK: jax.Array, idx_NK: jax.Array, gat
     m = jnp.arange(rows, dtype=jnp.int32)
     xs = jnp.where((m < group_sizes.sum())[:, None], recv.reshape(rows, d)[from_row], 0)
 
-    out = expert_swiglu(xs, group_sizes, gate, up, down, dtype).astype(dtype)  # [rows, D], expert-major
+    out = expert_swiglu(xs, group_sizes, gate, up, down, dtype, out_dtype=dtype)  # [rows, D], expert-major
 
-    # Combine: back to sender-major order, the reverse all-to-all, gate weights, scatter-add onto the tokens.
+    # Combine: back to sender-major order, the reverse all-to-all, then each token's K rows gathered (sorted pair
+    # p sits in slot (its shard, p - send_start[shard])) and summed with the gate weights in fp32. Gathering
+    # [n, K, D] rather than weighting the whole [P, C, D] buffer keeps the fp32 work (and the gradient that
+    # flows back into the buffer, in `dtype`) at the n*K real rows.
     back = jnp.where(recv_valid.reshape(-1)[:, None], out[pos], 0).reshape(n_shards, cap, d)
     back = jax.lax.all_to_all(back, expert_axis, 0, 0, tiled=True)  # back[q, j]: result for slot (q, j) sent
-    gw = jnp.where(send_valid, w_sorted[src], 0.0)  # [P, C]
-    contrib = back.astype(jnp.float32) * gw[..., None]
-    y = jnp.zeros((n_loc, d), jnp.float32).at[tok.reshape(-1)].add(contrib.reshape(-1, d))
+    shard_of = flat_e[order] // e_local  # [n*K]: destination shard of each sorted pair
+    p = jnp.arange(n_loc * k, dtype=jnp.int32)
+    slot_of_sorted = shard_of * cap + p - send_start[shard_of]
+    slot = jnp.zeros((n_loc * k,), jnp.int32).at[order].set(slot_of_sorted)  # by (token, k)
+    rows_NKD = back.reshape(n_shards * cap, d)[slot].reshape(n_loc, k, d)
+    y = jnp.einsum("nkd,nk->nd", rows_NKD, w.astype(jnp.float32), preferred_element_type=jnp.float32)
     return finish(y)
 
   if n_shards == 1 and tensor is None and not tokens:

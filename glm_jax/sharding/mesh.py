@@ -35,8 +35,8 @@ LOGICAL_AXIS_RULES: dict[str, str | None] = {
     "kv_head_dim": None,
     "v_head_dim": None,
     "index_head_dim": None,
-    "q_lora": None,
-    "kv_lora": None,
+    "q_lora": "fsdp",  # q_b_proj, kv_b_proj and the indexer's wq_b have no embed axis: without these their
+    "kv_lora": "fsdp",  # stacks (9.4 GiB fp32 each for glm5_744b) would sit whole on every chip under tensor=1
     "experts": "expert",
     "expert_mlp": "tensor",
     "experts_router": None,

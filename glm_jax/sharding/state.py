@@ -46,14 +46,23 @@ def tree_shardings(tree: Any, specs: dict[tuple, P], mesh: Mesh) -> Any:
       lambda path, x: NamedSharding(mesh, _spec_for_leaf(path_names(path), tuple(x.shape), specs, mesh)), tree)
 
 
-def create_sharded(make_state: Callable[[], Any], params_of: Callable[[Any], nnx.State], mesh: Mesh
-                   ) -> tuple[Any, Any]:
-  """(state, shardings): `make_state()` traced abstractly to find the shardings, then run under jit with
-  them as out_shardings. `params_of(state)` picks the nnx.State of parameters (and other variables) whose
-  logical axes define the specs."""
+def abstract_sharded(make_state: Callable[[], Any], params_of: Callable[[Any], nnx.State], mesh: Mesh
+                     ) -> tuple[Any, Any]:
+  """(abstract state, shardings): `make_state()` traced abstractly (nothing allocated), every leaf a
+  ShapeDtypeStruct carrying its NamedSharding, e.g. for ahead-of-time lowering. `params_of(state)` picks the
+  nnx.State of parameters (and other variables) whose logical axes define the specs."""
   abstract = jax.eval_shape(make_state)
   specs = param_specs(params_of(abstract), mesh)
   shardings = tree_shardings(abstract, specs, mesh)
+  abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)
+  return abstract, shardings
+
+
+def create_sharded(make_state: Callable[[], Any], params_of: Callable[[Any], nnx.State], mesh: Mesh
+                   ) -> tuple[Any, Any]:
+  """(state, shardings): the shardings as abstract_sharded finds them, then `make_state()` run under jit with
+  them as out_shardings, so no host ever holds the whole state."""
+  _, shardings = abstract_sharded(make_state, params_of, mesh)
   with jax.set_mesh(mesh):
     state = jax.jit(make_state, out_shardings=shardings)()
   return state, shardings

@@ -20,14 +20,19 @@ O's singular values) ~ 0.8-0.95 x lr_t * muon_update_rms.
 
 Weight decay (decoupled, lr_t * wd * W, as optax and PyTorch): every matrix (lm_head and router included),
 never the embedding (a row moves only when its token occurs, so decay would shrink rare tokens) nor 1-D leaves.
-Muon's pieces are optax.contrib's (scale_by_muon, scale_by_shape); not its `muon` alias, whose Adam half takes
-Nesterov and eps from the Muon settings and which has no frozen label. What optax cannot express is splitting
-kv_b_proj's last axis into W_UK and W_UV: `_split_heads` cuts the tree before Muon and concatenates after.
+Muon's pieces are optax.contrib's (its Newton-Schulz, scale_by_shape); not its `muon` alias, whose Adam half takes
+Nesterov and eps from the Muon settings and which has no frozen label. What optax cannot express:
+- splitting kv_b_proj's last axis into W_UK and W_UV: `_split_heads` cuts the tree before Muon and concatenates
+  after;
+- orthogonalizing on a mesh: see `scale_by_muon` (optax's momentum and Newton-Schulz, with the matrices spread
+  over the devices).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -35,8 +40,15 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import optax
+from flax import nnx
+from jax.sharding import PartitionSpec as P
 from optax.contrib import MuonDimensionNumbers as Dims
-from optax.contrib._muon import scale_by_shape  # consistent_rms; optax 0.2.8 does not re-export it
+from optax.contrib import MuonState
+
+# optax 0.2.8 does not re-export these: scale_by_shape (consistent_rms) and its Newton-Schulz.
+from optax.contrib._muon import orthogonalize_via_newton_schulz, scale_by_shape
+
+from glm_jax.sharding.mesh import logical_to_spec
 
 Names = tuple[Any, ...]  # a leaf's path as plain keys, e.g. ("moe_layers", "self_attn", "kv_b_proj")
 
@@ -143,6 +155,7 @@ class LeafPlan(NamedTuple):
   weight_decay: bool
   muon_dims: tuple[Dims, ...] = ()
   split_sizes: tuple[int, ...] = ()  # the last axis cut into these parts before Muon (kv_b_proj: W_UK, W_UV)
+  logical_axes: tuple | None = None  # the parameter's logical axis names: its layout on a mesh (`orthogonalize`)
 
 
 def _muon_layout(names: Names, shapes: Mapping[Names, tuple[int, ...]], core: tuple[int, ...], split: bool
@@ -202,6 +215,7 @@ def leaf_plan(opt_cfg: Mapping[str, Any] | None, params, *, trainable=None) -> d
   cfg = _checked(opt_cfg)
   leaves = [(path_names(p), tuple(x.shape)) for p, x in jax.tree_util.tree_leaves_with_path(params)]
   shapes = dict(leaves)
+  logical = _logical_axes(params)
   flags = _trainable_flags(trainable, params, [n for n, _ in leaves])
   plan = {}
   for names, shape in leaves:
@@ -213,8 +227,24 @@ def leaf_plan(opt_cfg: Mapping[str, Any] | None, params, *, trainable=None) -> d
       plan[names] = LeafPlan("adamw", decay)
     else:
       dims, sizes = _muon_layout(names, shapes, core, cfg.muon_split)
-      plan[names] = LeafPlan("muon", decay, dims, sizes)
+      plan[names] = LeafPlan("muon", decay, dims, sizes, logical.get(names))
   return plan
+
+
+def _logical_axes(params) -> dict[Names, tuple]:
+  """{path names: logical axis names} of the leaves that carry them (nnx Params' out_sharding metadata)."""
+  out = {}
+  leaves = jax.tree_util.tree_leaves_with_path(params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  for path, leaf in leaves:
+    if isinstance(leaf, nnx.Variable):
+      axes = leaf.get_metadata().get("out_sharding")
+      if axes is not None:
+        out[path_names(path)] = tuple(axes)
+  return out
+
+
+def _as_tuple(a) -> tuple[int, ...]:
+  return tuple(a) if isinstance(a, (tuple, list)) else (a,)
 
 
 def _lookup(plan: dict[Names, LeafPlan], path) -> LeafPlan:
@@ -259,17 +289,136 @@ def _split_heads(inner: optax.GradientTransformation, plan: dict[Names, LeafPlan
   return optax.GradientTransformation(init_fn, update_fn)
 
 
-def _muon_dims_fn(plan: dict[Names, LeafPlan]) -> Callable:
-  """The weight_dimension_numbers callable for optax.contrib: a tree of Dims shaped like the (split) updates."""
+def _muon_dims_fn(plan: dict[Names, LeafPlan], layouts: bool = False) -> Callable:
+  """A tree of Dims shaped like the (split) updates (optax's weight_dimension_numbers), or of MuonLayouts."""
 
   def dims_of(path, x):
-    dims = _lookup(plan, path).muon_dims
+    lp = _lookup(plan, path)
+    dims = tuple(MuonLayout(d, lp.logical_axes) for d in lp.muon_dims) if layouts else lp.muon_dims
     return _Parts(dims) if isinstance(x, _Parts) else dims[0]
 
   def fn(tree):
     return jax.tree_util.tree_map_with_path(dims_of, tree, is_leaf=lambda x: isinstance(x, _Parts))
 
   return fn
+
+
+@dataclasses.dataclass(frozen=True)
+class MuonLayout:
+  """How `orthogonalize` sees one leaf: its matrix layout and its parameter's logical axes (None: unknown)."""
+  dims: Dims
+  logical_axes: tuple | None = None
+
+
+def _newton_schulz(x: jax.Array, n_matrix_in: int, ns_coeffs: jax.Array, ns_steps: int, eps: float) -> jax.Array:
+  """optax's Newton-Schulz on x [batch, *in axes, *out axes] (the first n_matrix_in axes after batch are in)."""
+  shape = x.shape
+  m = math.prod(shape[1:1 + n_matrix_in])
+  flat = x.reshape(shape[0], m, -1)
+  return orthogonalize_via_newton_schulz(flat, ns_coeffs, ns_steps, eps=eps, dimension_numbers=Dims(1, 2)
+                                         ).reshape(shape)
+
+
+def _split_over_replicas(x: jax.Array, replicas: tuple[str, ...], fn: Callable) -> jax.Array:
+  """fn(x) (row-wise over axis 0) inside a shard_map where the devices along `replicas` all hold the same x:
+  each computes ceil(rows / n) rows and a psum assembles them (no padding to n rows, so a leaf of 3 matrices on
+  512 replicas stays 3 matrices). Slices are clamped to stay in bounds; rows another device owns are zeroed."""
+  n = math.prod(jax.lax.axis_size(a) for a in replicas)
+  rows = x.shape[0]
+  chunk = -(-rows // n)
+  r = jax.lax.axis_index(replicas)
+  start = jnp.minimum(r * chunk, rows - chunk)
+  y = fn(jax.lax.dynamic_slice_in_dim(x, start, chunk, 0))
+  owned = (start + jnp.arange(chunk)) >= r * chunk
+  y = jnp.where(owned.reshape((chunk,) + (1,) * (y.ndim - 1)), y, jnp.zeros_like(y))
+  out = jax.lax.dynamic_update_slice_in_dim(jnp.zeros((rows,) + y.shape[1:], y.dtype), y, start, 0)
+  return jax.lax.psum(out, replicas)
+
+
+def orthogonalize(x: jax.Array, layout: MuonLayout, ns_coeffs: jax.Array, ns_steps: int, eps: float = 1e-8
+                  ) -> jax.Array:
+  """optax's Newton-Schulz orthogonalization of every matrix of x; on a mesh, each device does whole matrices.
+
+  optax reshapes a leaf to [batch, in, out] (stacked layers, experts and split heads merged into one batch axis)
+  and vmaps Newton-Schulz over it. Under a mesh that loses the parameter's sharding (experts split over
+  `expert` are no block of a layers-major merged axis), and XLA, left to itself, computes every Gram matrix
+  X X^T on every device with a sharded contraction (for glm5_744b's routed experts f32[75 * 256, 2048, 2048] a
+  chip, 322 GB) or, given a batch-sharded target, reshards through a full all-gather of the leaf (24 GiB a MoE
+  layer pair). So, under a mesh with more than one device and a known parameter layout, a shard_map does it
+  explicitly. On each device, with the local block [batch_l, *in_l, *out_l]:
+    1. pad batch_l with zero matrices (Newton-Schulz maps them to zero) to a multiple of the number of devices
+       over which the matrix dimensions are split (fsdp on the model dimension, tensor on a width);
+    2. per mesh axis sharding a matrix dimension, an all-to-all that splits the batch and gathers that
+       dimension: the device now holds batch_l / (those axes' sizes) whole matrices;
+    3. the devices along mesh axes that do not shard the leaf at all (replicas: e.g. expert for attention
+       weights) hold the same matrices: each orthogonalizes its share and a psum assembles them;
+    4. the all-to-alls in reverse put every matrix back in the parameter's layout.
+  The arithmetic per matrix is optax's, so the result is the same on any mesh (and on one device).
+  """
+  dims = layout.dims
+  ndim = x.ndim
+  matrix_in = tuple(a % ndim for a in _as_tuple(dims.reduction_axis))
+  matrix_out = tuple(a % ndim for a in _as_tuple(dims.output_axis))
+  batch_axes = tuple(i for i in range(ndim) if i not in matrix_in + matrix_out)
+  order = batch_axes + matrix_in + matrix_out
+  inverse = tuple(sorted(range(ndim), key=lambda i: order[i]))
+  n_in = len(matrix_in)
+
+  def local_orthogonalize(xl: jax.Array, matrix_sharding: tuple = (), replicas: tuple = ()) -> jax.Array:
+    xl = xl.transpose(order)
+    batch_shape = xl.shape[:len(batch_axes)]
+    b = math.prod(batch_shape)
+    xl = xl.reshape((b,) + xl.shape[len(batch_axes):])
+    group = math.prod(mesh.shape[a] for _, axes in matrix_sharding for a in axes)
+    xl = jnp.pad(xl, ((0, -b % group),) + ((0, 0),) * (xl.ndim - 1))
+    for pos, axes in matrix_sharding:  # batch split, matrix dimension gathered
+      xl = jax.lax.all_to_all(xl, axes, 0, pos, tiled=True)
+    if replicas:
+      y = _split_over_replicas(xl, replicas, lambda part: _newton_schulz(part, n_in, ns_coeffs, ns_steps, eps))
+    else:
+      y = _newton_schulz(xl, n_in, ns_coeffs, ns_steps, eps)
+    for pos, axes in reversed(matrix_sharding):
+      y = jax.lax.all_to_all(y, axes, pos, 0, tiled=True)
+    return y[:b].reshape(batch_shape + y.shape[1:]).transpose(inverse)
+
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1 or layout.logical_axes is None or len(layout.logical_axes) != ndim:
+    return local_orthogonalize(x)
+  spec = logical_to_spec(layout.logical_axes)
+  spec = P(*(a if a in mesh.axis_names and d % mesh.shape[a] == 0 else None for a, d in zip(spec, x.shape)))
+  used = {a for a in spec if a is not None}
+  matrix_sharding = tuple((1 + order[len(batch_axes):].index(i), (spec[i],))
+                          for i in matrix_in + matrix_out if spec[i] is not None and mesh.shape[spec[i]] > 1)
+  replicas = tuple(a for a in mesh.axis_names if a not in used and mesh.shape[a] > 1)
+  fn = functools.partial(local_orthogonalize, matrix_sharding=matrix_sharding, replicas=replicas)
+  return jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)(x)
+
+
+def scale_by_muon(ns_coeffs: tuple[float, float, float], ns_steps: int, beta: float, nesterov: bool,
+                  layouts: Callable, mu_dtype=None, eps: float = 1e-8) -> optax.GradientTransformation:
+  """Muon's direction: optax.contrib.scale_by_muon's momentum (bias-corrected, Nesterov) and Newton-Schulz
+  (Frobenius preconditioning), with `orthogonalize` placing the matrices on the mesh. State: optax's MuonState.
+  layouts(updates): a tree of MuonLayout shaped like the updates."""
+
+  def init_fn(params):
+    return MuonState(count=jnp.zeros([], jnp.int32), mu=optax.tree.zeros_like(params, dtype=mu_dtype),
+                     ns_coeffs=jnp.asarray(ns_coeffs))
+
+  def update_fn(updates, state, params=None):
+    del params
+    mu = optax.tree.update_moment(updates, state.mu, beta, 1)
+    count = optax.safe_increment(state.count)
+    if nesterov:  # beta * m_hat(t + 1) + (1 - beta) * g_hat(t), as optax
+      mu_hat = jax.tree.map(lambda m, g: beta * m + (1 - beta) * g,
+                            optax.tree.bias_correction(mu, beta, optax.safe_increment(count)),
+                            optax.tree.bias_correction(updates, beta, count))
+    else:
+      mu_hat = optax.tree.bias_correction(mu, beta, count)
+    out = jax.tree.map(lambda x, lay: orthogonalize(x, lay, state.ns_coeffs, ns_steps, eps), mu_hat,
+                       layouts(updates))
+    return out, MuonState(count=count, mu=optax.tree.cast(mu, mu_dtype), ns_coeffs=state.ns_coeffs)
+
+  return optax.GradientTransformation(init_fn, update_fn)
 
 
 def zero_updates() -> optax.GradientTransformation:
@@ -297,9 +446,8 @@ def make_optimizer(opt_cfg: Mapping[str, Any] | None, params, *, trainable=None)
 
   dims = _muon_dims_fn(plan)
   orthogonalize = optax.chain(
-      optax.contrib.scale_by_muon(ns_coeffs=tuple(cfg.muon_ns_coeffs), ns_steps=int(cfg.muon_ns_steps),
-                                  beta=cfg.muon_momentum, mu_dtype=mu_dtype, nesterov=cfg.muon_nesterov,
-                                  weight_dimension_numbers=dims),
+      scale_by_muon(ns_coeffs=tuple(cfg.muon_ns_coeffs), ns_steps=int(cfg.muon_ns_steps), beta=cfg.muon_momentum,
+                    nesterov=cfg.muon_nesterov, layouts=_muon_dims_fn(plan, layouts=True), mu_dtype=mu_dtype),
       scale_by_shape(weight_dimension_numbers=dims, consistent_rms=cfg.muon_update_rms))
   muon = optax.chain(
       _split_heads(orthogonalize, plan),

@@ -95,10 +95,12 @@ def _update_expert_biases(rest, counts: dict[str, jax.Array], rate: float):
 
 
 def make_train_step(graphdef, optimizer: optax.GradientTransformation, schedule: Callable, train_cfg, *,
-                    state_shardings: Any = None, batch_sharding: Any = None) -> Callable:
+                    state_shardings: Any = None, batch_sharding: Any = None,
+                    unroll_microbatches: bool = False) -> Callable:
   """Returns jitted step(state, batch) -> (state, metrics). batch: input_ids, segment_ids, positions
   [global_batch, seq_len] int32; the batch is split into train_cfg.microbatches equal parts. With shardings
-  (glm_jax.sharding), the state keeps its layout across steps and the batch is split over the mesh."""
+  (glm_jax.sharding), the state keeps its layout across steps and the batch is split over the mesh.
+  unroll_microbatches unrolls the accumulation loop (for XLA's cost analysis, which counts a loop body once)."""
   stage = train_cfg.dsa_stage
   if stage not in STAGES:
     raise ValueError(f"train.dsa_stage={stage!r}; one of {STAGES}")
@@ -121,7 +123,7 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, schedule:
 
     shapes = jax.eval_shape(micro_grads, jax.tree.map(lambda x: x[0], micro))
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-    (grads, m, counts), _ = jax.lax.scan(accumulate, zeros, micro)
+    (grads, m, counts), _ = jax.lax.scan(accumulate, zeros, micro, unroll=unroll_microbatches)
     grads = jax.tree.map(lambda g: g / n_micro, grads)
     m = {k: (v if k == "tokens" else v / n_micro) for k, v in m.items()}
 

@@ -72,9 +72,10 @@ def create_train_state(config: ml_collections.ConfigDict, model_cfg: ModelConfig
   return graphdef, state, optimizer, optimizers.learning_rate_schedule(config.optimizer)
 
 
-def create_sharded_train_state(config: ml_collections.ConfigDict, model_cfg: ModelConfig, mesh):
-  """create_train_state's (graphdef, state, optimizer, schedule) with the state created directly in its
-  sharded layout on `mesh` (no host holds it whole), and the state's shardings."""
+def train_state_factory(config: ml_collections.ConfigDict, model_cfg: ModelConfig):
+  """(make_state, built): make_state() returns create_train_state's state and, when first traced, fills
+  built with its graphdef, optimizer and schedule (for jax.eval_shape or a jit that never materializes the
+  model on the host)."""
   built = {}
 
   def make_state():
@@ -82,6 +83,13 @@ def create_sharded_train_state(config: ml_collections.ConfigDict, model_cfg: Mod
     built.update(graphdef=graphdef, optimizer=optimizer, schedule=schedule)
     return state
 
+  return make_state, built
+
+
+def create_sharded_train_state(config: ml_collections.ConfigDict, model_cfg: ModelConfig, mesh):
+  """create_train_state's (graphdef, state, optimizer, schedule) with the state created directly in its
+  sharded layout on `mesh` (no host holds it whole), and the state's shardings."""
+  make_state, built = train_state_factory(config, model_cfg)
   state, shardings = create_sharded(make_state, lambda s: s.params, mesh)
   return built["graphdef"], state, built["optimizer"], built["schedule"], shardings
 

@@ -168,3 +168,36 @@ def test_train_and_evaluate_on_a_mesh_matches_one_device(tmp_path):
   meshed, losses_8 = run(tmp_path / "mesh", {"data": 1, "fsdp": 2, "expert": 2, "tensor": 2})
   np.testing.assert_allclose(losses_8, losses_1, rtol=1e-5)
   assert meshed["eval_loss"] == pytest.approx(single["eval_loss"], rel=1e-5)
+
+
+@multi_device
+@pytest.mark.parametrize("mesh_cfg, axes, shape", [
+    # experts over `expert`, the model dimension over fsdp (all-to-all), the width over tensor (all-to-all)
+    ({"fsdp": 2, "expert": 2, "tensor": 2}, ("layers", "experts", "embed", "expert_mlp"), (3, 4, 16, 12)),
+    # no axis shards the leaf but fsdp: `data` and `expert` hold replicas, 3 matrices over 4 of them
+    ({"data": 2, "fsdp": 2, "expert": 2}, ("layers", "embed", "mlp"), (3, 16, 24)),
+    # split heads: a leaf sharded only on a batch axis (heads over tensor), layers padded to the fsdp group
+    ({"fsdp": 4, "tensor": 2}, ("layers", "q_lora", "heads", "qk_head_dim"), (3, 8, 4, 6)),
+])
+def test_muon_orthogonalizes_whole_matrices_on_any_mesh(mesh_cfg, axes, shape):
+  """optimizers.orthogonalize under a mesh (shard_map, all-to-alls, replicas) equals optax's Newton-Schulz of each
+  matrix on one device."""
+  from optax.contrib import MuonDimensionNumbers as Dims
+  from optax.contrib._muon import orthogonalize_via_newton_schulz
+
+  from glm_jax.train.optimizers import MuonLayout, orthogonalize
+
+  dims = Dims(-3, -1) if "heads" in axes else Dims(-2, -1)
+  x = jax.random.normal(jax.random.key(0), shape, jnp.float32)
+  coeffs = jnp.asarray((3.4445, -4.7750, 2.0315))
+  want = orthogonalize_via_newton_schulz(x, coeffs, 5, dimension_numbers=dims)
+  mesh = make_mesh(mesh_cfg, jax.devices()[:8])
+  spec = logical_to_spec(axes)
+  with jax.set_mesh(mesh):
+    xs = jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))
+    fn = jax.jit(lambda a: orthogonalize(a, MuonLayout(dims, axes), coeffs, 5))
+    got = fn(xs)
+    hlo = fn.lower(xs).as_text()
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6)
+  assert got.sharding.is_equivalent_to(xs.sharding, x.ndim)  # back in the parameter's layout
+  assert "all_to_all" in hlo  # matrices gathered whole by all-to-alls over the axes sharding them

@@ -1,0 +1,92 @@
+r"""Compiles the real pretraining step for a TPU slice ahead of time, on any machine, and says whether it fits.
+
+  pip install -r requirements-tpu.txt        # libtpu, the TPU compiler (CPU work does not need it)
+  python launch/compile.py --config=configs/glm5_744b.py --topology=v5p:8x8x8
+  python launch/compile.py --config=configs/glm5_744b.py --topology=v5p-1024 --config.data.seq_len=8192 \
+      --config.data.batch_size=256 --config.mesh.expert=16
+
+--topology is a chip grid ("v5p:8x8x8", "v5e:16x16", "v6e:16x16", "v4:4x4x4") or a Cloud accelerator type
+("v5p-1024", "v5litepod-256", "v6e-256"). The step is the one launch/train.py runs (the config's DSA stage,
+optimizer, microbatches and config.mesh over the slice's chips), lowered over abstract arguments: nothing is
+allocated and no TPU is needed. Prints one JSON line:
+  per_chip_bytes      XLA's memory analysis of the compiled program for one chip: arguments (the sharded train
+                      state and batch), outputs, temporaries, aliased (outputs written into donated arguments),
+                      total = arguments + outputs + temporaries + generated code - aliased, and peak
+  hbm_bytes           the chip's HBM as published; hbm_usable_bytes what XLA lets one program use
+  fits                total and peak within hbm_usable_bytes (false, with the compiler's message in
+                      "error", when XLA refuses to compile for lack of memory)
+  compiled_flops_per_step       XLA's FLOP count of the compiled program per chip x chips, at full depth: XLA
+                      counts a loop body (a scanned layer stack) once, so with --flops this comes from unrolled
+                      compiles of shallow copies, extrapolated to full depth; xla_flops_per_device_loop_bodies_once
+                      is the scanned program's own figure
+  analytic_flops_per_step       6 N P + attention (glm_jax/train/flops.py), Muon's Newton-Schulz apart in
+                      analytic_optimizer_flops_per_step; compiled_over_analytic divides by their sum
+  lower_seconds, compile_seconds
+Exit status 0 when it fits, 1 when it does not, 2 on bad input.
+"""
+
+import json
+import sys
+import time
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file.", lock_config=True)
+_TOPOLOGY = flags.DEFINE_string("topology", None, "TPU slice: v5p:8x8x8, v5p-1024, v6e:16x16, v5e-256, ...")
+_NUM_SLICES = flags.DEFINE_integer("num_slices", 1, "Slices joined by DCN (multislice); the mesh spans all.")
+_FLOPS = flags.DEFINE_bool("flops", False, "Also count the compiled step's FLOPs at full depth (three more, "
+                           "shallow, unrolled compiles; aot.extrapolated_flops; minutes for glm5_744b).")
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if not flags.FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)
+  from glm_jax.sharding import topology
+  from glm_jax.train import aot
+
+  config = _CONFIG.value
+  try:
+    topo = topology.parse_topology(_TOPOLOGY.value)
+    if _NUM_SLICES.value < 1:
+      raise ValueError(f"--num_slices={_NUM_SLICES.value} is invalid; a positive integer")
+    if not topology.libtpu_installed():
+      raise ModuleNotFoundError(f"launch/compile.py needs libtpu to compile for {topo.name}: "
+                                f"{topology.install_hint()}")
+    aot.check_sections(config)
+    t0 = time.perf_counter()
+    devices = topology.tpu_topology_devices(topo.name, num_slices=_NUM_SLICES.value)
+    topology_seconds = time.perf_counter() - t0
+    result = aot.compile_train_step(config, devices)
+    flops = aot.extrapolated_flops(config, devices) if _FLOPS.value and result.compiled is not None else None
+  except (ValueError, ModuleNotFoundError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+
+  gen = topo.generation.name
+  report = {"topology": topo.name, "num_slices": _NUM_SLICES.value, "chips": len(devices),
+            "device_kind": devices[0].device_kind}
+  report.update(aot.step_report(config, result, flops))
+  report["topology_seconds"] = round(topology_seconds, 1)
+  usable = topology.HBM_USABLE_BYTES[gen]
+  report["hbm_bytes"] = topology.HBM_BYTES[gen]
+  report["hbm_usable_bytes"] = usable
+  if result.compiled is not None:
+    mem = topology.compiled_memory(result.compiled)
+    report["per_chip_bytes"] = {k: mem[k] for k in ("arguments", "outputs", "temporaries", "generated_code",
+                                                    "aliased", "total", "peak")}
+    report["per_chip_gib"] = {k: round(v / topology.GiB, 2) for k, v in report["per_chip_bytes"].items()}
+    report["fits"] = mem["total"] <= usable and mem["peak"] <= usable
+    report["hbm_headroom_gib"] = round((usable - max(mem["total"], mem["peak"])) / topology.GiB, 2)
+  else:
+    report["fits"] = False
+    report["error"] = result.error.strip().splitlines()[0][:2000] if result.error else "compile failed"
+  print(json.dumps(report), flush=True)
+  sys.exit(0 if report["fits"] else 1)
+
+
+if __name__ == "__main__":
+  flags.mark_flags_as_required(["config", "topology"])
+  app.run(main)

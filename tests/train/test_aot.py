@@ -1,0 +1,119 @@
+"""Ahead-of-time compilation of the real train step for TPU topologies (glm_jax/train/aot.py, launch/compile.py).
+
+Needs libtpu (requirements-tpu.txt; CI installs it); skipped with that hint without it. Each compile is of
+glm5_tiny-sized models on a 4-chip v5p slice, a few seconds each."""
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from glm_jax.sharding.mesh import batch_sharding, make_mesh
+from glm_jax.sharding.state import abstract_sharded
+from glm_jax.sharding.topology import install_hint, libtpu_installed, tpu_topology_devices
+from glm_jax.train import aot, trainer
+from configs import glm5_tiny
+
+needs_libtpu = pytest.mark.skipif(not libtpu_installed(), reason=f"libtpu is not installed: {install_hint()}")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def tiny(mesh: dict, **train):
+  config = glm5_tiny.get_config()
+  config.data.batch_size = 8
+  config.data.seq_len = 64
+  for k, v in mesh.items():
+    config.mesh[k] = v
+  for k, v in train.items():
+    config.train[k] = v
+  return config
+
+
+def shard_bytes(x, tiled: bool) -> int:
+  """Bytes of one device's shard of a 32-bit ShapeDtypeStruct with a NamedSharding, from the shape and the spec:
+  as is, or (tiled) with XLA:TPU's 32-bit tiles on every array ((8, 128) on the last two dimensions, 1024
+  elements for a vector): XLA picks each buffer's layout, so the true size lies between the two."""
+  spec, mesh = x.sharding.spec, x.sharding.mesh
+  shape = list(x.shape)
+  for i, entry in enumerate(spec):
+    for axis in (entry if isinstance(entry, tuple) else (entry,)):
+      if axis is not None:
+        shape[i] //= mesh.shape[axis]
+  assert np.dtype(x.dtype).itemsize == 4, x.dtype
+  if tiled and len(shape) == 1:
+    shape = [-(-shape[0] // 1024) * 1024]
+  elif tiled and len(shape) >= 2:
+    shape[-1] = -(-shape[-1] // 128) * 128
+    shape[-2] = -(-shape[-2] // 8) * 8
+  return math.prod(shape) * 4
+
+
+@needs_libtpu
+@pytest.mark.slow  # five TPU compiles
+def test_extrapolated_flops_equal_the_unrolled_full_depth_count():
+  config = tiny({"fsdp": 2, "expert": 2})
+  config.optimizer.name = "adamw"  # Muon's padding of matrix stacks to the device count is not linear in depth
+  config.model.num_hidden_layers = 4  # 1 dense + 3 MoE: not among the shallow copies
+  devices = tpu_topology_devices("v5p:2x2x1")
+  flops = aot.extrapolated_flops(config, devices)
+  full = aot.compile_train_step(config, devices, unrolled=True)
+  exact = aot.cost_flops(full.compiled)
+  assert flops["per_device"] == pytest.approx(exact, rel=1e-6)
+  scanned = aot.cost_flops(aot.compile_train_step(config, devices).compiled)
+  assert scanned == pytest.approx(exact - 2 * flops["per_moe_layer"], rel=0.02)  # a loop body counted once
+
+
+def run_compile(*args):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  return subprocess.run([sys.executable, "launch/compile.py", *args], cwd=ROOT, env=env, capture_output=True,
+                        text=True, timeout=600)
+
+
+@needs_libtpu
+def test_compile_prints_one_json_line_that_fits():
+  out = run_compile("--config=configs/glm5_tiny.py", "--topology=v5p:2x2x1", "--config.mesh.fsdp=2",
+                    "--config.mesh.expert=2", "--config.data.seq_len=64", "--config.data.batch_size=8")
+  assert out.returncode == 0, out.stderr[-3000:]
+  report = json.loads(out.stdout.strip().splitlines()[-1])
+  assert report["chips"] == 4 and report["device_kind"] == "TPU v5" and report["fits"] is True
+  assert report["mesh"] == {"data": 1, "fsdp": 2, "expert": 2, "tensor": 1}
+  assert report["tokens_per_step"] == 8 * 64
+  b = report["per_chip_bytes"]
+  assert b["total"] == b["arguments"] + b["outputs"] + b["temporaries"] + b["generated_code"] - b["aliased"]
+  assert report["hbm_usable_bytes"] - max(b["total"], b["peak"]) == pytest.approx(
+      report["hbm_headroom_gib"] * (1 << 30), abs=0.01 * (1 << 30))
+
+  # The arguments are the train state, donated (the new state is written over it), and three batch arrays,
+  # each sized here from the shapes and the config's shardings alone.
+  config = tiny({"fsdp": 2, "expert": 2})
+  mesh = make_mesh(config.mesh, tpu_topology_devices("v5p:2x2x1"))
+  make_state, _ = trainer.train_state_factory(config, trainer.model_config_for_stage(config))
+  abstract, _ = abstract_sharded(make_state, lambda s: s.params, mesh)
+  batch = jax.ShapeDtypeStruct((8, 64), np.int32, sharding=batch_sharding(mesh))
+  for tiled, compare in ((False, lambda want, got: want <= got), (True, lambda want, got: got <= want)):
+    state = sum(shard_bytes(x, tiled) for x in jax.tree.leaves(abstract))
+    assert compare(state, b["aliased"]), (tiled, state, b)
+    assert compare(3 * shard_bytes(batch, tiled), b["arguments"] - b["aliased"]), (tiled, b)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--topology=v9z:2x2"], r"unknown TPU topology 'v9z:2x2'"),
+    (["--topology=v5p:2x2x1", "--config.mesh.fsdp=3"], r"mesh: .*'fsdp': 3.* multiplies to 3, but there are 4 "
+                                                         r"devices"),
+    (["--topology=v5p:2x2x1", "--config.mesh.fsdp=1", "--config.mesh.tensor=-1", "--config.model.num_attention_heads=2",
+      "--config.model.num_key_value_heads=2"],
+     r"size 2 is sharded over mesh axis 'tensor' of size 4"),
+])
+def test_bad_input_is_named_before_compiling(args, message):
+  if "v9z" not in args[0] and not libtpu_installed():
+    pytest.skip(f"libtpu is not installed: {install_hint()}")
+  out = run_compile("--config=configs/glm5_tiny.py", *args)
+  assert out.returncode == 2, (out.stdout, out.stderr[-2000:])
+  assert out.stdout == ""
+  assert re.search(message, out.stderr), out.stderr[-2000:]
