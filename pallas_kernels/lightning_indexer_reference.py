@@ -30,7 +30,10 @@ def visible_mask(t_len: int, s_len: int, *, causal: bool = True, q_offset: int =
 def lightning_indexer_scores(q_BTHD: jax.Array, k_BSD: jax.Array, w_BTH: jax.Array) -> jax.Array:
   """Index scores [B, T, S] in fp32, before masking."""
   qk_BTHS = jnp.einsum("bthd,bsd->bths", q_BTHD.astype(jnp.float32), k_BSD.astype(jnp.float32))
-  return jnp.einsum("bths,bth->bts", jax.nn.relu(qk_BTHS), w_BTH.astype(jnp.float32))
+  scores_BTS = jnp.einsum("bths,bth->bts", jax.nn.relu(qk_BTHS), w_BTH.astype(jnp.float32))
+  # A score whose every head term is zero can come out as -0.0 or +0.0 depending on how XLA orders the sum, and
+  # lax.top_k ranks -0.0 below +0.0: make zero one value so the top-k among zero scores is by key index alone.
+  return jnp.where(scores_BTS == 0, 0.0, scores_BTS)
 
 
 def lightning_indexer_topk(q_BTHD: jax.Array, k_BSD: jax.Array, w_BTH: jax.Array, *, topk: int,
