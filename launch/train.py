@@ -5,19 +5,40 @@ r"""Pretrains GLM-5 from a config; resumes from --workdir's latest checkpoint.
       --config.train.steps=50 --config.optimizer.lr=3e-3 --config.train.dsa_stage=warmup
 
 Any config field can be overridden as --config.<section>.<field>=value; an unknown field is an error.
+
+Several hosts (glm_jax/train/distributed.py): run the same command on every host. On a Cloud TPU pod slice
+  gcloud compute tpus tpu-vm ssh NAME --worker=all --command="cd glm-jax && python launch/train.py \
+      --distributed=on --config=configs/glm5_744b.py --config.data.path=/mnt/shared/shards \
+      --workdir=/mnt/shared/run"
+(--distributed=on: jax.distributed.initialize finds the slice's hosts itself; the default, auto, does so
+only when environment variables name a multi-process job). Elsewhere give the coordinator explicitly, e.g.
+two processes on one machine:
+  python launch/train.py --config=... --coordinator_address=localhost:12345 --num_processes=2 --process_id=0
+  python launch/train.py --config=... --coordinator_address=localhost:12345 --num_processes=2 --process_id=1
+Every process reads its own rows of each global batch and writes its part of each checkpoint; process 0
+writes the metrics and prints the JSON line.
 Metrics go to <workdir>/metrics.jsonl and <workdir>/tensorboard, checkpoints to <workdir>/checkpoints.
 The run ends by printing one JSON line: eval_loss and unigram_entropy (nats per token), step, and more.
 """
 
 import json
 
+import jax
+
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from glm_jax.train import distributed
 from glm_jax.train.trainer import train_and_evaluate
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (default: workdirs/<config name>).")
+_DISTRIBUTED = flags.DEFINE_enum("distributed", "auto", distributed.MODES,
+                                 "jax.distributed.initialize: auto (when the environment names a multi-process "
+                                 "job, or the three flags below are given), on, off.")
+_COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (multi-process runs).")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Number of processes (multi-process runs).")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index (multi-process runs).")
 
 
 def main(argv):
@@ -25,9 +46,16 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO; -v 0 brings it back
+  try:
+    distributed.maybe_initialize(_DISTRIBUTED.value, coordinator_address=_COORDINATOR.value,
+                                 num_processes=_NUM_PROCESSES.value, process_id=_PROCESS_ID.value)
+  except ValueError as e:
+    raise app.UsageError(str(e)) from e
   config = _CONFIG.value
   workdir = _WORKDIR.value or f"workdirs/{config.get('name', 'run')}"
-  print(json.dumps(train_and_evaluate(config, workdir)), flush=True)
+  summary = train_and_evaluate(config, workdir)
+  if jax.process_index() == 0:
+    print(json.dumps(summary), flush=True)
 
 
 if __name__ == "__main__":

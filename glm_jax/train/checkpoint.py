@@ -93,8 +93,13 @@ class Checkpointer:
 
   def restore_weights(self, step: int, params: Any, rest: Any) -> tuple[Any, Any]:
     """(params, rest) with every array taken from the checkpoint at `step`, whatever optimizer state or
-    stage it was saved with; a missing or differently shaped array is an error that names it."""
-    saved = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))["state"]
+    stage it was saved with; a missing or differently shaped array is an error that names it. The arrays are
+    read onto this process's first device whatever mesh (or number of processes) wrote them; the caller puts
+    them in their sharded layout."""
+    meta = ocp.StandardCheckpointer().metadata(os.path.join(self.directory, str(step), "state")).item_metadata
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), meta)
+    saved = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))["state"]
 
     def fill(state, tree, name):
       out = []

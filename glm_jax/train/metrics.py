@@ -22,17 +22,23 @@ def to_python(value: Any) -> float | int | list:
 
 
 class MetricsWriter:
+  """enabled=False (every process of a multi-process run but the first) formats rows but writes nothing."""
 
-  def __init__(self, workdir: str, *, tensorboard: bool = True):
+  def __init__(self, workdir: str, *, tensorboard: bool = True, enabled: bool = True):
+    self.enabled = enabled
+    self.jsonl = self.tb = None
+    if not enabled:
+      return
     os.makedirs(workdir, exist_ok=True)
     self.jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")
-    self.tb = None
     if tensorboard:
       from tensorboardX import SummaryWriter  # imported here: TensorBoard is optional for library users
       self.tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
 
   def write(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
     row = {"step": int(step), **{k: to_python(v) for k, v in metrics.items()}}
+    if not self.enabled:
+      return row
     self.jsonl.write(json.dumps(row) + "\n")
     self.jsonl.flush()
     if self.tb is not None:
@@ -48,6 +54,7 @@ class MetricsWriter:
     return row
 
   def close(self) -> None:
-    self.jsonl.close()
+    if self.jsonl is not None:
+      self.jsonl.close()
     if self.tb is not None:
       self.tb.close()

@@ -173,13 +173,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   def mesh_context():  # the MoE's expert parallelism reads the mesh from this context
     return jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
 
-  writer = MetricsWriter(workdir, tensorboard=train.tensorboard)
+  writer = MetricsWriter(workdir, tensorboard=train.tensorboard, enabled=jax.process_index() == 0)
   tokens_per_step = config.data.batch_size * config.data.seq_len
   last_loss = math.nan
   eval_loss = None
   try:
     from tqdm import tqdm
-    bar = tqdm(total=train.steps, initial=start, disable=None, dynamic_ncols=True, desc="train")
+    bar = tqdm(total=train.steps, initial=start, disable=None if jax.process_index() == 0 else True,
+               dynamic_ncols=True, desc="train")
     t_log, steps_since_log = time.perf_counter(), 0
     for step in range(start, train.steps):
       with mesh_context():

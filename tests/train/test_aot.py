@@ -64,7 +64,9 @@ def test_extrapolated_flops_equal_the_unrolled_full_depth_count():
   flops = aot.extrapolated_flops(config, devices)
   full = aot.compile_train_step(config, devices, unrolled=True)
   exact = aot.cost_flops(full.compiled)
-  assert flops["per_device"] == pytest.approx(exact, rel=1e-6)
+  # Linear in depth up to what XLA's simplifications change with depth (elementwise ops fused or folded
+  # differently): 2.7e-4 of the count here.
+  assert flops["per_device"] == pytest.approx(exact, rel=1e-3)
   scanned = aot.cost_flops(aot.compile_train_step(config, devices).compiled)
   assert scanned == pytest.approx(exact - 2 * flops["per_moe_layer"], rel=0.02)  # a loop body counted once
 
