@@ -1,7 +1,8 @@
 """Pure-jnp sparse MLA attention over indexer-selected keys, in MLA's absorbed (MQA) form.
 
 q [B, T, H, D_qk] per head; kv [B, S, D_qk] shared by all heads (the kv latent and the shared rope key,
-576 wide for GLM-5); the value is kv[..., :v_dim]. Each query attends only to its indices (-1 = skip):
+576 wide for GLM-5); the value is kv[..., :v_dim]. Each query attends only to its indices (-1, or any index outside
+[0, S), = skip):
   o[t, h] = sum_{s in idx[t]} softmax_s(sm_scale * q[t, h] . kv[s]) kv[s, :v_dim]
 A query with no valid index outputs zeros and lse = -inf. Softmax in fp32.
 """
@@ -13,15 +14,15 @@ import jax.numpy as jnp
 
 
 def gather_kv(kv_BSD: jax.Array, idx_BTK: jax.Array) -> jax.Array:
-  """kv rows selected per query: [B, T, K, D]; rows for index -1 are row 0 (mask them)."""
-  safe_BTK = jnp.maximum(idx_BTK, 0)
+  """kv rows selected per query: [B, T, K, D]; rows for an index outside [0, S) are row 0 (mask them)."""
+  safe_BTK = jnp.where(idx_BTK < kv_BSD.shape[1], jnp.maximum(idx_BTK, 0), 0)
   return jax.vmap(lambda kv, idx: kv[idx])(kv_BSD, safe_BTK)
 
 
 def sparse_mla_attention(q_BTHD: jax.Array, kv_BSD: jax.Array, idx_BTK: jax.Array, *, sm_scale: float,
                          v_dim: int) -> tuple[jax.Array, jax.Array]:
   """Returns (out [B, T, H, v_dim] in q's dtype, lse [B, T, H] fp32)."""
-  valid_BTK = idx_BTK >= 0
+  valid_BTK = (idx_BTK >= 0) & (idx_BTK < kv_BSD.shape[1])
   kv_BTKD = gather_kv(kv_BSD, idx_BTK)
   s_BTHK = jnp.einsum("bthd,btkd->bthk", q_BTHD, kv_BTKD, preferred_element_type=jnp.float32) * sm_scale
   s_BTHK = jnp.where(valid_BTK[:, :, None, :], s_BTHK, -jnp.inf)

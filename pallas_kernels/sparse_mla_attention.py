@@ -1,0 +1,502 @@
+"""Pallas TPU kernels: DSA's sparse MLA attention over indexer-selected keys, forward and backward.
+
+Same interface and result as sparse_mla_attention_reference.py, in MLA's absorbed (MQA) form: q [B, T, H, D] per
+head, kv [B, S, D] shared by all heads (D = kv_lora_rank + rope dim = 576 for GLM-5), the value kv[..., :v_dim],
+indices [B, T, K] (-1 = skip):
+  o[t, h] = sum_{s in idx[t]} softmax_s(sm_scale * q[t, h] . kv[s]) kv[s, :v_dim],   lse[t, h] = log sum_s exp(.)
+An index outside [0, S) counts as -1; a query with no valid index gives o = 0 and lse = -inf. The indices of one
+query must be distinct (a top-k's are): a key listed twice would be counted twice in the softmax, and its two
+backward updates race.
+
+Nothing of size [T, S] exists anywhere, and kv is never gathered into a [T, K, D] array in HBM: the kernels gather
+the selected rows straight into VMEM. Mosaic has no general gather, so the indices ride in SMEM (one block of
+block_t * K per grid step) and drive one DMA per selected kv row, block_kv rows per batch, double-buffered: the rows
+of the next block are in flight while the current one is on the MXU.
+
+Forward, grid (B, T / block_t); per query t (all H heads at once) and per block of block_kv selected keys:
+  s = sm_scale * q_t [H, D] kv_blk^T [D, bkv] (MXU, fp32 accumulation), online softmax (running max and sum per
+  head), acc [H, v_dim] += p kv_blk[:, :v_dim]. Emits o and lse.
+Backward (custom_vjp), same grid and gathers, p recomputed from lse; with delta = sum(o * do, -1) - dlse:
+  dp = do kv_blk[:, :v]^T, ds = p (dp - delta), dq += sm_scale ds kv_blk (VMEM accumulator, written per query),
+  dkv_blk = sm_scale ds^T q + [p^T do, 0]   [bkv, D]
+and dkv_blk is added in place into an fp32 dkv accumulator [B, S, D] in HBM: DMA the rows in, add, DMA them back,
+waiting for the writes before the next block's reads, so a key picked by many queries accumulates every update.
+dkv therefore costs O(S * D) memory, never O(T * K * D); the batch axis is "parallel" (each batch element owns
+its rows of the accumulator) and the query axis "arbitrary" (sequential, which is what makes the read-modify-write
+safe without atomics). On a megacore chip (v4, v5p) with B = 1 the backward runs on one of its two TensorCores.
+
+bf16: a DMA of one bf16 row into VMEM is not tile-aligned (bf16 packs two rows a sublane), so bf16 kv travels as
+int32 words, each holding two bf16 values from two column halves, lo and hi, chosen so the value columns split
+evenly: lo = [0, v/2) + [v, v + r/2), hi = [v/2, v) + [v + r/2, D), r = D - v. In VMEM a shift or a mask turns the
+words back into the two bf16 halves (exactly), and q is split the same way, so s = q_lo kv_lo^T + q_hi kv_hi^T and
+the value's halves are kv_lo[:, :v/2] and kv_hi[:, :v/2], 128-lane aligned at GLM-5's v = 512. Other dtypes, or odd
+v or D, run in fp32.
+
+Traffic per query: K rows of D words (bf16: 2 bytes a number) read once forward, twice backward (kv gather, dkv
+read) plus one dkv write; FLOPs 2*H*K*(D + v) forward, 2*H*K*(2D + 2v) + ... backward (see experiments/
+bench_kernels_sparse_attention.py). Unmeasured on TPU hardware so far: the block sizes are first guesses, proven
+to compile, not tuned; one DMA per row may be issue-bound at GLM-5's 1152-byte rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+_MiB = 1 << 20
+_NT = (((1,), (1,)), ((), ()))  # a [m, k] . b [n, k] -> [m, n]
+_TN = (((0,), (0,)), ((), ()))  # a [k, m] . b [k, n] -> [m, n]
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseAttentionBlockSizes:
+  """Tile sizes; they change speed and VMEM, never the result.
+
+  block_t: queries per grid step (a multiple of 8; T is padded up to a multiple of it).
+  block_kv: selected keys gathered per inner step, one DMA each (a multiple of 8; K is padded up to a multiple).
+  """
+  block_t: int = 8
+  block_kv: int = 128
+
+  def __post_init__(self):
+    for name in ("block_t", "block_kv"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value <= 0 or value % 8:
+        raise ValueError(f"SparseAttentionBlockSizes.{name}={value!r}; must be a positive multiple of 8")
+
+
+def _round_up(n: int, m: int) -> int:
+  return -(-n // m) * m
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+  """How q and kv are laid out for the kernels (static)."""
+  b: int
+  t_len: int
+  t_pad: int
+  heads: int
+  dim: int
+  s_len: int
+  kp: int  # K padded to a multiple of block_kv
+  v_dim: int
+  block_t: int
+  block_kv: int
+  packed: bool  # bf16 kv as int32 words holding (lo, hi) column pairs
+  dtype: jnp.dtype  # the MXU operand dtype: bf16 or fp32
+
+  @property
+  def n_parts(self) -> int:
+    return 2 if self.packed else 1
+
+  @property
+  def part_dim(self) -> int:
+    return self.dim // self.n_parts
+
+  @property
+  def v_part(self) -> int:
+    return self.v_dim // self.n_parts
+
+  def part_columns(self) -> list[np.ndarray]:
+    """The original columns of each part, in order."""
+    if not self.packed:
+      return [np.arange(self.dim)]
+    v, r = self.v_dim, self.dim - self.v_dim
+    lo = np.concatenate([np.arange(0, v // 2), np.arange(v, v + r // 2)])
+    hi = np.concatenate([np.arange(v // 2, v), np.arange(v + r // 2, self.dim)])
+    return [lo, hi]
+
+
+def _layout(q, kv, idx, v_dim, blocks: SparseAttentionBlockSizes) -> _Layout:
+  b, t_len, heads, dim = q.shape
+  dtype = jnp.promote_types(q.dtype, kv.dtype)
+  packed = dtype == jnp.bfloat16 and dim % 2 == 0 and v_dim % 2 == 0
+  block_kv = min(blocks.block_kv, _round_up(idx.shape[-1], 8))
+  block_t = min(blocks.block_t, _round_up(t_len, 8))
+  return _Layout(b=b, t_len=t_len, t_pad=_round_up(t_len, block_t), heads=heads, dim=dim, s_len=kv.shape[1],
+                 kp=_round_up(idx.shape[-1], block_kv), v_dim=v_dim, block_t=block_t, block_kv=block_kv,
+                 packed=packed, dtype=jnp.dtype(jnp.bfloat16 if packed else jnp.float32))
+
+
+def _pad_t(x, lay: _Layout, value=0):
+  return jnp.pad(x, [(0, 0), (0, lay.t_pad - lay.t_len)] + [(0, 0)] * (x.ndim - 2), constant_values=value)
+
+
+def _q_parts(q, lay: _Layout) -> list[jax.Array]:
+  q = _pad_t(q.astype(lay.dtype), lay)
+  return [q] if not lay.packed else [q[..., cols] for cols in lay.part_columns()]
+
+
+def _kv_words(kv, lay: _Layout) -> jax.Array:
+  """kv as the rows the kernels DMA: fp32 [B, S, D], or int32 [B, S, D/2] with lo in the low 16 bits."""
+  if not lay.packed:
+    return kv.astype(jnp.float32)
+  lo, hi = (lax.bitcast_convert_type(kv.astype(jnp.bfloat16)[..., cols], jnp.uint16).astype(jnp.uint32)
+            for cols in lay.part_columns())
+  return lax.bitcast_convert_type(lo | (hi << 16), jnp.int32)
+
+
+def _indices(idx, lay: _Layout) -> tuple[jax.Array, jax.Array]:
+  """(for SMEM [B, T_pad, Kp], for VMEM the same as [B, T_pad, Kp / block_kv, block_kv]); -1 padding, and -1 for
+  indices outside [0, S)."""
+  idx = idx.astype(jnp.int32)
+  idx = jnp.where((idx >= 0) & (idx < lay.s_len), idx, -1)
+  idx = jnp.pad(idx, ((0, 0), (0, lay.t_pad - lay.t_len), (0, lay.kp - idx.shape[-1])), constant_values=-1)
+  return idx, idx.reshape(lay.b, lay.t_pad, lay.kp // lay.block_kv, lay.block_kv)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# In-kernel pieces shared by the forward and the backward
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _start_gather(idx_ref, kv_hbm, kv_buf, sem, b, step, slot, lay: _Layout) -> None:
+  """DMAs the kv rows of the `step`-th block of selected keys (step = t * (Kp / block_kv) + j over the grid step's
+  queries t and key blocks j) into slot. An index of -1 fetches row 0 (finite data; its score is masked), so every
+  slot row is written."""
+  nkb = lay.kp // lay.block_kv
+  t, base = lax.div(step, nkb), lax.rem(step, nkb) * lay.block_kv
+
+  def row(r, carry):
+    s = jnp.maximum(idx_ref[0, t, base + r], 0)
+    pltpu.make_async_copy(kv_hbm.at[b, pl.ds(s, 1)], kv_buf.at[slot, pl.ds(r, 1)], sem.at[slot]).start()
+    return carry
+
+  lax.fori_loop(0, lay.block_kv, row, 0, unroll=min(8, lay.block_kv))
+
+
+def _wait_gather(kv_buf, sem, slot) -> None:
+  # A DMA semaphore counts bytes: one wait sized as the whole slot covers its block_kv row copies.
+  pltpu.make_async_copy(kv_buf.at[slot], kv_buf.at[slot], sem.at[slot]).wait()
+
+
+def _kv_parts(kv_buf, slot, lay: _Layout) -> list[jax.Array]:
+  """The gathered block as MXU operands: [kv] (fp32) or [kv_lo, kv_hi] (bf16, unpacked exactly)."""
+  w = kv_buf[slot]
+  if not lay.packed:
+    return [w]
+  lo = lax.bitcast_convert_type(lax.shift_left(w, 16), jnp.float32)
+  hi = lax.bitcast_convert_type(w & jnp.int32(-65536), jnp.float32)
+  return [lo.astype(jnp.bfloat16), hi.astype(jnp.bfloat16)]
+
+
+def _dot(a, b, dims, precision):
+  return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32, precision=precision)
+
+
+def _scores(q_refs, kvs, t, sm_scale, precision) -> jax.Array:
+  """sm_scale * q_t . kv_blk^T: [H, block_kv] fp32."""
+  s = None
+  for q_ref, kv in zip(q_refs, kvs):
+    part = _dot(q_ref[0, t], kv, _NT, precision)
+    s = part if s is None else s + part
+  return s * sm_scale
+
+
+def _loop_blocks(lay: _Layout, body, start, wait) -> None:
+  """for t in queries, j in key blocks: body(t, j, slot); the gather of the next block is started before
+  waiting for the current one."""
+  nkb = lay.kp // lay.block_kv
+  start(0, 0)
+
+  def query(t, carry):
+    def block(j, carry):
+      step = t * nkb + j
+      slot = step % 2
+
+      @pl.when(step + 1 < lay.block_t * nkb)
+      def _prefetch():
+        start(step + 1, 1 - slot)
+
+      wait(slot)
+      body(t, j, slot)
+      return carry
+
+    return lax.fori_loop(0, nkb, block, carry)
+
+  lax.fori_loop(0, lay.block_t, query, 0)
+
+
+def _col(row_1H: jax.Array) -> jax.Array:
+  """[1, H] -> [H, 1]."""
+  return row_1H.T
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Forward
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _fwd_kernel(*refs, lay: _Layout, sm_scale: float, precision):
+  n = lay.n_parts
+  idx_ref, valid_ref = refs[:2]
+  q_refs = refs[2:2 + n]
+  kv_hbm, o_ref, lse_ref, kv_buf, sem, m_ref, l_ref, acc_ref = refs[2 + n:]
+  b = pl.program_id(0)
+  nkb, vp = lay.kp // lay.block_kv, lay.v_part
+
+  def body(t, j, slot):
+    @pl.when(j == 0)
+    def _init():
+      m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+      l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+      acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    kvs = _kv_parts(kv_buf, slot, lay)
+    valid = valid_ref[0, t, pl.ds(j, 1), :] >= 0  # [1, bkv]
+    s = jnp.where(valid, _scores(q_refs, kvs, t, sm_scale, precision), -jnp.inf)
+    m_prev = m_ref[...]
+    m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+    m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
+    p = jnp.exp(s - m_safe)
+    alpha = jnp.exp(m_prev - m_safe)
+    m_ref[...] = m_new
+    l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
+    pv = p.astype(lay.dtype)
+    for i, kv in enumerate(kvs):
+      cols = slice(i * vp, (i + 1) * vp)
+      acc_ref[:, cols] = alpha * acc_ref[:, cols] + _dot(pv, kv[:, :vp], (((1,), (0,)), ((), ())), precision)
+
+    @pl.when(j == nkb - 1)
+    def _emit():
+      total = l_ref[...]
+      empty = total == 0
+      o_ref[0, t] = (acc_ref[...] / jnp.where(empty, 1.0, total)).astype(o_ref.dtype)
+      m_safe = jnp.where(jnp.isneginf(m_ref[...]), 0.0, m_ref[...])
+      lse = jnp.where(empty, -jnp.inf, m_safe + jnp.log(jnp.where(empty, 1.0, total)))  # [H, 1]
+      lse_ref[0, pl.ds(t, 1), :] = lse.T
+
+  _loop_blocks(lay, body,
+               lambda step, slot: _start_gather(idx_ref, kv_hbm, kv_buf, sem, b, step, slot, lay),
+               lambda slot: _wait_gather(kv_buf, sem, slot))
+
+
+def _common_specs(lay: _Layout):
+  nkb = lay.kp // lay.block_kv
+  return [pl.BlockSpec((1, lay.block_t, lay.kp), lambda b, i: (b, i, 0), memory_space=pltpu.SMEM),
+          pl.BlockSpec((1, lay.block_t, nkb, lay.block_kv), lambda b, i: (b, i, 0, 0))]
+
+
+def _per_query(lay: _Layout, width: int) -> pl.BlockSpec:
+  return pl.BlockSpec((1, lay.block_t, lay.heads, width), lambda b, i: (b, i, 0, 0))
+
+
+def _per_head(lay: _Layout) -> pl.BlockSpec:
+  return pl.BlockSpec((1, lay.block_t, lay.heads), lambda b, i: (b, i, 0))
+
+
+def _kv_buf_shape(lay: _Layout):
+  return pltpu.VMEM((2, lay.block_kv, lay.dim // lay.n_parts), jnp.int32 if lay.packed else jnp.float32)
+
+
+def _vmem_limit(lay: _Layout, extra_bytes: int) -> int:
+  itemsize = lay.dtype.itemsize
+  blocks = 2 * lay.block_t * (lay.heads * (lay.dim + 2 * lay.v_dim) * itemsize + 4 * lay.kp + 8 * lay.heads)
+  scratch = 2 * lay.block_kv * lay.dim * 4 + lay.heads * (lay.v_dim + lay.dim + 256) * 4
+  return int(min(blocks + scratch + extra_bytes + 16 * _MiB, 64 * _MiB))
+
+
+def _forward(q, kv, idx, *, sm_scale, v_dim, blocks, interpret, out_dtype):
+  lay = _layout(q, kv, idx, v_dim, blocks)
+  precision = lax.Precision.HIGHEST if lay.dtype == jnp.float32 else None
+  idx_smem, idx_vmem = _indices(idx, lay)
+  q_parts = _q_parts(q, lay)
+  kernel = functools.partial(_fwd_kernel, lay=lay, sm_scale=float(sm_scale), precision=precision)
+  o, lse = pl.pallas_call(
+      kernel,
+      grid=(lay.b, lay.t_pad // lay.block_t),
+      in_specs=_common_specs(lay) + [_per_query(lay, lay.part_dim)] * lay.n_parts + [pl.BlockSpec(memory_space=pl.ANY)],
+      out_specs=[_per_query(lay, v_dim), _per_head(lay)],
+      out_shape=[jax.ShapeDtypeStruct((lay.b, lay.t_pad, lay.heads, v_dim), out_dtype),
+                 jax.ShapeDtypeStruct((lay.b, lay.t_pad, lay.heads), jnp.float32)],
+      scratch_shapes=[_kv_buf_shape(lay), pltpu.SemaphoreType.DMA((2,)),
+                      pltpu.VMEM((lay.heads, 1), jnp.float32), pltpu.VMEM((lay.heads, 1), jnp.float32),
+                      pltpu.VMEM((lay.heads, v_dim), jnp.float32)],
+      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel"),
+                                           vmem_limit_bytes=_vmem_limit(lay, 0)),
+      interpret=interpret,
+  )(idx_smem, idx_vmem, *q_parts, _kv_words(kv, lay))
+  return o[:, :lay.t_len], lse[:, :lay.t_len]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Backward
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _bwd_kernel(*refs, lay: _Layout, sm_scale: float, precision):
+  n = lay.n_parts
+  idx_ref, valid_ref = refs[:2]
+  q_refs = refs[2:2 + n]
+  rest = refs[2 + n:]
+  if lay.packed:
+    qfull_ref, rest = rest[0], rest[1:]
+  else:
+    qfull_ref = q_refs[0]
+  do_ref, lse_ref, delta_ref, kv_hbm, _dkv_in, *rest = rest
+  dq_refs, rest = rest[:n], rest[n:]
+  dkv_hbm, kv_buf, sem, dkv_buf, rw_sem, *dq_accs = rest
+  b = pl.program_id(0)
+  nkb, vp, bkv = lay.kp // lay.block_kv, lay.v_part, lay.block_kv
+
+  def body(t, j, slot):
+    @pl.when(j == 0)
+    def _init():
+      for acc in dq_accs:
+        acc[...] = jnp.zeros(acc.shape, jnp.float32)
+
+    kvs = _kv_parts(kv_buf, slot, lay)
+    valid = valid_ref[0, t, pl.ds(j, 1), :] >= 0  # [1, bkv]
+    s = _scores(q_refs, kvs, t, sm_scale, precision)
+    lse = _col(lse_ref[0, pl.ds(t, 1), :])  # [H, 1]
+    p = jnp.where(valid, jnp.exp(s - jnp.where(jnp.isneginf(lse), 0.0, lse)), 0.0)  # [H, bkv]
+    do = do_ref[0, t]  # [H, v]
+    dp = None
+    for i, kv in enumerate(kvs):
+      part = _dot(do[:, i * vp:(i + 1) * vp], kv[:, :vp], _NT, precision)
+      dp = part if dp is None else dp + part
+    ds = p * (dp - _col(delta_ref[0, pl.ds(t, 1), :]))
+    dsc = ds.astype(lay.dtype)
+    for acc, kv in zip(dq_accs, kvs):
+      acc[...] += sm_scale * _dot(dsc, kv, (((1,), (0,)), ((), ())), precision)
+
+    @pl.when(j == nkb - 1)
+    def _emit_dq():
+      for dq_ref, acc in zip(dq_refs, dq_accs):
+        dq_ref[0, t] = acc[...]
+
+    # dkv rows of this block: key part for all D columns, value part for the first v
+    dkv_blk = sm_scale * _dot(dsc, qfull_ref[0, t], _TN, precision)  # [bkv, D]
+    dkv_v = _dot(p.astype(lay.dtype), do, _TN, precision)  # [bkv, v]
+
+    # read-modify-write into the HBM accumulator, valid rows only (a -1 row must not touch row 0)
+    def copy_rows(make_copy):
+      def row(r, count):
+        s_idx = idx_ref[0, t, j * bkv + r]
+
+        @pl.when(s_idx >= 0)
+        def _():
+          make_copy(r, s_idx).start()
+
+        return count + (s_idx >= 0).astype(jnp.int32)
+
+      count = lax.fori_loop(0, bkv, row, 0, unroll=min(8, bkv))
+
+      def wait(i, carry):
+        make_copy(0, 0).wait()  # each row copy moves the same number of bytes
+        return carry
+
+      lax.fori_loop(0, count, wait, 0)
+
+    copy_rows(lambda r, s_idx: pltpu.make_async_copy(dkv_hbm.at[b, pl.ds(s_idx, 1)], dkv_buf.at[pl.ds(r, 1)],
+                                                      rw_sem.at[0]))
+    dkv_buf[...] += dkv_blk
+    dkv_buf[:, :lay.v_dim] += dkv_v
+    copy_rows(lambda r, s_idx: pltpu.make_async_copy(dkv_buf.at[pl.ds(r, 1)], dkv_hbm.at[b, pl.ds(s_idx, 1)],
+                                                      rw_sem.at[1]))
+
+  _loop_blocks(lay, body,
+               lambda step, slot: _start_gather(idx_ref, kv_hbm, kv_buf, sem, b, step, slot, lay),
+               lambda slot: _wait_gather(kv_buf, sem, slot))
+
+
+def _backward(q, kv, idx, o, lse, do, dlse, *, sm_scale, v_dim, blocks, interpret):
+  lay = _layout(q, kv, idx, v_dim, blocks)
+  precision = lax.Precision.HIGHEST if lay.dtype == jnp.float32 else None
+  idx_smem, idx_vmem = _indices(idx, lay)
+  q_parts = _q_parts(q, lay)
+  delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)
+  if dlse is not None:
+    delta = delta - jnp.where(jnp.isneginf(lse), 0.0, dlse.astype(jnp.float32))
+  args = [idx_smem, idx_vmem, *q_parts]
+  in_specs = _common_specs(lay) + [_per_query(lay, lay.part_dim)] * lay.n_parts
+  if lay.packed:
+    args.append(_pad_t(q.astype(lay.dtype), lay))
+    in_specs.append(_per_query(lay, lay.dim))
+  args += [_pad_t(do.astype(lay.dtype), lay), _pad_t(lse, lay, -jnp.inf), _pad_t(delta, lay), _kv_words(kv, lay),
+           jnp.zeros((lay.b, lay.s_len, lay.dim), jnp.float32)]
+  in_specs += [_per_query(lay, v_dim), _per_head(lay), _per_head(lay), pl.BlockSpec(memory_space=pl.ANY),
+               pl.BlockSpec(memory_space=pl.ANY)]
+  kernel = functools.partial(_bwd_kernel, lay=lay, sm_scale=float(sm_scale), precision=precision)
+  dq_shape = jax.ShapeDtypeStruct((lay.b, lay.t_pad, lay.heads, lay.part_dim), jnp.float32)
+  *dq_parts, dkv = pl.pallas_call(
+      kernel,
+      grid=(lay.b, lay.t_pad // lay.block_t),
+      in_specs=in_specs,
+      out_specs=[_per_query(lay, lay.part_dim)] * lay.n_parts + [pl.BlockSpec(memory_space=pl.ANY)],
+      out_shape=[dq_shape] * lay.n_parts + [jax.ShapeDtypeStruct((lay.b, lay.s_len, lay.dim), jnp.float32)],
+      input_output_aliases={len(args) - 1: lay.n_parts},
+      scratch_shapes=[_kv_buf_shape(lay), pltpu.SemaphoreType.DMA((2,)),
+                      pltpu.VMEM((lay.block_kv, lay.dim), jnp.float32), pltpu.SemaphoreType.DMA((2,))]
+                     + [pltpu.VMEM((lay.heads, lay.part_dim), jnp.float32)] * lay.n_parts,
+      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
+                                           vmem_limit_bytes=_vmem_limit(lay, 2 * lay.block_kv * lay.dim * 4)),
+      interpret=interpret,
+  )(*args)
+  dq = dq_parts[0]
+  if lay.packed:  # [lo | hi] columns back to the original order
+    dq = jnp.concatenate(dq_parts, axis=-1)[..., np.argsort(np.concatenate(lay.part_columns()))]
+  return dq[:, :lay.t_len].astype(q.dtype), dkv.astype(kv.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Public entry point
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _attend(q, kv, idx, sm_scale, v_dim, blocks, interpret):
+  return _forward(q, kv, idx, sm_scale=sm_scale, v_dim=v_dim, blocks=blocks, interpret=interpret,
+                  out_dtype=q.dtype)
+
+
+def _attend_fwd(q, kv, idx, sm_scale, v_dim, blocks, interpret):
+  o, lse = _attend(q, kv, idx, sm_scale, v_dim, blocks, interpret)
+  return (o, lse), (q, kv, idx, o, lse)
+
+
+def _attend_bwd(sm_scale, v_dim, blocks, interpret, res, cotangents):
+  q, kv, idx, o, lse = res
+  do, dlse = cotangents
+  dq, dkv = _backward(q, kv, idx, o, lse, do, dlse, sm_scale=sm_scale, v_dim=v_dim, blocks=blocks,
+                      interpret=interpret)
+  return dq, dkv, None
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd)
+
+
+def sparse_mla_attention(q_BTHD: jax.Array, kv_BSD: jax.Array, idx_BTK: jax.Array, *, sm_scale: float, v_dim: int,
+                         block_sizes: SparseAttentionBlockSizes | None = None,
+                         interpret=None) -> tuple[jax.Array, jax.Array]:
+  """Sparse attention of each query over its selected keys: (out [B, T, H, v_dim] in q's dtype, lse [B, T, H]
+  fp32). Differentiable in q and kv (custom_vjp with Pallas backward kernels for dq and dkv).
+
+  q [B, T, H, D], kv [B, S, D] (bf16 or fp32; fp32 accumulation), idx [B, T, K] integer; -1 or any index outside
+  [0, S) is skipped; a query's indices must be distinct. interpret: None = compiled on TPU, Pallas interpret mode
+  elsewhere; True, False or a pltpu.InterpretParams to force.
+  """
+  if block_sizes is not None and not isinstance(block_sizes, SparseAttentionBlockSizes):
+    raise TypeError(f"sparse_mla_attention: block_sizes={block_sizes!r}; want a SparseAttentionBlockSizes or None")
+  if q_BTHD.ndim != 4 or kv_BSD.ndim != 3 or idx_BTK.ndim != 3:
+    raise ValueError(f"sparse_mla_attention: want q [B, T, H, D], kv [B, S, D], indices [B, T, K]; got shapes "
+                     f"{q_BTHD.shape}, {kv_BSD.shape}, {idx_BTK.shape}")
+  b, t_len, _, dim = q_BTHD.shape
+  if kv_BSD.shape[0] != b or kv_BSD.shape[2] != dim or idx_BTK.shape[:2] != (b, t_len):
+    raise ValueError(f"sparse_mla_attention: q {q_BTHD.shape} needs kv [{b}, S, {dim}] and indices [{b}, {t_len}, "
+                     f"K]; got kv {kv_BSD.shape}, indices {idx_BTK.shape}")
+  if not jnp.issubdtype(idx_BTK.dtype, jnp.integer):
+    raise TypeError(f"sparse_mla_attention: indices dtype {idx_BTK.dtype}; must be an integer type")
+  if isinstance(v_dim, bool) or not isinstance(v_dim, (int, np.integer)) or not 0 < v_dim <= dim:
+    raise ValueError(f"sparse_mla_attention: v_dim={v_dim!r}; must be an int in [1, D={dim}]")
+  if interpret is None:
+    interpret = jax.default_backend() != "tpu"
+  return _attend(q_BTHD, kv_BSD, idx_BTK, float(sm_scale), int(v_dim), block_sizes or SparseAttentionBlockSizes(),
+                 interpret)
