@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 # "pallas" joins this tuple when the DSA kernels land (pallas_kernels/); until then it is rejected here.
-ATTENTION_IMPLS = ("reference",)
+ATTENTION_IMPLS = ("reference", "pallas")
 REMAT_POLICIES = ("none", "full", "dots", "dots_with_no_batch_dims")
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -61,7 +61,7 @@ class ModelConfig:
   mla_norm_eps: float = 1e-6  # q_a_layernorm / kv_a_layernorm (HF builds them with eps 1e-6)
   index_norm_eps: float = 1e-6  # the indexer's k LayerNorm
   use_dsa: bool = True  # False: every layer is plain causal MLA, the indexer is still built and scored
-  attention_impl: str = "reference"  # "reference": pure jnp, the oracle (the kernels add "pallas")
+  attention_impl: str = "reference"  # DSA: "reference" (pure jnp, the oracle) or "pallas" (glm_jax/model/dsa.py)
   dtype: str = "float32"  # activations and matmul inputs; softmax, router and norms run in fp32
   param_dtype: str = "float32"
   remat_policy: str = "none"  # per scanned layer: none | full | dots | dots_with_no_batch_dims

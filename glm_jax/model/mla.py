@@ -16,11 +16,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from glm_jax.model import dsa
 from glm_jax.model.config import ModelConfig
 from glm_jax.model.indexer import Indexer
 from glm_jax.model.layers import RMSNorm, apply_rope, dense, dtype_of, param
-from pallas_kernels.lightning_indexer_reference import lightning_indexer_scores, lightning_indexer_topk
-from pallas_kernels.sparse_mla_attention_reference import gather_kv, sparse_mla_attention
+from pallas_kernels.lightning_indexer_reference import lightning_indexer_scores
+from pallas_kernels.sparse_mla_attention_reference import gather_kv
 
 
 @jax.tree_util.register_dataclass
@@ -119,23 +120,25 @@ class MLA(nnx.Module):
     seq_len = x_BTD.shape[1]
     cq_BTR, q_nope, q_rope, ckv_BTR, k_rope_BTR = self.project(x_BTD, inp)
     aux: dict[str, jax.Array] = {}
-    dsa = self.dsa_active(seq_len)
-    if dsa or return_index_scores or indexer_loss:
+    sparse = self.dsa_active(seq_len)
+    if sparse or return_index_scores or indexer_loss:
       q_i, k_i, w_i = self.indexer(jax.lax.stop_gradient(x_BTD), jax.lax.stop_gradient(cq_BTR),
                                    inp.cos, inp.sin)
-      if return_index_scores or (indexer_loss and not dsa):
+      if return_index_scores or (indexer_loss and not sparse):
         scores_BTS = jnp.where(inp.mask, lightning_indexer_scores(q_i, k_i, w_i), -jnp.inf)
       if return_index_scores:
         aux["index_scores"] = scores_BTS
-    if dsa:
-      idx_BTK, vals_BTK = lightning_indexer_topk(q_i, k_i, w_i, topk=cfg.index_topk, causal=True,
-                                                 q_segment_ids=inp.segment_ids, kv_segment_ids=inp.segment_ids)
+    if sparse:
+      impl = cfg.attention_impl
+      idx_BTK, vals_BTK = dsa.select_topk(impl, q_i, k_i, w_i, topk=cfg.index_topk,
+                                          q_segment_ids=inp.segment_ids, kv_segment_ids=inp.segment_ids)
       aux["topk_indices"] = idx_BTK
       q_BTHL, kv_BSL = self.absorbed_q_kv(q_nope, q_rope, ckv_BTR, k_rope_BTR)
-      o_lat, lse_BTH = sparse_mla_attention(q_BTHL, kv_BSL, idx_BTK, sm_scale=cfg.softmax_scale,
-                                            v_dim=cfg.kv_lora_rank)
+      o_lat, lse_BTH = dsa.attend(impl, q_BTHL, kv_BSL, idx_BTK, sm_scale=cfg.softmax_scale, v_dim=cfg.kv_lora_rank)
       o_BTHV = self.absorbed_out(o_lat)
       if indexer_loss:
+        if dsa.kernel_mode(impl) != "reference":  # the kernel's top-k scores carry no gradient
+          vals_BTK = dsa.selected_index_scores(q_i, k_i, w_i, idx_BTK)
         p_BTHK = selected_attention_probs(q_BTHL, kv_BSL, idx_BTK, lse_BTH, cfg.softmax_scale)
         aux["indexer_kl"] = indexer_kl(jnp.sum(p_BTHK, axis=2), vals_BTK, idx_BTK >= 0)
     elif form == "mha":

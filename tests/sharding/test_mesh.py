@@ -5,6 +5,7 @@ Simulated devices must be requested before jax starts, and every simulated devic
 in a normal run (one device) this file collects a single test that reruns it with
 XLA_FLAGS=--xla_force_host_platform_device_count=8 in a subprocess; there the real tests run."""
 
+import functools
 import os
 import subprocess
 import sys
@@ -201,3 +202,39 @@ def test_muon_orthogonalizes_whole_matrices_on_any_mesh(mesh_cfg, axes, shape):
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6)
   assert got.sharding.is_equivalent_to(xs.sharding, x.ndim)  # back in the parameter's layout
   assert "all_to_all" in hlo  # matrices gathered whole by all-to-alls over the axes sharding them
+
+
+@multi_device
+@pytest.mark.parametrize("mesh_cfg", [{"data": 2, "fsdp": 2, "tensor": 2}, {"fsdp": 2, "expert": 2, "tensor": 2}],
+                         ids=lambda m: "x".join(f"{k}{v}" for k, v in m.items()))
+def test_pallas_dsa_on_a_mesh_equals_the_reference_on_one_device(mesh_cfg):
+  """attention_impl="pallas" under a mesh (the kernels in a shard_map over batch and heads): the attention output
+  and the gradients of q and kv (kv's summed over the head shards) equal the reference on one device."""
+  from glm_jax.model import dsa
+
+  b, t_len, s_len, heads = 4, 12, 20, 4
+  rng = np.random.default_rng(0)
+  normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
+  q_i, k_i, w_i = normal(b, t_len, 2, 8), normal(b, s_len, 8), normal(b, t_len, 2)
+  q, kv, probe = normal(b, t_len, heads, 12), normal(b, s_len, 12), normal(b, t_len, heads, 8)
+  seg = jnp.asarray(np.repeat([[0, 1]], [8, 12], axis=1).repeat(b, 0), jnp.int32)
+
+  def loss(impl, q, kv, q_i, k_i, w_i):
+    idx, _ = dsa.select_topk(impl, q_i, k_i, w_i, topk=5, q_offset=s_len - t_len, q_segment_ids=seg[:, -t_len:],
+                             kv_segment_ids=seg)
+    out, lse = dsa.attend(impl, q, kv, idx, sm_scale=0.3, v_dim=8)
+    return jnp.sum(out * probe) + jnp.sum(jnp.where(jnp.isneginf(lse), 0.0, lse)), idx
+
+  grad = lambda impl: jax.jit(jax.grad(functools.partial(loss, impl), argnums=(0, 1), has_aux=True))  # noqa: E731
+  (dq_ref, dkv_ref), idx_ref = grad("reference")(q, kv, q_i, k_i, w_i)
+  mesh = make_mesh(mesh_cfg, jax.devices()[:8])
+  with jax.set_mesh(mesh):
+    batch = jax.sharding.NamedSharding(mesh, P(("data", "fsdp", "expert")))
+    args = [jax.device_put(x, batch) for x in (q, kv, q_i, k_i, w_i)]
+    fn = grad("pallas")
+    (dq, dkv), idx = fn(*args)
+    hlo = fn.lower(*args).as_text()
+  assert "shard_map" in hlo or "sdy.manual_computation" in hlo
+  np.testing.assert_array_equal(np.asarray(idx), np.asarray(idx_ref))
+  np.testing.assert_allclose(np.asarray(dq), np.asarray(dq_ref), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(dkv), np.asarray(dkv_ref), rtol=1e-5, atol=1e-5)

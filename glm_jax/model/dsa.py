@@ -1,0 +1,123 @@
+"""DSA's two steps, routed by `attention_impl`: the indexer's top-k selection and sparse attention over it.
+
+  "reference": the pure-jnp oracles in pallas_kernels/*_reference.py (they build the indexer's [T, S] scores).
+  "pallas":    the Pallas kernels (pallas_kernels/lightning_indexer.py, sparse_mla_attention.py): nothing [T, S].
+               Compiled on TPU; on a CPU in Pallas interpret mode (slow, exact: how the tests run them); on any
+               other backend (a GPU: no compiled variant yet) the reference runs instead. The choice is logged
+               once per process.
+
+Under a mesh (jax.set_mesh) the kernels run inside a shard_map: each device takes its slice of the batch (the
+mesh's data / fsdp / expert axes) and, for the attention, of the heads (tensor; kv is shared by all heads, so its
+gradient is summed over tensor by the shard_map's transpose). A Mosaic kernel is opaque to XLA's partitioner,
+which would otherwise gather every operand whole onto each device. Sizes that do not divide run unsplit.
+
+Both paths take a q_offset (queries are the last T of S keys: chunked prefill, or decoding against a longer
+cache) and give the same indices, outputs and gradients. The kernels' top-k scores carry no gradient, so where a
+loss needs the indexer's scores on the selected keys (the sparse-stage indexer KL), `selected_index_scores`
+recomputes them with the reference formula on the selected keys only.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from absl import logging
+from jax.sharding import PartitionSpec as P
+
+from pallas_kernels import lightning_indexer, lightning_indexer_reference, sparse_mla_attention
+from pallas_kernels import sparse_mla_attention_reference
+
+_logged: set[str] = set()
+
+
+def kernel_mode(impl: str) -> str:
+  """How `impl` runs on the default backend: "reference", "compiled" or "interpret"."""
+  if impl == "reference":
+    return "reference"
+  if impl != "pallas":
+    raise ValueError(f"attention_impl={impl!r}; one of 'reference', 'pallas'")
+  backend = jax.default_backend()
+  mode = {"tpu": "compiled", "cpu": "interpret"}.get(backend, "reference")
+  if backend not in _logged:
+    _logged.add(backend)
+    if mode == "interpret":
+      logging.info("attention_impl='pallas' on %s: the DSA kernels run in Pallas interpret mode (exact, slow)", backend)
+    elif mode == "reference":
+      logging.warning("attention_impl='pallas' on %s: no compiled variant of the DSA kernels for this backend; "
+                      "running the pure-jnp reference instead", backend)
+  return mode
+
+
+def _split_axes(size: int, axes: tuple[str, ...]) -> tuple[str, ...]:
+  """The axes of the current mesh (of size > 1) among `axes` to split a dimension of `size` over, or () when
+  there is no mesh or their product does not divide it."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return ()
+  names = tuple(a for a in axes if mesh.shape.get(a, 1) > 1)
+  return names if names and size % math.prod(mesh.shape[a] for a in names) == 0 else ()
+
+
+def _batch_axes(b: int) -> tuple[str, ...]:
+  from glm_jax.sharding.mesh import BATCH_AXES  # lazily: the model package does not otherwise need the mesh code
+  return _split_axes(b, BATCH_AXES)
+
+
+def _spec(batch: tuple[str, ...], *rest) -> P:
+  return P(batch or None, *rest)
+
+
+def select_topk(impl: str, q_BTHD: jax.Array, k_BSD: jax.Array, w_BTH: jax.Array, *, topk: int, q_offset: int = 0,
+                q_segment_ids: jax.Array | None = None, kv_segment_ids: jax.Array | None = None
+                ) -> tuple[jax.Array, jax.Array]:
+  """The causal top-`topk` keys per query: (indices [B, T, topk] int32, scores [B, T, topk] fp32), -1 / -inf
+  where fewer are visible. The scores carry the indexer's gradient on the reference path only."""
+  kw = dict(topk=topk, causal=True, q_offset=q_offset)
+  mode = kernel_mode(impl)
+  if mode == "reference":
+    return lightning_indexer_reference.lightning_indexer_topk(q_BTHD, k_BSD, w_BTH, q_segment_ids=q_segment_ids,
+                                                              kv_segment_ids=kv_segment_ids, **kw)
+  kernel = functools.partial(lightning_indexer.lightning_indexer_topk, interpret=mode == "interpret", **kw)
+  batch = _batch_axes(q_BTHD.shape[0])
+  if not batch:
+    return kernel(q_BTHD, k_BSD, w_BTH, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
+  args, specs = [q_BTHD, k_BSD, w_BTH], [_spec(batch, None, None, None), _spec(batch, None, None), _spec(batch)]
+  if q_segment_ids is not None:
+    args += [q_segment_ids, kv_segment_ids]
+    specs += [_spec(batch), _spec(batch)]
+
+  def local(q, k, w, q_seg=None, kv_seg=None):
+    return kernel(q, k, w, q_segment_ids=q_seg, kv_segment_ids=kv_seg)
+
+  return jax.shard_map(local, in_specs=tuple(specs), out_specs=(_spec(batch), _spec(batch)), check_vma=False)(*args)
+
+
+def attend(impl: str, q_BTHL: jax.Array, kv_BSL: jax.Array, idx_BTK: jax.Array, *, sm_scale: float, v_dim: int
+           ) -> tuple[jax.Array, jax.Array]:
+  """Sparse absorbed-MQA attention over the selected keys: (out [B, T, H, v_dim], lse [B, T, H] fp32)."""
+  mode = kernel_mode(impl)
+  if mode == "reference":
+    return sparse_mla_attention_reference.sparse_mla_attention(q_BTHL, kv_BSL, idx_BTK, sm_scale=sm_scale,
+                                                               v_dim=v_dim)
+  kernel = functools.partial(sparse_mla_attention.sparse_mla_attention, sm_scale=sm_scale, v_dim=v_dim,
+                             interpret=mode == "interpret")
+  batch = _batch_axes(q_BTHL.shape[0])
+  heads = _split_axes(q_BTHL.shape[2], ("tensor",)) or None
+  if not batch and not heads:
+    return kernel(q_BTHL, kv_BSL, idx_BTK)
+  return jax.shard_map(kernel, in_specs=(_spec(batch, None, heads, None), _spec(batch), _spec(batch)),
+                       out_specs=(_spec(batch, None, heads, None), _spec(batch, None, heads)),
+                       check_vma=False)(q_BTHL, kv_BSL, idx_BTK)
+
+
+def selected_index_scores(q_BTHD: jax.Array, k_BSD: jax.Array, w_BTH: jax.Array, idx_BTK: jax.Array) -> jax.Array:
+  """The indexer's scores of the selected keys, differentiable: [B, T, K] fp32, -inf where idx is -1.
+  I[t, k] = sum_h w[t, h] relu(q[t, h] . k[idx[t, k]])                                  (DS32 Eq. 1)
+  Memory O(T * K * D_I) for the gathered keys (not O(T * S))."""
+  k_BTKD = sparse_mla_attention_reference.gather_kv(k_BSD, idx_BTK)
+  qk_BTHK = jnp.einsum("bthd,btkd->bthk", q_BTHD.astype(jnp.float32), k_BTKD.astype(jnp.float32))
+  scores_BTK = jnp.einsum("bthk,bth->btk", jax.nn.relu(qk_BTHK), w_BTH.astype(jnp.float32))
+  return jnp.where(idx_BTK >= 0, scores_BTK, -jnp.inf)

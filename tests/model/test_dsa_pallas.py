@@ -1,0 +1,95 @@
+"""attention_impl="pallas": the model's DSA through the Pallas kernels (interpret mode on CPU) equals the pure-jnp
+reference path: logits, every parameter's gradient (the indexer's through the sparse-stage KL included), and
+chunked prefill / decode against a longer cache (q_offset)."""
+
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from glm_jax.model import dsa
+from glm_jax.model.config import ModelConfig
+from glm_jax.model.transformer import GlmMoeDsa
+from random_init import init_module
+
+B, T = 2, 24
+CFG = ModelConfig(vocab_size=40, hidden_size=16, intermediate_size=24, moe_intermediate_size=8, num_hidden_layers=2,
+                  first_k_dense_replace=1, num_nextn_predict_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                  q_lora_rank=12, kv_lora_rank=10, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5,
+                  n_routed_experts=4, num_experts_per_tok=2, index_topk=6, index_n_heads=2, index_head_dim=8,
+                  rope_theta=100.0)  # index_topk < T: DSA selects in every layer; the first 6 queries get -1 padding
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _logits_kl_and_grads(graphdef, params, rest, ids, segment_ids, probe):
+  def loss(params):
+    out = nnx.merge(graphdef, params, rest)(ids, segment_ids=segment_ids, indexer_loss=True)
+    kl = out.aux["indexer_kl"]
+    return jnp.sum(out.logits * probe) + jnp.sum(out.mtp_logits[0] * probe) + jnp.sum(kl), (out.logits, kl)
+
+  return jax.grad(loss, has_aux=True)(params)
+
+
+def run(impl, ids, segment_ids, probe):
+  model = init_module(lambda: GlmMoeDsa(CFG.replace(attention_impl=impl), nnx.Rngs(0)), 0)
+  grads, (logits, kl) = _logits_kl_and_grads(*nnx.split(model, nnx.Param, ...), ids, segment_ids, probe)
+  return logits, kl, grads
+
+
+def test_tiny_model_logits_kl_and_gradients_equal_the_reference():
+  rng = np.random.default_rng(0)
+  ids = jnp.asarray(rng.integers(0, CFG.vocab_size, (B, T)), jnp.int32)
+  segment_ids = jnp.asarray([[0] * 9 + [1] * 15, [0] * T], jnp.int32)  # two packed documents, then one
+  probe = jnp.asarray(rng.standard_normal((B, T, CFG.vocab_size)), jnp.float32)
+  logits_ref, kl_ref, grads_ref = run("reference", ids, segment_ids, probe)
+  logits, kl, grads = run("pallas", ids, segment_ids, probe)
+  np.testing.assert_allclose(np.asarray(logits), np.asarray(logits_ref), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(kl), np.asarray(kl_ref), rtol=1e-5, atol=1e-6)
+  assert float(jnp.min(kl_ref)) > 0  # the sparse-stage KL is really computed
+  flat_ref = jax.tree_util.tree_leaves_with_path(grads_ref)
+  flat = jax.tree.leaves(grads)
+  assert len(flat) == len(flat_ref) > 20
+  for (path, g_ref), g in zip(flat_ref, flat):
+    # fp32 sums taken in another order (online softmax, per-block dkv): errors of a few ulps of the leaf's largest
+    # terms, so the absolute tolerance scales with the leaf
+    scale = float(jnp.abs(g_ref).max())
+    np.testing.assert_allclose(np.asarray(g), np.asarray(g_ref), rtol=1e-5, atol=1e-5 * scale,
+                               err_msg=jax.tree_util.keystr(path))
+  indexer = [g for (path, g), _ in zip(flat_ref, flat) if "indexer" in jax.tree_util.keystr(path)]
+  assert indexer and all(float(jnp.abs(g).max()) > 0 for g in indexer)  # the KL trains the indexer
+
+
+@pytest.mark.parametrize("t_len, s_len", [(1, 40), (7, 40)])  # decode, chunked prefill
+def test_q_offset_against_a_longer_cache(t_len, s_len):
+  rng = np.random.default_rng(1)
+  normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
+  q_i, k_i, w_i = normal(B, t_len, 2, 8), normal(B, s_len, 8), normal(B, t_len, 2)
+  q, kv = normal(B, t_len, 3, 12), normal(B, s_len, 12)
+  out = {}
+  for impl in ("reference", "pallas"):
+    idx, vals = dsa.select_topk(impl, q_i, k_i, w_i, topk=16, q_offset=s_len - t_len)
+    out[impl] = (idx, vals, *dsa.attend(impl, q, kv, idx, sm_scale=0.3, v_dim=8))
+  np.testing.assert_array_equal(np.asarray(out["pallas"][0]), np.asarray(out["reference"][0]))
+  for got, want in zip(out["pallas"][1:], out["reference"][1:]):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+  # the recomputed, differentiable scores of the selected keys are the top-k's scores
+  np.testing.assert_allclose(np.asarray(dsa.selected_index_scores(q_i, k_i, w_i, out["pallas"][0])),
+                             np.asarray(out["reference"][1]), rtol=1e-5, atol=1e-5)
+
+
+def test_backend_without_a_compiled_kernel_falls_back_to_the_reference_and_says_so_once(monkeypatch, caplog):
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(dsa, "_logged", set())
+  with caplog.at_level(logging.INFO):
+    modes = [dsa.kernel_mode("pallas") for _ in range(3)]
+  assert modes == ["reference"] * 3
+  warnings = [r for r in caplog.records if "no compiled variant" in r.getMessage()]
+  assert len(warnings) == 1 and "on gpu" in warnings[0].getMessage()
+  monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+  assert dsa.kernel_mode("pallas") == "compiled" and dsa.kernel_mode("reference") == "reference"
+  with pytest.raises(ValueError, match=r"attention_impl='flash'; one of 'reference', 'pallas'"):
+    dsa.kernel_mode("flash")
