@@ -327,6 +327,66 @@ def _forward(q, kv, idx, *, sm_scale, v_dim, blocks, interpret, out_dtype):
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Head-summed probabilities of the selected keys (the sparse-stage indexer loss's target)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _probs_kernel(*refs, lay: _Layout, sm_scale: float, precision):
+  n = lay.n_parts
+  idx_ref, valid_ref = refs[:2]
+  q_refs = refs[2:2 + n]
+  lse_ref, kv_hbm, p_ref, kv_buf, sem = refs[2 + n:]
+  b = pl.program_id(0)
+
+  def body(t, j, slot):
+    kvs = _kv_parts(kv_buf, slot, lay)
+    valid = valid_ref[0, t, pl.ds(j, 1), :] >= 0  # [1, bkv]
+    lse = _col(lse_ref[0, pl.ds(t, 1), :])  # [H, 1]
+    s = _scores(q_refs, kvs, t, sm_scale, precision)
+    p = jnp.where(valid, jnp.exp(s - jnp.where(jnp.isneginf(lse), 0.0, lse)), 0.0)
+    p_ref[0, t, pl.ds(j, 1), :] = jnp.sum(p, axis=0, keepdims=True)
+
+  _loop_blocks(lay, body,
+               lambda step, slot: _start_gather(idx_ref, kv_hbm, kv_buf, sem, b, step, slot, lay),
+               lambda slot: _wait_gather(kv_buf, sem, slot))
+
+
+def sparse_attention_head_probs(q_BTHD: jax.Array, kv_BSD: jax.Array, idx_BTK: jax.Array, lse_BTH: jax.Array, *,
+                                sm_scale: float, block_sizes: SparseAttentionBlockSizes | None = None,
+                                interpret=None) -> jax.Array:
+  """sum_h p[t, h, k], p = exp(sm_scale * q[t, h] . kv[idx[t, k]] - lse[t, h]), the attention's probabilities of
+  the selected keys summed over heads: [B, T, K] fp32, 0 where idx is skipped. A constant to autodiff (the
+  sparse-stage indexer KL's target). lse from sparse_mla_attention; same inputs and rules otherwise."""
+  if interpret is None:
+    interpret = jax.default_backend() != "tpu"
+  q_BTHD, kv_BSD, lse_BTH = (lax.stop_gradient(x) for x in (q_BTHD, kv_BSD, lse_BTH))
+  return _head_probs(q_BTHD, kv_BSD, idx_BTK, lse_BTH, sm_scale=float(sm_scale),
+                     blocks=block_sizes or SparseAttentionBlockSizes(), interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "blocks", "interpret"))
+def _head_probs(q, kv, idx, lse, *, sm_scale, blocks, interpret):
+  lay = _layout(q, kv, idx, q.shape[-1], blocks)
+  precision = lax.Precision.HIGHEST if lay.dtype == jnp.float32 else None
+  idx_smem, idx_vmem = _indices(idx, lay)
+  nkb = lay.kp // lay.block_kv
+  kernel = functools.partial(_probs_kernel, lay=lay, sm_scale=sm_scale, precision=precision)
+  p = pl.pallas_call(
+      kernel,
+      grid=(lay.b, lay.t_pad // lay.block_t),
+      in_specs=_common_specs(lay) + [_per_query(lay, lay.part_dim)] * lay.n_parts
+      + [_per_head(lay), pl.BlockSpec(memory_space=pl.ANY)],
+      out_specs=pl.BlockSpec((1, lay.block_t, nkb, lay.block_kv), lambda b, i: (b, i, 0, 0)),
+      out_shape=jax.ShapeDtypeStruct((lay.b, lay.t_pad, nkb, lay.block_kv), jnp.float32),
+      scratch_shapes=[_kv_buf_shape(lay), pltpu.SemaphoreType.DMA((2,))],
+      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel"),
+                                           vmem_limit_bytes=_vmem_limit(lay, 0)),
+      interpret=interpret,
+  )(idx_smem, idx_vmem, *_q_parts(q, lay), _pad_t(lse, lay, -jnp.inf), _kv_words(kv, lay))
+  return p.reshape(lay.b, lay.t_pad, lay.kp)[:, :lay.t_len, :idx.shape[-1]]
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Backward
 # ----------------------------------------------------------------------------------------------------------------
 

@@ -35,3 +35,14 @@ def sparse_mla_attention(q_BTHD: jax.Array, kv_BSD: jax.Array, idx_BTK: jax.Arra
                    preferred_element_type=jnp.float32)
   lse_BTH = jnp.where(l_BTH == 0, -jnp.inf, m_safe + jnp.log(jnp.where(l_BTH == 0, 1.0, l_BTH)))
   return out.astype(q_BTHD.dtype), lse_BTH
+
+
+def sparse_attention_head_probs(q_BTHD: jax.Array, kv_BSD: jax.Array, idx_BTK: jax.Array, lse_BTH: jax.Array, *,
+                                sm_scale: float) -> jax.Array:
+  """The attention's probabilities of the selected keys summed over heads, sum_h exp(s[t, h, k] - lse[t, h]):
+  [B, T, K] fp32, 0 where the index is skipped (the sparse-stage indexer loss's target)."""
+  valid_BTK = (idx_BTK >= 0) & (idx_BTK < kv_BSD.shape[1])
+  kv_BTKD = gather_kv(kv_BSD, idx_BTK)
+  s_BTHK = jnp.einsum("bthd,btkd->bthk", q_BTHD, kv_BTKD, preferred_element_type=jnp.float32) * sm_scale
+  p_BTHK = jnp.exp(s_BTHK - jnp.where(jnp.isneginf(lse_BTH), 0.0, lse_BTH)[..., None])
+  return jnp.where(valid_BTK, jnp.sum(p_BTHK, axis=2), 0.0)

@@ -113,10 +113,51 @@ def attend(impl: str, q_BTHL: jax.Array, kv_BSL: jax.Array, idx_BTK: jax.Array, 
                        check_vma=False)(q_BTHL, kv_BSL, idx_BTK)
 
 
-def selected_index_scores(q_BTHD: jax.Array, k_BSD: jax.Array, w_BTH: jax.Array, idx_BTK: jax.Array) -> jax.Array:
+def head_probs(impl: str, q_BTHL: jax.Array, kv_BSL: jax.Array, idx_BTK: jax.Array, lse_BTH: jax.Array, *,
+               sm_scale: float) -> jax.Array:
+  """The sparse attention's probabilities of the selected keys summed over heads: [B, T, K] fp32 (the
+  sparse-stage indexer KL's target; a constant to autodiff on the kernel path)."""
+  mode = kernel_mode(impl)
+  if mode == "reference":
+    return sparse_mla_attention_reference.sparse_attention_head_probs(q_BTHL, kv_BSL, idx_BTK, lse_BTH,
+                                                                      sm_scale=sm_scale)
+  kernel = functools.partial(sparse_mla_attention.sparse_attention_head_probs, sm_scale=sm_scale,
+                             interpret=mode == "interpret")
+  batch = _batch_axes(q_BTHL.shape[0])
+  heads = _split_axes(q_BTHL.shape[2], ("tensor",))
+  if not batch and not heads:
+    return kernel(q_BTHL, kv_BSL, idx_BTK, lse_BTH)
+
+  def local(q, kv, idx, lse):  # a partial sum over this device's heads, summed over the head shards
+    p = kernel(q, kv, idx, lse)
+    return jax.lax.psum(p, heads) if heads else p
+
+  return jax.shard_map(local, in_specs=(_spec(batch, None, heads or None, None), _spec(batch), _spec(batch),
+                                        _spec(batch, None, heads or None)),
+                       out_specs=_spec(batch), check_vma=False)(q_BTHL, kv_BSL, idx_BTK, lse_BTH)
+
+
+def selected_index_scores(q_BTHD: jax.Array, k_BSD: jax.Array, w_BTH: jax.Array, idx_BTK: jax.Array, *,
+                          chunk: int = 512) -> jax.Array:
   """The indexer's scores of the selected keys, differentiable: [B, T, K] fp32, -inf where idx is -1.
   I[t, k] = sum_h w[t, h] relu(q[t, h] . k[idx[t, k]])                                  (DS32 Eq. 1)
-  Memory O(T * K * D_I) for the gathered keys (not O(T * S))."""
+  Over chunks of `chunk` queries, each rematerialized in the backward pass: the gathered keys take
+  O(chunk * K * D_I) memory at a time, never O(T * K * D_I) (nor O(T * S))."""
+  b, t_len = q_BTHD.shape[:2]
+  if t_len <= chunk:
+    return _selected_scores(q_BTHD, k_BSD, w_BTH, idx_BTK)
+  n = -(-t_len // chunk)
+
+  def split(x):  # [B, T, ...] -> [n, B, chunk, ...], T padded
+    x = jnp.pad(x, [(0, 0), (0, n * chunk - t_len)] + [(0, 0)] * (x.ndim - 2))
+    return jnp.moveaxis(x.reshape(b, n, chunk, *x.shape[2:]), 1, 0)
+
+  scores = jax.lax.map(jax.checkpoint(lambda a: _selected_scores(a[0], k_BSD, a[1], a[2])),
+                       (split(q_BTHD), split(w_BTH), split(idx_BTK)))
+  return jnp.moveaxis(scores, 0, 1).reshape(b, n * chunk, -1)[:, :t_len]
+
+
+def _selected_scores(q_BTHD, k_BSD, w_BTH, idx_BTK):
   k_BTKD = sparse_mla_attention_reference.gather_kv(k_BSD, idx_BTK)
   qk_BTHK = jnp.einsum("bthd,btkd->bthk", q_BTHD.astype(jnp.float32), k_BTKD.astype(jnp.float32))
   scores_BTK = jnp.einsum("bthk,bth->btk", jax.nn.relu(qk_BTHK), w_BTH.astype(jnp.float32))

@@ -21,7 +21,6 @@ from glm_jax.model.config import ModelConfig
 from glm_jax.model.indexer import Indexer
 from glm_jax.model.layers import RMSNorm, apply_rope, dense, dtype_of, param
 from pallas_kernels.lightning_indexer_reference import lightning_indexer_scores
-from pallas_kernels.sparse_mla_attention_reference import gather_kv
 
 
 @jax.tree_util.register_dataclass
@@ -139,8 +138,8 @@ class MLA(nnx.Module):
       if indexer_loss:
         if dsa.kernel_mode(impl) != "reference":  # the kernel's top-k scores carry no gradient
           vals_BTK = dsa.selected_index_scores(q_i, k_i, w_i, idx_BTK)
-        p_BTHK = selected_attention_probs(q_BTHL, kv_BSL, idx_BTK, lse_BTH, cfg.softmax_scale)
-        aux["indexer_kl"] = indexer_kl(jnp.sum(p_BTHK, axis=2), vals_BTK, idx_BTK >= 0)
+        p_BTK = dsa.head_probs(impl, q_BTHL, kv_BSL, idx_BTK, lse_BTH, sm_scale=cfg.softmax_scale)
+        aux["indexer_kl"] = indexer_kl(p_BTK, vals_BTK, idx_BTK >= 0)
     elif form == "mha":
       p_BHTS, v_BSHV = self.mha_probs(q_nope, q_rope, ckv_BTR, k_rope_BTR, inp.mask)
       o_BTHV = self._mha_out(p_BHTS, v_BSHV)
@@ -153,15 +152,6 @@ class MLA(nnx.Module):
     else:
       raise ValueError(f"MLA form={form!r}; one of 'mha', 'absorbed'")
     return dense(o_BTHV, self.o_proj, self.dtype, "bthv,hvd->btd"), aux
-
-
-def selected_attention_probs(q_BTHL: jax.Array, kv_BSL: jax.Array, idx_BTK: jax.Array, lse_BTH: jax.Array,
-                             sm_scale: float) -> jax.Array:
-  """The sparse attention's probabilities over the selected keys, p = exp(s - lse): [B, T, H, K] fp32."""
-  kv_BTKL = gather_kv(kv_BSL, idx_BTK)
-  s_BTHK = jnp.einsum("bthl,btkl->bthk", q_BTHL, kv_BTKL, preferred_element_type=jnp.float32) * sm_scale
-  p_BTHK = jnp.exp(s_BTHK - jnp.where(jnp.isneginf(lse_BTH), 0.0, lse_BTH)[..., None])
-  return jnp.where((idx_BTK >= 0)[:, :, None, :], p_BTHK, 0.0)
 
 
 def indexer_kl(p_target_BTS: jax.Array, scores_BTS: jax.Array, valid_BTS: jax.Array) -> jax.Array:

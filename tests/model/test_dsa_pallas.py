@@ -24,6 +24,13 @@ CFG = ModelConfig(vocab_size=40, hidden_size=16, intermediate_size=24, moe_inter
                   rope_theta=100.0)  # index_topk < T: DSA selects in every layer; the first 6 queries get -1 padding
 
 
+def assert_close_scaled(got, want, err_msg=""):
+  """fp32 gradients summed in another order (online softmax, per-block dkv, chunks): errors of a few ulps of the
+  largest terms, so the absolute tolerance scales with the array's largest magnitude."""
+  want = np.asarray(want)
+  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5 * np.abs(want).max(), err_msg=err_msg)
+
+
 @functools.partial(jax.jit, static_argnums=(0,))
 def _logits_kl_and_grads(graphdef, params, rest, ids, segment_ids, probe):
   def loss(params):
@@ -54,11 +61,7 @@ def test_tiny_model_logits_kl_and_gradients_equal_the_reference():
   flat = jax.tree.leaves(grads)
   assert len(flat) == len(flat_ref) > 20
   for (path, g_ref), g in zip(flat_ref, flat):
-    # fp32 sums taken in another order (online softmax, per-block dkv): errors of a few ulps of the leaf's largest
-    # terms, so the absolute tolerance scales with the leaf
-    scale = float(jnp.abs(g_ref).max())
-    np.testing.assert_allclose(np.asarray(g), np.asarray(g_ref), rtol=1e-5, atol=1e-5 * scale,
-                               err_msg=jax.tree_util.keystr(path))
+    assert_close_scaled(g, g_ref, jax.tree_util.keystr(path))
   indexer = [g for (path, g), _ in zip(flat_ref, flat) if "indexer" in jax.tree_util.keystr(path)]
   assert indexer and all(float(jnp.abs(g).max()) > 0 for g in indexer)  # the KL trains the indexer
 
@@ -79,6 +82,25 @@ def test_q_offset_against_a_longer_cache(t_len, s_len):
   # the recomputed, differentiable scores of the selected keys are the top-k's scores
   np.testing.assert_allclose(np.asarray(dsa.selected_index_scores(q_i, k_i, w_i, out["pallas"][0])),
                              np.asarray(out["reference"][1]), rtol=1e-5, atol=1e-5)
+
+
+def test_selected_index_scores_in_chunks_keep_values_and_gradients():
+  rng = np.random.default_rng(2)
+  q_i, k_i, w_i = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in [(B, 13, 2, 8), (B, 30, 8), (B, 13, 2)])
+  idx, vals = dsa.select_topk("reference", q_i, k_i, w_i, topk=9, q_offset=17)  # differentiable top-k values
+
+  def total(fn, q, k, w):
+    return jnp.sum(jnp.where(idx >= 0, fn(q, k, w), 0.0) ** 2)
+
+  want = jax.grad(lambda q, k, w: total(
+      lambda *a: dsa.select_topk("reference", *a, topk=9, q_offset=17)[1], q, k, w), argnums=(0, 1, 2))(q_i, k_i, w_i)
+  for chunk in (4, 512):  # 13 queries: four chunks (the last padded), or one
+    scores = dsa.selected_index_scores(q_i, k_i, w_i, idx, chunk=chunk)
+    np.testing.assert_allclose(np.asarray(scores), np.asarray(vals), rtol=1e-5, atol=1e-5)
+    got = jax.grad(lambda q, k, w: total(lambda *a: dsa.selected_index_scores(*a, idx, chunk=chunk), q, k, w),
+                   argnums=(0, 1, 2))(q_i, k_i, w_i)
+    for g, w in zip(got, want):
+      assert_close_scaled(g, w)
 
 
 def test_backend_without_a_compiled_kernel_falls_back_to_the_reference_and_says_so_once(monkeypatch, caplog):

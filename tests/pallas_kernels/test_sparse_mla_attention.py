@@ -26,7 +26,8 @@ from jax.sharding import SingleDeviceSharding
 from glm_jax.sharding.topology import compiled_memory, install_hint, libtpu_installed, tpu_topology_devices
 from pallas_kernels import lightning_indexer_reference as indexer_reference
 from pallas_kernels import sparse_mla_attention_reference as reference
-from pallas_kernels.sparse_mla_attention import SparseAttentionBlockSizes, sparse_mla_attention
+from pallas_kernels.sparse_mla_attention import (SparseAttentionBlockSizes, sparse_attention_head_probs,
+                                                 sparse_mla_attention)
 
 needs_libtpu = pytest.mark.skipif(not libtpu_installed(), reason=f"libtpu is not installed: {install_hint()}")
 BF16_BOUND = 2.0**-6
@@ -133,6 +134,22 @@ def test_tpu_interpret_mode(dtype):
       np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5, err_msg=name)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_head_probs(dtype):
+  """sum_h exp(s - lse) over the selected keys: the kernel against the reference formula, and (fp32) each query's
+  row sums to the number of heads with a valid key, since every head's probabilities sum to one."""
+  q, kv, idx = _inputs(3, 2, 20, 40, 3, 40, 12, dtype)
+  _, lse = reference.sparse_mla_attention(q, kv, idx, sm_scale=0.3, v_dim=32)
+  got = sparse_attention_head_probs(q, kv, idx, lse, sm_scale=0.3, block_sizes=SparseAttentionBlockSizes(8, 8))
+  want = reference.sparse_attention_head_probs(q, kv, idx, lse, sm_scale=0.3)
+  assert got.shape == idx.shape and got.dtype == jnp.float32
+  assert not np.asarray(got)[np.asarray(idx) < 0].any()
+  # bf16: the same bf16 inputs and fp32 scores in both, so the fp32 tolerance holds
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(got).sum(-1), 3.0, rtol=1e-5)
+  assert not np.asarray(jax.grad(lambda q: sparse_attention_head_probs(q, kv, idx, lse, sm_scale=0.3).sum())(q)).any()
+
+
 def test_errors_name_the_field():
   q, kv, idx = _inputs(0, 1, 8, 8, 2, 16, 4, jnp.float32)
   with pytest.raises(ValueError, match=r"block_kv=12; must be a positive multiple of 8"):
@@ -160,7 +177,8 @@ def _compile_fwd_bwd(topology, dtype, t_len, s_len, topk):
   def fwd_bwd(q, kv, idx):
     (o, lse), vjp = jax.vjp(lambda q, kv: sparse_mla_attention(q, kv, idx, sm_scale=0.1, v_dim=v_dim,
                                                                interpret=False), q, kv)
-    return o, vjp((o, jnp.zeros_like(lse)))
+    probs = sparse_attention_head_probs(q, kv, idx, lse, sm_scale=0.1, interpret=False)
+    return o, vjp((o, jnp.zeros_like(lse))), probs
 
   start = time.perf_counter()
   compiled = jax.jit(fwd_bwd).lower(*args).compile()
@@ -174,10 +192,11 @@ def _compile_fwd_bwd(topology, dtype, t_len, s_len, topk):
 def test_compiles_for_tpu(topology, dtype):
   t_len, s_len = 256, 4096
   compiled = {k: _compile_fwd_bwd(topology, dtype, t_len, s_len, k) for k in (1024, 2048)}
-  for c in compiled.values():
+  for topk, c in compiled.items():
     text = c.as_text()
-    assert text.count("tpu_custom_call") >= 2  # forward and backward kernels, not an interpreted emulation
-    out, (dq, dkv) = c.out_info
+    assert text.count("tpu_custom_call") >= 3  # forward, backward, head probs: not an interpreted emulation
+    out, (dq, dkv), probs = c.out_info
+    assert probs.shape == (1, t_len, topk) and probs.dtype == jnp.float32
     assert dq.shape == (1, t_len, 64, 576) and dkv.shape == (1, s_len, 576) and out.shape == (1, t_len, 64, 512)
   # Memory does not grow with the keys a query attends to beyond the index arrays themselves: 1024 more keys a
   # query add T * 1024 int32 indices (a few copies: the kernels' SMEM and VMEM views), whereas gathering the

@@ -208,8 +208,9 @@ def test_muon_orthogonalizes_whole_matrices_on_any_mesh(mesh_cfg, axes, shape):
 @pytest.mark.parametrize("mesh_cfg", [{"data": 2, "fsdp": 2, "tensor": 2}, {"fsdp": 2, "expert": 2, "tensor": 2}],
                          ids=lambda m: "x".join(f"{k}{v}" for k, v in m.items()))
 def test_pallas_dsa_on_a_mesh_equals_the_reference_on_one_device(mesh_cfg):
-  """attention_impl="pallas" under a mesh (the kernels in a shard_map over batch and heads): the attention output
-  and the gradients of q and kv (kv's summed over the head shards) equal the reference on one device."""
+  """attention_impl="pallas" under a mesh (the kernels in a shard_map over batch and heads): the top-k, the
+  attention's gradients of q and kv (kv's summed over the head shards) and the head-summed probabilities equal the
+  reference on one device."""
   from glm_jax.model import dsa
 
   b, t_len, s_len, heads = 4, 12, 20, 4
@@ -223,18 +224,20 @@ def test_pallas_dsa_on_a_mesh_equals_the_reference_on_one_device(mesh_cfg):
     idx, _ = dsa.select_topk(impl, q_i, k_i, w_i, topk=5, q_offset=s_len - t_len, q_segment_ids=seg[:, -t_len:],
                              kv_segment_ids=seg)
     out, lse = dsa.attend(impl, q, kv, idx, sm_scale=0.3, v_dim=8)
-    return jnp.sum(out * probe) + jnp.sum(jnp.where(jnp.isneginf(lse), 0.0, lse)), idx
+    p = dsa.head_probs(impl, q, kv, idx, lse, sm_scale=0.3)  # the indexer KL's target, summed over head shards
+    return jnp.sum(out * probe) + jnp.sum(jnp.where(jnp.isneginf(lse), 0.0, lse)), (idx, p)
 
   grad = lambda impl: jax.jit(jax.grad(functools.partial(loss, impl), argnums=(0, 1), has_aux=True))  # noqa: E731
-  (dq_ref, dkv_ref), idx_ref = grad("reference")(q, kv, q_i, k_i, w_i)
+  (dq_ref, dkv_ref), (idx_ref, p_ref) = grad("reference")(q, kv, q_i, k_i, w_i)
   mesh = make_mesh(mesh_cfg, jax.devices()[:8])
   with jax.set_mesh(mesh):
     batch = jax.sharding.NamedSharding(mesh, P(("data", "fsdp", "expert")))
     args = [jax.device_put(x, batch) for x in (q, kv, q_i, k_i, w_i)]
     fn = grad("pallas")
-    (dq, dkv), idx = fn(*args)
+    (dq, dkv), (idx, p) = fn(*args)
     hlo = fn.lower(*args).as_text()
   assert "shard_map" in hlo or "sdy.manual_computation" in hlo
   np.testing.assert_array_equal(np.asarray(idx), np.asarray(idx_ref))
+  np.testing.assert_allclose(np.asarray(p), np.asarray(p_ref), rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(np.asarray(dq), np.asarray(dq_ref), rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(np.asarray(dkv), np.asarray(dkv_ref), rtol=1e-5, atol=1e-5)
