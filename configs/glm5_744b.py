@@ -44,7 +44,7 @@ def get_config() -> ml_collections.ConfigDict:
   m.tie_word_embeddings = False
   m.initializer_range = 0.02
   m.use_dsa = True
-  m.attention_impl = "reference"
+  m.attention_impl = "pallas"  # DSA's kernels (compiled on TPU; the reference on a GPU, interpret mode on CPU)
   m.dtype = "bfloat16"  # matmuls in bf16 with fp32 accumulation; softmax, router, losses in fp32
   m.param_dtype = "float32"
   m.remat_policy = "full"

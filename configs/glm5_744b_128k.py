@@ -5,16 +5,16 @@ indexer, then the sparse stage); see shared/GLM5_FACTS.md sections 1 and 3. This
 
   python launch/compile.py --config=configs/glm5_744b_128k.py --topology=v5p:8x8x8
 
-It does NOT fit yet, and compile.py says so (fits: false, with XLA's figure). What it needs, in order:
-  1. The DSA kernels (issue 5, attention_impl="pallas"): the reference path materializes the indexer's [T, S]
-     scores (T = S = 131072, fp32: 64 GiB per head-summed score matrix and more per indexer head) and a
-     [T, S] mask; the kernels keep O(T x topk) and stream keys.
-  2. Context parallelism: a `context` mesh axis splitting each sequence's tokens (and its all-gathered latent
+It does NOT fit yet, and compile.py says so (fits: false, with XLA's figure). With the DSA kernels
+(attention_impl="pallas", inherited from glm5_744b) XLA asks for 976.6 GiB of temporaries a v5p chip (of 95.7);
+with the pure-jnp reference, which materializes the indexer's [T, S] scores (T = S = 131072, fp32: 64 GiB per
+head-summed score matrix and more per indexer head) and a [T, S] mask, it asked for 3.71 TiB. What is left:
+  1. Context parallelism: a `context` mesh axis splitting each sequence's tokens (and its all-gathered latent
      KV cache, 576 numbers a token) over chips. With one 128K sequence per chip, the per-layer residual that
      full remat keeps is 131072 x 6144 bf16 = 1.5 GiB, x 78 layers = 117 GiB, more than a v5p chip's HBM, before
      any attention. Splitting tokens 8 ways brings that to 15 GiB and n (tokens a chip routes to experts) back
      to glm5_744b's 16384-token scale.
-  3. Or, without context parallelism, remat offload of those residuals to host memory (jax's
+  2. Or, without context parallelism, remat offload of those residuals to host memory (jax's
      save_and_offload_only_these_names) and microbatches.
 """
 

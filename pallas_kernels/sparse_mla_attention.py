@@ -430,7 +430,7 @@ def _bwd_kernel(*refs, lay: _Layout, sm_scale: float, precision):
     @pl.when(j == nkb - 1)
     def _emit_dq():
       for dq_ref, acc in zip(dq_refs, dq_accs):
-        dq_ref[0, t] = acc[...]
+        dq_ref[0, t] = acc[...].astype(dq_ref.dtype)
 
     # dkv rows of this block: key part for all D columns, value part for the first v
     dkv_blk = sm_scale * _dot(dsc, qfull_ref[0, t], _TN, precision)  # [bkv, D]
@@ -485,7 +485,7 @@ def _backward(q, kv, idx, o, lse, do, dlse, *, sm_scale, v_dim, blocks, interpre
   in_specs += [_per_query(lay, v_dim), _per_head(lay), _per_head(lay), pl.BlockSpec(memory_space=pl.ANY),
                pl.BlockSpec(memory_space=pl.ANY)]
   kernel = functools.partial(_bwd_kernel, lay=lay, sm_scale=float(sm_scale), precision=precision)
-  dq_shape = jax.ShapeDtypeStruct((lay.b, lay.t_pad, lay.heads, lay.part_dim), jnp.float32)
+  dq_shape = jax.ShapeDtypeStruct((lay.b, lay.t_pad, lay.heads, lay.part_dim), q.dtype)  # accumulated in fp32
   *dq_parts, dkv = pl.pallas_call(
       kernel,
       grid=(lay.b, lay.t_pad // lay.block_t),

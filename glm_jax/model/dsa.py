@@ -4,7 +4,8 @@
   "pallas":    the Pallas kernels (pallas_kernels/lightning_indexer.py, sparse_mla_attention.py): nothing [T, S].
                Compiled on TPU; on a CPU in Pallas interpret mode (slow, exact: how the tests run them); on any
                other backend (a GPU: no compiled variant yet) the reference runs instead. The choice is logged
-               once per process.
+               once per process. The backend is jax's default, or the one set by `target_platform` (ahead-of-time
+               compilation for TPU devices from a CPU host, glm_jax/train/aot.py).
 
 Under a mesh (jax.set_mesh) the kernels run inside a shard_map: each device takes its slice of the batch (the
 mesh's data / fsdp / expert axes) and, for the attention, of the heads (tensor; kv is shared by all heads, so its
@@ -19,6 +20,7 @@ recomputes them with the reference formula on the selected keys only.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 
@@ -31,15 +33,27 @@ from pallas_kernels import lightning_indexer, lightning_indexer_reference, spars
 from pallas_kernels import sparse_mla_attention_reference
 
 _logged: set[str] = set()
+_target_platform: list[str] = []
+
+
+@contextlib.contextmanager
+def target_platform(platform: str):
+  """Trace for `platform` ("tpu", "cpu", ...) instead of jax's default backend, e.g. while lowering a program for
+  compile-only TPU devices on a CPU host."""
+  _target_platform.append(platform)
+  try:
+    yield
+  finally:
+    _target_platform.pop()
 
 
 def kernel_mode(impl: str) -> str:
-  """How `impl` runs on the default backend: "reference", "compiled" or "interpret"."""
+  """How `impl` runs on the target backend: "reference", "compiled" or "interpret"."""
   if impl == "reference":
     return "reference"
   if impl != "pallas":
     raise ValueError(f"attention_impl={impl!r}; one of 'reference', 'pallas'")
-  backend = jax.default_backend()
+  backend = _target_platform[-1] if _target_platform else jax.default_backend()
   mode = {"tpu": "compiled", "cpu": "interpret"}.get(backend, "reference")
   if backend not in _logged:
     _logged.add(backend)
