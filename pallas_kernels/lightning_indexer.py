@@ -213,13 +213,15 @@ def _bitonic_merge(k_ref, i_ref, base: int, n: int, best_first: bool, c: int) ->
 
 
 def _indexer_topk_kernel(*refs, num_heads: int, block_q: int, block_k: int, kp: int, s_len: int, causal: bool,
-                         q_offset: int, has_segments: bool, chunk: int, score_chunk: int,
+                         has_segments: bool, chunk: int, score_chunk: int,
                          precision: lax.Precision | None):
+  off_ref, refs = refs[0], refs[1:]  # scalar prefetch: q_offset, in SMEM
   if has_segments:
     q_ref, k_ref, w_ref, qseg_ref, kvseg_ref, oidx_ref, oval_ref, acc_ref, ck_ref, ci_ref, rk_ref, ri_ref = refs
   else:
     q_ref, k_ref, w_ref, oidx_ref, oval_ref, acc_ref, ck_ref, ci_ref, rk_ref, ri_ref = refs
     qseg_ref = kvseg_ref = None
+  q_offset = off_ref[0]
   qi, kj = pl.program_id(1), pl.program_id(2)
   t0, s0 = qi * block_q, kj * block_k
 
@@ -335,7 +337,8 @@ def lightning_indexer_topk(q_BTHD: jax.Array, k_BSD: jax.Array, w_BTH: jax.Array
   descending score, ties to the lower key index, -1 / -inf where fewer than topk keys are visible.
 
   q [B, T, H, D] and k [B, S, D] in bf16 or fp32 (products accumulated in fp32), w [B, T, H]. Key s is visible to
-  query t when s <= t + q_offset (causal; q_offset a Python int) and, with segment ids [B, T] / [B, S], when
+  query t when s <= t + q_offset (causal; q_offset an int or a traced int scalar, e.g. a decode position: it is
+  a runtime argument of the kernel, so one compile serves every offset) and, with segment ids [B, T] / [B, S], when
   both are in the same segment. interpret: None = compiled on TPU, Pallas interpret mode elsewhere; True,
   False or a pltpu.InterpretParams to force.
   No gradient: the inputs pass through stop_gradient, so the scores are constants to autodiff; where a loss needs
@@ -343,9 +346,9 @@ def lightning_indexer_topk(q_BTHD: jax.Array, k_BSD: jax.Array, w_BTH: jax.Array
   """
   if isinstance(topk, bool) or not isinstance(topk, (int, np.integer)) or topk <= 0:
     raise ValueError(f"lightning_indexer_topk: topk={topk!r}; must be a positive integer")
-  if isinstance(q_offset, bool) or not isinstance(q_offset, (int, np.integer)):
-    raise TypeError(f"lightning_indexer_topk: q_offset={q_offset!r}; must be a Python int (it is compiled into "
-                    "the kernel); the reference accepts a traced offset")
+  if isinstance(q_offset, bool) or not (isinstance(q_offset, (int, np.integer)) or (
+      hasattr(q_offset, "dtype") and jnp.issubdtype(q_offset.dtype, jnp.integer) and jnp.ndim(q_offset) == 0)):
+    raise TypeError(f"lightning_indexer_topk: q_offset={q_offset!r}; must be an int or an integer scalar array")
   if block_sizes is not None and not isinstance(block_sizes, IndexerBlockSizes):
     raise TypeError(f"lightning_indexer_topk: block_sizes={block_sizes!r}; want an IndexerBlockSizes or None")
   if q_BTHD.ndim != 4 or k_BSD.ndim != 3 or w_BTH.ndim != 3:
@@ -364,12 +367,13 @@ def lightning_indexer_topk(q_BTHD: jax.Array, k_BSD: jax.Array, w_BTH: jax.Array
   if interpret is None:
     interpret = jax.default_backend() != "tpu"
   q_BTHD, k_BSD, w_BTH = (lax.stop_gradient(x) for x in (q_BTHD, k_BSD, w_BTH))
-  return _indexer_topk(q_BTHD, k_BSD, w_BTH, q_segment_ids, kv_segment_ids, topk=int(topk), causal=bool(causal),
-                       q_offset=int(q_offset), block_sizes=block_sizes, interpret=interpret)
+  q_offset_1 = jnp.asarray(q_offset, jnp.int32).reshape(1)
+  return _indexer_topk(q_BTHD, k_BSD, w_BTH, q_segment_ids, kv_segment_ids, q_offset_1, topk=int(topk),
+                       causal=bool(causal), block_sizes=block_sizes, interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("topk", "causal", "q_offset", "block_sizes", "interpret"))
-def _indexer_topk(q_BTHD, k_BSD, w_BTH, q_segment_ids, kv_segment_ids, *, topk, causal, q_offset, block_sizes,
+@functools.partial(jax.jit, static_argnames=("topk", "causal", "block_sizes", "interpret"))
+def _indexer_topk(q_BTHD, k_BSD, w_BTH, q_segment_ids, kv_segment_ids, q_offset_1, *, topk, causal, block_sizes,
                   interpret):
   b, t_len, num_heads, dim = q_BTHD.shape
   s_len = k_BSD.shape[1]
@@ -389,46 +393,49 @@ def _indexer_topk(q_BTHD, k_BSD, w_BTH, q_segment_ids, kv_segment_ids, *, topk, 
   k_BSD = jnp.pad(k_BSD.astype(dtype), ((0, 0), (0, s_pad - s_len), (0, 0)))
 
   n_q, n_k = t_pad // block_q, s_pad // block_k
+  # Index maps get the scalar-prefetched q_offset (an SMEM ref) as their last argument.
   if causal:  # key blocks past the diagonal repeat the last needed block: Pallas skips the copy
-    def k_block(i, j):  # lax.div: no floor_divide (it lowers through sign, which needs a TPU attached)
-      last = lax.div(jnp.maximum((i + 1) * block_q - 1 + q_offset, 0), block_k)
+    def k_block(i, j, off_ref):  # lax.div: no floor_divide (it lowers through sign, which needs a TPU attached)
+      last = lax.div(jnp.maximum((i + 1) * block_q - 1 + off_ref[0], 0), block_k)
       return jnp.minimum(jnp.minimum(j, last), n_k - 1)
   else:
-    def k_block(i, j):
+    def k_block(i, j, off_ref):
       return j
 
-  in_specs = [pl.BlockSpec((1, num_heads, dim, block_q), lambda bi, i, j: (bi, 0, 0, i)),
-              pl.BlockSpec((1, block_k, dim), lambda bi, i, j: (bi, k_block(i, j), 0)),
-              pl.BlockSpec((1, num_heads, block_q), lambda bi, i, j: (bi, 0, i))]
+  in_specs = [pl.BlockSpec((1, num_heads, dim, block_q), lambda bi, i, j, off: (bi, 0, 0, i)),
+              pl.BlockSpec((1, block_k, dim), lambda bi, i, j, off: (bi, k_block(i, j, off), 0)),
+              pl.BlockSpec((1, num_heads, block_q), lambda bi, i, j, off: (bi, 0, i))]
   args = [q_BHDT, k_BSD, w_BHT]
   if has_segments:
     qseg_B1T = jnp.pad(q_segment_ids.astype(jnp.int32), ((0, 0), (0, t_pad - t_len)))[:, None, :]
     kvseg_BS1 = jnp.pad(kv_segment_ids.astype(jnp.int32), ((0, 0), (0, s_pad - s_len)))[:, :, None]
-    in_specs += [pl.BlockSpec((1, 1, block_q), lambda bi, i, j: (bi, 0, i)),
-                 pl.BlockSpec((1, block_k, 1), lambda bi, i, j: (bi, k_block(i, j), 0))]
+    in_specs += [pl.BlockSpec((1, 1, block_q), lambda bi, i, j, off: (bi, 0, i)),
+                 pl.BlockSpec((1, block_k, 1), lambda bi, i, j, off: (bi, k_block(i, j, off), 0))]
     args += [qseg_B1T, kvseg_BS1]
-  out_spec = pl.BlockSpec((1, block_q, kp), lambda bi, i, j: (bi, i, 0))
+  out_spec = pl.BlockSpec((1, block_q, kp), lambda bi, i, j, off: (bi, i, 0))
 
   itemsize = jnp.dtype(dtype).itemsize
   vmem_bytes = (2 * (num_heads * dim * block_q + block_k * dim) * itemsize + 2 * num_heads * block_q * 4
                 + 2 * 2 * block_q * kp * 4 + 3 * block_k * block_q * 4 + 2 * kp * block_q * 4
                 + (2 * block_k * 128 * 4 if has_segments else 0))
   kernel = functools.partial(_indexer_topk_kernel, num_heads=num_heads, block_q=block_q, block_k=block_k, kp=kp,
-                             s_len=s_len, causal=causal, q_offset=q_offset, has_segments=has_segments,
+                             s_len=s_len, causal=causal, has_segments=has_segments,
                              chunk=chunk, score_chunk=score_chunk, precision=precision)
   idx_BTK, val_BTK = pl.pallas_call(
       kernel,
-      grid=(b, n_q, n_k),
-      in_specs=in_specs,
-      out_specs=[out_spec, out_spec],
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=1,
+          grid=(b, n_q, n_k),
+          in_specs=in_specs,
+          out_specs=[out_spec, out_spec],
+          scratch_shapes=[pltpu.VMEM((block_k, block_q), jnp.float32),  # score accumulator
+                          pltpu.VMEM((block_k, block_q), jnp.int32),  # tile keys
+                          pltpu.VMEM((block_k, block_q), jnp.int32),  # tile key indices
+                          pltpu.VMEM((kp, block_q), jnp.int32),  # running top-k keys, best first
+                          pltpu.VMEM((kp, block_q), jnp.int32)]),  # running top-k key indices
       out_shape=[jax.ShapeDtypeStruct((b, t_pad, kp), jnp.int32), jax.ShapeDtypeStruct((b, t_pad, kp), jnp.float32)],
-      scratch_shapes=[pltpu.VMEM((block_k, block_q), jnp.float32),  # score accumulator
-                      pltpu.VMEM((block_k, block_q), jnp.int32),  # tile keys
-                      pltpu.VMEM((block_k, block_q), jnp.int32),  # tile key indices
-                      pltpu.VMEM((kp, block_q), jnp.int32),  # running top-k keys, best first
-                      pltpu.VMEM((kp, block_q), jnp.int32)],  # running top-k key indices
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"),
                                            vmem_limit_bytes=min(vmem_bytes + 16 * _MiB, 64 * _MiB)),
       interpret=interpret,
-  )(*args)
+  )(q_offset_1, *args)
   return idx_BTK[:, :t_len, :topk], val_BTK[:, :t_len, :topk]

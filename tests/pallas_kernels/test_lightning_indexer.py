@@ -158,8 +158,19 @@ def test_errors_name_the_field():
     lightning_indexer_topk(q, k, w, topk=4, q_segment_ids=jnp.zeros((1, 8), jnp.int32))
   with pytest.raises(ValueError, match=r"need.* k \[1, S, 8\]"):
     lightning_indexer_topk(q, k[..., :4], w, topk=4)
-  with pytest.raises(TypeError, match=r"q_offset=.*must be a Python int"):
-    jax.jit(lambda off: lightning_indexer_topk(q, k, w, topk=4, q_offset=off))(3)
+  with pytest.raises(TypeError, match=r"q_offset=2.5; must be an int or an integer scalar array"):
+    lightning_indexer_topk(q, k, w, topk=4, q_offset=2.5)
+
+
+def test_traced_q_offset_one_compile_for_every_decode_position():
+  # Decoding against a fixed-size cache: the position is a traced scalar (scalar-prefetched into the kernel), so
+  # one compiled step serves every position; each equals the reference at that offset.
+  q, k, w = _int_inputs(9, 2, 1, 40, 3, 8)
+  step = jax.jit(lambda off: lightning_indexer_topk(q, k, w, topk=6, q_offset=off,
+                                                    block_sizes=IndexerBlockSizes(128, 16)))
+  for pos in (0, 3, 17, 39):
+    _assert_same(step(jnp.int32(pos)), reference.lightning_indexer_topk(q, k, w, topk=6, q_offset=pos))
+  assert step._cache_size() == 1
 
 
 def test_scores_carry_no_gradient():
