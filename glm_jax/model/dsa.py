@@ -13,9 +13,10 @@ gradient is summed over tensor by the shard_map's transpose). A Mosaic kernel is
 which would otherwise gather every operand whole onto each device. Sizes that do not divide run unsplit.
 
 Both paths take a q_offset (queries are the last T of S keys: chunked prefill, or decoding against a longer
-cache; an int or a traced scalar, so one compiled decode step serves every position) and give the same indices, outputs and gradients. The kernels' top-k scores carry no gradient, so where a
-loss needs the indexer's scores on the selected keys (the sparse-stage indexer KL), `selected_index_scores`
-recomputes them with the reference formula on the selected keys only.
+cache; an int or a traced scalar, so one compiled decode step serves every position) and give the same
+indices, outputs and gradients. The kernels' top-k scores carry no gradient, so where a loss needs the
+indexer's scores on the selected keys (the sparse-stage indexer KL), `selected_index_scores` recomputes them
+with the reference formula on the selected keys only.
 """
 
 from __future__ import annotations
