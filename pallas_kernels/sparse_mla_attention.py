@@ -32,10 +32,13 @@ words back into the two bf16 halves (exactly), and q is split the same way, so s
 the value's halves are kv_lo[:, :v/2] and kv_hi[:, :v/2], 128-lane aligned at GLM-5's v = 512. Other dtypes, or odd
 v or D, run in fp32.
 
-Traffic per query: K rows of D words (bf16: 2 bytes a number) read once forward, twice backward (kv gather, dkv
-read) plus one dkv write; FLOPs 2*H*K*(D + v) forward, 2*H*K*(2D + 2v) + ... backward (see experiments/
-bench_kernels_sparse_attention.py). Unmeasured on TPU hardware so far: the block sizes are first guesses, proven
-to compile, not tuned; one DMA per row may be issue-bound at GLM-5's 1152-byte rows.
+Traffic per query: K rows of D numbers (bf16: 2 bytes each) read once forward; backward, the kv gather plus an
+fp32 dkv row read and written per selected key. Matmul FLOPs per query: 2*H*K*(D + v) forward, 2*H*K*(3D + 2v)
+backward (scores recomputed, dp, dq, dkv's key and value parts); experiments/bench_kernels_sparse_attention.py
+prints them with the compiled programs' per-chip memory. Unmeasured on TPU hardware so far: the block sizes are
+first guesses, proven to compile, not tuned; one DMA per row may be issue-bound at GLM-5's 1152-byte rows, and
+the backward's dkv reads of a block wait for the previous block's writes (reads within one query could overlap,
+its indices being distinct).
 """
 
 from __future__ import annotations
@@ -129,16 +132,24 @@ def _pad_t(x, lay: _Layout, value=0):
   return jnp.pad(x, [(0, 0), (0, lay.t_pad - lay.t_len)] + [(0, 0)] * (x.ndim - 2), constant_values=value)
 
 
+def _take_columns(x: jax.Array, cols: np.ndarray) -> jax.Array:
+  """x[..., cols] as a concatenation of static slices (one per run of consecutive columns), not a gather."""
+  breaks = np.flatnonzero(np.diff(cols) != 1) + 1
+  runs = np.split(cols, breaks)
+  return jnp.concatenate([x[..., r[0]:r[-1] + 1] for r in runs], axis=-1) if len(runs) > 1 else (
+      x[..., cols[0]:cols[-1] + 1])
+
+
 def _q_parts(q, lay: _Layout) -> list[jax.Array]:
   q = _pad_t(q.astype(lay.dtype), lay)
-  return [q] if not lay.packed else [q[..., cols] for cols in lay.part_columns()]
+  return [q] if not lay.packed else [_take_columns(q, cols) for cols in lay.part_columns()]
 
 
 def _kv_words(kv, lay: _Layout) -> jax.Array:
   """kv as the rows the kernels DMA: fp32 [B, S, D], or int32 [B, S, D/2] with lo in the low 16 bits."""
   if not lay.packed:
     return kv.astype(jnp.float32)
-  lo, hi = (lax.bitcast_convert_type(kv.astype(jnp.bfloat16)[..., cols], jnp.uint16).astype(jnp.uint32)
+  lo, hi = (lax.bitcast_convert_type(_take_columns(kv.astype(jnp.bfloat16), cols), jnp.uint16).astype(jnp.uint32)
             for cols in lay.part_columns())
   return lax.bitcast_convert_type(lo | (hi << 16), jnp.int32)
 
@@ -502,7 +513,7 @@ def _backward(q, kv, idx, o, lse, do, dlse, *, sm_scale, v_dim, blocks, interpre
   )(*args)
   dq = dq_parts[0]
   if lay.packed:  # [lo | hi] columns back to the original order
-    dq = jnp.concatenate(dq_parts, axis=-1)[..., np.argsort(np.concatenate(lay.part_columns()))]
+    dq = _take_columns(jnp.concatenate(dq_parts, axis=-1), np.argsort(np.concatenate(lay.part_columns())))
   return dq[:, :lay.t_len].astype(q.dtype), dkv.astype(kv.dtype)
 
 
