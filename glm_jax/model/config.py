@@ -12,7 +12,6 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-# "pallas" joins this tuple when the DSA kernels land (pallas_kernels/); until then it is rejected here.
 ATTENTION_IMPLS = ("reference", "pallas")
 REMAT_POLICIES = ("none", "full", "dots", "dots_with_no_batch_dims")
 DTYPES = ("float32", "bfloat16", "float16")
