@@ -56,6 +56,7 @@ from jax.experimental.pallas import tpu as pltpu
 _MiB = 1 << 20
 _NT = (((1,), (1,)), ((), ()))  # a [m, k] . b [n, k] -> [m, n]
 _TN = (((0,), (0,)), ((), ()))  # a [k, m] . b [k, n] -> [m, n]
+_NN = (((1,), (0,)), ((), ()))  # a [m, k] . b [k, n] -> [m, n]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +107,11 @@ class _Layout:
   @property
   def v_part(self) -> int:
     return self.v_dim // self.n_parts
+
+  @property
+  def precision(self) -> lax.Precision | None:
+    """fp32 operands at full precision on the MXU (its default rounds them to bf16)."""
+    return lax.Precision.HIGHEST if self.dtype == jnp.float32 else None
 
   def part_columns(self) -> list[np.ndarray]:
     """The original columns of each part, in order."""
@@ -211,10 +217,18 @@ def _scores(q_refs, kvs, t, sm_scale, precision) -> jax.Array:
   return s * sm_scale
 
 
-def _loop_blocks(lay: _Layout, body, start, wait) -> None:
-  """for t in queries, j in key blocks: body(t, j, slot); the gather of the next block is started before
-  waiting for the current one."""
+def _loop_blocks(lay: _Layout, body, idx_ref, kv_hbm, kv_buf, sem) -> None:
+  """for t in the grid step's queries, j in key blocks: body(t, j, slot) with block (t, j)'s kv rows gathered into
+  kv_buf[slot]; the gather of the next block is started before waiting for the current one."""
   nkb = lay.kp // lay.block_kv
+  b = pl.program_id(0)
+
+  def start(step, slot):
+    _start_gather(idx_ref, kv_hbm, kv_buf, sem, b, step, slot, lay)
+
+  def wait(slot):
+    _wait_gather(kv_buf, sem, slot)
+
   start(0, 0)
 
   def query(t, carry):
@@ -240,17 +254,27 @@ def _col(row_1H: jax.Array) -> jax.Array:
   return row_1H.T
 
 
+def _valid(valid_ref, t, j) -> jax.Array:
+  """[1, block_kv] bool: which of block (t, j)'s selected keys are real (not -1)."""
+  return valid_ref[0, t, pl.ds(j, 1), :] >= 0
+
+
+def _probs(s, valid, lse_ref, t) -> jax.Array:
+  """p = exp(s - lse) from the forward's lse, 0 at skipped keys: [H, block_kv] fp32."""
+  lse = _col(lse_ref[0, pl.ds(t, 1), :])  # [H, 1]
+  return jnp.where(valid, jnp.exp(s - jnp.where(jnp.isneginf(lse), 0.0, lse)), 0.0)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Forward
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _fwd_kernel(*refs, lay: _Layout, sm_scale: float, precision):
+def _fwd_kernel(*refs, lay: _Layout, sm_scale: float):
   n = lay.n_parts
   idx_ref, valid_ref = refs[:2]
   q_refs = refs[2:2 + n]
   kv_hbm, o_ref, lse_ref, kv_buf, sem, m_ref, l_ref, acc_ref = refs[2 + n:]
-  b = pl.program_id(0)
   nkb, vp = lay.kp // lay.block_kv, lay.v_part
 
   def body(t, j, slot):
@@ -261,8 +285,7 @@ def _fwd_kernel(*refs, lay: _Layout, sm_scale: float, precision):
       acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
     kvs = _kv_parts(kv_buf, slot, lay)
-    valid = valid_ref[0, t, pl.ds(j, 1), :] >= 0  # [1, bkv]
-    s = jnp.where(valid, _scores(q_refs, kvs, t, sm_scale, precision), -jnp.inf)
+    s = jnp.where(_valid(valid_ref, t, j), _scores(q_refs, kvs, t, sm_scale, lay.precision), -jnp.inf)
     m_prev = m_ref[...]
     m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
     m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
@@ -273,7 +296,7 @@ def _fwd_kernel(*refs, lay: _Layout, sm_scale: float, precision):
     pv = p.astype(lay.dtype)
     for i, kv in enumerate(kvs):
       cols = slice(i * vp, (i + 1) * vp)
-      acc_ref[:, cols] = alpha * acc_ref[:, cols] + _dot(pv, kv[:, :vp], (((1,), (0,)), ((), ())), precision)
+      acc_ref[:, cols] = alpha * acc_ref[:, cols] + _dot(pv, kv[:, :vp], _NN, lay.precision)
 
     @pl.when(j == nkb - 1)
     def _emit():
@@ -284,9 +307,7 @@ def _fwd_kernel(*refs, lay: _Layout, sm_scale: float, precision):
       lse = jnp.where(empty, -jnp.inf, m_safe + jnp.log(jnp.where(empty, 1.0, total)))  # [H, 1]
       lse_ref[0, pl.ds(t, 1), :] = lse.T
 
-  _loop_blocks(lay, body,
-               lambda step, slot: _start_gather(idx_ref, kv_hbm, kv_buf, sem, b, step, slot, lay),
-               lambda slot: _wait_gather(kv_buf, sem, slot))
+  _loop_blocks(lay, body, idx_ref, kv_hbm, kv_buf, sem)
 
 
 def _common_specs(lay: _Layout):
@@ -316,10 +337,9 @@ def _vmem_limit(lay: _Layout, extra_bytes: int) -> int:
 
 def _forward(q, kv, idx, *, sm_scale, v_dim, blocks, interpret, out_dtype):
   lay = _layout(q, kv, idx, v_dim, blocks)
-  precision = lax.Precision.HIGHEST if lay.dtype == jnp.float32 else None
   idx_smem, idx_vmem = _indices(idx, lay)
   q_parts = _q_parts(q, lay)
-  kernel = functools.partial(_fwd_kernel, lay=lay, sm_scale=float(sm_scale), precision=precision)
+  kernel = functools.partial(_fwd_kernel, lay=lay, sm_scale=float(sm_scale))
   o, lse = pl.pallas_call(
       kernel,
       grid=(lay.b, lay.t_pad // lay.block_t),
@@ -342,24 +362,18 @@ def _forward(q, kv, idx, *, sm_scale, v_dim, blocks, interpret, out_dtype):
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _probs_kernel(*refs, lay: _Layout, sm_scale: float, precision):
+def _probs_kernel(*refs, lay: _Layout, sm_scale: float):
   n = lay.n_parts
   idx_ref, valid_ref = refs[:2]
   q_refs = refs[2:2 + n]
   lse_ref, kv_hbm, p_ref, kv_buf, sem = refs[2 + n:]
-  b = pl.program_id(0)
 
   def body(t, j, slot):
     kvs = _kv_parts(kv_buf, slot, lay)
-    valid = valid_ref[0, t, pl.ds(j, 1), :] >= 0  # [1, bkv]
-    lse = _col(lse_ref[0, pl.ds(t, 1), :])  # [H, 1]
-    s = _scores(q_refs, kvs, t, sm_scale, precision)
-    p = jnp.where(valid, jnp.exp(s - jnp.where(jnp.isneginf(lse), 0.0, lse)), 0.0)
+    p = _probs(_scores(q_refs, kvs, t, sm_scale, lay.precision), _valid(valid_ref, t, j), lse_ref, t)
     p_ref[0, t, pl.ds(j, 1), :] = jnp.sum(p, axis=0, keepdims=True)
 
-  _loop_blocks(lay, body,
-               lambda step, slot: _start_gather(idx_ref, kv_hbm, kv_buf, sem, b, step, slot, lay),
-               lambda slot: _wait_gather(kv_buf, sem, slot))
+  _loop_blocks(lay, body, idx_ref, kv_hbm, kv_buf, sem)
 
 
 def sparse_attention_head_probs(q_BTHD: jax.Array, kv_BSD: jax.Array, idx_BTK: jax.Array, lse_BTH: jax.Array, *,
@@ -378,10 +392,9 @@ def sparse_attention_head_probs(q_BTHD: jax.Array, kv_BSD: jax.Array, idx_BTK: j
 @functools.partial(jax.jit, static_argnames=("sm_scale", "blocks", "interpret"))
 def _head_probs(q, kv, idx, lse, *, sm_scale, blocks, interpret):
   lay = _layout(q, kv, idx, q.shape[-1], blocks)
-  precision = lax.Precision.HIGHEST if lay.dtype == jnp.float32 else None
   idx_smem, idx_vmem = _indices(idx, lay)
   nkb = lay.kp // lay.block_kv
-  kernel = functools.partial(_probs_kernel, lay=lay, sm_scale=sm_scale, precision=precision)
+  kernel = functools.partial(_probs_kernel, lay=lay, sm_scale=sm_scale)
   p = pl.pallas_call(
       kernel,
       grid=(lay.b, lay.t_pad // lay.block_t),
@@ -402,7 +415,7 @@ def _head_probs(q, kv, idx, lse, *, sm_scale, blocks, interpret):
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _bwd_kernel(*refs, lay: _Layout, sm_scale: float, precision):
+def _bwd_kernel(*refs, lay: _Layout, sm_scale: float):
   n = lay.n_parts
   idx_ref, valid_ref = refs[:2]
   q_refs = refs[2:2 + n]
@@ -424,19 +437,16 @@ def _bwd_kernel(*refs, lay: _Layout, sm_scale: float, precision):
         acc[...] = jnp.zeros(acc.shape, jnp.float32)
 
     kvs = _kv_parts(kv_buf, slot, lay)
-    valid = valid_ref[0, t, pl.ds(j, 1), :] >= 0  # [1, bkv]
-    s = _scores(q_refs, kvs, t, sm_scale, precision)
-    lse = _col(lse_ref[0, pl.ds(t, 1), :])  # [H, 1]
-    p = jnp.where(valid, jnp.exp(s - jnp.where(jnp.isneginf(lse), 0.0, lse)), 0.0)  # [H, bkv]
+    p = _probs(_scores(q_refs, kvs, t, sm_scale, lay.precision), _valid(valid_ref, t, j), lse_ref, t)  # [H, bkv]
     do = do_ref[0, t]  # [H, v]
     dp = None
     for i, kv in enumerate(kvs):
-      part = _dot(do[:, i * vp:(i + 1) * vp], kv[:, :vp], _NT, precision)
+      part = _dot(do[:, i * vp:(i + 1) * vp], kv[:, :vp], _NT, lay.precision)
       dp = part if dp is None else dp + part
     ds = p * (dp - _col(delta_ref[0, pl.ds(t, 1), :]))
     dsc = ds.astype(lay.dtype)
     for acc, kv in zip(dq_accs, kvs):
-      acc[...] += sm_scale * _dot(dsc, kv, (((1,), (0,)), ((), ())), precision)
+      acc[...] += sm_scale * _dot(dsc, kv, _NN, lay.precision)
 
     @pl.when(j == nkb - 1)
     def _emit_dq():
@@ -444,8 +454,8 @@ def _bwd_kernel(*refs, lay: _Layout, sm_scale: float, precision):
         dq_ref[0, t] = acc[...].astype(dq_ref.dtype)
 
     # dkv rows of this block: key part for all D columns, value part for the first v
-    dkv_blk = sm_scale * _dot(dsc, qfull_ref[0, t], _TN, precision)  # [bkv, D]
-    dkv_v = _dot(p.astype(lay.dtype), do, _TN, precision)  # [bkv, v]
+    dkv_blk = sm_scale * _dot(dsc, qfull_ref[0, t], _TN, lay.precision)  # [bkv, D]
+    dkv_v = _dot(p.astype(lay.dtype), do, _TN, lay.precision)  # [bkv, v]
 
     # read-modify-write into the HBM accumulator, valid rows only (a -1 row must not touch row 0)
     def copy_rows(make_copy):
@@ -473,14 +483,11 @@ def _bwd_kernel(*refs, lay: _Layout, sm_scale: float, precision):
     copy_rows(lambda r, s_idx: pltpu.make_async_copy(dkv_buf.at[pl.ds(r, 1)], dkv_hbm.at[b, pl.ds(s_idx, 1)],
                                                       rw_sem.at[1]))
 
-  _loop_blocks(lay, body,
-               lambda step, slot: _start_gather(idx_ref, kv_hbm, kv_buf, sem, b, step, slot, lay),
-               lambda slot: _wait_gather(kv_buf, sem, slot))
+  _loop_blocks(lay, body, idx_ref, kv_hbm, kv_buf, sem)
 
 
 def _backward(q, kv, idx, o, lse, do, dlse, *, sm_scale, v_dim, blocks, interpret):
   lay = _layout(q, kv, idx, v_dim, blocks)
-  precision = lax.Precision.HIGHEST if lay.dtype == jnp.float32 else None
   idx_smem, idx_vmem = _indices(idx, lay)
   q_parts = _q_parts(q, lay)
   delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)
@@ -495,7 +502,7 @@ def _backward(q, kv, idx, o, lse, do, dlse, *, sm_scale, v_dim, blocks, interpre
            jnp.zeros((lay.b, lay.s_len, lay.dim), jnp.float32)]
   in_specs += [_per_query(lay, v_dim), _per_head(lay), _per_head(lay), pl.BlockSpec(memory_space=pl.ANY),
                pl.BlockSpec(memory_space=pl.ANY)]
-  kernel = functools.partial(_bwd_kernel, lay=lay, sm_scale=float(sm_scale), precision=precision)
+  kernel = functools.partial(_bwd_kernel, lay=lay, sm_scale=float(sm_scale))
   dq_shape = jax.ShapeDtypeStruct((lay.b, lay.t_pad, lay.heads, lay.part_dim), q.dtype)  # accumulated in fp32
   *dq_parts, dkv = pl.pallas_call(
       kernel,

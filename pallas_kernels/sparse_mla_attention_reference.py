@@ -19,13 +19,18 @@ def gather_kv(kv_BSD: jax.Array, idx_BTK: jax.Array) -> jax.Array:
   return jax.vmap(lambda kv, idx: kv[idx])(kv_BSD, safe_BTK)
 
 
+def _selected_scores(q_BTHD, kv_BTKD, idx_BTK, s_len: int, sm_scale: float) -> jax.Array:
+  """sm_scale * q . kv over the gathered keys, fp32 [B, T, H, K]; -inf at skipped indices."""
+  valid_BTK = (idx_BTK >= 0) & (idx_BTK < s_len)
+  s_BTHK = jnp.einsum("bthd,btkd->bthk", q_BTHD, kv_BTKD, preferred_element_type=jnp.float32) * sm_scale
+  return jnp.where(valid_BTK[:, :, None, :], s_BTHK, -jnp.inf)
+
+
 def sparse_mla_attention(q_BTHD: jax.Array, kv_BSD: jax.Array, idx_BTK: jax.Array, *, sm_scale: float,
                          v_dim: int) -> tuple[jax.Array, jax.Array]:
   """Returns (out [B, T, H, v_dim] in q's dtype, lse [B, T, H] fp32)."""
-  valid_BTK = (idx_BTK >= 0) & (idx_BTK < kv_BSD.shape[1])
   kv_BTKD = gather_kv(kv_BSD, idx_BTK)
-  s_BTHK = jnp.einsum("bthd,btkd->bthk", q_BTHD, kv_BTKD, preferred_element_type=jnp.float32) * sm_scale
-  s_BTHK = jnp.where(valid_BTK[:, :, None, :], s_BTHK, -jnp.inf)
+  s_BTHK = _selected_scores(q_BTHD, kv_BTKD, idx_BTK, kv_BSD.shape[1], sm_scale)
   m_BTH = jnp.max(s_BTHK, axis=-1)
   m_safe = jnp.where(jnp.isneginf(m_BTH), 0.0, m_BTH)
   p_BTHK = jnp.exp(s_BTHK - m_safe[..., None])
@@ -41,8 +46,6 @@ def sparse_attention_head_probs(q_BTHD: jax.Array, kv_BSD: jax.Array, idx_BTK: j
                                 sm_scale: float) -> jax.Array:
   """The attention's probabilities of the selected keys summed over heads, sum_h exp(s[t, h, k] - lse[t, h]):
   [B, T, K] fp32, 0 where the index is skipped (the sparse-stage indexer loss's target)."""
-  valid_BTK = (idx_BTK >= 0) & (idx_BTK < kv_BSD.shape[1])
-  kv_BTKD = gather_kv(kv_BSD, idx_BTK)
-  s_BTHK = jnp.einsum("bthd,btkd->bthk", q_BTHD, kv_BTKD, preferred_element_type=jnp.float32) * sm_scale
-  p_BTHK = jnp.exp(s_BTHK - jnp.where(jnp.isneginf(lse_BTH), 0.0, lse_BTH)[..., None])
-  return jnp.where(valid_BTK, jnp.sum(p_BTHK, axis=2), 0.0)
+  s_BTHK = _selected_scores(q_BTHD, gather_kv(kv_BSD, idx_BTK), idx_BTK, kv_BSD.shape[1], sm_scale)
+  p_BTHK = jnp.exp(s_BTHK - jnp.where(jnp.isneginf(lse_BTH), 0.0, lse_BTH)[..., None])  # exp(-inf) = 0 if skipped
+  return jnp.sum(p_BTHK, axis=2)
