@@ -19,6 +19,7 @@ from flax import nnx
 from glm_jax.model import dsa
 from glm_jax.model.config import ModelConfig
 from glm_jax.model.indexer import Indexer
+from glm_jax.model.kv_cache import LayerCache
 from glm_jax.model.layers import RMSNorm, apply_rope, dense, dtype_of, param
 from pallas_kernels.lightning_indexer_reference import lightning_indexer_scores
 
@@ -100,29 +101,38 @@ class MLA(nnx.Module):
   def absorbed_dense(self, q_nope, q_rope, ckv_BSR, k_rope_BSR, mask_BTS) -> jax.Array:
     """Dense attention computed in the absorbed form (equal to `mha`; the decode path's shape)."""
     q_BTHL, kv_BSL = self.absorbed_q_kv(q_nope, q_rope, ckv_BSR, k_rope_BSR)
+    return self.absorbed_out(self._latent_attention(q_BTHL, kv_BSL, mask_BTS))
+
+  def _latent_attention(self, q_BTHL, kv_BSL, mask_BTS) -> jax.Array:
+    """Dense attention against the shared 576-wide key; the value is the key's latent part: [B, T, H, R]."""
     s_BHTS = jnp.einsum("bthl,bsl->bhts", q_BTHL, kv_BSL, preferred_element_type=jnp.float32)
     s_BHTS = jnp.where(mask_BTS[:, None], s_BHTS * self.cfg.softmax_scale, -jnp.inf)
     p_BHTS = _safe_softmax(s_BHTS)
-    o_lat = jnp.einsum("bhts,bsr->bthr", p_BHTS.astype(self.dtype), ckv_BSR,
-                       preferred_element_type=jnp.float32).astype(self.dtype)
-    return self.absorbed_out(o_lat)
+    return jnp.einsum("bhts,bsr->bthr", p_BHTS.astype(self.dtype), kv_BSL[..., :self.cfg.kv_lora_rank],
+                      preferred_element_type=jnp.float32).astype(self.dtype)
 
   def __call__(self, x_BTD: jax.Array, inp: AttentionInputs, *, form: str = "mha",
-               return_index_scores: bool = False, indexer_loss: bool = False
+               return_index_scores: bool = False, indexer_loss: bool = False, return_cache: bool = False
                ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Returns (out [B, T, D], aux). With DSA active, aux["topk_indices"] [B, T, index_topk]; with
     return_index_scores, aux["index_scores"] [B, T, T] (fp32, -inf where not visible); with indexer_loss,
     aux["indexer_kl"]: the indexer's KL to the main attention, over the visible keys when attention is
     dense (DSA warm-up) and over the selected keys when it is sparse. The indexer reads a detached copy
-    of its inputs, so its only gradient is this KL and the KL trains nothing else."""
+    of its inputs, so its only gradient is this KL and the KL trains nothing else. With return_cache (a
+    prefill), aux["cache_kv"] [B, T, kv_lora_rank + rope] and, with DSA, aux["cache_index_k"] [B, T, d_I]:
+    the entries of the decode cache (glm_jax/model/kv_cache.py)."""
     cfg = self.cfg
     seq_len = x_BTD.shape[1]
     cq_BTR, q_nope, q_rope, ckv_BTR, k_rope_BTR = self.project(x_BTD, inp)
     aux: dict[str, jax.Array] = {}
     sparse = self.dsa_active(seq_len)
-    if sparse or return_index_scores or indexer_loss:
+    if return_cache:
+      aux["cache_kv"] = jnp.concatenate([ckv_BTR, k_rope_BTR], axis=-1)
+    if sparse or return_index_scores or indexer_loss or (return_cache and cfg.use_dsa):
       q_i, k_i, w_i = self.indexer(jax.lax.stop_gradient(x_BTD), jax.lax.stop_gradient(cq_BTR),
                                    inp.cos, inp.sin)
+      if return_cache:
+        aux["cache_index_k"] = k_i
       if return_index_scores or (indexer_loss and not sparse):
         scores_BTS = jnp.where(inp.mask, lightning_indexer_scores(q_i, k_i, w_i), -jnp.inf)
       if return_index_scores:
@@ -152,6 +162,38 @@ class MLA(nnx.Module):
     else:
       raise ValueError(f"MLA form={form!r}; one of 'mha', 'absorbed'")
     return dense(o_BTHV, self.o_proj, self.dtype, "bthv,hvd->btd"), aux
+
+
+  def decode(self, x_B1D: jax.Array, cos: jax.Array, sin: jax.Array, pos_B: jax.Array, cache: LayerCache
+             ) -> tuple[jax.Array, LayerCache]:
+    """One new token a row against the cache, in the absorbed MQA form: writes the token's entries at slot
+    pos[b], then attends to slots 0..pos[b]; with DSA, to the indexer's top index_topk of them when the cache
+    is longer than index_topk (the same keys the full forward's causal top-k picks: stale slots past pos[b]
+    are out of every query's reach). Returns (out [B, 1, D], the updated cache)."""
+    cfg = self.cfg
+    b, s_len = x_B1D.shape[0], cache.length
+    beyond_BS = jnp.arange(s_len)[None, :] > pos_B[:, None]  # slots no query of the row may see yet
+    inp = AttentionInputs(cos=cos, sin=sin, segment_ids=jnp.zeros((b, 1), jnp.int32), mask=~beyond_BS[:, None])
+    cq_B1R, q_nope, q_rope, ckv_B1R, k_rope_B1R = self.project(x_B1D, inp)
+    index_k_new = q_i = w_i = None
+    if cfg.use_dsa:
+      q_i, k_i, w_i = self.indexer(x_B1D, cq_B1R, cos, sin)
+      index_k_new = k_i[:, 0]
+    cache = cache.write(pos_B, jnp.concatenate([ckv_B1R, k_rope_B1R], axis=-1)[:, 0], index_k_new)
+    q_B1HL = self.absorbed_q_kv(q_nope, q_rope, ckv_B1R, k_rope_B1R)[0]
+    kv_BSL = cache.kv.astype(self.dtype)
+    if self.dsa_active(s_len):
+      # Causal visibility as segments: with q_offset = S - 1 the causal rule admits every slot, and the
+      # segment ids (0 for the query, 1 for slots past pos) exclude the row's unseen ones.
+      idx_B1K, _ = dsa.select_topk(cfg.attention_impl, q_i, cache.index_k, w_i, topk=cfg.index_topk,
+                                   q_offset=s_len - 1, q_segment_ids=jnp.zeros((b, 1), jnp.int32),
+                                   kv_segment_ids=beyond_BS.astype(jnp.int32))
+      o_lat, _ = dsa.attend(cfg.attention_impl, q_B1HL, kv_BSL, idx_B1K, sm_scale=cfg.softmax_scale,
+                            v_dim=cfg.kv_lora_rank)
+    else:
+      o_lat = self._latent_attention(q_B1HL, kv_BSL, inp.mask)
+    o_B1HV = self.absorbed_out(o_lat)
+    return dense(o_B1HV, self.o_proj, self.dtype, "bthv,hvd->btd"), cache
 
 
 def indexer_kl(p_target_BTS: jax.Array, scores_BTS: jax.Array, valid_BTS: jax.Array) -> jax.Array:

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from glm_jax.model.config import ModelConfig
+from glm_jax.model.kv_cache import KVCache, LayerCache
 from glm_jax.model.layers import MLP, Embed, RMSNorm, check_token_ids, dense, dtype_of, param, rope_angles
 from glm_jax.model.mla import MLA, AttentionInputs
 from glm_jax.model.moe import MoE
@@ -52,16 +53,24 @@ class DecoderLayer(nnx.Module):
     self.mlp = MoE(cfg, rngs) if moe else MLP(cfg, cfg.intermediate_size, rngs)
 
   def __call__(self, x_BTD: jax.Array, inp: AttentionInputs, *, form: str = "mha",
-               return_index_scores: bool = False, indexer_loss: bool = False
+               return_index_scores: bool = False, indexer_loss: bool = False, return_cache: bool = False
                ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    a, aux = self.self_attn(self.input_layernorm(x_BTD), inp, form=form,
-                            return_index_scores=return_index_scores, indexer_loss=indexer_loss)
+    a, aux = self.self_attn(self.input_layernorm(x_BTD), inp, form=form, return_index_scores=return_index_scores,
+                            indexer_loss=indexer_loss, return_cache=return_cache)
     x_BTD = x_BTD + a
+    m, router_aux = self._ffn(x_BTD)
+    return x_BTD + m, {**aux, **router_aux}
+
+  def _ffn(self, x_BTD: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
     m = self.mlp(self.post_attention_layernorm(x_BTD))
-    if isinstance(m, tuple):
-      m, router_aux = m
-      aux = {**aux, **router_aux}
-    return x_BTD + m, aux
+    return m if isinstance(m, tuple) else (m, {})
+
+  def decode(self, x_B1D: jax.Array, cos: jax.Array, sin: jax.Array, pos_B: jax.Array, cache: LayerCache
+             ) -> tuple[jax.Array, LayerCache]:
+    """One token a row against this layer's cache (MLA.decode)."""
+    a, cache = self.self_attn.decode(self.input_layernorm(x_B1D), cos, sin, pos_B, cache)
+    x_B1D = x_B1D + a
+    return x_B1D + self._ffn(x_B1D)[0], cache
 
 
 def stacked_layers(cfg: ModelConfig, moe: bool, n: int, rngs: nnx.Rngs) -> DecoderLayer | None:
@@ -90,6 +99,20 @@ def scan_layers(stack: DecoderLayer | None, x_BTD: jax.Array, inp: AttentionInpu
   if remat_policy != "none":
     body = jax.checkpoint(body, policy=REMAT_POLICIES[remat_policy], prevent_cse=False)
   return jax.lax.scan(body, x_BTD, state, unroll=unroll)
+
+
+def scan_decode(stack: DecoderLayer | None, x_B1D: jax.Array, cos: jax.Array, sin: jax.Array, pos_B: jax.Array,
+                cache: LayerCache | None) -> tuple[jax.Array, LayerCache | None]:
+  """DecoderLayer.decode through a stack, each layer with its slice of the stacked cache."""
+  if stack is None:
+    return x_B1D, cache
+  graphdef, state = nnx.split(stack)
+
+  def body(x, layer):
+    layer_state, layer_cache = layer
+    return nnx.merge(graphdef, layer_state).decode(x, cos, sin, pos_B, layer_cache)
+
+  return jax.lax.scan(body, x_B1D, (state, cache))
 
 
 class MTPLayer(nnx.Module):
@@ -143,26 +166,9 @@ class GlmMoeDsa(nnx.Module):
     """input_ids [B, T] int; positions [B, T] (default 0..T-1); segment_ids [B, T] (default one segment).
     form: "mha" or "absorbed" for the dense attention path (DSA always attends in the absorbed form).
     indexer_loss: each layer reports aux["indexer_kl"] [L] (see MLA.__call__)."""
-    cfg = self.cfg
-    if input_ids.ndim != 2:
-      raise ValueError(f"input_ids: shape {input_ids.shape}; expected [batch, seq_len]")
-    check_token_ids(input_ids, cfg.vocab_size)
-    b, t = input_ids.shape
-    for name, arr in (("positions", positions), ("segment_ids", segment_ids)):
-      if arr is not None and arr.shape != (b, t):
-        raise ValueError(f"{name}: shape {arr.shape}; expected input_ids' shape {(b, t)}")
-    if positions is None:
-      positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    if segment_ids is None:
-      segment_ids = jnp.zeros((b, t), jnp.int32)
-    cos, sin = rope_angles(positions, cfg.qk_rope_head_dim, cfg.rope_theta)
-    mask = visible_mask(t, t, causal=True, q_segment_ids=segment_ids, kv_segment_ids=segment_ids)
-    inp = AttentionInputs(cos=cos, sin=sin, segment_ids=segment_ids, mask=mask)
-
-    emb_BTD = self.embed_tokens(input_ids)
-    kw = dict(form=form, return_index_scores=return_index_scores, indexer_loss=indexer_loss)
-    h, dense_aux = scan_layers(self.dense_layers, emb_BTD, inp, cfg.remat_policy, cfg.scan_unroll, **kw)
-    h, moe_aux = scan_layers(self.moe_layers, h, inp, cfg.remat_policy, cfg.scan_unroll, **kw)
+    emb_BTD, inp, h, dense_aux, moe_aux = self._decoder(
+        input_ids, positions, segment_ids, form=form, return_index_scores=return_index_scores,
+        indexer_loss=indexer_loss)
     aux = {k: v for k, v in moe_aux.items() if k.startswith("expert_")}
     for key in ("topk_indices", "index_scores", "indexer_kl"):
       parts = [a[key] for a in (dense_aux, moe_aux) if key in a]
@@ -184,3 +190,55 @@ class GlmMoeDsa(nnx.Module):
           aux["indexer_kl"] = jnp.concatenate([aux["indexer_kl"], mtp_aux["indexer_kl"][None]])
       mtp_logits = jnp.stack(outs)
     return ModelOutput(logits=logits, mtp_logits=mtp_logits, aux=aux)
+
+  def _decoder(self, input_ids, positions, segment_ids, **kw):
+    """Embedding and the two stacks: (emb [B, T, D], attention inputs, h [B, T, D], dense aux, MoE aux)."""
+    cfg = self.cfg
+    if input_ids.ndim != 2:
+      raise ValueError(f"input_ids: shape {input_ids.shape}; expected [batch, seq_len]")
+    check_token_ids(input_ids, cfg.vocab_size)
+    b, t = input_ids.shape
+    for name, arr in (("positions", positions), ("segment_ids", segment_ids)):
+      if arr is not None and arr.shape != (b, t):
+        raise ValueError(f"{name}: shape {arr.shape}; expected input_ids' shape {(b, t)}")
+    if positions is None:
+      positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    if segment_ids is None:
+      segment_ids = jnp.zeros((b, t), jnp.int32)
+    cos, sin = rope_angles(positions, cfg.qk_rope_head_dim, cfg.rope_theta)
+    mask = visible_mask(t, t, causal=True, q_segment_ids=segment_ids, kv_segment_ids=segment_ids)
+    inp = AttentionInputs(cos=cos, sin=sin, segment_ids=segment_ids, mask=mask)
+    emb_BTD = self.embed_tokens(input_ids)
+    h, dense_aux = scan_layers(self.dense_layers, emb_BTD, inp, cfg.remat_policy, cfg.scan_unroll, **kw)
+    h, moe_aux = scan_layers(self.moe_layers, h, inp, cfg.remat_policy, cfg.scan_unroll, **kw)
+    return emb_BTD, inp, h, dense_aux, moe_aux
+
+  def prefill(self, input_ids: jax.Array, cache_len: int) -> tuple[jax.Array, KVCache]:
+    """The forward pass over prompts [B, T] (positions 0..T-1, one document a row; a row's padding after its
+    prompt changes nothing before it), returning (logits [B, T, V] fp32, a cache of cache_len slots holding
+    slots 0..T-1). The logits are the full forward's: this is __call__ without MTP."""
+    t = input_ids.shape[-1]
+    if cache_len < t:
+      raise ValueError(f"cache_len={cache_len} is shorter than the prompts ({t} tokens)")
+    _, _, h, dense_aux, moe_aux = self._decoder(input_ids, None, None, return_cache=True)
+
+    def stack_cache(aux):
+      if "cache_kv" not in aux:
+        return None
+      def pad(x):  # [L, B, T, W] -> [L, B, S, W]
+        return jnp.pad(x, [(0, 0), (0, 0), (0, cache_len - t), (0, 0)])
+
+      index_k = aux.get("cache_index_k")
+      return LayerCache(kv=pad(aux["cache_kv"]), index_k=None if index_k is None else pad(index_k))
+
+    return self.head(self.norm(h)), KVCache(dense=stack_cache(dense_aux), moe=stack_cache(moe_aux))
+
+  def decode(self, token_B: jax.Array, pos_B: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
+    """Feeds token[b] at position pos[b] (its slot in the cache): (next-token logits [B, V] fp32, the cache
+    with the token's entries written). Positions may differ between rows (ragged prompts)."""
+    cfg = self.cfg
+    cos, sin = rope_angles(pos_B[:, None], cfg.qk_rope_head_dim, cfg.rope_theta)
+    h = self.embed_tokens(token_B[:, None])
+    h, dense_cache = scan_decode(self.dense_layers, h, cos, sin, pos_B, cache.dense)
+    h, moe_cache = scan_decode(self.moe_layers, h, cos, sin, pos_B, cache.moe)
+    return self.head(self.norm(h))[:, 0], KVCache(dense=dense_cache, moe=moe_cache)

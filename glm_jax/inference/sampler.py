@@ -1,0 +1,176 @@
+"""Batched sampling with a KV cache: one prefill over the prompts, then one jit-compiled decode step a token.
+
+  sampler = Sampler(graphdef, model_cfg, SamplingParams(max_new_tokens=64, temperature=1.0, stop_ids=(tok.eos_id,)))
+  out = sampler(params, rest, prompts, jax.random.key(0))     # prompts: lists of token ids
+  out.tokens[b, :out.lengths[b]]      prompt b followed by its response
+  out.logp[b, s], out.response_mask   per-token log-probabilities of the response tokens
+
+Prompts may have different lengths. Each row keeps its tokens at their positions: prompt b fills slots
+0..len_b-1 of its row (right-padded to the longest prompt), its response continues at len_b, and the decode
+step takes every row's own position (glm_jax/model/kv_cache.py). The whole generation is one jax.jit: the
+prefill, then a lax.while_loop over the decode step that stops when every row has emitted a stop token or
+max_new_tokens are out; nothing is recompiled per token, and a new prompt width or batch size compiles once.
+
+Log-probabilities are those of the distribution the token was drawn from before top-p truncation:
+log_softmax(logits / temperature) (temperature 1 for greedy decoding). A trainer that recomputes them must
+divide its logits by the same temperature (glm_jax/rl/policy.py does).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from glm_jax.model.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  max_new_tokens: int
+  temperature: float = 1.0  # 0: greedy
+  top_p: float = 1.0  # nucleus sampling: draw from the smallest set of tokens whose probability reaches top_p
+  stop_ids: tuple[int, ...] = ()  # a row ends after emitting one of these (it is part of the response)
+  pad_id: int = 0  # fills the rows past their end
+
+  def __post_init__(self):
+    if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
+      raise ValueError(f"max_new_tokens={self.max_new_tokens!r}; must be a positive integer")
+    if not self.temperature >= 0:
+      raise ValueError(f"temperature={self.temperature!r}; must be >= 0 (0 = greedy)")
+    if not 0 < self.top_p <= 1:
+      raise ValueError(f"top_p={self.top_p!r}; must be in (0, 1]")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SampleOutput:
+  tokens: jax.Array  # [B, S] int32: prompt, response, then pad_id
+  logp: jax.Array  # [B, S] fp32: log-probability of tokens[b, s] where response_mask, else 0
+  response_mask: jax.Array  # [B, S] bool: the generated tokens (a stop token included)
+  prompt_lens: jax.Array  # [B] int32
+  lengths: jax.Array  # [B] int32: prompt + response
+  finished: jax.Array  # [B] bool: the row emitted a stop token (else it ran out of max_new_tokens)
+  logits: jax.Array | None  # [B, S, V] fp32 with return_logits: the logits tokens[b, s] was drawn from
+
+
+def sample_token(logits_BV: jax.Array, key: jax.Array, temperature: float, top_p: float
+                 ) -> tuple[jax.Array, jax.Array]:
+  """(token [B] int32, its log-probability [B] fp32 under softmax(logits / temperature))."""
+  logits_BV = logits_BV.astype(jnp.float32)
+  if temperature == 0:
+    tok = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    logp_BV = jax.nn.log_softmax(logits_BV, axis=-1)
+  else:
+    logp_BV = jax.nn.log_softmax(logits_BV / temperature, axis=-1)
+    draw_BV = logp_BV
+    if top_p < 1:
+      sorted_BV = jnp.sort(logp_BV, axis=-1)[:, ::-1]
+      before_BV = jnp.cumsum(jnp.exp(sorted_BV), axis=-1) - jnp.exp(sorted_BV)  # mass of the better tokens
+      cutoff_B = jnp.min(jnp.where(before_BV < top_p, sorted_BV, jnp.inf), axis=-1)
+      draw_BV = jnp.where(logp_BV >= cutoff_B[:, None], logp_BV, -jnp.inf)
+    tok = jax.random.categorical(key, draw_BV, axis=-1).astype(jnp.int32)
+  return tok, jnp.take_along_axis(logp_BV, tok[:, None], axis=-1)[:, 0]
+
+
+def _generate(graphdef, params, rest, prompts_BP, prompt_lens_B, key, *, sampling: SamplingParams, cache_len: int,
+              return_logits: bool) -> SampleOutput:
+  model = nnx.merge(graphdef, params, rest)
+  b, p = prompts_BP.shape
+  logits_BPV, cache = model.prefill(prompts_BP, cache_len)
+  rows = jnp.arange(b)
+  first_BV = logits_BPV[rows, prompt_lens_B - 1]
+  stop_ids = jnp.asarray(sampling.stop_ids or (-1,), jnp.int32)
+  tokens = jnp.full((b, cache_len), sampling.pad_id, jnp.int32).at[:, :p].set(prompts_BP)
+  tokens = jnp.where(jnp.arange(cache_len)[None] < prompt_lens_B[:, None], tokens, sampling.pad_id)
+  state = dict(i=jnp.zeros((), jnp.int32), tokens=tokens, logp=jnp.zeros((b, cache_len), jnp.float32),
+               mask=jnp.zeros((b, cache_len), bool), done=jnp.zeros((b,), bool), next_logits=first_BV, cache=cache,
+               key=key)
+  if return_logits:
+    state["logits"] = jnp.zeros((b, cache_len, first_BV.shape[-1]), jnp.float32)
+
+  def cond(st):
+    return (st["i"] < sampling.max_new_tokens) & ~jnp.all(st["done"])
+
+  def body(st):
+    key, sub = jax.random.split(st["key"])
+    tok, logp = sample_token(st["next_logits"], sub, sampling.temperature, sampling.top_p)
+    live = ~st["done"]
+    tok = jnp.where(live, tok, sampling.pad_id)
+    pos = prompt_lens_B + st["i"]
+    new = dict(st, i=st["i"] + 1, key=key, tokens=st["tokens"].at[rows, pos].set(tok),
+               logp=st["logp"].at[rows, pos].set(jnp.where(live, logp, 0.0)),
+               mask=st["mask"].at[rows, pos].set(live), done=st["done"] | jnp.isin(tok, stop_ids))
+    if return_logits:
+      new["logits"] = st["logits"].at[rows, pos].set(jnp.where(live[:, None], st["next_logits"], 0.0))
+    new["next_logits"], new["cache"] = model.decode(tok, pos, st["cache"])
+    return new
+
+  st = jax.lax.while_loop(cond, body, state)
+  response_lens = jnp.sum(st["mask"], axis=-1).astype(jnp.int32)
+  return SampleOutput(tokens=st["tokens"], logp=st["logp"], response_mask=st["mask"], prompt_lens=prompt_lens_B,
+                      lengths=prompt_lens_B + response_lens, finished=st["done"], logits=st.get("logits"))
+
+
+def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int, width: int | None = None
+                ) -> tuple[np.ndarray, np.ndarray]:
+  """Right-pads token lists to [B, width] (width: the longest prompt by default): (prompts, lengths)."""
+  lens = np.asarray([len(p) for p in prompts], np.int32)
+  width = int(lens.max()) if width is None else width
+  out = np.full((len(prompts), width), pad_id, np.int32)
+  for i, p in enumerate(prompts):
+    out[i, :len(p)] = p
+  return out, lens
+
+
+def check_prompts(prompts: Sequence[Sequence[int]], cfg: ModelConfig, sampling: SamplingParams,
+                  cache_len: int | None, width: int | None = None) -> int:
+  """Validates prompts for `generate` and returns the cache length (the prompt width plus max_new_tokens when
+  cache_len is None). Raises ValueError naming what is wrong."""
+  if not len(prompts):
+    raise ValueError("prompts: empty batch; need at least one prompt")
+  for i, p in enumerate(prompts):
+    if not len(p):
+      raise ValueError(f"prompts[{i}] is empty; every prompt needs at least one token")
+    bad = [t for t in p if not 0 <= int(t) < cfg.vocab_size]
+    if bad:
+      raise ValueError(f"prompts[{i}]: token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
+  longest = max(len(p) for p in prompts)
+  width = longest if width is None else width
+  if width < longest:
+    raise ValueError(f"prompt width {width} < the longest prompt ({longest} tokens)")
+  needed = width + sampling.max_new_tokens
+  if cache_len is None:
+    cache_len = needed
+  if needed > cache_len:
+    raise ValueError(f"a prompt of {longest} tokens (padded to {width}) plus max_new_tokens="
+                     f"{sampling.max_new_tokens} needs {needed} cache slots; the cache has cache_len={cache_len}")
+  if cache_len > cfg.max_position_embeddings:
+    raise ValueError(f"cache_len={cache_len} exceeds model.max_position_embeddings={cfg.max_position_embeddings}")
+  return cache_len
+
+
+class Sampler:
+  """generate() for one model and one SamplingParams: `Sampler(graphdef, cfg, sampling)(params, rest, prompts, key)`.
+  The model is nnx.split(model, nnx.Param, ...)'s (graphdef, params, rest); prompts are lists of token ids.
+  cache_len: the cache's slots (default: prompt width + max_new_tokens); width: pad prompts to this many tokens
+  (a fixed width compiles once for prompts of any length)."""
+
+  def __init__(self, graphdef, cfg: ModelConfig, sampling: SamplingParams, *, cache_len: int | None = None,
+               width: int | None = None, return_logits: bool = False):
+    self.cfg, self.sampling, self.cache_len, self.width = cfg, sampling, cache_len, width
+    self._graphdef, self._return_logits = graphdef, return_logits
+    self._jitted: dict[int, object] = {}  # cache_len -> the jitted generation
+
+  def __call__(self, params, rest, prompts: Sequence[Sequence[int]], key: jax.Array) -> SampleOutput:
+    cache_len = check_prompts(prompts, self.cfg, self.sampling, self.cache_len, self.width)
+    prompts_BP, lens_B = pad_prompts(prompts, self.sampling.pad_id, self.width)
+    if cache_len not in self._jitted:
+      self._jitted[cache_len] = jax.jit(functools.partial(
+          _generate, self._graphdef, sampling=self.sampling, cache_len=cache_len, return_logits=self._return_logits))
+    return self._jitted[cache_len](params, rest, jnp.asarray(prompts_BP), jnp.asarray(lens_B), key)
