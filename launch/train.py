@@ -1,6 +1,9 @@
-r"""Pretrains GLM-5 from a config; resumes from --workdir's latest checkpoint.
+r"""Trains GLM-5 from a config; resumes from --workdir's latest checkpoint. config.trainer picks the loop:
+"pretrain" (the default; glm_jax/train/trainer.py), "grpo" or "distill" (post-training, glm_jax/rl/trainer.py).
 
   python launch/train.py --config=configs/glm5_tiny.py                 # the embedded corpus, on CPU
+  python launch/train.py --config=configs/grpo_tiny.py                 # GRPO + IcePop on 2-digit addition
+  python launch/train.py --config=configs/distill_tiny.py              # on-policy distillation, two teachers
   python launch/train.py --config=configs/glm5_tiny.py --workdir=/tmp/run1 \
       --config.train.steps=50 --config.optimizer.lr=3e-3 --config.train.dsa_stage=warmup
 
@@ -18,7 +21,8 @@ two processes on one machine:
 Every process reads its own rows of each global batch and writes its part of each checkpoint; process 0
 writes the metrics and prints the JSON line.
 Metrics go to <workdir>/metrics.jsonl and <workdir>/tensorboard, checkpoints to <workdir>/checkpoints.
-The run ends by printing one JSON line: eval_loss and unigram_entropy (nats per token), step, and more.
+The run ends by printing one JSON line: eval_loss and unigram_entropy (nats per token), step, and more (for
+grpo / distill: the greedy eval_accuracy at the start and the end, the last reward_mean or teacher_kl).
 """
 
 import json
@@ -28,6 +32,7 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from glm_jax.rl import trainer as rl_trainer
 from glm_jax.train import distributed
 from glm_jax.train.trainer import train_and_evaluate
 
@@ -53,7 +58,13 @@ def main(argv):
     raise app.UsageError(str(e)) from e
   config = _CONFIG.value
   workdir = _WORKDIR.value or f"workdirs/{config.get('name', 'run')}"
-  summary = train_and_evaluate(config, workdir)
+  kind = config.get("trainer", "pretrain")
+  if kind == "pretrain":
+    summary = train_and_evaluate(config, workdir)
+  elif kind in ("grpo", "distill"):
+    summary = rl_trainer.run(config, workdir)
+  else:
+    raise app.UsageError(f"config.trainer={kind!r} is invalid; one of {rl_trainer.TRAINERS}")
   if jax.process_index() == 0:
     print(json.dumps(summary), flush=True)
 

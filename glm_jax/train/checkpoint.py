@@ -76,12 +76,14 @@ class Checkpointer:
       raise ValueError(f"{self.directory} holds checkpoints (latest step {step}) of an incompatible config: "
                        + "; ".join(diffs) + ". Use another --workdir, or the checkpoint's config.")
 
-  def save(self, step: int, state: Any, data_iter: grain.DatasetIterator, config: Mapping[str, Any],
+  def save(self, step: int, state: Any, data_iter: grain.DatasetIterator | None, config: Mapping[str, Any],
            *, force: bool = False) -> bool:
-    args = ocp.args.Composite(state=ocp.args.StandardSave(state),
-                              data=grain.checkpoint.CheckpointSave(data_iter),
-                              config=ocp.args.JsonSave(dict(config)))
-    return self.manager.save(step, args=args, force=force)
+    """Saves state, the config and, when given, the data iterator's position (a run whose data is a function
+    of the step, such as the RL loops', has none)."""
+    items = dict(state=ocp.args.StandardSave(state), config=ocp.args.JsonSave(dict(config)))
+    if data_iter is not None:
+      items["data"] = grain.checkpoint.CheckpointSave(data_iter)
+    return self.manager.save(step, args=ocp.args.Composite(**items), force=force)
 
   def restore(self, step: int, abstract_state: Any, data_iter: grain.DatasetIterator | None = None) -> Any:
     """The saved TrainState (onto `abstract_state`'s structure and shardings); `data_iter`, when given, is

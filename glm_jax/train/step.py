@@ -94,6 +94,31 @@ def _update_expert_biases(rest, counts: dict[str, jax.Array], rate: float):
   return nnx.from_flat_state(out)
 
 
+def apply_gradients(state: TrainState, grads, loss: jax.Array, optimizer: optax.GradientTransformation,
+                    grad_clip_norm: float, *, new_rest: Any = None, also_skip: jax.Array | bool = False
+                    ) -> tuple[TrainState, jax.Array, jax.Array]:
+  """One optimizer update from `grads` (clipped to grad_clip_norm when > 0), skipped (parameters, `rest` and
+  optimizer state kept as they were) when the loss or the gradient norm is not finite or `also_skip` holds.
+  new_rest: the non-parameter variables after the step (default: unchanged). Returns (the state with step + 1,
+  the gradient norm before clipping, skip); loss_ema is carried over unchanged."""
+  grad_norm = optax.tree.norm(grads)
+  if grad_clip_norm > 0:
+    scale = jnp.minimum(1.0, grad_clip_norm / (grad_norm + 1e-6))
+    grads = jax.tree.map(lambda g: g * scale, grads)
+  updates, new_opt_state = optimizer.update(grads, state.opt_state, state.params)
+  new_params = optax.apply_updates(state.params, updates)
+  skip = ~(jnp.isfinite(loss) & jnp.isfinite(grad_norm)) | also_skip
+
+  def keep(new, old):
+    return jax.tree.map(lambda n, o: jnp.where(skip, o, n), new, old)
+
+  new_state = TrainState(step=state.step + 1, params=keep(new_params, state.params),
+                         rest=state.rest if new_rest is None else keep(new_rest, state.rest),
+                         opt_state=keep(new_opt_state, state.opt_state), loss_ema=state.loss_ema,
+                         skipped=state.skipped + skip.astype(jnp.int32))
+  return new_state, grad_norm, skip
+
+
 def make_train_step(graphdef, optimizer: optax.GradientTransformation, schedule: Callable, train_cfg, *,
                     state_shardings: Any = None, batch_sharding: Any = None,
                     unroll_microbatches: bool = False) -> Callable:
@@ -127,29 +152,15 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, schedule:
     grads = jax.tree.map(lambda g: g / n_micro, grads)
     m = {k: (v if k == "tokens" else v / n_micro) for k, v in m.items()}
 
-    grad_norm = optax.tree.norm(grads)
-    if train_cfg.grad_clip_norm > 0:
-      scale = jnp.minimum(1.0, train_cfg.grad_clip_norm / (grad_norm + 1e-6))
-      grads = jax.tree.map(lambda g: g * scale, grads)
-    updates, new_opt_state = optimizer.update(grads, state.opt_state, state.params)
-    new_params = optax.apply_updates(state.params, updates)
     new_rest = _update_expert_biases(state.rest, counts, bias_rate) if bias_rate else state.rest
-
     loss = m["loss"]
-    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     spike = ((train_cfg.spike_factor > 0) & (state.step >= train_cfg.spike_min_steps)
              & (state.loss_ema > 0) & (loss > train_cfg.spike_factor * state.loss_ema))
-    skip = ~finite | spike
-    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(skip, o, n), new, old)
+    new_state, grad_norm, skip = apply_gradients(state, grads, loss, optimizer, train_cfg.grad_clip_norm,
+                                                 new_rest=new_rest, also_skip=spike)
     ema = jnp.where(state.loss_ema == 0, loss,
                     train_cfg.spike_ema * state.loss_ema + (1 - train_cfg.spike_ema) * loss)
-    new_state = TrainState(
-        step=state.step + 1,
-        params=keep(new_params, state.params),
-        rest=keep(new_rest, state.rest),
-        opt_state=keep(new_opt_state, state.opt_state),
-        loss_ema=jnp.where(skip, state.loss_ema, ema),
-        skipped=state.skipped + skip.astype(jnp.int32))
+    new_state.loss_ema = jnp.where(skip, state.loss_ema, ema)
     metrics = dict(m, grad_norm=grad_norm, lr=schedule(state.step), skipped=skip.astype(jnp.int32))
     if "expert_counts" in counts:
       metrics["expert_load_entropy"] = losses.expert_load_entropy(counts["expert_counts"])

@@ -1,0 +1,163 @@
+"""The post-training loops end to end on CPU: GRPO raises the expected reward, the asynchronous path drops stale
+rollouts and survives a failing reward function, distillation lowers the student's KL to its teachers, and bad
+configs fail before any work."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+from flax import nnx
+
+import configs.distill_tiny
+import configs.grpo_tiny
+from glm_jax.model import GlmMoeDsa, ModelConfig
+from glm_jax.rl import rewards as rewards_lib
+from glm_jax.rl import tasks as tasks_lib
+from glm_jax.rl import trainer as rl_trainer
+from glm_jax.train.checkpoint import Checkpointer
+from glm_jax.train.step import split_model
+
+ALL_SUMS = [tasks_lib.AdditionTask(digits=1)._problem(f"{a}+{b}=", str(a + b)) for a in range(10) for b in range(10)]
+
+
+def quiet(config, **rl):
+  config.rl.tensorboard = False
+  config.rl.update(rl)
+  return config
+
+
+def demonstrations(problems, task):
+  """[n, L] tokens of prompt + answer + eos and the mask of the answer + eos positions."""
+  demos = [task.demonstration(p) for p in problems]
+  tokens = np.zeros((len(demos), max(map(len, demos))), np.int32)
+  mask = np.zeros(tokens.shape, bool)
+  for i, (p, d) in enumerate(zip(problems, demos)):
+    tokens[i, :len(d)] = d
+    mask[i, len(p.prompt_ids):len(d)] = True
+  return jnp.asarray(tokens), jnp.asarray(mask)
+
+
+def answer_logprobs(cfg, params, rest, tokens):
+  """log p of each token given the ones before it, from the model's logits: [n, L] (0 at position 0)."""
+  graphdef = split_model(GlmMoeDsa(cfg, nnx.Rngs(0)))[0]
+  logits = nnx.merge(graphdef, params, rest)(tokens, compute_mtp=False).logits[:, :-1]
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32), -1)
+  rows, prev = np.arange(tokens.shape[0])[:, None], np.arange(tokens.shape[1] - 1)[None]
+  return jnp.pad(logp[rows, prev, tokens[:, 1:]], [(0, 0), (1, 0)]), logp
+
+
+def policy_weights(workdir, config, which):
+  """(params, rest) of the warm start ("init") or the latest RL checkpoint ("final")."""
+  cfg = ModelConfig.from_dict(config.model)
+  _, state, _, _ = rl_trainer._policy(cfg, config.optimizer, 0, True)
+  if which == "init":
+    return rl_trainer.reference_policy(workdir, state)
+  ckpt = Checkpointer(workdir, read_only=True)
+  state = ckpt.restore(ckpt.latest_step(), state)
+  ckpt.close()
+  return state.params, state.rest
+
+
+def test_grpo_raises_expected_reward(tmp_path):
+  """grpo_tiny as shipped (1-digit addition, DSA selecting 4 keys, frozen indexer, IcePop), 30 GRPO steps after
+  its 60-step SFT. The measure is exact, not sampled: the probability of answering each of the 100 problems
+  correctly, p(answer, eos | prompt) at temperature 1, averaged. Measured over seeds 0, 1, 2 (see the note of
+  issue 6): before -> after 30 steps, every seed gains far more than the 0.05 asserted here."""
+  config = quiet(configs.grpo_tiny.get_config(), steps=30, eval_every=1000, checkpoint_every=1000)
+  summary = rl_trainer.run(config, str(tmp_path))
+  assert summary["step"] == 30
+  cfg = ModelConfig.from_dict(config.model)
+  tokens, mask = demonstrations(ALL_SUMS, tasks_lib.AdditionTask(digits=1))
+  expected = {}
+  for which in ("init", "final"):
+    logp, _ = answer_logprobs(cfg, *policy_weights(str(tmp_path), config, which), tokens)
+    expected[which] = float(jnp.mean(jnp.exp(jnp.sum(jnp.where(mask, logp, 0.0), axis=1))))
+  assert expected["final"] > expected["init"] + 0.05, expected
+  rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+  rewards = [r["reward_mean"] for r in rows if "reward_mean" in r]
+  assert len(rewards) == 30 and np.mean(rewards[-5:]) > np.mean(rewards[:5])
+  for key in ("reward_std", "icepop_drop_frac", "clip_frac", "mismatch_kl", "response_len_mean", "grad_norm"):
+    assert key in rows[-1]
+
+
+def test_async_drops_stale_rollouts_and_survives_failing_rewards(tmp_path, monkeypatch):
+  """A worker that runs ahead (the first update includes compiling the step, while it queues two more batches)
+  with tau = 0: every rollout made with older weights than the trainer's is dropped, none is trained on. A
+  reward function that raises on some samples and returns NaN on others gives them 0 (logged, counted), and
+  the weights stay finite."""
+
+  def flaky(vocab):
+    exact = rewards_lib.exact_match(vocab)
+
+    def reward(problem, response):
+      if problem.prompt.startswith("3"):
+        raise RuntimeError("grader crashed")
+      if problem.prompt.startswith("4"):
+        return float("nan")
+      return exact(problem, response)
+
+    return reward
+
+  monkeypatch.setitem(rewards_lib.REWARD_FNS, "flaky", flaky)
+  config = configs.grpo_tiny.get_config()
+  config.sft.steps = 0
+  quiet(config, steps=4, async_rollouts=True, objective="async", tau=0, max_pending=2, reward="flaky",
+        prompts_per_step=8, group_size=4, eval_prompts=8, eval_every=1000, checkpoint_every=1000)
+  summary = rl_trainer.run(config, str(tmp_path))
+  assert summary["step"] == 4 and summary["dropped_stale"] >= 2
+  rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl") if "reward_mean" in line]
+  assert [r["staleness"] for r in rows] == [0, 0, 0, 0]
+  assert sum(r["reward_failures"] for r in rows) > 0
+  assert rows[-1]["dropped_stale"] == summary["dropped_stale"]
+  params, _ = policy_weights(str(tmp_path), config, "final")
+  assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(params))
+
+
+def test_distillation_lowers_kl_to_teachers(tmp_path):
+  """distill_tiny with short teacher fine-tunes: the exact per-token KL(student || teacher) over the whole
+  vocabulary, on the teachers' own demonstrations of fixed problems, falls."""
+  config = quiet(configs.distill_tiny.get_config(), steps=20, eval_every=1000, checkpoint_every=1000)
+  for t in config.teachers.values():
+    t.sft_steps = 80
+  rl_trainer.run(config, str(tmp_path))
+  cfg = ModelConfig.from_dict(config.model)
+  kls = {}
+  for which in ("init", "final"):
+    student = policy_weights(str(tmp_path), config, which)
+    total = []
+    for name, spec in config.teachers.items():
+      task = tasks_lib.make_task(spec.task, **spec.task_kwargs.to_dict())
+      tokens, mask = demonstrations(task.sample(np.random.default_rng(3), 64), task)
+      _, state, _, _ = rl_trainer._policy(cfg, config.optimizer, 0, False)
+      teacher = Checkpointer(os.path.join(tmp_path, "teachers", name), read_only=True)
+      t_params, t_rest = teacher.restore_weights(teacher.latest_step(), state.params, state.rest)
+      _, logp_s = answer_logprobs(cfg, *student, tokens)
+      _, logp_t = answer_logprobs(cfg, t_params, t_rest, tokens)
+      kl = jnp.sum(jnp.exp(logp_s) * (logp_s - logp_t), -1)  # [n, L-1]: at the logits predicting token t+1
+      total.append(float(jnp.sum(jnp.where(mask[:, 1:], kl, 0.0)) / jnp.sum(mask)))
+    kls[which] = float(np.mean(total))
+  assert kls["final"] < 0.8 * kls["init"], kls
+
+
+def test_bad_configs(tmp_path):
+  config = configs.distill_tiny.get_config()
+  config.teachers.sort.model = ml_collections.ConfigDict({"vocab_size": 64})
+  config.sft.steps = 0
+  with pytest.raises(ValueError, match="teachers.sort: vocab_size 64 differs from the student's model.vocab_size 32"):
+    rl_trainer.run(quiet(config), str(tmp_path / "a"))
+  config = configs.grpo_tiny.get_config()
+  config.model.vocab_size = 10
+  with pytest.raises(ValueError, match="model vocab_size=10 is smaller than the task vocabulary.s 18 ids"):
+    rl_trainer.run(quiet(config), str(tmp_path / "b"))
+  assert not os.path.exists(tmp_path / "b" / "checkpoints")
+  config = configs.grpo_tiny.get_config()
+  config.tasks.addition.weight = -1.0
+  with pytest.raises(ValueError, match="weights must be finite and non-negative"):
+    rl_trainer.run(quiet(config), str(tmp_path / "c"))
+  config = configs.distill_tiny.get_config()
+  with pytest.raises(ValueError, match="rl.group_size=8 is invalid; on-policy distillation samples one answer"):
+    rl_trainer.run(quiet(config, group_size=8), str(tmp_path / "d"))
