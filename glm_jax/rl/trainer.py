@@ -21,6 +21,7 @@ lengths, ...) and checkpoints; step 0 is the warm-started policy, and a rerun re
 from __future__ import annotations
 
 import copy
+import json
 import os
 import time
 from typing import Any
@@ -130,21 +131,32 @@ def _policy(model_cfg: ModelConfig, opt_cfg, seed: int, freeze_indexer: bool):
   return graphdef, state, optimizer, optimizers.learning_rate_schedule(opt_cfg)
 
 
+_SFT_STEPS: dict = {}
+
+
+def _sft_step(graphdef, params, opt_cfg, stage: str):
+  """(optimizer, jitted pretraining step) for fine-tuning, one per (model, optimizer config, stage): the teachers
+  and the student of one architecture share a compilation."""
+  key = (graphdef, json.dumps(opt_cfg.to_dict(), sort_keys=True), stage)
+  if key not in _SFT_STEPS:
+    train_cfg = ml_collections.ConfigDict(dict(
+        dsa_stage=stage, microbatches=1, grad_clip_norm=1.0, mtp_loss_weight=0.3, balance_loss_weight=1e-4,
+        indexer_loss_weight=1.0, expert_bias_rate=1e-3, spike_factor=0.0, spike_min_steps=0, spike_ema=0.99))
+    optimizer = optimizers.make_optimizer(opt_cfg, params)
+    _SFT_STEPS[key] = optimizer, train_step_lib.make_train_step(
+        graphdef, optimizer, optimizers.learning_rate_schedule(opt_cfg), train_cfg)
+  return _SFT_STEPS[key]
+
+
 def supervised_finetune(graphdef, params, rest, model_cfg: ModelConfig, sft: ml_collections.ConfigDict,
                         tasks_and_weights, vocab: tasks_lib.CharVocab, seed: int, log_prefix: str = "sft"):
   """sft.steps updates of the pretraining step on the tasks' demonstrations (LM loss; with DSA active, the
   sparse stage, which also trains the indexer): returns (params, rest, the last step's loss)."""
   sparse = model_cfg.use_dsa and sft.seq_len > model_cfg.index_topk
-  train_cfg = ml_collections.ConfigDict(dict(
-      dsa_stage="sparse" if sparse else "dense", microbatches=1, grad_clip_norm=1.0, mtp_loss_weight=0.3,
-      balance_loss_weight=1e-4, indexer_loss_weight=1.0, expert_bias_rate=1e-3, spike_factor=0.0,
-      spike_min_steps=0, spike_ema=0.99))
-  optimizer = optimizers.make_optimizer(sft.optimizer, params)
-  schedule = optimizers.learning_rate_schedule(sft.optimizer)
+  optimizer, step_fn = _sft_step(graphdef, params, sft.optimizer, "sparse" if sparse else "dense")
   state = train_step_lib.TrainState(step=jnp.zeros((), jnp.int32), params=params, rest=rest,
                                     opt_state=optimizer.init(params), loss_ema=jnp.zeros((), jnp.float32),
                                     skipped=jnp.zeros((), jnp.int32))
-  step_fn = train_step_lib.make_train_step(graphdef, optimizer, schedule, train_cfg)
   rng = np.random.default_rng(seed)
   loss = float("nan")
   for i in range(sft.steps):
@@ -388,7 +400,11 @@ def _distill_loop(config, workdir, graphdef, state, optimizer, schedule, start, 
   rl = config.rl
   names = list(config.teachers.keys())
   teachers = [_teacher(n, config.teachers[n], config, workdir, vocab) for n in names]
-  scorers = [rl_step.make_score_fn(t[0], rl.temperature) for t in teachers]
+  scorer_of = {}  # one compiled scorer per teacher architecture
+  for graphdef_t, _, _ in teachers:
+    if graphdef_t not in scorer_of:
+      scorer_of[graphdef_t] = rl_step.make_score_fn(graphdef_t, rl.temperature)
+  scorers = [scorer_of[t[0]] for t in teachers]
   task_of = {tasks_and_weights[i][0].name: i for i in range(len(names))}
   step_fn = rl_step.make_distill_step(graphdef, optimizer, schedule, rl)
   last = {}
