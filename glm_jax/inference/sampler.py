@@ -13,7 +13,7 @@ max_new_tokens are out; nothing is recompiled per token, and a new prompt width 
 
 Log-probabilities are those of the distribution the token was drawn from before top-p truncation:
 log_softmax(logits / temperature) (temperature 1 for greedy decoding). A trainer that recomputes them must
-divide its logits by the same temperature (glm_jax/rl/policy.py does).
+divide its logits by the same temperature (glm_jax/rl/step.py's token_logprobs does).
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int, width: int | None
 
 def check_prompts(prompts: Sequence[Sequence[int]], cfg: ModelConfig, sampling: SamplingParams,
                   cache_len: int | None, width: int | None = None) -> int:
-  """Validates prompts for `generate` and returns the cache length (the prompt width plus max_new_tokens when
+  """Validates prompts for a Sampler and returns the cache length (the prompt width plus max_new_tokens when
   cache_len is None). Raises ValueError naming what is wrong."""
   if not len(prompts):
     raise ValueError("prompts: empty batch; need at least one prompt")
@@ -156,7 +156,7 @@ def check_prompts(prompts: Sequence[Sequence[int]], cfg: ModelConfig, sampling: 
 
 
 class Sampler:
-  """generate() for one model and one SamplingParams: `Sampler(graphdef, cfg, sampling)(params, rest, prompts, key)`.
+  """Generation for one model and one SamplingParams: `Sampler(graphdef, cfg, sampling)(params, rest, prompts, key)`.
   The model is nnx.split(model, nnx.Param, ...)'s (graphdef, params, rest); prompts are lists of token ids.
   cache_len: the cache's slots (default: prompt width + max_new_tokens); width: pad prompts to this many tokens
   (a fixed width compiles once for prompts of any length)."""

@@ -322,7 +322,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   finally:
     checkpointer.close()
     writer.close()
-  summary.update(extra, step=int(state.step) + 0)
+  summary.update(extra, step=int(state.step))
   summary["eval_accuracy"] = greedy_accuracy(greedy, state.params, state.rest, eval_problems, reward_fn)
   return summary
 
