@@ -2,6 +2,8 @@
 here independently (per-token REINFORCE terms over the model's log-probabilities), for GRPO + IcePop, on-policy
 distillation and the asynchronous form; non-finite losses skip; the frozen indexer stays frozen."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -44,6 +46,7 @@ def setup():
   return cfg, graphdef, params, rest, jnp.asarray(tokens), jnp.asarray(mask)
 
 
+@functools.partial(jax.jit, static_argnums=0)
 def logp_of(graphdef, params, rest, tokens):
   """log p(tokens[:, s] | tokens[:, :s]) from the model's logits, written out here: [N, S], 0 at s = 0."""
   logits = nnx.merge(graphdef, params, rest)(tokens, compute_mtp=False).logits
@@ -75,7 +78,7 @@ def reference_grad(setup, token_objective):
     per_row = [jnp.sum(jnp.where(mask[i], token_objective(lp)[i], 0.0)) / jnp.sum(mask[i]) for i in range(N)]
     return -sum(per_row) / N
 
-  return jax.grad(loss)(params)
+  return jax.jit(jax.grad(loss))(params)
 
 
 def test_grpo_step_is_icepop_weighted_reinforce(setup):
@@ -126,7 +129,7 @@ def test_async_step_masks_tokens_outside_the_ratio_band(setup):
     rows = [jnp.sum(jnp.where(keep[i], ratio[i] * adv[i], 0.0)) / keep[i].sum() for i in range(N)]
     return -sum(rows) / N
 
-  want = jax.grad(loss)(params)
+  want = jax.jit(jax.grad(loss))(params)
   got, m, _ = sgd_update(graphdef, params, rest, rl_step.make_grpo_step, rl_cfg(objective="async"),
                          dict(tokens=tokens, response_mask=mask, rollout_logp=logp0 + shift, advantages=adv))
   assert_trees_close(got, want)
