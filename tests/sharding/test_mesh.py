@@ -3,12 +3,15 @@ mesh restores onto another.
 
 Simulated devices must be requested before jax starts, and every simulated device slows all other tests, so
 in a normal run (one device) this file collects a single test that reruns it with
-XLA_FLAGS=--xla_force_host_platform_device_count=8 in a subprocess; there the real tests run."""
+XLA_FLAGS=--xla_force_host_platform_device_count=8 in a subprocess; there the real tests run, with a persistent
+compilation cache so that a program two tests both compile (the train step on one device or on a mesh, the state
+created in place on a mesh: in a test's own code and again inside train_and_evaluate) is compiled once."""
 
 import functools
 import os
 import subprocess
 import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -19,18 +22,20 @@ from jax.sharding import PartitionSpec as P
 
 from configs import glm5_tiny
 from glm_jax.sharding.mesh import batch_sharding, logical_to_spec, make_mesh, mesh_shape
-from glm_jax.sharding.state import create_sharded, param_specs
+from glm_jax.sharding.state import abstract_sharded, param_specs
 from glm_jax.train import step as step_lib
 from glm_jax.train.checkpoint import Checkpointer
-from glm_jax.train.trainer import create_train_state, model_config_for_stage
+from glm_jax.train.trainer import (create_sharded_train_state, create_train_state, model_config_for_stage,
+                                   train_state_factory)
 
 MULTI_DEVICE = jax.device_count() >= 8
 multi_device = pytest.mark.skipif(not MULTI_DEVICE, reason="runs inside test_on_8_simulated_devices")
 
 
 @pytest.mark.skipif(MULTI_DEVICE, reason="already on 8 devices")
-def test_on_8_simulated_devices():
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+def test_on_8_simulated_devices(tmp_path):
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
+         "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax_cache"), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__)],
                         cwd=root, env=env, capture_output=True, text=True, timeout=1800)
@@ -79,24 +84,29 @@ def test_indivisible_heads_are_named():
 
 @pytest.fixture(scope="module")
 def single_device_step():
-  """One train step of the tiny model on one device: (config, batch, loss, updated params)."""
+  """The tiny model's initial train state and one train step of it on one device: a namespace of config,
+  graphdef, optimizer, schedule, batch, init (the initial state, on the host), loss and params (after the step,
+  on the host)."""
   config = tiny_config()
   rng = np.random.default_rng(0)
   batch = {"input_ids": jnp.asarray(rng.integers(0, 512, (8, 32)), jnp.int32),
            "segment_ids": jnp.asarray(np.repeat([[1] * 20 + [2] * 12], 8, axis=0), jnp.int32),
            "positions": jnp.asarray(np.repeat([list(range(20)) + list(range(12))], 8, axis=0), jnp.int32)}
   graphdef, state, optimizer, schedule = create_train_state(config, model_config_for_stage(config))
+  init = jax.device_get(state)
   new, metrics = step_lib.make_train_step(graphdef, optimizer, schedule, config.train)(state, batch)
-  return config, batch, float(metrics["loss"]), jax.device_get(new.params)
+  return types.SimpleNamespace(config=config, graphdef=graphdef, optimizer=optimizer, schedule=schedule, batch=batch,
+                               init=init, loss=float(metrics["loss"]), params=jax.device_get(new.params))
 
 
-def sharded(config, mesh):
-  model_cfg = model_config_for_stage(config)
-  graphdef, _, optimizer, schedule = create_train_state(config, model_cfg)
-  state, shardings = create_sharded(lambda: create_train_state(config, model_cfg)[1], lambda s: s.params, mesh)
-  step = step_lib.make_train_step(graphdef, optimizer, schedule, config.train, state_shardings=shardings,
-                                  batch_sharding=batch_sharding(mesh))
-  return state, shardings, step
+def sharded_step(ref, mesh):
+  """(state, step) on `mesh`: the one-device initial state put in its sharded layout (the shardings that
+  create_sharded gives it, from abstract_sharded) and the train step jitted for that layout."""
+  make_state, _ = train_state_factory(ref.config, model_config_for_stage(ref.config))
+  _, shardings = abstract_sharded(make_state, lambda s: s.params, mesh)
+  step = step_lib.make_train_step(ref.graphdef, ref.optimizer, ref.schedule, ref.config.train,
+                                  state_shardings=shardings, batch_sharding=batch_sharding(mesh))
+  return jax.device_put(ref.init, shardings), step
 
 
 MESHES = [{"data": 8}, {"data": 2, "fsdp": 2, "tensor": 2}, {"fsdp": 4, "tensor": 2},
@@ -106,35 +116,47 @@ MESHES = [{"data": 8}, {"data": 2, "fsdp": 2, "tensor": 2}, {"fsdp": 4, "tensor"
 @multi_device
 @pytest.mark.parametrize("mesh_cfg", MESHES, ids=lambda m: "x".join(f"{k}{v}" for k, v in m.items()))
 def test_sharded_step_equals_one_device(single_device_step, mesh_cfg):
-  config, batch, loss, params = single_device_step
+  """From the same initial state, one train step sharded over the mesh (its parameters laid out by their logical
+  axes) gives the loss and the updated parameters of the step on one device. (That create_sharded builds this
+  initial state in place is checked in test_checkpoint_restores_onto_another_mesh and, through the trainer,
+  test_train_and_evaluate_on_a_mesh_matches_one_device.)"""
+  ref = single_device_step
   mesh = make_mesh(mesh_cfg)
-  state, shardings, step = sharded(config, mesh)
+  state, step = sharded_step(ref, mesh)
   gate = state.params["moe_layers"]["mlp"]["gate_proj"][...]
   assert gate.sharding.spec == P(None, "expert", "fsdp", "tensor")
   assert gate.addressable_shards[0].data.shape == (  # [layers, experts, embed, expert_mlp]
       gate.shape[0], gate.shape[1] // mesh.shape["expert"], gate.shape[2] // mesh.shape["fsdp"],
       gate.shape[3] // mesh.shape["tensor"])
-  batch = jax.device_put(batch, batch_sharding(mesh))
+  batch = jax.device_put(ref.batch, batch_sharding(mesh))
   with jax.set_mesh(mesh):
     hlo = step.lower(state, batch).compile().as_text()
     new, metrics = step(state, batch)
   # Expert parallelism exchanges tokens with all-to-all. (XLA may also reshard with all-to-all elsewhere.)
   if mesh.shape["expert"] > 1:
     assert "all-to-all" in hlo
-  assert float(metrics["loss"]) == pytest.approx(loss, rel=1e-6)
-  for a, b in zip(jax.tree.leaves(jax.device_get(new.params)), jax.tree.leaves(params)):
+  assert float(metrics["loss"]) == pytest.approx(ref.loss, rel=1e-6)
+  for a, b in zip(jax.tree.leaves(jax.device_get(new.params)), jax.tree.leaves(ref.params)):
     np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5)
 
 
 @multi_device
-def test_checkpoint_restores_onto_another_mesh(tmp_path):
-  config = tiny_config()
-  state_a, _, _ = sharded(config, make_mesh({"fsdp": 4, "tensor": 2}))
+def test_checkpoint_restores_onto_another_mesh(single_device_step, tmp_path):
+  """create_sharded builds the initial state directly in its layout on a mesh that shards over fsdp, expert and
+  tensor (it equals the one-device initial state); a checkpoint of it restores onto another mesh, array for array.
+  (Mesh A is test_train_and_evaluate_on_a_mesh_matches_one_device's, whose state creation is the same program.)"""
+  config = single_device_step.config
+  _, state_a, _, _, _ = create_sharded_train_state(config, model_config_for_stage(config),
+                                                   make_mesh({"fsdp": 2, "expert": 2, "tensor": 2}))
+  for a, b in zip(jax.tree.leaves(jax.device_get(state_a)), jax.tree.leaves(single_device_step.init)):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)  # one jitted init vs op by op: rounding apart
   ckpt = Checkpointer(str(tmp_path), save_every=1, keep=1, async_save=False)
   ckpt.manager.save(0, args=ocp.args.Composite(state=ocp.args.StandardSave(state_a)))
   ckpt.wait()
   mesh_b = make_mesh({"data": 2, "tensor": 4})
-  target, shardings_b, _ = sharded(config, mesh_b)
+  # The restore target: shapes, dtypes and mesh_b's shardings (all Checkpointer.restore reads of a state).
+  target, _ = abstract_sharded(train_state_factory(config, model_config_for_stage(config))[0], lambda s: s.params,
+                               mesh_b)
   restored = Checkpointer(str(tmp_path), read_only=True).restore(0, target)
   gate = restored.params["moe_layers"]["mlp"]["gate_proj"][...]
   assert gate.sharding.mesh.shape == mesh_b.shape and gate.sharding.spec == P(None, "expert", "fsdp", "tensor")

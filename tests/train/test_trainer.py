@@ -6,9 +6,11 @@ import signal
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.compilation_cache import compilation_cache
 
 from configs import glm5_tiny
 from glm_jax import data as data_lib
@@ -26,6 +28,28 @@ OVERRIDES = {"data.seq_len": 64, "data.batch_size": 4, "data.eval_batches": 2, "
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory):
   return str(tmp_path_factory.mktemp("cache"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def shared_compilation_cache(tmp_path_factory):
+  """A persistent compilation cache shared by this module's runs, in this process and in the launch/train.py
+  subprocesses: they train the same model, so each program is compiled once and its executable reused as is.
+  Restored to this process's settings afterwards."""
+  path = str(tmp_path_factory.mktemp("jax_cache"))
+  options = {"jax_compilation_cache_dir": path, "jax_persistent_cache_min_compile_time_secs": 0.0}
+  saved = {name: getattr(jax.config, name) for name in (*options, "jax_persistent_cache_min_entry_size_bytes")}
+  with pytest.MonkeyPatch.context() as env:
+    env.setenv("JAX_COMPILATION_CACHE_DIR", path)
+    env.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    compilation_cache.reset_cache()
+    for name, value in options.items():
+      jax.config.update(name, value)
+    try:
+      yield path
+    finally:
+      compilation_cache.reset_cache()
+      for name, value in saved.items():
+        jax.config.update(name, value)
 
 
 def make_config(cache_dir, **changes):
@@ -108,14 +132,15 @@ def test_resume_is_bitwise(straight_run, cache_dir, tmp_path):
 
 
 def test_kill_during_async_save_resumes_from_last_complete_checkpoint(straight_run, cache_dir, tmp_path):
+  """launch/train.py SIGKILLed while the step-6 checkpoint is being written; the rerun (here in this process,
+  the same train_and_evaluate) resumes from step 3 and logs the uninterrupted run's losses."""
   workdir = str(tmp_path)
   proc = run_train(workdir, cache_dir, env={"GLM_JAX_TEST_KILL_DURING_SAVE": "6"})
   assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
   ckpt_dir = os.path.join(workdir, "checkpoints")
   # Step 6 was being written when the process died: it is not a complete checkpoint.
   assert Checkpointer(workdir, save_every=3, keep=2).latest_step() == 3, os.listdir(ckpt_dir)
-  proc = run_train(workdir, cache_dir)
-  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert train_and_evaluate(make_config(cache_dir), workdir)["step"] == 9
   rows = train_rows(workdir)
   # Steps 4-6 ran twice (before the kill and after the resume from step 3); both times identically, and
   # equal to the uninterrupted run.
