@@ -43,7 +43,7 @@ from glm_jax.train.metrics import MetricsWriter
 
 TRAINERS = ("pretrain", "grpo", "distill")
 _RL_POSITIVE_INTS = ("steps", "prompts_per_step", "group_size", "max_new_tokens", "log_every", "eval_every",
-                     "eval_prompts", "checkpoint_every", "keep_checkpoints", "tau", "max_pending")
+                     "eval_prompts", "checkpoint_every", "keep_checkpoints", "max_pending")
 
 
 # ---------------------------------------------------------------------------------------------------- config
@@ -57,12 +57,10 @@ def validate_rl_config(config: ml_collections.ConfigDict) -> None:
   """Checks config.rl (and the tasks / teachers sections the trainer needs) before any work starts."""
   rl = config.rl
   for field in _RL_POSITIVE_INTS:
-    if field == "tau":
-      if not isinstance(rl.tau, int) or rl.tau < 0:
-        _fail("rl.tau", rl.tau, "must be an integer >= 0 (versions a rollout may lag the trainer)")
-      continue
     if not isinstance(rl[field], int) or rl[field] <= 0:
       _fail(f"rl.{field}", rl[field], "must be a positive integer")
+  if not isinstance(rl.tau, int) or rl.tau < 0:
+    _fail("rl.tau", rl.tau, "must be an integer >= 0 (versions a rollout may lag the trainer)")
   if not rl.temperature > 0:
     _fail("rl.temperature", rl.temperature, "must be > 0 (RL samples; the log-probs are of logits / temperature)")
   if not 0 < rl.top_p <= 1:
