@@ -18,7 +18,7 @@ def _teacher(task: str, weight: float, seed: int, **task_kwargs) -> ml_collectio
   return ml_collections.ConfigDict(dict(
       task=task, task_kwargs=ml_collections.ConfigDict(task_kwargs), weight=weight,
       init_from="",  # a workdir whose latest checkpoint is this teacher (else it is fine-tuned here, sft_steps)
-      sft_steps=300, seed=seed,
+      sft_steps=300, seed=seed,  # the fine-tuning's other settings are the student's sft section's
       model=ml_collections.ConfigDict(),  # overrides of the student's model fields (same vocab_size)
   ))
 

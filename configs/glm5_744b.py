@@ -7,6 +7,8 @@ not published); configs/glm5_744b_128k.py is the long-context stage.
 
 import ml_collections
 
+from configs import common
+
 
 def get_config() -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
@@ -51,40 +53,10 @@ def get_config() -> ml_collections.ConfigDict:
 
   # Pretraining data: point data.path at ArrayRecord (or jsonl / text) shards and data.tokenizer at GLM-5's
   # tokenizer.json (vocab 154880); launch/compile.py needs only seq_len and batch_size.
-  d = config.data = ml_collections.ConfigDict()
-  d.source = "arrayrecord"
-  d.path = ""
-  d.jsonl_field = "text"
-  d.text_document = "file"
-  d.tokenizer = ""
-  d.bpe_vocab_size = 154880
-  d.cache_dir = ""
-  d.seq_len = 4096
-  d.batch_size = 512  # 2M tokens a step, one sequence a chip on v5p-1024
-  d.eval_fraction = 0.0
-  d.shuffle_seed = 0
-  d.eval_batches = 8
-
-  t = config.train = ml_collections.ConfigDict()
-  t.steps = 100_000
-  t.seed = 0
-  t.dsa_stage = "dense"
-  t.init_from = ""
-  t.microbatches = 1
-  t.grad_clip_norm = 1.0
-  t.mtp_loss_weight = 0.3
-  t.balance_loss_weight = 1e-4
-  t.indexer_loss_weight = 1.0
-  t.expert_bias_rate = 1e-3
-  t.spike_factor = 3.0
-  t.spike_min_steps = 50
-  t.spike_ema = 0.99
-  t.log_every = 10
-  t.eval_every = 1000
-  t.checkpoint_every = 1000
-  t.keep_checkpoints = 2
-  t.async_checkpoints = True
-  t.tensorboard = True
+  config.data = common.data(source="arrayrecord", bpe_vocab_size=154880, seq_len=4096,
+                            batch_size=512,  # 2M tokens a step, one sequence a chip on v5p-1024
+                            eval_fraction=0.0)
+  config.train = common.train(steps=100_000, eval_every=1000, checkpoint_every=1000)
 
   # The mesh for v5p-1024 (512 chips, `python launch/compile.py --config=configs/glm5_744b.py --topology=v5p:8x8x8`:
   # 76.1 GiB a chip of the 95.7 usable, XLA's live peak 60.9 GiB). On other slices fsdp = -1 takes the rest.
@@ -95,18 +67,8 @@ def get_config() -> ml_collections.ConfigDict:
   #   moe_parallel.py). 256 experts / 8 = 32 per chip group.
   # - tensor 1: at 4096 tokens the reference attention's [64 heads, T, T] fp32 scores (4 GiB) fit, and every
   #   chip keeps a sequence of its own (the batch is split over data x fsdp x expert = 512).
-  mesh = config.mesh = ml_collections.ConfigDict()
-  mesh.data = 1
-  mesh.fsdp = -1
-  mesh.expert = 8
-  mesh.tensor = 1
+  config.mesh = common.mesh(expert=8)
 
-  # GLM-5's Muon (momentum 0.95, 5 Newton-Schulz steps, update RMS 0.2, Muon split) and LR range; every field
-  # not set here takes glm_jax/train/optimizers.py's default_optimizer_config(), which holds those values.
-  o = config.optimizer = ml_collections.ConfigDict()
-  o.name = "muon"
-  o.lr = 2e-4
-  o.lr_end = 4e-5
-  o.warmup_steps = 2000
-  o.decay_steps = 98_000
+  # GLM-5's Muon and LR range are configs/common.py's defaults; the decay fills the rest of the run.
+  config.optimizer = common.optimizer(decay_steps=98_000)
   return config

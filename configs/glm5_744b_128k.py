@@ -1,7 +1,7 @@
 """glm5_744b's long-context stage: 128K-token sequences in DSA's sparse stage (index_topk 2048 keys a query).
 
 GLM-5 extends the context 32K -> 128K -> 200K in mid-training, with DSA adapted first (dense warm-up of the
-indexer, then the sparse stage); see shared/GLM5_FACTS.md sections 1 and 3. This config is that step's shape:
+indexer, then the sparse stage); see docs/glm5_facts.md sections 1 and 3. This config is that step's shape:
 
   python launch/compile.py --config=configs/glm5_744b_128k.py --topology=v5p:8x8x8
 

@@ -95,7 +95,8 @@ import numpy as np
 
 from glm_jax.model import param_counts
 from glm_jax.train import step as step_lib
-from glm_jax.train import trainer
+from glm_jax.sharding.topology import compiled_flops
+from glm_jax.train import config as train_config, trainer
 from glm_jax.train.flops import (
   analytic_flops,
   hlo_dot_flops,
@@ -145,13 +146,6 @@ def medium_config(base):
 # ----------------------------------------------------------------------------------------------- bench
 
 
-def _cost_flops(compiled) -> float:
-  cost = compiled.cost_analysis()
-  if isinstance(cost, (list, tuple)):
-    cost = cost[0]
-  return float(cost["flops"])
-
-
 def random_batch(b: int, t: int, vocab: int, seed: int) -> dict[str, jax.Array]:
   rng = np.random.default_rng(seed)
   return {"input_ids": jnp.asarray(rng.integers(0, vocab, (b, t)), jnp.int32),
@@ -168,8 +162,8 @@ def bench(config, args) -> dict:
     config.train.dsa_stage = args.dsa_stage
   stage = config.train.dsa_stage
   b, t = config.data.batch_size, config.data.seq_len
-  trainer.validate_train_config(config.train)
-  model_cfg = trainer.model_config_for_stage(config)
+  train_config.validate_train_config(config.train)
+  model_cfg = train_config.model_config_for_stage(config)
   counts = param_counts(model_cfg)
 
   trainable = step_lib.is_indexer_param if stage == "warmup" else None
@@ -181,7 +175,7 @@ def bench(config, args) -> dict:
   t0 = time.perf_counter()
   compiled = step.lower(state, batch).compile()
   compile_seconds = time.perf_counter() - t0
-  raw_flops = _cost_flops(compiled)
+  raw_flops = compiled_flops(compiled)
   dots = hlo_dot_flops(compiled.as_text())
 
   times = []
@@ -204,7 +198,7 @@ def bench(config, args) -> dict:
     t0 = time.perf_counter()
     compiled_u = step_u.lower(state_u, batch).compile()
     unrolled_compile = time.perf_counter() - t0
-    unrolled_flops = _cost_flops(compiled_u)
+    unrolled_flops = compiled_flops(compiled_u)
     unrolled_text = compiled_u.as_text()
     dots_u = hlo_dot_flops(unrolled_text)
     del state_u, compiled_u

@@ -15,7 +15,8 @@ from ml_collections import config_flags
 from glm_jax import data as data_lib
 from glm_jax.inference import Sampler, SamplingParams
 from glm_jax.train.checkpoint import Checkpointer
-from glm_jax.train.trainer import create_train_state, model_config_for_stage
+from glm_jax.train.config import model_config_for_stage
+from glm_jax.train.trainer import create_train_state
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "The run's configs/*.py file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "The run's directory (default: workdirs/<config name>).")

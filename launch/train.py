@@ -32,7 +32,7 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from glm_jax.rl import trainer as rl_trainer
+from glm_jax.rl import config as rl_config, trainer as rl_trainer
 from glm_jax.train import distributed
 from glm_jax.train.trainer import train_and_evaluate
 
@@ -64,7 +64,7 @@ def main(argv):
   elif kind in ("grpo", "distill"):
     summary = rl_trainer.run(config, workdir)
   else:
-    raise app.UsageError(f"config.trainer={kind!r} is invalid; one of {rl_trainer.TRAINERS}")
+    raise app.UsageError(f"config.trainer={kind!r} is invalid; one of {rl_config.TRAINERS}")
   if jax.process_index() == 0:
     print(json.dumps(summary), flush=True)
 

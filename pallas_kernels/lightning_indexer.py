@@ -57,11 +57,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.common import check_block_sizes, check_ranks, resolve_interpret, round_up, vmem_limit
+
 _INT32_MAX = np.iinfo(np.int32).max
 # The order key of -inf: int32 bits of -inf with the 31 low bits flipped (see _order_key).
 _NEG_INF_KEY = int(np.array(-np.inf, np.float32).view(np.int32) ^ np.int32(0x7FFFFFFF))
 _NEG_ZERO_KEY = -1  # the order key of -0.0 (that of +0.0 is 0)
-_MiB = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,10 +86,6 @@ class IndexerBlockSizes:
 
 def _next_pow2(n: int) -> int:
   return 1 << max(0, (n - 1).bit_length())
-
-
-def _round_up(n: int, m: int) -> int:
-  return -(-n // m) * m
 
 
 def _order_key(x_f32: jax.Array) -> jax.Array:
@@ -312,7 +309,7 @@ def _indexer_topk_kernel(*refs, num_heads: int, block_q: int, block_k: int, kp: 
 def _resolve_blocks(block_sizes: IndexerBlockSizes | None, t_len: int, s_len: int) -> tuple[int, int]:
   bs = block_sizes or IndexerBlockSizes()
   if t_len <= bs.block_q:
-    block_q = _round_up(t_len, 8)
+    block_q = round_up(t_len, 8)
   elif bs.block_q % 128:
     raise ValueError(f"IndexerBlockSizes.block_q={bs.block_q} with T={t_len} queries: queries lie on the 128 "
                      f"lanes, so a block smaller than T must be a multiple of 128 (or block_q >= {t_len})")
@@ -349,11 +346,8 @@ def lightning_indexer_topk(q_BTHD: jax.Array, k_BSD: jax.Array, w_BTH: jax.Array
   if isinstance(q_offset, bool) or not (isinstance(q_offset, (int, np.integer)) or (
       hasattr(q_offset, "dtype") and jnp.issubdtype(q_offset.dtype, jnp.integer) and jnp.ndim(q_offset) == 0)):
     raise TypeError(f"lightning_indexer_topk: q_offset={q_offset!r}; must be an int or an integer scalar array")
-  if block_sizes is not None and not isinstance(block_sizes, IndexerBlockSizes):
-    raise TypeError(f"lightning_indexer_topk: block_sizes={block_sizes!r}; want an IndexerBlockSizes or None")
-  if q_BTHD.ndim != 4 or k_BSD.ndim != 3 or w_BTH.ndim != 3:
-    raise ValueError(f"lightning_indexer_topk: want q [B, T, H, D], k [B, S, D], w [B, T, H]; got shapes "
-                     f"{q_BTHD.shape}, {k_BSD.shape}, {w_BTH.shape}")
+  check_block_sizes("lightning_indexer_topk", block_sizes, IndexerBlockSizes)
+  check_ranks("lightning_indexer_topk", q=(q_BTHD, "[B, T, H, D]"), k=(k_BSD, "[B, S, D]"), w=(w_BTH, "[B, T, H]"))
   b, t_len, num_heads, dim = q_BTHD.shape
   s_len = k_BSD.shape[1]
   if k_BSD.shape != (b, s_len, dim) or w_BTH.shape != (b, t_len, num_heads):
@@ -364,8 +358,7 @@ def lightning_indexer_topk(q_BTHD: jax.Array, k_BSD: jax.Array, w_BTH: jax.Array
   if q_segment_ids is not None and (q_segment_ids.shape != (b, t_len) or kv_segment_ids.shape != (b, s_len)):
     raise ValueError(f"lightning_indexer_topk: segment ids must be q [{b}, {t_len}] and kv [{b}, {s_len}]; got "
                      f"{q_segment_ids.shape}, {kv_segment_ids.shape}")
-  if interpret is None:
-    interpret = jax.default_backend() != "tpu"
+  interpret = resolve_interpret(interpret)
   q_BTHD, k_BSD, w_BTH = (lax.stop_gradient(x) for x in (q_BTHD, k_BSD, w_BTH))
   q_offset_1 = jnp.asarray(q_offset, jnp.int32).reshape(1)
   return _indexer_topk(q_BTHD, k_BSD, w_BTH, q_segment_ids, kv_segment_ids, q_offset_1, topk=int(topk),
@@ -380,7 +373,7 @@ def _indexer_topk(q_BTHD, k_BSD, w_BTH, q_segment_ids, kv_segment_ids, q_offset_
   has_segments = q_segment_ids is not None
   kp = max(8, _next_pow2(topk))
   block_q, block_k = _resolve_blocks(block_sizes, t_len, s_len)
-  t_pad, s_pad = _round_up(t_len, block_q), _round_up(s_len, block_k)
+  t_pad, s_pad = round_up(t_len, block_q), round_up(s_len, block_k)
   chunk = _chunk_rows(block_q)
   score_chunk = min(block_k, 256)
 
@@ -435,7 +428,7 @@ def _indexer_topk(q_BTHD, k_BSD, w_BTH, q_segment_ids, kv_segment_ids, q_offset_
                           pltpu.VMEM((kp, block_q), jnp.int32)]),  # running top-k key indices
       out_shape=[jax.ShapeDtypeStruct((b, t_pad, kp), jnp.int32), jax.ShapeDtypeStruct((b, t_pad, kp), jnp.float32)],
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"),
-                                           vmem_limit_bytes=min(vmem_bytes + 16 * _MiB, 64 * _MiB)),
+                                           vmem_limit_bytes=vmem_limit(vmem_bytes)),
       interpret=interpret,
   )(q_offset_1, *args)
   return idx_BTK[:, :t_len, :topk], val_BTK[:, :t_len, :topk]

@@ -53,7 +53,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-_MiB = 1 << 20
+from pallas_kernels.common import check_block_sizes, check_ranks, resolve_interpret, round_up, vmem_limit
+
 _NT = (((1,), (1,)), ((), ()))  # a [m, k] . b [n, k] -> [m, n]
 _TN = (((0,), (0,)), ((), ()))  # a [k, m] . b [k, n] -> [m, n]
 _NN = (((1,), (0,)), ((), ()))  # a [m, k] . b [k, n] -> [m, n]
@@ -74,10 +75,6 @@ class SparseAttentionBlockSizes:
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, int) or value <= 0 or value % 8:
         raise ValueError(f"SparseAttentionBlockSizes.{name}={value!r}; must be a positive multiple of 8")
-
-
-def _round_up(n: int, m: int) -> int:
-  return -(-n // m) * m
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,10 +124,10 @@ def _layout(q, kv, idx, v_dim, blocks: SparseAttentionBlockSizes) -> _Layout:
   b, t_len, heads, dim = q.shape
   dtype = jnp.promote_types(q.dtype, kv.dtype)
   packed = dtype == jnp.bfloat16 and dim % 2 == 0 and v_dim % 2 == 0
-  block_kv = min(blocks.block_kv, _round_up(idx.shape[-1], 8))
-  block_t = min(blocks.block_t, _round_up(t_len, 8))
-  return _Layout(b=b, t_len=t_len, t_pad=_round_up(t_len, block_t), heads=heads, dim=dim, s_len=kv.shape[1],
-                 kp=_round_up(idx.shape[-1], block_kv), v_dim=v_dim, block_t=block_t, block_kv=block_kv,
+  block_kv = min(blocks.block_kv, round_up(idx.shape[-1], 8))
+  block_t = min(blocks.block_t, round_up(t_len, 8))
+  return _Layout(b=b, t_len=t_len, t_pad=round_up(t_len, block_t), heads=heads, dim=dim, s_len=kv.shape[1],
+                 kp=round_up(idx.shape[-1], block_kv), v_dim=v_dim, block_t=block_t, block_kv=block_kv,
                  packed=packed, dtype=jnp.dtype(jnp.bfloat16 if packed else jnp.float32))
 
 
@@ -332,7 +329,7 @@ def _vmem_limit(lay: _Layout, extra_bytes: int) -> int:
   itemsize = lay.dtype.itemsize
   blocks = 2 * lay.block_t * (lay.heads * (lay.dim + 2 * lay.v_dim) * itemsize + 4 * lay.kp + 8 * lay.heads)
   scratch = 2 * lay.block_kv * lay.dim * 4 + lay.heads * (lay.v_dim + lay.dim + 256) * 4
-  return int(min(blocks + scratch + extra_bytes + 16 * _MiB, 64 * _MiB))
+  return vmem_limit(blocks + scratch + extra_bytes)
 
 
 def _forward(q, kv, idx, *, sm_scale, v_dim, blocks, interpret, out_dtype):
@@ -382,8 +379,7 @@ def sparse_attention_head_probs(q_BTHD: jax.Array, kv_BSD: jax.Array, idx_BTK: j
   """sum_h p[t, h, k], p = exp(sm_scale * q[t, h] . kv[idx[t, k]] - lse[t, h]), the attention's probabilities of
   the selected keys summed over heads: [B, T, K] fp32, 0 where idx is skipped. A constant to autodiff (the
   sparse-stage indexer KL's target). lse from sparse_mla_attention; same inputs and rules otherwise."""
-  if interpret is None:
-    interpret = jax.default_backend() != "tpu"
+  interpret = resolve_interpret(interpret)
   q_BTHD, kv_BSD, lse_BTH = (lax.stop_gradient(x) for x in (q_BTHD, kv_BSD, lse_BTH))
   return _head_probs(q_BTHD, kv_BSD, idx_BTK, lse_BTH, sm_scale=float(sm_scale),
                      blocks=block_sizes or SparseAttentionBlockSizes(), interpret=interpret)
@@ -561,11 +557,9 @@ def sparse_mla_attention(q_BTHD: jax.Array, kv_BSD: jax.Array, idx_BTK: jax.Arra
   [0, S) is skipped; a query's indices must be distinct. interpret: None = compiled on TPU, Pallas interpret mode
   elsewhere; True, False or a pltpu.InterpretParams to force.
   """
-  if block_sizes is not None and not isinstance(block_sizes, SparseAttentionBlockSizes):
-    raise TypeError(f"sparse_mla_attention: block_sizes={block_sizes!r}; want a SparseAttentionBlockSizes or None")
-  if q_BTHD.ndim != 4 or kv_BSD.ndim != 3 or idx_BTK.ndim != 3:
-    raise ValueError(f"sparse_mla_attention: want q [B, T, H, D], kv [B, S, D], indices [B, T, K]; got shapes "
-                     f"{q_BTHD.shape}, {kv_BSD.shape}, {idx_BTK.shape}")
+  check_block_sizes("sparse_mla_attention", block_sizes, SparseAttentionBlockSizes)
+  check_ranks("sparse_mla_attention", q=(q_BTHD, "[B, T, H, D]"), kv=(kv_BSD, "[B, S, D]"),
+              indices=(idx_BTK, "[B, T, K]"))
   b, t_len, _, dim = q_BTHD.shape
   if kv_BSD.shape[0] != b or kv_BSD.shape[2] != dim or idx_BTK.shape[:2] != (b, t_len):
     raise ValueError(f"sparse_mla_attention: q {q_BTHD.shape} needs kv [{b}, S, {dim}] and indices [{b}, {t_len}, "
@@ -574,7 +568,6 @@ def sparse_mla_attention(q_BTHD: jax.Array, kv_BSD: jax.Array, idx_BTK: jax.Arra
     raise TypeError(f"sparse_mla_attention: indices dtype {idx_BTK.dtype}; must be an integer type")
   if isinstance(v_dim, bool) or not isinstance(v_dim, (int, np.integer)) or not 0 < v_dim <= dim:
     raise ValueError(f"sparse_mla_attention: v_dim={v_dim!r}; must be an int in [1, D={dim}]")
-  if interpret is None:
-    interpret = jax.default_backend() != "tpu"
+  interpret = resolve_interpret(interpret)
   return _attend(q_BTHD, kv_BSD, idx_BTK, float(sm_scale), int(v_dim), block_sizes or SparseAttentionBlockSizes(),
                  interpret)

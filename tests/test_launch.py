@@ -1,11 +1,13 @@
 """launch/model_info.py, run as a user would: its counts are the public reference's figures."""
 
 import json
-import os
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import pytest
+
+from tests.helpers import ROOT
+
 
 
 def run_info(*args):
@@ -23,6 +25,7 @@ def test_glm5_744b_counts_match_the_reference():
   assert round(info["mtp"] / 1e9, 2) == 9.95
 
 
+@pytest.mark.slow  # a launch/model_info.py process with a forward pass
 def test_flag_overrides_reach_the_model():
   info = run_info("--config=configs/glm5_tiny.py", "--config.model.vocab_size=300", "--forward_tokens=48")
   assert info["logits_shape"] == [1, 48, 300]

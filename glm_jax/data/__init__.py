@@ -15,7 +15,8 @@ The iterator is saved in the same Orbax step as the model, with grain's handler:
 
 from glm_jax.data.config import default_data_config, validate_data_config
 from glm_jax.data.pipeline import make_eval_batches, make_train_iterator, unigram_entropy
-from glm_jax.data.tokenizer import SPECIAL_TOKENS, Tokenizer, check_vocab, load_tokenizer
+from glm_jax.data.special_tokens import SPECIAL_TOKENS
+from glm_jax.data.tokenizer import Tokenizer, check_vocab, load_tokenizer
 
 __all__ = [
     "SPECIAL_TOKENS", "Tokenizer", "check_vocab", "default_data_config", "load_tokenizer",

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import ml_collections
 
+from glm_jax.data.special_tokens import SPECIAL_TOKENS
+
 SOURCES = ("embedded", "text", "jsonl", "arrayrecord")
 TEXT_DOCUMENTS = ("file", "paragraph")
 
@@ -62,7 +64,6 @@ def validate_data_config(cfg: ml_collections.ConfigDict) -> None:
   if cfg.shuffle_seed >= 2**32:
     raise ValueError(f"data.shuffle_seed={cfg.shuffle_seed}: expected an integer in [0, 2**32)")
   if not cfg.tokenizer:
-    from glm_jax.data.tokenizer import SPECIAL_TOKENS  # pylint: disable=import-outside-toplevel
     _check_int(cfg, "bpe_vocab_size", 256 + len(SPECIAL_TOKENS))
   frac = cfg.eval_fraction
   if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0.0 <= frac < 1.0:

@@ -23,17 +23,8 @@ from absl import logging
 
 from glm_jax.data import config as config_lib
 from glm_jax.data import sources
+from glm_jax.data.special_tokens import ROLES, SPECIAL_TOKENS
 
-PAD, EOS, MASK, GMASK, SOP, EOP = "<|pad|>", "<|endoftext|>", "[MASK]", "[gMASK]", "<sop>", "<eop>"
-SPECIAL_TOKENS = (PAD, EOS, MASK, GMASK, SOP, EOP)  # ids 0..5 of the trained BPE, in this order.
-_ROLES = {  # role -> (the token added when missing, the names accepted for it in a given tokenizer.json)
-    "pad": (PAD, (PAD, "<pad>", "[PAD]")),
-    "eos": (EOS, (EOS, "</s>", "<eos>", "<|end_of_text|>")),
-    "mask": (MASK, (MASK,)),
-    "gmask": (GMASK, (GMASK,)),
-    "sop": (SOP, (SOP, "[sop]")),
-    "eop": (EOP, (EOP, "[eop]")),
-}
 _BPE_FORMAT = 1  # bump when the trained tokenizer's recipe changes, so stale caches are not reused.
 
 
@@ -43,12 +34,12 @@ class Tokenizer:
   def __init__(self, backend: tokenizers.Tokenizer, name: str):
     self.backend = backend
     self.name = name
-    missing = [tok for tok, names in _ROLES.values() if all(backend.token_to_id(n) is None for n in names)]
+    missing = [tok for tok, names in ROLES.values() if all(backend.token_to_id(n) is None for n in names)]
     if missing:
       logging.warning("tokenizer %s lacks %s; adding them as special tokens", name, missing)
       backend.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False) for t in missing])
     ids = {role: next(backend.token_to_id(n) for n in names if backend.token_to_id(n) is not None)
-           for role, (_, names) in _ROLES.items()}
+           for role, (_, names) in ROLES.items()}
     self.pad_id, self.eos_id = ids["pad"], ids["eos"]
     self.mask_id, self.gmask_id, self.sop_id, self.eop_id = ids["mask"], ids["gmask"], ids["sop"], ids["eop"]
     if len(set(ids.values())) != len(ids):

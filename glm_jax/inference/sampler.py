@@ -78,15 +78,15 @@ def sample_token(logits_BV: jax.Array, key: jax.Array, temperature: float, top_p
   return tok, jnp.take_along_axis(logp_BV, tok[:, None], axis=-1)[:, 0]
 
 
-def _generate(graphdef, params, rest, prompts_BP, prompt_lens_B, key, *, sampling: SamplingParams, cache_len: int,
+def _generate(graphdef, params, rest, prompts_BT, prompt_lens_B, key, *, sampling: SamplingParams, cache_len: int,
               return_logits: bool) -> SampleOutput:
   model = nnx.merge(graphdef, params, rest)
-  b, p = prompts_BP.shape
-  logits_BPV, cache = model.prefill(prompts_BP, cache_len)
+  b, p = prompts_BT.shape
+  logits_BTV, cache = model.prefill(prompts_BT, cache_len)
   rows = jnp.arange(b)
-  first_BV = logits_BPV[rows, prompt_lens_B - 1]
+  first_BV = logits_BTV[rows, prompt_lens_B - 1]
   stop_ids = jnp.asarray(sampling.stop_ids or (-1,), jnp.int32)
-  tokens = jnp.full((b, cache_len), sampling.pad_id, jnp.int32).at[:, :p].set(prompts_BP)
+  tokens = jnp.full((b, cache_len), sampling.pad_id, jnp.int32).at[:, :p].set(prompts_BT)
   tokens = jnp.where(jnp.arange(cache_len)[None] < prompt_lens_B[:, None], tokens, sampling.pad_id)
   state = dict(i=jnp.zeros((), jnp.int32), tokens=tokens, logp=jnp.zeros((b, cache_len), jnp.float32),
                mask=jnp.zeros((b, cache_len), bool), done=jnp.zeros((b,), bool), next_logits=first_BV, cache=cache,
@@ -169,8 +169,8 @@ class Sampler:
 
   def __call__(self, params, rest, prompts: Sequence[Sequence[int]], key: jax.Array) -> SampleOutput:
     cache_len = check_prompts(prompts, self.cfg, self.sampling, self.cache_len, self.width)
-    prompts_BP, lens_B = pad_prompts(prompts, self.sampling.pad_id, self.width)
+    prompts_BT, lens_B = pad_prompts(prompts, self.sampling.pad_id, self.width)
     if cache_len not in self._jitted:
       self._jitted[cache_len] = jax.jit(functools.partial(
           _generate, self._graphdef, sampling=self.sampling, cache_len=cache_len, return_logits=self._return_logits))
-    return self._jitted[cache_len](params, rest, jnp.asarray(prompts_BP), jnp.asarray(lens_B), key)
+    return self._jitted[cache_len](params, rest, jnp.asarray(prompts_BT), jnp.asarray(lens_B), key)

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from absl import logging
 from jax.sharding import PartitionSpec as P
 
+from glm_jax.mesh_axes import BATCH_AXES, TENSOR
 from pallas_kernels import lightning_indexer, lightning_indexer_reference, sparse_mla_attention
 from pallas_kernels import sparse_mla_attention_reference
 
@@ -77,7 +78,6 @@ def _split_axes(size: int, axes: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def _batch_axes(b: int) -> tuple[str, ...]:
-  from glm_jax.sharding.mesh import BATCH_AXES  # lazily: the model package does not otherwise need the mesh code
   return _split_axes(b, BATCH_AXES)
 
 
@@ -85,7 +85,7 @@ def _spec(batch: tuple[str, ...], *rest) -> P:
   return P(batch or None, *rest)
 
 
-def select_topk(impl: str, q_BTHD: jax.Array, k_BSD: jax.Array, w_BTH: jax.Array, *, topk: int, q_offset: int = 0,
+def select_topk(impl: str, q_BTJZ: jax.Array, k_BSZ: jax.Array, w_BTJ: jax.Array, *, topk: int, q_offset: int = 0,
                 q_segment_ids: jax.Array | None = None, kv_segment_ids: jax.Array | None = None
                 ) -> tuple[jax.Array, jax.Array]:
   """The causal top-`topk` keys per query: (indices [B, T, topk] int32, scores [B, T, topk] fp32), -1 / -inf
@@ -93,13 +93,13 @@ def select_topk(impl: str, q_BTHD: jax.Array, k_BSD: jax.Array, w_BTH: jax.Array
   kw = dict(topk=topk, causal=True, q_offset=q_offset)
   mode = kernel_mode(impl)
   if mode == "reference":
-    return lightning_indexer_reference.lightning_indexer_topk(q_BTHD, k_BSD, w_BTH, q_segment_ids=q_segment_ids,
+    return lightning_indexer_reference.lightning_indexer_topk(q_BTJZ, k_BSZ, w_BTJ, q_segment_ids=q_segment_ids,
                                                               kv_segment_ids=kv_segment_ids, **kw)
   kernel = functools.partial(lightning_indexer.lightning_indexer_topk, interpret=mode == "interpret", **kw)
-  batch = _batch_axes(q_BTHD.shape[0])
+  batch = _batch_axes(q_BTJZ.shape[0])
   if not batch:
-    return kernel(q_BTHD, k_BSD, w_BTH, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
-  args, specs = [q_BTHD, k_BSD, w_BTH], [_spec(batch, None, None, None), _spec(batch, None, None), _spec(batch)]
+    return kernel(q_BTJZ, k_BSZ, w_BTJ, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
+  args, specs = [q_BTJZ, k_BSZ, w_BTJ], [_spec(batch, None, None, None), _spec(batch, None, None), _spec(batch)]
   if q_segment_ids is not None:
     args += [q_segment_ids, kv_segment_ids]
     specs += [_spec(batch), _spec(batch)]
@@ -110,38 +110,38 @@ def select_topk(impl: str, q_BTHD: jax.Array, k_BSD: jax.Array, w_BTH: jax.Array
   return jax.shard_map(local, in_specs=tuple(specs), out_specs=(_spec(batch), _spec(batch)), check_vma=False)(*args)
 
 
-def attend(impl: str, q_BTHL: jax.Array, kv_BSL: jax.Array, idx_BTK: jax.Array, *, sm_scale: float, v_dim: int
+def attend(impl: str, q_BTHA: jax.Array, kv_BSA: jax.Array, idx_BTK: jax.Array, *, sm_scale: float, v_dim: int
            ) -> tuple[jax.Array, jax.Array]:
   """Sparse absorbed-MQA attention over the selected keys: (out [B, T, H, v_dim], lse [B, T, H] fp32)."""
   mode = kernel_mode(impl)
   if mode == "reference":
-    return sparse_mla_attention_reference.sparse_mla_attention(q_BTHL, kv_BSL, idx_BTK, sm_scale=sm_scale,
+    return sparse_mla_attention_reference.sparse_mla_attention(q_BTHA, kv_BSA, idx_BTK, sm_scale=sm_scale,
                                                                v_dim=v_dim)
   kernel = functools.partial(sparse_mla_attention.sparse_mla_attention, sm_scale=sm_scale, v_dim=v_dim,
                              interpret=mode == "interpret")
-  batch = _batch_axes(q_BTHL.shape[0])
-  heads = _split_axes(q_BTHL.shape[2], ("tensor",)) or None
+  batch = _batch_axes(q_BTHA.shape[0])
+  heads = _split_axes(q_BTHA.shape[2], (TENSOR,)) or None
   if not batch and not heads:
-    return kernel(q_BTHL, kv_BSL, idx_BTK)
+    return kernel(q_BTHA, kv_BSA, idx_BTK)
   return jax.shard_map(kernel, in_specs=(_spec(batch, None, heads, None), _spec(batch), _spec(batch)),
                        out_specs=(_spec(batch, None, heads, None), _spec(batch, None, heads)),
-                       check_vma=False)(q_BTHL, kv_BSL, idx_BTK)
+                       check_vma=False)(q_BTHA, kv_BSA, idx_BTK)
 
 
-def head_probs(impl: str, q_BTHL: jax.Array, kv_BSL: jax.Array, idx_BTK: jax.Array, lse_BTH: jax.Array, *,
+def head_probs(impl: str, q_BTHA: jax.Array, kv_BSA: jax.Array, idx_BTK: jax.Array, lse_BTH: jax.Array, *,
                sm_scale: float) -> jax.Array:
   """The sparse attention's probabilities of the selected keys summed over heads: [B, T, K] fp32 (the
   sparse-stage indexer KL's target; a constant to autodiff on the kernel path)."""
   mode = kernel_mode(impl)
   if mode == "reference":
-    return sparse_mla_attention_reference.sparse_attention_head_probs(q_BTHL, kv_BSL, idx_BTK, lse_BTH,
+    return sparse_mla_attention_reference.sparse_attention_head_probs(q_BTHA, kv_BSA, idx_BTK, lse_BTH,
                                                                       sm_scale=sm_scale)
   kernel = functools.partial(sparse_mla_attention.sparse_attention_head_probs, sm_scale=sm_scale,
                              interpret=mode == "interpret")
-  batch = _batch_axes(q_BTHL.shape[0])
-  heads = _split_axes(q_BTHL.shape[2], ("tensor",))
+  batch = _batch_axes(q_BTHA.shape[0])
+  heads = _split_axes(q_BTHA.shape[2], (TENSOR,))
   if not batch and not heads:
-    return kernel(q_BTHL, kv_BSL, idx_BTK, lse_BTH)
+    return kernel(q_BTHA, kv_BSA, idx_BTK, lse_BTH)
 
   def local(q, kv, idx, lse):  # a partial sum over this device's heads, summed over the head shards
     p = kernel(q, kv, idx, lse)
@@ -149,31 +149,31 @@ def head_probs(impl: str, q_BTHL: jax.Array, kv_BSL: jax.Array, idx_BTK: jax.Arr
 
   return jax.shard_map(local, in_specs=(_spec(batch, None, heads or None, None), _spec(batch), _spec(batch),
                                         _spec(batch, None, heads or None)),
-                       out_specs=_spec(batch), check_vma=False)(q_BTHL, kv_BSL, idx_BTK, lse_BTH)
+                       out_specs=_spec(batch), check_vma=False)(q_BTHA, kv_BSA, idx_BTK, lse_BTH)
 
 
-def selected_index_scores(q_BTHD: jax.Array, k_BSD: jax.Array, w_BTH: jax.Array, idx_BTK: jax.Array, *,
+def selected_index_scores(q_BTJZ: jax.Array, k_BSZ: jax.Array, w_BTJ: jax.Array, idx_BTK: jax.Array, *,
                           chunk: int = 512) -> jax.Array:
   """The indexer's scores of the selected keys, differentiable: [B, T, K] fp32, -inf where idx is -1.
   I[t, k] = sum_h w[t, h] relu(q[t, h] . k[idx[t, k]])                                  (DS32 Eq. 1)
   Over chunks of `chunk` queries, each rematerialized in the backward pass: the gathered keys take
   O(chunk * K * D_I) memory at a time, never O(T * K * D_I) (nor O(T * S))."""
-  b, t_len = q_BTHD.shape[:2]
+  b, t_len = q_BTJZ.shape[:2]
   if t_len <= chunk:
-    return _selected_scores(q_BTHD, k_BSD, w_BTH, idx_BTK)
+    return _selected_scores(q_BTJZ, k_BSZ, w_BTJ, idx_BTK)
   n = -(-t_len // chunk)
 
   def split(x):  # [B, T, ...] -> [n, B, chunk, ...], T padded
     x = jnp.pad(x, [(0, 0), (0, n * chunk - t_len)] + [(0, 0)] * (x.ndim - 2))
     return jnp.moveaxis(x.reshape(b, n, chunk, *x.shape[2:]), 1, 0)
 
-  scores = jax.lax.map(jax.checkpoint(lambda a: _selected_scores(a[0], k_BSD, a[1], a[2])),
-                       (split(q_BTHD), split(w_BTH), split(idx_BTK)))
+  scores = jax.lax.map(jax.checkpoint(lambda a: _selected_scores(a[0], k_BSZ, a[1], a[2])),
+                       (split(q_BTJZ), split(w_BTJ), split(idx_BTK)))
   return jnp.moveaxis(scores, 0, 1).reshape(b, n * chunk, -1)[:, :t_len]
 
 
-def _selected_scores(q_BTHD, k_BSD, w_BTH, idx_BTK):
-  k_BTKD = sparse_mla_attention_reference.gather_kv(k_BSD, idx_BTK)
-  qk_BTHK = jnp.einsum("bthd,btkd->bthk", q_BTHD.astype(jnp.float32), k_BTKD.astype(jnp.float32))
-  scores_BTK = jnp.einsum("bthk,bth->btk", jax.nn.relu(qk_BTHK), w_BTH.astype(jnp.float32))
+def _selected_scores(q_BTJZ, k_BSZ, w_BTJ, idx_BTK):
+  k_BTKZ = sparse_mla_attention_reference.gather_kv(k_BSZ, idx_BTK)
+  qk_BTJK = jnp.einsum("bthd,btkd->bthk", q_BTJZ.astype(jnp.float32), k_BTKZ.astype(jnp.float32))
+  scores_BTK = jnp.einsum("bthk,bth->btk", jax.nn.relu(qk_BTJK), w_BTJ.astype(jnp.float32))
   return jnp.where(idx_BTK >= 0, scores_BTK, -jnp.inf)

@@ -1,9 +1,9 @@
 """DSA's lightning indexer: a cheap scorer that picks the index_topk keys each query attends to.
 
-  q_I = wq_b(c_q)                [T, H_I, d_I]  from MLA's normalized q latent
-  k_I = LayerNorm(wk(h))         [S, d_I]       one key per token, shared by the indexer heads
+  q_I = wq_b(c_q)                [T, J, Z]  from MLA's normalized q latent (J = H_I heads of width Z = d_I)
+  k_I = LayerNorm(wk(h))         [S, Z]     one key per token, shared by the indexer heads
   rope on the first qk_rope_head_dim dims of q_I and k_I (interleaved for GLM-5)
-  w   = weights_proj(h) * H_I^-1/2 * d_I^-1/2    [T, H_I]
+  w   = weights_proj(h) * H_I^-1/2 * d_I^-1/2    [T, J]
   I[t, s] = sum_j w[t, j] * relu(q_I[t, j] . k_I[s])                                     (DS32 Eq. 1)
 then a causal, deterministic top-k (pallas_kernels.lightning_indexer_reference).
 """
@@ -34,14 +34,14 @@ class Indexer(nnx.Module):
     x_rot = apply_rope(x[..., :r], cos, sin, self.cfg.indexer_rope_interleave)
     return jnp.concatenate([x_rot, x[..., r:]], axis=-1)
 
-  def __call__(self, x_BTD: jax.Array, cq_BTR: jax.Array, cos: jax.Array, sin: jax.Array
+  def __call__(self, x_BTD: jax.Array, cq_BTQ: jax.Array, cos: jax.Array, sin: jax.Array
                ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Returns (q [B, T, H_I, d_I], k [B, T, d_I], w [B, T, H_I] fp32), ready for the scorer."""
+    """Returns (q [B, T, J, Z], k [B, T, Z], w [B, T, J] fp32), ready for the scorer."""
     cfg = self.cfg
-    q_BTHD = dense(cq_BTR, self.wq_b, self.dtype, "btr,rhd->bthd")
-    q_BTHD = self._rope(q_BTHD, cos, sin)
-    k_BTD = self.k_norm(dense(x_BTD, self.wk, self.dtype))
-    k_BTD = self._rope(k_BTD, cos, sin)
-    w_BTH = jnp.einsum("btd,dh->bth", x_BTD.astype(jnp.float32), self.weights_proj[...].astype(jnp.float32))
-    w_BTH = w_BTH * (cfg.index_n_heads**-0.5 * cfg.index_head_dim**-0.5)
-    return q_BTHD, k_BTD, w_BTH
+    q_BTJZ = dense(cq_BTQ, self.wq_b, self.dtype, "btr,rhd->bthd")
+    q_BTJZ = self._rope(q_BTJZ, cos, sin)
+    k_BTZ = self.k_norm(dense(x_BTD, self.wk, self.dtype))
+    k_BTZ = self._rope(k_BTZ, cos, sin)
+    w_BTJ = jnp.einsum("btd,dh->bth", x_BTD.astype(jnp.float32), self.weights_proj[...].astype(jnp.float32))
+    w_BTJ = w_BTJ * (cfg.index_n_heads**-0.5 * cfg.index_head_dim**-0.5)
+    return q_BTJZ, k_BTZ, w_BTJ

@@ -31,11 +31,11 @@ class LayerCache:
   def length(self) -> int:
     return self.kv.shape[-2]
 
-  def write(self, pos_B: jax.Array, kv_BL: jax.Array, index_k_BD: jax.Array | None) -> LayerCache:
+  def write(self, pos_B: jax.Array, kv_BA: jax.Array, index_k_BZ: jax.Array | None) -> LayerCache:
     """One layer's cache with each row's new entry at slot pos[b]."""
     rows = jnp.arange(pos_B.shape[0])
-    index_k = None if self.index_k is None else self.index_k.at[rows, pos_B].set(index_k_BD.astype(self.index_k.dtype))
-    return LayerCache(kv=self.kv.at[rows, pos_B].set(kv_BL.astype(self.kv.dtype)), index_k=index_k)
+    index_k = None if self.index_k is None else self.index_k.at[rows, pos_B].set(index_k_BZ.astype(self.index_k.dtype))
+    return LayerCache(kv=self.kv.at[rows, pos_B].set(kv_BA.astype(self.kv.dtype)), index_k=index_k)
 
 
 @jax.tree_util.register_dataclass

@@ -57,58 +57,58 @@ class MLA(nnx.Module):
   def project(self, x_BTD: jax.Array, inp: AttentionInputs):
     """The low-rank paths: (c_q, q_nope, q_rope, c_kv, k_rope)."""
     cfg = self.cfg
-    cq_BTR = self.q_a_layernorm(dense(x_BTD, self.q_a_proj, self.dtype))
-    q_BTHK = dense(cq_BTR, self.q_b_proj, self.dtype, "btr,rhk->bthk")
-    q_nope, q_rope = q_BTHK[..., :cfg.qk_nope_head_dim], q_BTHK[..., cfg.qk_nope_head_dim:]
+    cq_BTQ = self.q_a_layernorm(dense(x_BTD, self.q_a_proj, self.dtype))
+    q_BTHP = dense(cq_BTQ, self.q_b_proj, self.dtype, "btr,rhk->bthk")
+    q_nope, q_rope = q_BTHP[..., :cfg.qk_nope_head_dim], q_BTHP[..., cfg.qk_nope_head_dim:]
     q_rope = apply_rope(q_rope, inp.cos, inp.sin, cfg.rope_interleave)
-    kv_BTL = dense(x_BTD, self.kv_a_proj_with_mqa, self.dtype)
-    ckv_BTR = self.kv_a_layernorm(kv_BTL[..., :cfg.kv_lora_rank])
-    k_rope_BTR = apply_rope(kv_BTL[..., cfg.kv_lora_rank:], inp.cos, inp.sin, cfg.rope_interleave)
-    return cq_BTR, q_nope, q_rope, ckv_BTR, k_rope_BTR
+    kv_BTA = dense(x_BTD, self.kv_a_proj_with_mqa, self.dtype)
+    ckv_BTC = self.kv_a_layernorm(kv_BTA[..., :cfg.kv_lora_rank])
+    k_rope_BTR = apply_rope(kv_BTA[..., cfg.kv_lora_rank:], inp.cos, inp.sin, cfg.rope_interleave)
+    return cq_BTQ, q_nope, q_rope, ckv_BTC, k_rope_BTR
 
-  def mha_probs(self, q_nope, q_rope, ckv_BSR, k_rope_BSR, mask_BTS) -> tuple[jax.Array, jax.Array]:
+  def mha_probs(self, q_nope, q_rope, ckv_BSC, k_rope_BSR, mask_BTS) -> tuple[jax.Array, jax.Array]:
     """MHA form up to the softmax: (p [B, H, T, S] fp32, v [B, S, H, v_head_dim])."""
     cfg = self.cfg
-    kv_BSHK = dense(ckv_BSR, self.kv_b_proj, self.dtype, "bsr,rhk->bshk")
-    k_nope, v_BSHV = kv_BSHK[..., :cfg.qk_nope_head_dim], kv_BSHK[..., cfg.qk_nope_head_dim:]
+    kv_up = dense(ckv_BSC, self.kv_b_proj, self.dtype, "bsr,rhk->bshk")
+    k_nope, v_BSHO = kv_up[..., :cfg.qk_nope_head_dim], kv_up[..., cfg.qk_nope_head_dim:]
     s_BHTS = (jnp.einsum("bthk,bshk->bhts", q_nope, k_nope, preferred_element_type=jnp.float32)
               + jnp.einsum("bthk,bsk->bhts", q_rope, k_rope_BSR, preferred_element_type=jnp.float32))
     s_BHTS = jnp.where(mask_BTS[:, None], s_BHTS * cfg.softmax_scale, -jnp.inf)
-    return _safe_softmax(s_BHTS), v_BSHV
+    return _safe_softmax(s_BHTS), v_BSHO
 
-  def mha(self, q_nope, q_rope, ckv_BSR, k_rope_BSR, mask_BTS) -> jax.Array:
-    """MHA form: per-head keys and values expanded from the latent. Returns o [B, T, H, v_head_dim]."""
-    p_BHTS, v_BSHV = self.mha_probs(q_nope, q_rope, ckv_BSR, k_rope_BSR, mask_BTS)
-    return self._mha_out(p_BHTS, v_BSHV)
+  def mha(self, q_nope, q_rope, ckv_BSC, k_rope_BSR, mask_BTS) -> jax.Array:
+    """MHA form: per-head keys and values expanded from the latent. Returns o [B, T, H, O]."""
+    p_BHTS, v_BSHO = self.mha_probs(q_nope, q_rope, ckv_BSC, k_rope_BSR, mask_BTS)
+    return self._mha_out(p_BHTS, v_BSHO)
 
-  def _mha_out(self, p_BHTS, v_BSHV) -> jax.Array:
-    return jnp.einsum("bhts,bshv->bthv", p_BHTS.astype(self.dtype), v_BSHV,
+  def _mha_out(self, p_BHTS, v_BSHO) -> jax.Array:
+    return jnp.einsum("bhts,bshv->bthv", p_BHTS.astype(self.dtype), v_BSHO,
                       preferred_element_type=jnp.float32).astype(self.dtype)
 
-  def absorbed_q_kv(self, q_nope, q_rope, ckv_BSR, k_rope_BSR) -> tuple[jax.Array, jax.Array]:
-    """The absorbed query [B, T, H, kv_lora + rope] and the shared key [B, S, kv_lora + rope]."""
+  def absorbed_q_kv(self, q_nope, q_rope, ckv_BSC, k_rope_BSR) -> tuple[jax.Array, jax.Array]:
+    """The absorbed query [B, T, H, A] and the shared key [B, S, A] (A = kv_lora_rank + rope)."""
     w_uk = self.kv_b_proj[...][..., :self.cfg.qk_nope_head_dim]  # [R, H, dn]
     q_lat = jnp.einsum("bthn,rhn->bthr", q_nope, w_uk.astype(self.dtype),
                        preferred_element_type=jnp.float32).astype(self.dtype)
-    return (jnp.concatenate([q_lat, q_rope], axis=-1), jnp.concatenate([ckv_BSR, k_rope_BSR], axis=-1))
+    return (jnp.concatenate([q_lat, q_rope], axis=-1), jnp.concatenate([ckv_BSC, k_rope_BSR], axis=-1))
 
-  def absorbed_out(self, o_lat_BTHR: jax.Array) -> jax.Array:
-    """o_h = o_lat_h W_UV_h: [B, T, H, v_head_dim]."""
+  def absorbed_out(self, o_lat_BTHC: jax.Array) -> jax.Array:
+    """o_h = o_lat_h W_UV_h: [B, T, H, O]."""
     w_uv = self.kv_b_proj[...][..., self.cfg.qk_nope_head_dim:]  # [R, H, dv]
-    return jnp.einsum("bthr,rhv->bthv", o_lat_BTHR, w_uv.astype(self.dtype),
+    return jnp.einsum("bthr,rhv->bthv", o_lat_BTHC, w_uv.astype(self.dtype),
                       preferred_element_type=jnp.float32).astype(self.dtype)
 
-  def absorbed_dense(self, q_nope, q_rope, ckv_BSR, k_rope_BSR, mask_BTS) -> jax.Array:
+  def absorbed_dense(self, q_nope, q_rope, ckv_BSC, k_rope_BSR, mask_BTS) -> jax.Array:
     """Dense attention computed in the absorbed form (equal to `mha`; the decode path's shape)."""
-    q_BTHL, kv_BSL = self.absorbed_q_kv(q_nope, q_rope, ckv_BSR, k_rope_BSR)
-    return self.absorbed_out(self._latent_attention(q_BTHL, kv_BSL, mask_BTS))
+    q_BTHA, kv_BSA = self.absorbed_q_kv(q_nope, q_rope, ckv_BSC, k_rope_BSR)
+    return self.absorbed_out(self._latent_attention(q_BTHA, kv_BSA, mask_BTS))
 
-  def _latent_attention(self, q_BTHL, kv_BSL, mask_BTS) -> jax.Array:
+  def _latent_attention(self, q_BTHA, kv_BSA, mask_BTS) -> jax.Array:
     """Dense attention against the shared 576-wide key; the value is the key's latent part: [B, T, H, R]."""
-    s_BHTS = jnp.einsum("bthl,bsl->bhts", q_BTHL, kv_BSL, preferred_element_type=jnp.float32)
+    s_BHTS = jnp.einsum("bthl,bsl->bhts", q_BTHA, kv_BSA, preferred_element_type=jnp.float32)
     s_BHTS = jnp.where(mask_BTS[:, None], s_BHTS * self.cfg.softmax_scale, -jnp.inf)
     p_BHTS = _safe_softmax(s_BHTS)
-    return jnp.einsum("bhts,bsr->bthr", p_BHTS.astype(self.dtype), kv_BSL[..., :self.cfg.kv_lora_rank],
+    return jnp.einsum("bhts,bsr->bthr", p_BHTS.astype(self.dtype), kv_BSA[..., :self.cfg.kv_lora_rank],
                       preferred_element_type=jnp.float32).astype(self.dtype)
 
   def __call__(self, x_BTD: jax.Array, inp: AttentionInputs, *, form: str = "mha",
@@ -119,17 +119,17 @@ class MLA(nnx.Module):
     aux["indexer_kl"]: the indexer's KL to the main attention, over the visible keys when attention is
     dense (DSA warm-up) and over the selected keys when it is sparse. The indexer reads a detached copy
     of its inputs, so its only gradient is this KL and the KL trains nothing else. With return_cache (a
-    prefill), aux["cache_kv"] [B, T, kv_lora_rank + rope] and, with DSA, aux["cache_index_k"] [B, T, d_I]:
+    prefill), aux["cache_kv"] [B, T, A] and, with DSA, aux["cache_index_k"] [B, T, Z]:
     the entries of the decode cache (glm_jax/model/kv_cache.py)."""
     cfg = self.cfg
     seq_len = x_BTD.shape[1]
-    cq_BTR, q_nope, q_rope, ckv_BTR, k_rope_BTR = self.project(x_BTD, inp)
+    cq_BTQ, q_nope, q_rope, ckv_BTC, k_rope_BTR = self.project(x_BTD, inp)
     aux: dict[str, jax.Array] = {}
     sparse = self.dsa_active(seq_len)
     if return_cache:
-      aux["cache_kv"] = jnp.concatenate([ckv_BTR, k_rope_BTR], axis=-1)
+      aux["cache_kv"] = jnp.concatenate([ckv_BTC, k_rope_BTR], axis=-1)
     if sparse or return_index_scores or indexer_loss or (return_cache and cfg.use_dsa):
-      q_i, k_i, w_i = self.indexer(jax.lax.stop_gradient(x_BTD), jax.lax.stop_gradient(cq_BTR),
+      q_i, k_i, w_i = self.indexer(jax.lax.stop_gradient(x_BTD), jax.lax.stop_gradient(cq_BTQ),
                                    inp.cos, inp.sin)
       if return_cache:
         aux["cache_index_k"] = k_i
@@ -142,26 +142,26 @@ class MLA(nnx.Module):
       idx_BTK, vals_BTK = dsa.select_topk(impl, q_i, k_i, w_i, topk=cfg.index_topk,
                                           q_segment_ids=inp.segment_ids, kv_segment_ids=inp.segment_ids)
       aux["topk_indices"] = idx_BTK
-      q_BTHL, kv_BSL = self.absorbed_q_kv(q_nope, q_rope, ckv_BTR, k_rope_BTR)
-      o_lat, lse_BTH = dsa.attend(impl, q_BTHL, kv_BSL, idx_BTK, sm_scale=cfg.softmax_scale, v_dim=cfg.kv_lora_rank)
-      o_BTHV = self.absorbed_out(o_lat)
+      q_BTHA, kv_BSA = self.absorbed_q_kv(q_nope, q_rope, ckv_BTC, k_rope_BTR)
+      o_lat, lse_BTH = dsa.attend(impl, q_BTHA, kv_BSA, idx_BTK, sm_scale=cfg.softmax_scale, v_dim=cfg.kv_lora_rank)
+      o_BTHO = self.absorbed_out(o_lat)
       if indexer_loss:
         if dsa.kernel_mode(impl) != "reference":  # the kernel's top-k scores carry no gradient
           vals_BTK = dsa.selected_index_scores(q_i, k_i, w_i, idx_BTK)
-        p_BTK = dsa.head_probs(impl, q_BTHL, kv_BSL, idx_BTK, lse_BTH, sm_scale=cfg.softmax_scale)
+        p_BTK = dsa.head_probs(impl, q_BTHA, kv_BSA, idx_BTK, lse_BTH, sm_scale=cfg.softmax_scale)
         aux["indexer_kl"] = indexer_kl(p_BTK, vals_BTK, idx_BTK >= 0)
     elif form == "mha":
-      p_BHTS, v_BSHV = self.mha_probs(q_nope, q_rope, ckv_BTR, k_rope_BTR, inp.mask)
-      o_BTHV = self._mha_out(p_BHTS, v_BSHV)
+      p_BHTS, v_BSHO = self.mha_probs(q_nope, q_rope, ckv_BTC, k_rope_BTR, inp.mask)
+      o_BTHO = self._mha_out(p_BHTS, v_BSHO)
       if indexer_loss:
         aux["indexer_kl"] = indexer_kl(jnp.sum(p_BHTS, axis=1), scores_BTS, inp.mask)
     elif form == "absorbed":
       if indexer_loss:
         raise ValueError("indexer_loss with dense attention needs form='mha'")
-      o_BTHV = self.absorbed_dense(q_nope, q_rope, ckv_BTR, k_rope_BTR, inp.mask)
+      o_BTHO = self.absorbed_dense(q_nope, q_rope, ckv_BTC, k_rope_BTR, inp.mask)
     else:
       raise ValueError(f"MLA form={form!r}; one of 'mha', 'absorbed'")
-    return dense(o_BTHV, self.o_proj, self.dtype, "bthv,hvd->btd"), aux
+    return dense(o_BTHO, self.o_proj, self.dtype, "bthv,hvd->btd"), aux
 
 
   def decode(self, x_B1D: jax.Array, cos: jax.Array, sin: jax.Array, pos_B: jax.Array, cache: LayerCache
@@ -174,26 +174,26 @@ class MLA(nnx.Module):
     b, s_len = x_B1D.shape[0], cache.length
     beyond_BS = jnp.arange(s_len)[None, :] > pos_B[:, None]  # slots no query of the row may see yet
     inp = AttentionInputs(cos=cos, sin=sin, segment_ids=jnp.zeros((b, 1), jnp.int32), mask=~beyond_BS[:, None])
-    cq_B1R, q_nope, q_rope, ckv_B1R, k_rope_B1R = self.project(x_B1D, inp)
+    cq_B1Q, q_nope, q_rope, ckv_B1C, k_rope_B1R = self.project(x_B1D, inp)
     index_k_new = q_i = w_i = None
     if cfg.use_dsa:
-      q_i, k_i, w_i = self.indexer(x_B1D, cq_B1R, cos, sin)
+      q_i, k_i, w_i = self.indexer(x_B1D, cq_B1Q, cos, sin)
       index_k_new = k_i[:, 0]
-    cache = cache.write(pos_B, jnp.concatenate([ckv_B1R, k_rope_B1R], axis=-1)[:, 0], index_k_new)
-    q_B1HL = self.absorbed_q_kv(q_nope, q_rope, ckv_B1R, k_rope_B1R)[0]
-    kv_BSL = cache.kv.astype(self.dtype)
+    cache = cache.write(pos_B, jnp.concatenate([ckv_B1C, k_rope_B1R], axis=-1)[:, 0], index_k_new)
+    q_B1HA = self.absorbed_q_kv(q_nope, q_rope, ckv_B1C, k_rope_B1R)[0]
+    kv_BSA = cache.kv.astype(self.dtype)
     if self.dsa_active(s_len):
       # Causal visibility as segments: with q_offset = S - 1 the causal rule admits every slot, and the
       # segment ids (0 for the query, 1 for slots past pos) exclude the row's unseen ones.
       idx_B1K, _ = dsa.select_topk(cfg.attention_impl, q_i, cache.index_k, w_i, topk=cfg.index_topk,
                                    q_offset=s_len - 1, q_segment_ids=jnp.zeros((b, 1), jnp.int32),
                                    kv_segment_ids=beyond_BS.astype(jnp.int32))
-      o_lat, _ = dsa.attend(cfg.attention_impl, q_B1HL, kv_BSL, idx_B1K, sm_scale=cfg.softmax_scale,
+      o_lat, _ = dsa.attend(cfg.attention_impl, q_B1HA, kv_BSA, idx_B1K, sm_scale=cfg.softmax_scale,
                             v_dim=cfg.kv_lora_rank)
     else:
-      o_lat = self._latent_attention(q_B1HL, kv_BSL, inp.mask)
-    o_B1HV = self.absorbed_out(o_lat)
-    return dense(o_B1HV, self.o_proj, self.dtype, "bthv,hvd->btd"), cache
+      o_lat = self._latent_attention(q_B1HA, kv_BSA, inp.mask)
+    o_B1HO = self.absorbed_out(o_lat)
+    return dense(o_B1HO, self.o_proj, self.dtype, "bthv,hvd->btd"), cache
 
 
 def indexer_kl(p_target_BTS: jax.Array, scores_BTS: jax.Array, valid_BTS: jax.Array) -> jax.Array:

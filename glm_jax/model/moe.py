@@ -5,10 +5,10 @@
   g = s_sel / sum(s_sel) * routed_scaling_factor      (the normalization only when norm_topk_prob)
   y = sum_k g_k FFN_{e_k}(u) + FFN_shared(u)
 Group-limited routing (n_group > 1): a group's score is the sum of its top-2 biased scores; only experts
-in the topk_group best groups can be picked. Dispatch sorts the (token, slot) pairs by expert and runs
-`jax.lax.ragged_dot` over the per-expert groups: no capacity, no dropped tokens, no one-hot over experts.
-Under a mesh whose "expert" axis is larger than 1, experts are split over it and tokens travel by
-all-to-all (moe_parallel.expert_parallel_ffn), computing the same thing.
+in the topk_group best groups can be picked. The routed experts run dropless (grouped_ffn.py: the (token,
+slot) pairs sorted by expert, `jax.lax.ragged_dot` over the per-expert groups: no capacity, no dropped
+tokens, no one-hot over experts). Under a mesh whose "expert" axis is larger than 1, experts are split over
+it and tokens travel by all-to-all (moe_parallel.expert_parallel_ffn), computing the same thing.
 """
 
 from __future__ import annotations
@@ -17,8 +17,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from glm_jax.mesh_axes import EXPERT
 from glm_jax.model.config import ModelConfig
+from glm_jax.model.grouped_ffn import grouped_ffn
 from glm_jax.model.layers import MLP, dtype_of, param
+from glm_jax.model.moe_parallel import expert_parallel_ffn
 
 
 class ExpertBias(nnx.Variable):
@@ -27,7 +30,7 @@ class ExpertBias(nnx.Variable):
 
 def route(logits_NE: jax.Array, bias_E: jax.Array, cfg: ModelConfig
           ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Returns (gate weights [N, K] fp32, expert ids [N, K] int32, affinities s [N, E] fp32)."""
+  """Returns (gate weights [N, X] fp32, expert ids [N, X] int32, affinities s [N, E] fp32)."""
   s_NE = jax.nn.sigmoid(logits_NE.astype(jnp.float32))
   choice_NE = s_NE + bias_E.astype(jnp.float32)
   if cfg.n_group > 1:
@@ -38,43 +41,11 @@ def route(logits_NE: jax.Array, bias_E: jax.Array, cfg: ModelConfig
     group_keep_NG = jnp.zeros_like(group_score_NG, bool).at[jnp.arange(n)[:, None], group_idx].set(True)
     keep_NE = jnp.repeat(group_keep_NG, e // cfg.n_group, axis=-1)
     choice_NE = jnp.where(keep_NE, choice_NE, -jnp.inf)
-  _, idx_NK = jax.lax.top_k(choice_NE, cfg.num_experts_per_tok)
-  w_NK = jnp.take_along_axis(s_NE, idx_NK, axis=-1)
+  _, idx_NX = jax.lax.top_k(choice_NE, cfg.num_experts_per_tok)
+  w_NX = jnp.take_along_axis(s_NE, idx_NX, axis=-1)
   if cfg.norm_topk_prob:
-    w_NK = w_NK / (jnp.sum(w_NK, axis=-1, keepdims=True) + 1e-20)
-  return w_NK * cfg.routed_scaling_factor, idx_NK.astype(jnp.int32), s_NE
-
-
-def expert_swiglu(xs: jax.Array, group_sizes: jax.Array, gate_EDI: jax.Array, up_EDI: jax.Array,
-                  down_EID: jax.Array, dtype: jnp.dtype, out_dtype: jnp.dtype = jnp.float32) -> jax.Array:
-  """Row m through the SwiGLU expert of its group (rows sorted by expert; rows past the last group give 0), one
-  ragged_dot per projection, matmuls in `dtype` accumulated in fp32; the result in out_dtype (fp32 by default;
-  `dtype` when the rows travel on in `dtype` anyway, which also keeps their gradient in `dtype`)."""
-
-  def gmm(a, w, out=jnp.float32):
-    return jax.lax.ragged_dot(a, w.astype(dtype), group_sizes, preferred_element_type=out)
-
-  h = (jax.nn.silu(gmm(xs, gate_EDI)) * gmm(xs, up_EDI)).astype(dtype)
-  return gmm(h, down_EID, out_dtype)
-
-
-def grouped_ffn_f32(x_ND: jax.Array, w_NK: jax.Array, idx_NK: jax.Array, gate_EDI: jax.Array,
-                    up_EDI: jax.Array, down_EID: jax.Array, dtype: jnp.dtype) -> jax.Array:
-  """sum_k w[n, k] * SwiGLU_{idx[n, k]}(x[n]) in fp32, with tokens sorted by expert and ragged_dot per group."""
-  n, k = idx_NK.shape
-  flat_e = idx_NK.reshape(-1)
-  order = jnp.argsort(flat_e, stable=True)
-  token_of = order // k
-  group_sizes = jnp.bincount(flat_e, length=gate_EDI.shape[0]).astype(jnp.int32)
-  ys = expert_swiglu(x_ND[token_of].astype(dtype), group_sizes, gate_EDI, up_EDI, down_EID, dtype)
-  ys = ys * w_NK.reshape(-1)[order][:, None].astype(jnp.float32)
-  return jnp.zeros((n, x_ND.shape[-1]), jnp.float32).at[token_of].add(ys)
-
-
-def grouped_ffn(x_ND: jax.Array, w_NK: jax.Array, idx_NK: jax.Array, gate_EDI: jax.Array,
-                up_EDI: jax.Array, down_EID: jax.Array, dtype: jnp.dtype) -> jax.Array:
-  """grouped_ffn_f32 in `dtype`: the dropless MoE on one device."""
-  return grouped_ffn_f32(x_ND, w_NK, idx_NK, gate_EDI, up_EDI, down_EID, dtype).astype(dtype)
+    w_NX = w_NX / (jnp.sum(w_NX, axis=-1, keepdims=True) + 1e-20)
+  return w_NX * cfg.routed_scaling_factor, idx_NX.astype(jnp.int32), s_NE
 
 
 class MoE(nnx.Module):
@@ -98,11 +69,10 @@ class MoE(nnx.Module):
     b, t, d = x_BTD.shape
     x_ND = x_BTD.reshape(b * t, d)
     logits_NE = jnp.einsum("nd,de->ne", x_ND.astype(jnp.float32), self.router[...].astype(jnp.float32))
-    w_NK, idx_NK, s_NE = route(logits_NE, self.e_score_correction_bias[...], cfg)
-    experts = (x_ND, w_NK, idx_NK, self.gate_proj[...], self.up_proj[...], self.down_proj[...], self.dtype)
+    w_NX, idx_NX, s_NE = route(logits_NE, self.e_score_correction_bias[...], cfg)
+    experts = (x_ND, w_NX, idx_NX, self.gate_proj[...], self.up_proj[...], self.down_proj[...], self.dtype)
     mesh = jax.sharding.get_abstract_mesh()
-    if not mesh.empty and mesh.shape.get("expert", 1) > 1:  # expert parallelism: shard_map + all-to-all
-      from glm_jax.model.moe_parallel import expert_parallel_ffn  # it builds on grouped_ffn, defined here
+    if not mesh.empty and mesh.shape.get(EXPERT, 1) > 1:  # expert parallelism: shard_map + all-to-all
       y_ND = expert_parallel_ffn(*experts, mesh=mesh)
     else:
       y_ND = grouped_ffn(*experts)
@@ -110,6 +80,6 @@ class MoE(nnx.Module):
     if self.shared_experts is not None:
       y_BTD = y_BTD + self.shared_experts(x_BTD)
     e = cfg.n_routed_experts
-    counts_BE = jax.vmap(lambda ids: jnp.bincount(ids, length=e))(idx_NK.reshape(b, t * cfg.num_experts_per_tok))
+    counts_BE = jax.vmap(lambda ids: jnp.bincount(ids, length=e))(idx_NX.reshape(b, t * cfg.num_experts_per_tok))
     probs_BE = jnp.mean((s_NE / jnp.sum(s_NE, axis=-1, keepdims=True)).reshape(b, t, e), axis=1)
     return y_BTD, {"expert_counts": counts_BE.astype(jnp.int32), "expert_probs": probs_BE}

@@ -1,5 +1,5 @@
 """Expert parallelism for the dropless MoE: experts split over the mesh's `expert` axis, tokens exchanged with
-`jax.shard_map` + all-to-all; computes exactly `moe.grouped_ffn` (DESIGN.md "Core decisions").
+`jax.shard_map` + all-to-all; computes exactly `grouped_ffn.grouped_ffn` (docs/design.md, "Core decisions").
 
 Inside the shard_map every device holds n local tokens (the token axes, `expert` among them, split N) and
 E_l = E / P experts (P = size of the expert axis). Per device:
@@ -25,7 +25,7 @@ axis) or give up droplessness with a capacity to go further.
 
 Why the dense `jax.lax.all_to_all` and not `jax.lax.ragged_all_to_all`: with jax 0.10.2 the ragged collective
 does not run on CPU ("UNIMPLEMENTED: HLO opcode `ragged-all-to-all` is not supported by XLA:CPU
-ThunkEmitter"), and DESIGN.md requires everything to run (and be tested) on CPU meshes. Note that
+ThunkEmitter"), and docs/design.md requires everything to run (and be tested) on CPU meshes. Note that
 ragged_all_to_all would only shrink the send buffer and the bytes on the wire: a dropless receiver still needs
 a statically sized P*n*K-row buffer.
 
@@ -44,7 +44,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from glm_jax.model.moe import expert_swiglu, grouped_ffn, grouped_ffn_f32
+from glm_jax.mesh_axes import BATCH_AXES, EXPERT, TENSOR
+from glm_jax.model.grouped_ffn import expert_swiglu, grouped_ffn, grouped_ffn_f32
 
 __all__ = ["expert_parallel_ffn", "expert_parallel_specs"]
 
@@ -69,9 +70,8 @@ def _resolved_axes(mesh: Mesh, expert_axis: str, token_axes: Sequence[str], tens
   return tokens, n_expert, tensor_axis
 
 
-def expert_parallel_specs(mesh: Mesh, *, expert_axis: str = "expert",
-                          token_axes: Sequence[str] = ("data", "fsdp", "expert"),
-                          tensor_axis: str | None = "tensor") -> dict[str, P]:
+def expert_parallel_specs(mesh: Mesh, *, expert_axis: str = EXPERT, token_axes: Sequence[str] = BATCH_AXES,
+                          tensor_axis: str | None = TENSOR) -> dict[str, P]:
   """The PartitionSpecs expert_parallel_ffn works in, by argument name (x, w, idx, gate, up, down, y).
   Inputs sharded otherwise are resharded by XLA at the shard_map boundary (e.g. fsdp-sharded D all-gathered)."""
   tokens, _, tensor = _resolved_axes(mesh, expert_axis, token_axes, tensor_axis)
@@ -81,13 +81,13 @@ def expert_parallel_specs(mesh: Mesh, *, expert_axis: str = "expert",
           "gate": P(e, None, tensor), "up": P(e, None, tensor), "down": P(e, tensor, None)}
 
 
-def expert_parallel_ffn(x_ND: jax.Array, w_NK: jax.Array, idx_NK: jax.Array, gate_EDI: jax.Array,
+def expert_parallel_ffn(x_ND: jax.Array, w_NX: jax.Array, idx_NX: jax.Array, gate_EDI: jax.Array,
                         up_EDI: jax.Array, down_EID: jax.Array, dtype: jnp.dtype, *, mesh: Mesh,
-                        expert_axis: str = "expert", token_axes: Sequence[str] = ("data", "fsdp", "expert"),
-                        tensor_axis: str | None = "tensor") -> jax.Array:
+                        expert_axis: str = EXPERT, token_axes: Sequence[str] = BATCH_AXES,
+                        tensor_axis: str | None = TENSOR) -> jax.Array:
   """grouped_ffn(x, w, idx, gate, up, down, dtype) with the experts split over `expert_axis` of `mesh`.
 
-  x_ND [N, D], w_NK [N, K] gate weights, idx_NK [N, K] int expert ids, gate_EDI / up_EDI [E, D, I],
+  x_ND [N, D], w_NX [N, X] gate weights, idx_NX [N, X] int expert ids, gate_EDI / up_EDI [E, D, I],
   down_EID [E, I, D]; returns y_ND [N, D] in `dtype`. Works in and out of jit, and under jax.grad.
 
   Shardings (inside the shard_map; see expert_parallel_specs):
@@ -106,12 +106,12 @@ def expert_parallel_ffn(x_ND: jax.Array, w_NK: jax.Array, idx_NK: jax.Array, gat
   own tokens with all experts. See the module docstring for the worst-case buffer sizes this dropless scheme
   allocates (P * n_local * K rows) and why it uses the dense all-to-all.
   """
-  n, k = idx_NK.shape
+  n, k = idx_NX.shape
   n_experts, d, i = gate_EDI.shape
   tokens, n_shards, tensor = _resolved_axes(mesh, expert_axis, token_axes, tensor_axis)
   n_token_shards = math.prod(mesh.shape[a] for a in tokens)
-  if x_ND.shape[0] != n or w_NK.shape != (n, k):
-    raise ValueError(f"expert_parallel_ffn: x_ND {x_ND.shape}, w_NK {w_NK.shape} and idx_NK {idx_NK.shape} "
+  if x_ND.shape[0] != n or w_NX.shape != (n, k):
+    raise ValueError(f"expert_parallel_ffn: x_ND {x_ND.shape}, w_NX {w_NX.shape} and idx_NX {idx_NX.shape} "
                      "must agree on N (and w, idx on K)")
   if n % n_token_shards:
     raise ValueError(f"expert_parallel_ffn: N={n} tokens must divide over the token axes {tokens} "
@@ -140,8 +140,8 @@ def expert_parallel_ffn(x_ND: jax.Array, w_NK: jax.Array, idx_NK: jax.Array, gat
     flat_e = idx.reshape(-1).astype(jnp.int32)
     order = jnp.argsort(flat_e, stable=True)  # pairs by expert = by destination shard
     token_of = order // k
-    counts_PL = jnp.bincount(flat_e, length=n_experts).astype(jnp.int32).reshape(n_shards, e_local)
-    send_sizes = counts_PL.sum(1)
+    counts_by_shard = jnp.bincount(flat_e, length=n_experts).astype(jnp.int32).reshape(n_shards, e_local)
+    send_sizes = counts_by_shard.sum(1)
     send_start = _exclusive_cumsum(send_sizes)
 
     # Dispatch: slot (q, j) of the send buffer holds sorted pair send_start[q] + j while j < send_sizes[q].
@@ -151,7 +151,7 @@ def expert_parallel_ffn(x_ND: jax.Array, w_NK: jax.Array, idx_NK: jax.Array, gat
     tok = token_of[src]  # [P, C]
     send = jnp.where(send_valid[..., None], x[tok].astype(dtype), 0)  # [P, C, D]
     recv = jax.lax.all_to_all(send, expert_axis, 0, 0, tiled=True)  # recv[s]: the rows shard s sent here
-    recv_counts = jax.lax.all_to_all(counts_PL, expert_axis, 0, 0, tiled=True)  # [P, E_l]: from s for expert l
+    recv_counts = jax.lax.all_to_all(counts_by_shard, expert_axis, 0, 0, tiled=True)  # [P, E_l]: from s for expert l
 
     # Received rows are sender-major, expert-minor; ragged_dot wants them expert-major. Row (s, j) has local
     # expert l (j within s's block for l) and goes to expert_start[l] + (rows of l from senders < s) + offset.
@@ -183,16 +183,16 @@ def expert_parallel_ffn(x_ND: jax.Array, w_NK: jax.Array, idx_NK: jax.Array, gat
     p = jnp.arange(n_loc * k, dtype=jnp.int32)
     slot_of_sorted = shard_of * cap + p - send_start[shard_of]
     slot = jnp.zeros((n_loc * k,), jnp.int32).at[order].set(slot_of_sorted)  # by (token, k)
-    rows_NKD = back.reshape(n_shards * cap, d)[slot].reshape(n_loc, k, d)
-    y = jnp.einsum("nkd,nk->nd", rows_NKD, w.astype(jnp.float32), preferred_element_type=jnp.float32)
+    rows_NXD = back.reshape(n_shards * cap, d)[slot].reshape(n_loc, k, d)
+    y = jnp.einsum("nkd,nk->nd", rows_NXD, w.astype(jnp.float32), preferred_element_type=jnp.float32)
     return finish(y)
 
   if n_shards == 1 and tensor is None and not tokens:
-    return grouped_ffn(x_ND, w_NK, idx_NK, gate_EDI, up_EDI, down_EID, dtype)
+    return grouped_ffn(x_ND, w_NX, idx_NX, gate_EDI, up_EDI, down_EID, dtype)
   body = exchange if n_shards > 1 else local
   sharded = jax.shard_map(
       body, mesh=mesh,
       in_specs=(specs["x"], specs["w"], specs["idx"], specs["gate"], specs["up"], specs["down"]),
       out_specs=specs["y"], check_vma=True)
   # Expert weights cast before the boundary, so any all-gather (fsdp-sharded D) moves `dtype`, not fp32.
-  return sharded(x_ND, w_NK, idx_NK, gate_EDI.astype(dtype), up_EDI.astype(dtype), down_EID.astype(dtype))
+  return sharded(x_ND, w_NX, idx_NX, gate_EDI.astype(dtype), up_EDI.astype(dtype), down_EID.astype(dtype))

@@ -11,6 +11,7 @@ from flax import nnx
 
 from glm_jax.model.config import ModelConfig
 from glm_jax.model.transformer import GlmMoeDsa
+from glm_jax.tree_paths import path_names
 
 
 def abstract_model(cfg: ModelConfig) -> GlmMoeDsa:
@@ -27,7 +28,7 @@ def param_counts(model_config: ModelConfig | Mapping[str, Any]) -> dict[str, int
   params = nnx.state(abstract_model(cfg), nnx.Param)
   total = mtp = routed = 0
   for path, leaf in jax.tree_util.tree_leaves_with_path(params):
-    names = [str(getattr(p, "key", getattr(p, "idx", p))) for p in path]
+    names = path_names(path)
     n = math.prod(leaf.shape)
     if names[0] == "mtp":
       mtp += n

@@ -1,1 +1,1 @@
-"""Post-training: GRPO with IcePop, on-policy distillation, asynchronous rollouts (GLM5_FACTS section 5)."""
+"""Post-training: GRPO with IcePop, on-policy distillation, asynchronous rollouts (docs/glm5_facts.md section 5)."""

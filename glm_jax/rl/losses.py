@@ -1,8 +1,8 @@
-"""Post-training objectives (GLM-5 Eq. 1-5; GLM5_FACTS section 5), pure jnp, fp32.
+"""Post-training objectives (GLM-5 Eq. 1-5; docs/glm5_facts.md section 5), pure jnp, fp32.
 
-Shapes: N sequences, T response positions. logp_NT is the trainable policy's log-prob of each sampled token;
-old_logp_NT the training engine's log-prob before the update (pi_train_old); rollout_logp_NT the inference
-engine's log-prob at sampling time (pi_infer_old); mask_NT marks the tokens that are trained on.
+Shapes: N sequences, T response positions. logp_BT is the trainable policy's log-prob of each sampled token;
+old_logp_BT the training engine's log-prob before the update (pi_train_old); rollout_logp_BT the inference
+engine's log-prob at sampling time (pi_infer_old); mask_BT marks the tokens that are trained on.
 
 Aggregation (shared by every loss, `masked_sequence_mean`): per-sequence mean over its mask tokens, then the
 plain mean over all N sequences,
@@ -58,7 +58,7 @@ def _check_2d(name: str, x, shape: tuple[int, ...] | None = None, like: str = "l
   return s
 
 
-def _advantages_NT(advantages, shape: tuple[int, int]) -> jax.Array:
+def _advantages_BT(advantages, shape: tuple[int, int]) -> jax.Array:
   n, t = shape
   s = tuple(jnp.shape(advantages))
   if s == (n,):
@@ -83,10 +83,10 @@ def _valid(mask, shape: tuple[int, int], like: str = "logp") -> jax.Array:
   return m if m.dtype == jnp.bool_ else m != 0
 
 
-def _token_mean(x_NT: jax.Array, valid_NT: jax.Array) -> jax.Array:
+def _token_mean(x_BT: jax.Array, valid_BT: jax.Array) -> jax.Array:
   """sum over valid tokens of x / max(number of valid tokens, 1): a metric over all valid tokens (not per row)."""
-  total = jnp.sum(jnp.where(valid_NT, x_NT.astype(jnp.float32), 0.0))
-  return total / jnp.maximum(jnp.sum(valid_NT).astype(jnp.float32), 1.0)
+  total = jnp.sum(jnp.where(valid_BT, x_BT.astype(jnp.float32), 0.0))
+  return total / jnp.maximum(jnp.sum(valid_BT).astype(jnp.float32), 1.0)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -102,9 +102,9 @@ def masked_sequence_mean(x, mask) -> jax.Array:
   shape = _check_2d("x", x)
   valid = _valid(mask, shape, "x")
   x = jnp.asarray(x).astype(jnp.float32)
-  count_N = jnp.sum(valid, axis=1).astype(jnp.float32)
-  sum_N = jnp.sum(jnp.where(valid, x, 0.0), axis=1)
-  return jnp.mean(sum_N / jnp.maximum(count_N, 1.0))
+  count_B = jnp.sum(valid, axis=1).astype(jnp.float32)
+  sum_B = jnp.sum(jnp.where(valid, x, 0.0), axis=1)
+  return jnp.mean(sum_B / jnp.maximum(count_B, 1.0))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -143,7 +143,7 @@ def grpo_loss(logp, old_logp, rollout_logp, advantages, mask, *, eps_low: float 
   _check_2d("old_logp", old_logp, shape)
   _check_2d("rollout_logp", rollout_logp, shape)
   valid = _valid(mask, shape)
-  adv_NT = _advantages_NT(advantages, shape)
+  adv_BT = _advantages_BT(advantages, shape)
   _check_eps(eps_low, eps_high)
   if _concrete(icepop_beta) and not float(icepop_beta) > 1.0:
     raise ValueError(f"icepop_beta must be > 1 (the kept band is [1/beta, beta]), got {icepop_beta}")
@@ -159,35 +159,35 @@ def grpo_loss(logp, old_logp, rollout_logp, advantages, mask, *, eps_low: float 
   if ref_logp is not None:
     _check_2d("ref_logp", ref_logp, shape)
 
-  logp_NT = _f32(logp)
-  old_NT = jax.lax.stop_gradient(_f32(old_logp))
-  roll_NT = jax.lax.stop_gradient(_f32(rollout_logp))
+  logp_BT = _f32(logp)
+  old_BT = jax.lax.stop_gradient(_f32(old_logp))
+  roll_BT = jax.lax.stop_gradient(_f32(rollout_logp))
 
   # Exponents are zeroed at masked positions so padding garbage cannot overflow (and 0 * inf cannot reach grads).
-  r_NT = jnp.exp(jnp.where(valid, logp_NT - old_NT, 0.0))
-  r_clip_NT = jnp.clip(r_NT, 1.0 - eps_low, 1.0 + eps_high)
-  surr_NT = r_NT * adv_NT
-  surr_clip_NT = r_clip_NT * adv_NT
-  clipped_NT = surr_clip_NT < surr_NT
-  obj_NT = jnp.where(clipped_NT, surr_clip_NT, surr_NT)
+  r_BT = jnp.exp(jnp.where(valid, logp_BT - old_BT, 0.0))
+  r_clip_BT = jnp.clip(r_BT, 1.0 - eps_low, 1.0 + eps_high)
+  surr_BT = r_BT * adv_BT
+  surr_clip_BT = r_clip_BT * adv_BT
+  clipped_BT = surr_clip_BT < surr_BT
+  obj_BT = jnp.where(clipped_BT, surr_clip_BT, surr_BT)
 
-  log_rho_NT = jnp.where(valid, old_NT - roll_NT, 0.0)
-  rho_NT = jnp.exp(log_rho_NT)
-  in_band_NT = (rho_NT >= 1.0 / icepop_beta) & (rho_NT <= icepop_beta)
+  log_rho_BT = jnp.where(valid, old_BT - roll_BT, 0.0)
+  rho_BT = jnp.exp(log_rho_BT)
+  in_band_BT = (rho_BT >= 1.0 / icepop_beta) & (rho_BT <= icepop_beta)
   if is_correction == "icepop":
-    w_NT = jnp.where(in_band_NT, rho_NT, 0.0)
+    w_BT = jnp.where(in_band_BT, rho_BT, 0.0)
   elif is_correction == "truncated":
-    w_NT = jnp.minimum(rho_NT, tis_cap)
+    w_BT = jnp.minimum(rho_BT, tis_cap)
   else:
-    w_NT = jnp.ones_like(rho_NT)
-  w_NT = jax.lax.stop_gradient(w_NT)
+    w_BT = jnp.ones_like(rho_BT)
+  w_BT = jax.lax.stop_gradient(w_BT)
 
-  pg_loss = -masked_sequence_mean(w_NT * obj_NT, valid)
+  pg_loss = -masked_sequence_mean(w_BT * obj_BT, valid)
   loss = pg_loss
   kl_ref = jnp.zeros((), jnp.float32)
   if ref_logp is not None:
-    d_NT = jnp.where(valid, jax.lax.stop_gradient(_f32(ref_logp)) - logp_NT, 0.0)
-    kl_ref = masked_sequence_mean(jnp.exp(d_NT) - d_NT - 1.0, valid)
+    d_BT = jnp.where(valid, jax.lax.stop_gradient(_f32(ref_logp)) - logp_BT, 0.0)
+    kl_ref = masked_sequence_mean(jnp.exp(d_BT) - d_BT - 1.0, valid)
     if use_kl:
       loss = loss + kl_coef * kl_ref
 
@@ -195,11 +195,11 @@ def grpo_loss(logp, old_logp, rollout_logp, advantages, mask, *, eps_low: float 
   metrics = {
       "pg_loss": sg(pg_loss),
       "kl_ref": sg(kl_ref),
-      "clip_frac": _token_mean(clipped_NT, valid),
-      "icepop_drop_frac": _token_mean(~in_band_NT, valid),
-      "is_weight_mean": _token_mean(w_NT, valid),
-      "ratio_mean": _token_mean(sg(r_NT), valid),
-      "mismatch_kl": _token_mean(rho_NT - 1.0 - log_rho_NT, valid),
+      "clip_frac": _token_mean(clipped_BT, valid),
+      "icepop_drop_frac": _token_mean(~in_band_BT, valid),
+      "is_weight_mean": _token_mean(w_BT, valid),
+      "ratio_mean": _token_mean(sg(r_BT), valid),
+      "mismatch_kl": _token_mean(rho_BT - 1.0 - log_rho_BT, valid),
   }
   return loss, metrics
 
@@ -223,21 +223,21 @@ def async_policy_loss(logp, rollout_logp, advantages, mask, *, eps_low: float = 
   shape = _check_2d("logp", logp)
   _check_2d("rollout_logp", rollout_logp, shape)
   valid = _valid(mask, shape)
-  adv_NT = _advantages_NT(advantages, shape)
+  adv_BT = _advantages_BT(advantages, shape)
   _check_eps(eps_low, eps_high)
   if _concrete(eps_low) and _concrete(eps_high) and float(eps_low) + float(eps_high) <= 0.0:
     raise ValueError(f"eps_low + eps_high must be > 0 (the kept interval (1-eps_low, 1+eps_high) is empty), "
                      f"got eps_low={eps_low}, eps_high={eps_high}")
 
-  logp_NT = _f32(logp)
-  roll_NT = jax.lax.stop_gradient(_f32(rollout_logp))
-  r_NT = jnp.exp(jnp.where(valid, logp_NT - roll_NT, 0.0))
-  r_sg = jax.lax.stop_gradient(r_NT)
-  keep_NT = valid & (r_sg > 1.0 - eps_low) & (r_sg < 1.0 + eps_high)
-  loss = -masked_sequence_mean(r_NT * adv_NT, keep_NT)
+  logp_BT = _f32(logp)
+  roll_BT = jax.lax.stop_gradient(_f32(rollout_logp))
+  r_BT = jnp.exp(jnp.where(valid, logp_BT - roll_BT, 0.0))
+  r_sg = jax.lax.stop_gradient(r_BT)
+  keep_BT = valid & (r_sg > 1.0 - eps_low) & (r_sg < 1.0 + eps_high)
+  loss = -masked_sequence_mean(r_BT * adv_BT, keep_BT)
   metrics = {
       "pg_loss": jax.lax.stop_gradient(loss),
-      "async_masked_frac": _token_mean(valid & ~keep_NT, valid),
+      "async_masked_frac": _token_mean(valid & ~keep_BT, valid),
       "ratio_mean": _token_mean(r_sg, valid),
   }
   return loss, metrics
@@ -263,12 +263,12 @@ def group_advantages(rewards, group_size: int) -> jax.Array:
   n = s[0]
   if n % group_size != 0:
     raise ValueError(f"rewards length N={n} must be a multiple of group_size={group_size}")
-  r_GS = jax.lax.stop_gradient(jnp.asarray(rewards).astype(jnp.float32)).reshape(n // group_size, group_size)
-  centered_GS = r_GS - jnp.mean(r_GS, axis=1, keepdims=True)
+  grouped = jax.lax.stop_gradient(jnp.asarray(rewards).astype(jnp.float32)).reshape(n // group_size, group_size)
+  centered = grouped - jnp.mean(grouped, axis=1, keepdims=True)
   if group_size == 1:
     return jnp.zeros((n,), jnp.float32)
-  std_G1 = jnp.sqrt(jnp.sum(centered_GS * centered_GS, axis=1, keepdims=True) / (group_size - 1))
-  return (centered_GS / (std_G1 + STD_EPS)).reshape(n)
+  std = jnp.sqrt(jnp.sum(centered * centered, axis=1, keepdims=True) / (group_size - 1))
+  return (centered / (std + STD_EPS)).reshape(n)
 
 
 def distill_advantages(teacher_logp, student_logp) -> jax.Array:

@@ -1,5 +1,9 @@
 """Rollouts: a batch of sampled answers with their rewards, made synchronously or by a background worker.
 
+`make_sampler` builds the KV-cache sampler of a run (rl.temperature, rl.top_p, optionally in rl.rollout_dtype;
+or greedy, for evaluation); `make_rollout` samples group_size answers to each problem and scores them with the
+reward function; `greedy_accuracy` is the mean reward of greedy answers on held-out problems.
+
 Asynchronous RL (GLM-5 section on agentic RL, Eq. 3-5): a RolloutWorker thread keeps generating batches with the
 newest weights it has been given, each batch tagged with the version of those weights; the trainer takes
 batches from its queue, drops those more than `tau` versions older than its own weights (`is_stale`), and
@@ -14,10 +18,20 @@ from __future__ import annotations
 import dataclasses
 import queue
 import threading
+import time
 from typing import Any, Callable
 
+import jax
+import jax.numpy as jnp
+import ml_collections
 import numpy as np
 from absl import logging
+from flax import nnx
+
+from glm_jax.inference.sampler import Sampler, SamplingParams
+from glm_jax.model import GlmMoeDsa, ModelConfig
+from glm_jax.rl import rewards as rewards_lib
+from glm_jax.rl.tasks import CharVocab
 
 
 @dataclasses.dataclass
@@ -37,6 +51,56 @@ class Rollout:
 
   def responses(self) -> list[list[int]]:
     return [self.tokens[i, p:n].tolist() for i, (p, n) in enumerate(zip(self.prompt_lens, self.lengths))]
+
+  def metrics(self) -> dict[str, float]:
+    """The logged statistics of the batch: reward, response lengths, truncation, reward failures, time."""
+    resp_lens = self.lengths - self.prompt_lens
+    return dict(reward_mean=float(np.mean(self.rewards)), reward_std=float(np.std(self.rewards)),
+                response_len_mean=float(np.mean(resp_lens)), response_len_max=int(np.max(resp_lens)),
+                truncated_frac=float(np.mean(~self.finished)), reward_failures=len(self.failures),
+                rollout_s=self.seconds)
+
+  def train_batch(self, **extra) -> dict[str, jax.Array]:
+    """The RL step's batch (glm_jax/rl/step.py): tokens, response_mask, rollout_logp and `extra` (advantages,
+    ref_logp, teacher_logp), as device arrays."""
+    return dict(tokens=jnp.asarray(self.tokens), response_mask=jnp.asarray(self.response_mask),
+                rollout_logp=jnp.asarray(self.rollout_logp), **{k: jnp.asarray(v) for k, v in extra.items()})
+
+
+def make_sampler(graphdef, model_cfg: ModelConfig, rl: ml_collections.ConfigDict, tasks_and_weights,
+                 vocab: CharVocab, *, greedy: bool = False) -> Sampler:
+  """The sampler of rollouts (rl.temperature, rl.top_p; in rl.rollout_dtype when it differs from the model's), or
+  with greedy the evaluation's (temperature 0, the model's dtype); prompts are padded to the tasks' longest."""
+  width = max(t.max_prompt_len for t, _ in tasks_and_weights)
+  sampling = SamplingParams(max_new_tokens=rl.max_new_tokens, temperature=0.0 if greedy else rl.temperature,
+                            top_p=1.0 if greedy else rl.top_p, stop_ids=(vocab.eos_id,), pad_id=vocab.pad_id)
+  if rl.rollout_dtype and rl.rollout_dtype != model_cfg.dtype and not greedy:
+    # The inference engine in another precision than the trainer: the train/inference mismatch IcePop filters.
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: GlmMoeDsa(model_cfg.replace(dtype=rl.rollout_dtype),
+                                                             nnx.Rngs(0))))
+  return Sampler(graphdef, model_cfg, sampling, width=width)
+
+
+def make_rollout(sampler: Sampler, params, rest, problems, group_size: int, key, reward_fn, version: int,
+                 id_prefix: str) -> Rollout:
+  """Samples group_size answers to each problem (rows grouped by problem) and scores them."""
+  t0 = time.perf_counter()
+  rows = [p for p in problems for _ in range(group_size)]
+  out = jax.device_get(sampler(params, rest, [p.prompt_ids for p in rows], key))
+  rollout = Rollout(version=version, problems=rows, tokens=np.asarray(out.tokens),
+                    response_mask=np.asarray(out.response_mask), rollout_logp=np.asarray(out.logp),
+                    prompt_lens=np.asarray(out.prompt_lens), lengths=np.asarray(out.lengths),
+                    finished=np.asarray(out.finished), rewards=np.zeros(len(rows), np.float32), failures=[])
+  rollout.rewards, rollout.failures = rewards_lib.score(reward_fn, rows, rollout.responses(),
+                                                        [f"{id_prefix}/{i}" for i in range(len(rows))])
+  rollout.seconds = time.perf_counter() - t0
+  return rollout
+
+
+def greedy_accuracy(sampler: Sampler, params, rest, problems, reward_fn) -> float:
+  """Mean reward of greedy answers (the model's best guess) on fixed held-out problems."""
+  rollout = make_rollout(sampler, params, rest, problems, 1, jax.random.key(0), reward_fn, 0, "eval")
+  return float(np.mean(rollout.rewards))
 
 
 def is_stale(rollout_version: int, trainer_version: int, tau: int) -> bool:

@@ -29,21 +29,21 @@ from glm_jax.train.step import TrainState, apply_gradients
 OBJECTIVES = ("grpo", "async")
 
 
-def token_logprobs(model, tokens_NS: jax.Array, temperature: float = 1.0) -> jax.Array:
+def token_logprobs(model, tokens_BT: jax.Array, temperature: float = 1.0) -> jax.Array:
   """[N, S] fp32: log p(tokens[:, s] | tokens[:, :s]) under softmax(logits / temperature); 0 at s = 0."""
-  logits = model(tokens_NS, compute_mtp=False).logits[:, :-1].astype(jnp.float32)
+  logits = model(tokens_BT, compute_mtp=False).logits[:, :-1].astype(jnp.float32)
   if temperature not in (0, 1):  # 0 is greedy sampling, whose log-probs are at temperature 1
     logits = logits / temperature
   logp = jax.nn.log_softmax(logits, axis=-1)
-  picked = jnp.take_along_axis(logp, tokens_NS[:, 1:, None], axis=-1)[..., 0]
+  picked = jnp.take_along_axis(logp, tokens_BT[:, 1:, None], axis=-1)[..., 0]
   return jnp.pad(picked, [(0, 0), (1, 0)])
 
 
 def make_score_fn(graphdef, temperature: float = 1.0) -> Callable:
   """jit(params, rest, tokens [N, S]) -> token_logprobs: a teacher's or a reference policy's scores."""
 
-  def score(params, rest, tokens_NS):
-    return token_logprobs(nnx.merge(graphdef, params, rest), tokens_NS, temperature)
+  def score(params, rest, tokens_BT):
+    return token_logprobs(nnx.merge(graphdef, params, rest), tokens_BT, temperature)
 
   return jax.jit(score)
 

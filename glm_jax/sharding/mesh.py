@@ -17,11 +17,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+import ml_collections
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-MESH_AXES = ("data", "fsdp", "expert", "tensor")
-BATCH_AXES = ("data", "fsdp", "expert")  # the axes a batch's leading dimension is split over
+from glm_jax.mesh_axes import BATCH_AXES, MESH_AXES
+
 
 # Logical axis name (the model's parameter metadata) -> mesh axis, or None for replicated.
 LOGICAL_AXIS_RULES: dict[str, str | None] = {
@@ -43,6 +44,12 @@ LOGICAL_AXIS_RULES: dict[str, str | None] = {
     "norm": None,
     "mtp_in": None,
 }
+
+
+def default_mesh_config() -> ml_collections.ConfigDict:
+  """Fully sharded data parallelism over whatever devices there are (-1 = the remaining devices); one device
+  trains unsharded."""
+  return ml_collections.ConfigDict(dict(data=1, fsdp=-1, expert=1, tensor=1))
 
 
 def mesh_shape(mesh_cfg: Mapping[str, int], n_devices: int) -> tuple[int, ...]:

@@ -17,18 +17,18 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from glm_jax.sharding.mesh import checked_spec, logical_to_spec
-from glm_jax.train.optimizers import path_names
+from glm_jax.tree_paths import path_names, path_str
 
 
 def param_specs(params: nnx.State, mesh: Mesh) -> dict[tuple, P]:
   """{parameter path names: PartitionSpec} for an nnx.State (abstract or not), divisibility checked."""
   specs = {}
   for path, var in nnx.to_flat_state(params):
+    names = path_names(path)
     axes = var.get_metadata().get("out_sharding")
     if axes is None:
-      raise ValueError(f"parameter {'/'.join(map(str, path))} has no logical axes (out_sharding metadata)")
-    names = tuple(path)
-    specs[names] = checked_spec(logical_to_spec(axes), var.shape, mesh, "parameter " + "/".join(map(str, path)))
+      raise ValueError(f"parameter {path_str(names)} has no logical axes (out_sharding metadata)")
+    specs[names] = checked_spec(logical_to_spec(axes), var.shape, mesh, "parameter " + path_str(names))
   return specs
 
 

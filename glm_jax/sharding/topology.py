@@ -32,6 +32,7 @@ Process-wide details (libtpu 0.0.42.1):
 from __future__ import annotations
 
 import dataclasses
+import glob
 import importlib.metadata
 import importlib.util
 import math
@@ -187,12 +188,23 @@ def _check_libtpu(topology_name: str) -> None:
                   f"differ. {install_hint()}", stacklevel=3)
 
 
+# TPU chips on the PCI bus: Google's vendor id and the chips' device ids (v3, v4, v5p, v5e, v6e, 7x and the
+# "plc" variant), the table jax itself reads at start-up (jax._src.hardware_utils) to decide whether a host has TPUs.
+_GOOGLE_PCI_VENDOR = "0x1ae0"
+_TPU_PCI_DEVICES = {"0x0027", "0x0056", "0x005e", "0x0062", "0x0063", "0x006f", "0x0076"}
+
+
 def _no_tpu_attached() -> bool:
-  try:
-    from jax._src import hardware_utils  # the check jax itself runs at import (cloud_tpu_init)
-    return hardware_utils.num_available_tpu_chips_and_device_id()[0] == 0
-  except Exception:  # a private module: if it moves, assume a build machine
-    return True
+  """True when no TPU chip is on this host's PCI bus (a build machine), by the check jax runs at start-up."""
+  for vendor_path in glob.glob("/sys/bus/pci/devices/*/vendor"):
+    folder = os.path.dirname(vendor_path)
+    try:
+      with open(vendor_path) as v, open(os.path.join(folder, "device")) as d:
+        if v.read().strip() == _GOOGLE_PCI_VENDOR and d.read().strip() in _TPU_PCI_DEVICES:
+          return False
+    except OSError:
+      continue
+  return True
 
 
 def tpu_topology_devices(name: str, *, num_slices: int = 1, wrap: tuple[bool, ...] | None = None) -> list[Any]:

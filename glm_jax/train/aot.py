@@ -23,8 +23,13 @@ import ml_collections
 from glm_jax.model import dsa, param_counts
 from glm_jax.sharding.mesh import MESH_AXES, batch_sharding, make_mesh
 from glm_jax.sharding.state import abstract_sharded
+from glm_jax.sharding.topology import compiled_flops
 from glm_jax.train import step as step_lib, trainer
+from glm_jax.train.config import model_config_for_stage, require_sections, validate_train_config
 from glm_jax.train.flops import analytic_flops, muon_ns_flops
+
+
+SECTIONS = ("model", "data", "train", "optimizer", "mesh")  # what compiling the train step reads
 
 
 @dataclasses.dataclass
@@ -38,12 +43,8 @@ class CompiledStep:
   abstract_params: Any  # the state's parameters as ShapeDtypeStructs (for FLOP and byte counts)
 
 
-def check_sections(config: ml_collections.ConfigDict, needed: Sequence[str] = ("model", "data", "train", "optimizer",
-                                                                                  "mesh")) -> None:
-  missing = [s for s in needed if s not in config]
-  if missing:
-    raise ValueError(f"config {config.get('name', '?')!r} has no {missing} section(s); compiling the train step "
-                     f"needs {list(needed)} (see configs/glm5_tiny.py)")
+def check_sections(config: ml_collections.ConfigDict) -> None:
+  require_sections(config, SECTIONS, "compiling the train step", "configs/glm5_tiny.py")
 
 
 def compile_train_step(config: ml_collections.ConfigDict, devices: Sequence[Any], *, unrolled: bool = False
@@ -56,8 +57,8 @@ def compile_train_step(config: ml_collections.ConfigDict, devices: Sequence[Any]
   compiled=None and the compiler's message in `error`.
   """
   check_sections(config)
-  trainer.validate_train_config(config.train)
-  model_cfg = trainer.model_config_for_stage(config)
+  validate_train_config(config.train)
+  model_cfg = model_config_for_stage(config)
   if unrolled:
     model_cfg = model_cfg.replace(scan_unroll=True)
   mesh = make_mesh(config.mesh, devices)
@@ -89,13 +90,6 @@ def compile_train_step(config: ml_collections.ConfigDict, devices: Sequence[Any]
                       abstract_state.params)
 
 
-def cost_flops(compiled: Any) -> float:
-  """XLA's cost_analysis()["flops"] of a compiled program (per device; a loop body counted once)."""
-  cost = compiled.cost_analysis()
-  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-  return float(cost["flops"]) if cost and "flops" in cost else math.nan
-
-
 def extrapolated_flops(config: ml_collections.ConfigDict, devices: Sequence[Any]) -> dict[str, Any]:
   """XLA's FLOPs per device of the full-depth step, from fully unrolled compiles of shallow copies.
 
@@ -104,11 +98,11 @@ def extrapolated_flops(config: ml_collections.ConfigDict, devices: Sequence[Any]
   unrolled with (dense, MoE) layer counts (1, 1), (2, 1) and (1, 2) (one stack at a time when the model has
   only one kind), and, FLOPs being c + n_dense * a + n_moe * b for the same widths, mesh and batch, the full
   depth's count is c + N_dense * a + N_moe * b. Exact up to work that is not linear in depth: the optimizer's
-  padding of the Muon matrix stacks to the device count (see optimizers.orthogonalize), and the few elementwise
+  padding of the Muon matrix stacks to the device count (see glm_jax/train/muon.py: orthogonalize), and the few elementwise
   ops XLA fuses or folds differently at another depth (2.7e-4 of the count for a 4-layer tiny model with AdamW,
   tests/train/test_aot.py).
   """
-  model_cfg = trainer.model_config_for_stage(config)
+  model_cfg = model_config_for_stage(config)
   n_dense, n_moe = model_cfg.num_dense_layers, model_cfg.num_moe_layers
   base = (min(n_dense, 1), min(n_moe, 1))
   variants = [base] + [tuple(b + (i == j) for j, b in enumerate(base)) for i in range(2) if base[i]]
@@ -121,7 +115,7 @@ def extrapolated_flops(config: ml_collections.ConfigDict, devices: Sequence[Any]
     result = compile_train_step(shallow, devices, unrolled=True)
     if result.compiled is None:
       raise RuntimeError(f"the unrolled {nd}+{nm}-layer copy did not compile: {result.error}")
-    flops[(nd, nm)] = cost_flops(result.compiled)
+    flops[(nd, nm)] = compiled_flops(result.compiled)
   f0 = flops[base]
   per_dense = flops[(2, base[1])] - f0 if base[0] else 0.0
   per_moe = flops[(base[0], 2)] - f0 if base[1] else 0.0
@@ -135,7 +129,7 @@ def step_report(config: ml_collections.ConfigDict, result: CompiledStep, flops: 
   """The config's sizes, compile times and FLOPs: analytic (glm_jax/train/flops.py), XLA's for the compiled step
   (loop bodies once) and, given extrapolated_flops' result, the compiled step's at full depth. Memory is the
   caller's (it depends on the device kind)."""
-  model_cfg = trainer.model_config_for_stage(config)
+  model_cfg = model_config_for_stage(config)
   counts = param_counts(model_cfg)
   b, t, stage = config.data.batch_size, config.data.seq_len, config.train.dsa_stage
   n_dev = result.mesh.size
@@ -157,7 +151,7 @@ def step_report(config: ml_collections.ConfigDict, result: CompiledStep, flops: 
       "analytic_optimizer_flops_per_step": ns_flops,
   }
   if result.compiled is not None:
-    report["xla_flops_per_device_loop_bodies_once"] = cost_flops(result.compiled)
+    report["xla_flops_per_device_loop_bodies_once"] = compiled_flops(result.compiled)
   if flops is not None:
     report.update({
         "compiled_flops_per_device": flops["per_device"],

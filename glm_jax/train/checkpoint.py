@@ -20,6 +20,8 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from glm_jax.tree_paths import path_str
+
 # Config fields that may change between a run and its resumption (they do not change the saved state).
 RUNTIME_FIELDS = {
     "model": {"attention_impl", "dtype", "remat_policy", "scan_unroll", "use_dsa"},
@@ -109,10 +111,10 @@ class Checkpointer:
         node = tree
         for key in [str(p) for p in path] + ["value"]:
           if not isinstance(node, Mapping) or key not in node:
-            raise ValueError(f"{self.directory}/{step}: no {name} array at {'/'.join(map(str, path))}")
+            raise ValueError(f"{self.directory}/{step}: no {name} array at {path_str(path)}")
           node = node[key]
         if tuple(node.shape) != tuple(var.shape):
-          raise ValueError(f"{self.directory}/{step}: {name} {'/'.join(map(str, path))} has shape "
+          raise ValueError(f"{self.directory}/{step}: {name} {path_str(path)} has shape "
                            f"{list(node.shape)}, the model expects {list(var.shape)}")
         out.append((path, var.replace(value=jnp.asarray(node, var.dtype))))
       return nnx.from_flat_state(out)

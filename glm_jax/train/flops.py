@@ -19,7 +19,9 @@ import re
 import jax
 
 from glm_jax.model import ModelConfig
-from glm_jax.train import optimizers
+from glm_jax.train.optimizer_config import checked_optimizer_config
+from glm_jax.train.param_plan import leaf_plan, matrix_axes
+from glm_jax.tree_paths import path_names
 
 
 def matmul_params(cfg: ModelConfig) -> dict[str, int]:
@@ -82,15 +84,11 @@ def ragged_dot_extra_flops(cfg: ModelConfig, b: int, t: int, stage: str) -> floa
           * p["moe_layers_incl_mtp"])
 
 
-def _axes(a) -> tuple[int, ...]:
-  return tuple(a) if isinstance(a, (tuple, list)) else (a,)
-
-
 def muon_ns_flops(opt_cfg, params, trainable) -> tuple[float, int]:
   """(Newton-Schulz FLOPs of one optimizer step, number of matrices orthogonalized)."""
-  plan = optimizers.leaf_plan(opt_cfg, params, trainable=trainable)
-  steps = int(optimizers._checked(opt_cfg).muon_ns_steps)  # pylint: disable=protected-access
-  shapes = {optimizers.path_names(path): tuple(x.shape) for path, x in jax.tree_util.tree_leaves_with_path(params)}
+  plan = leaf_plan(opt_cfg, params, trainable=trainable)
+  steps = int(checked_optimizer_config(opt_cfg).muon_ns_steps)
+  shapes = {path_names(path): tuple(x.shape) for path, x in jax.tree_util.tree_leaves_with_path(params)}
   total, count = 0.0, 0
   for names, lp in plan.items():
     if lp.label != "muon":
@@ -98,8 +96,7 @@ def muon_ns_flops(opt_cfg, params, trainable) -> tuple[float, int]:
     shape = shapes[names]
     parts = [shape[:-1] + (s,) for s in lp.split_sizes] if lp.split_sizes else [shape]
     for part, dims in zip(parts, lp.muon_dims):
-      red = [a % len(part) for a in _axes(dims.reduction_axis)]
-      outp = [a % len(part) for a in _axes(dims.output_axis)]
+      red, outp = matrix_axes(dims, len(part))
       m = math.prod(part[a] for a in red)
       n = math.prod(part[a] for a in outp)
       batch = math.prod(part) // (m * n)

@@ -35,17 +35,17 @@ def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array, valid_BT: jax.Ar
   return jnp.sum(nll), jnp.sum(valid_BT).astype(jnp.float32)
 
 
-def lm_and_mtp_losses(logits_BTV: jax.Array, mtp_logits_KBTV: jax.Array | None, input_ids_BT: jax.Array,
+def lm_and_mtp_losses(logits_BTV: jax.Array, mtp_logits_MBTV: jax.Array | None, input_ids_BT: jax.Array,
                       segment_ids_BT: jax.Array) -> dict[str, jax.Array]:
   """{"lm_loss", "mtp_loss", "tokens"}; mtp_loss is 0 without MTP logits."""
   targets, valid = shifted_targets(input_ids_BT, segment_ids_BT, 1)
   nll, count = cross_entropy(logits_BTV, targets, valid)
   out = {"lm_loss": nll / jnp.maximum(count, 1.0), "tokens": count, "mtp_loss": jnp.zeros((), jnp.float32)}
-  if mtp_logits_KBTV is not None:
+  if mtp_logits_MBTV is not None:
     losses = []
-    for k in range(mtp_logits_KBTV.shape[0]):
+    for k in range(mtp_logits_MBTV.shape[0]):
       targets, valid = shifted_targets(input_ids_BT, segment_ids_BT, k + 2)
-      nll_k, count_k = cross_entropy(mtp_logits_KBTV[k], targets, valid)
+      nll_k, count_k = cross_entropy(mtp_logits_MBTV[k], targets, valid)
       losses.append(nll_k / jnp.maximum(count_k, 1.0))
     out["mtp_loss"] = jnp.mean(jnp.stack(losses))
   return out

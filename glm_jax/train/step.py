@@ -1,6 +1,6 @@
 """The pretraining step: one pure jax.jit over (train state, batch), graphdef closed over.
 
-Stages (train.dsa_stage, GLM5_FACTS section 3):
+Stages (train.dsa_stage, docs/glm5_facts.md section 3):
   dense:  dense attention; loss = LM + w_mtp MTP + w_bal balance
   warmup: dense attention; every parameter but the indexer frozen (optimizer mask); loss = indexer KL
   sparse: top-k attention; loss = LM + w_mtp MTP + w_bal balance + w_idx indexer KL, where the KL reaches
@@ -23,6 +23,7 @@ from flax import nnx
 from glm_jax.model.moe import ExpertBias
 from glm_jax.model.transformer import GlmMoeDsa
 from glm_jax.train import losses
+from glm_jax.tree_paths import Names
 
 STAGES = ("dense", "warmup", "sparse")
 
@@ -43,16 +44,21 @@ def split_model(model: GlmMoeDsa):
   return nnx.split(model, nnx.Param, ...)
 
 
+def new_train_state(params, rest, optimizer: optax.GradientTransformation) -> TrainState:
+  """Step 0 for these weights: a fresh optimizer state, no loss history, nothing skipped."""
+  return TrainState(step=jnp.zeros((), jnp.int32), params=params, rest=rest, opt_state=optimizer.init(params),
+                    loss_ema=jnp.zeros((), jnp.float32), skipped=jnp.zeros((), jnp.int32))
+
+
 def init_train_state(model: GlmMoeDsa, optimizer: optax.GradientTransformation):
+  """(graphdef, step 0 of the model's weights)."""
   graphdef, params, rest = split_model(model)
-  state = TrainState(step=jnp.zeros((), jnp.int32), params=params, rest=rest,
-                     opt_state=optimizer.init(params), loss_ema=jnp.zeros((), jnp.float32),
-                     skipped=jnp.zeros((), jnp.int32))
-  return graphdef, state
+  return graphdef, new_train_state(params, rest, optimizer)
 
 
-def is_indexer_param(path: tuple) -> bool:
-  return "indexer" in [str(p) for p in path]
+def is_indexer_param(names: Names) -> bool:
+  """Whether a parameter, named by its path (glm_jax.tree_paths.path_names), belongs to a DSA indexer."""
+  return "indexer" in names
 
 
 def _forward_losses(graphdef, params, rest, batch, stage: str, train_cfg) -> tuple[jax.Array, dict]:

@@ -11,6 +11,7 @@ import contextlib
 import math
 import os
 import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -25,42 +26,9 @@ from glm_jax.model import GlmMoeDsa, ModelConfig, param_counts
 from glm_jax.sharding.mesh import batch_sharding, make_mesh
 from glm_jax.sharding.state import create_sharded
 from glm_jax.train import optimizers, step as step_lib
+from glm_jax.train.config import model_config_for_stage, require_sections, validate_train_config
 from glm_jax.train.checkpoint import Checkpointer
 from glm_jax.train.metrics import MetricsWriter
-
-_POSITIVE_INTS = ("steps", "microbatches", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints")
-
-
-def validate_train_config(train: ml_collections.ConfigDict) -> None:
-  for field in _POSITIVE_INTS:
-    value = train[field]
-    if not isinstance(value, int) or value <= 0:
-      raise ValueError(f"train.{field}={value!r} is invalid; must be a positive integer")
-  if train.dsa_stage not in step_lib.STAGES:
-    raise ValueError(f"train.dsa_stage={train.dsa_stage!r} is invalid; one of {step_lib.STAGES}")
-  if not isinstance(train.init_from, str):
-    raise ValueError(f"train.init_from={train.init_from!r} is invalid; a workdir path or ''")
-  for field in ("grad_clip_norm", "mtp_loss_weight", "balance_loss_weight", "indexer_loss_weight",
-                "expert_bias_rate", "spike_factor"):
-    if not train[field] >= 0:
-      raise ValueError(f"train.{field}={train[field]!r} is invalid; must be >= 0")
-  if not 0 <= train.spike_ema < 1:
-    raise ValueError(f"train.spike_ema={train.spike_ema!r} is invalid; must be in [0, 1)")
-
-
-def model_config_for_stage(config: ml_collections.ConfigDict) -> ModelConfig:
-  """The model config with attention dense in the dense and warm-up stages and DSA in the sparse stage."""
-  cfg = ModelConfig.from_dict(config.model)
-  stage = config.train.dsa_stage
-  if stage == "sparse":
-    if not cfg.use_dsa:
-      raise ValueError("train.dsa_stage='sparse' needs model.use_dsa=True")
-    if config.data.seq_len <= cfg.index_topk:
-      raise ValueError(f"train.dsa_stage='sparse' with data.seq_len={config.data.seq_len} <= "
-                       f"model.index_topk={cfg.index_topk}: top-k would select every key; lower index_topk")
-    return cfg
-  return cfg.replace(use_dsa=False)
-
 
 def create_train_state(config: ml_collections.ConfigDict, model_cfg: ModelConfig):
   """(graphdef, initial TrainState, optimizer, lr schedule) for a config; the warm-up stage's optimizer
@@ -113,13 +81,20 @@ def evaluate(eval_step, state: step_lib.TrainState, batches: list[dict[str, np.n
   return total / count if count else None
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+StepHook = Callable[[int, step_lib.TrainState, dict[str, Any]], None]
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, hooks: Sequence[StepHook] = ()
+                       ) -> dict[str, Any]:
   """Trains for config.train.steps steps (resuming from workdir's latest checkpoint) and returns the
-  summary that launch/train.py prints: eval_loss and unigram_entropy in nats per token, and more."""
-  missing = [s for s in ("model", "data", "train", "optimizer") if s not in config]
-  if missing:
-    raise ValueError(f"config {config.get('name', '?')!r} has no {missing} section(s); training needs model, data, "
-                     "train and optimizer (see configs/glm5_tiny.py)")
+  summary that launch/train.py prints: eval_loss and unigram_entropy in nats per token, and more.
+
+  hooks: callables hook(step, state, metrics) run in order after each step, once the step's metrics are logged
+  and its checkpoint (when one is due) has been started, asynchronously: a place for a probe, a custom
+  evaluation or a stopping rule in a notebook or sweep, without editing the loop. `step` counts the steps done;
+  `metrics` is the step's metrics dict (jax arrays; numpy values on logged steps). An exception in a hook ends the run (the checkpointer is
+  closed, as on any error)."""
+  require_sections(config, ("model", "data", "train", "optimizer"), "training", "configs/glm5_tiny.py")
   train = config.train
   validate_train_config(train)
   model_cfg = model_config_for_stage(config)
@@ -202,7 +177,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
           eval_loss = evaluate(eval_step, state, eval_batches, data_sharding)
         writer.write(done, {"eval_loss": eval_loss})
       checkpointer.save(done, state, data_iter, config_dict, force=done == train.steps)
-      _test_hook_kill_during_save(done)
+      for hook in hooks:
+        hook(done, state, metrics)
       bar.update(1)
     bar.close()
     checkpointer.wait()
@@ -218,10 +194,3 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
           "train_loss": last_loss, "skipped_steps": int(state.skipped), "params": counts["total"],
           "active_params": counts["active"], "workdir": os.path.abspath(workdir)}
 
-
-def _test_hook_kill_during_save(step: int) -> None:
-  """For the crash test only: GLM_JAX_TEST_KILL_DURING_SAVE=<step> SIGKILLs this process right after the
-  asynchronous save of <step> started, while Orbax is still writing it."""
-  target = os.environ.get("GLM_JAX_TEST_KILL_DURING_SAVE")
-  if target and int(target) == step:
-    os.kill(os.getpid(), 9)

@@ -115,6 +115,7 @@ def test_logits_match_dense_when_sequence_fits_topk(saved, loaded):
   assert diff_mha <= TOL and diff_abs <= TOL
 
 
+@pytest.mark.slow  # a second transformers model
 def test_logits_match_with_group_limited_routing(tmp_path):
   model = make_hf_model(seed=4, n_group=4, topk_group=2, num_experts_per_tok=3)
   model.save_pretrained(tmp_path)
@@ -126,6 +127,7 @@ def test_logits_match_with_group_limited_routing(tmp_path):
   assert diff <= TOL
 
 
+@pytest.mark.slow  # three more checkpoints through transformers
 def test_fused_and_sharded_checkpoints_load(tmp_path):
   model = make_hf_model(seed=6)
   model.save_pretrained(tmp_path / "fused", save_original_format=False)

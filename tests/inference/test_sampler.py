@@ -37,8 +37,11 @@ def full_forward(model, out):
   return row
 
 
-@pytest.mark.parametrize("index_topk,impl", [(64, "reference"), (6, "reference"), (6, "pallas")],
-                         ids=["dense", "dsa", "dsa-pallas"])
+@pytest.mark.parametrize("index_topk,impl", [
+    pytest.param(64, "reference", marks=pytest.mark.slow),  # the longest compile of the three
+    (6, "reference"),
+    pytest.param(6, "pallas", marks=pytest.mark.slow),  # the kernels in interpret mode
+], ids=["dense", "dsa", "dsa-pallas"])
 def test_cached_greedy_decoding_equals_full_forward(index_topk, impl):
   """Greedy tokens identical and logits within fp32 rounding. index_topk=6 makes DSA select during the prefill
   (the 8-token prompt) and in every decode step past position 6; 64 never does. The pallas case runs the

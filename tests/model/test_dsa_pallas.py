@@ -14,7 +14,7 @@ from flax import nnx
 from glm_jax.model import dsa
 from glm_jax.model.config import ModelConfig
 from glm_jax.model.transformer import GlmMoeDsa
-from random_init import init_module
+from tests.helpers import init_module
 
 B, T = 2, 24
 CFG = ModelConfig(vocab_size=40, hidden_size=16, intermediate_size=24, moe_intermediate_size=8, num_hidden_layers=2,
@@ -47,6 +47,7 @@ def run(impl, ids, segment_ids, probe):
   return logits, kl, grads
 
 
+@pytest.mark.slow  # the whole model in interpret mode, with gradients
 def test_tiny_model_logits_kl_and_gradients_equal_the_reference():
   rng = np.random.default_rng(0)
   ids = jnp.asarray(rng.integers(0, CFG.vocab_size, (B, T)), jnp.int32)

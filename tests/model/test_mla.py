@@ -1,5 +1,5 @@
 """MLA: MHA form == absorbed form, the DSA path against a numpy MLA with a "causal AND top-k" mask computed
-from the module's own weights (GLM5_FACTS sections 2-3), and packed segments == separate sequences."""
+from the module's own weights (docs/glm5_facts.md sections 2-3), and packed segments == separate sequences."""
 
 import functools
 
@@ -13,7 +13,7 @@ from glm_jax.model.config import ModelConfig
 from glm_jax.model.layers import rope_angles
 from glm_jax.model.mla import MLA, AttentionInputs
 from glm_jax.model.transformer import GlmMoeDsa
-from random_init import init_module
+from tests.helpers import init_module
 
 MLA_CFG = ModelConfig(vocab_size=32, hidden_size=16, num_attention_heads=2, num_key_value_heads=2, q_lora_rank=12,
                       kv_lora_rank=10, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5, index_n_heads=3,

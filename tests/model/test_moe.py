@@ -1,5 +1,5 @@
 """MoE routing (sigmoid, bias-corrected top-k, optional group limit) and the dropless MoE block, against numpy
-(GLM5_FACTS section 4)."""
+(docs/glm5_facts.md section 4)."""
 
 import math
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from glm_jax.model.moe import grouped_ffn
+from glm_jax.model.grouped_ffn import grouped_ffn
 from glm_jax.model.moe_parallel import expert_parallel_ffn, expert_parallel_specs
 
 N, D, I, E, K = 64, 16, 8, 16, 3

@@ -1,5 +1,5 @@
 """param_counts against the public figures for GLM-5 744B-A40B and against a count written from the weight shapes
-in GLM5_FACTS.md (section 1) for the tiny config."""
+in docs/glm5_facts.md (section 1) for the tiny config."""
 
 import pytest
 

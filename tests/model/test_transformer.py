@@ -14,7 +14,7 @@ from glm_jax.model.config import ModelConfig
 from glm_jax.model.layers import rope_angles
 from glm_jax.model.mla import AttentionInputs
 from glm_jax.model.transformer import GlmMoeDsa
-from random_init import init_module
+from tests.helpers import init_module
 
 B, T = 2, 8
 CFG = ModelConfig(vocab_size=40, hidden_size=16, intermediate_size=24, moe_intermediate_size=8, num_hidden_layers=3,
@@ -141,7 +141,7 @@ def logits_and_grads(cfg, ids, probe):
   return logits, grads
 
 
-@pytest.mark.parametrize("policy", ["full", "dots"])
+@pytest.mark.parametrize("policy", [pytest.param("full", marks=pytest.mark.slow), "dots"])
 def test_remat_policies_give_the_same_logits_and_gradients(policy):
   # One scanned stack of two MoE layers; dense attention (index_topk = T) keeps the compiles shorter.
   cfg = CFG.replace(num_hidden_layers=2, first_k_dense_replace=0, num_nextn_predict_layers=0, index_topk=T)

@@ -113,6 +113,7 @@ def test_empty_rows_and_out_of_range_indices():
   np.testing.assert_array_equal(out, np.asarray(kernel(q, kv, idx_m1, sm_scale=0.5, v_dim=16)[0]))
 
 
+@pytest.mark.slow  # the TPU interpreter
 def test_tpu_interpret_mode():
   # Pallas's TPU interpreter: VMEM scratch starts as NaN and a DMA lands only when it is waited for, so a row read
   # before its copy completes, a dkv read-modify-write that overtakes the previous block's write, or a missing wait
@@ -184,6 +185,7 @@ def _compile_fwd_bwd(topology, dtype, t_len, s_len, topk):
 
 
 @needs_libtpu
+@pytest.mark.slow  # Mosaic compiles for TPU
 @pytest.mark.parametrize("topology, dtype", [("v5p:2x2x1", jnp.bfloat16), ("v6e:2x2", jnp.bfloat16),
                                              ("v5p:2x2x1", jnp.float32)])
 def test_compiles_for_tpu(topology, dtype):

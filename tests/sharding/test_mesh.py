@@ -25,20 +25,21 @@ from glm_jax.sharding.mesh import batch_sharding, logical_to_spec, make_mesh, me
 from glm_jax.sharding.state import abstract_sharded, param_specs
 from glm_jax.train import step as step_lib
 from glm_jax.train.checkpoint import Checkpointer
-from glm_jax.train.trainer import (create_sharded_train_state, create_train_state, model_config_for_stage,
-                                   train_state_factory)
+from glm_jax.train.config import model_config_for_stage
+from glm_jax.train.trainer import create_sharded_train_state, create_train_state, train_state_factory
+from tests.helpers import NS_COEFFS, ROOT, newton_schulz
 
 MULTI_DEVICE = jax.device_count() >= 8
 multi_device = pytest.mark.skipif(not MULTI_DEVICE, reason="runs inside test_on_8_simulated_devices")
 
 
+@pytest.mark.slow  # 8 simulated devices in a subprocess: ~8 minutes here
 @pytest.mark.skipif(MULTI_DEVICE, reason="already on 8 devices")
 def test_on_8_simulated_devices(tmp_path):
   env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
          "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax_cache"), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
-  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__)],
-                        cwd=root, env=env, capture_output=True, text=True, timeout=1800)
+                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
   print(proc.stdout[-3000:])
   assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
   assert " passed" in proc.stdout.splitlines()[-1]
@@ -203,17 +204,23 @@ def test_train_and_evaluate_on_a_mesh_matches_one_device(tmp_path):
     ({"fsdp": 4, "tensor": 2}, ("layers", "q_lora", "heads", "qk_head_dim"), (3, 8, 4, 6)),
 ])
 def test_muon_orthogonalizes_whole_matrices_on_any_mesh(mesh_cfg, axes, shape):
-  """optimizers.orthogonalize under a mesh (shard_map, all-to-alls, replicas) equals optax's Newton-Schulz of each
+  """muon.orthogonalize under a mesh (shard_map, all-to-alls, replicas) equals a plain-jnp Newton-Schulz of each
   matrix on one device."""
   from optax.contrib import MuonDimensionNumbers as Dims
-  from optax.contrib._muon import orthogonalize_via_newton_schulz
 
-  from glm_jax.train.optimizers import MuonLayout, orthogonalize
+  from glm_jax.train.muon import orthogonalize
+  from glm_jax.train.param_plan import MuonLayout
 
   dims = Dims(-3, -1) if "heads" in axes else Dims(-2, -1)
   x = jax.random.normal(jax.random.key(0), shape, jnp.float32)
-  coeffs = jnp.asarray((3.4445, -4.7750, 2.0315))
-  want = orthogonalize_via_newton_schulz(x, coeffs, 5, dimension_numbers=dims)
+  coeffs = jnp.asarray(NS_COEFFS)
+  want = np.zeros(shape, np.float32)  # each matrix on its own: [in, out] = x[l] or, per head, x[l, :, h, :]
+  for l in range(shape[0]):
+    if "heads" in axes:
+      for h in range(shape[2]):
+        want[l, :, h, :] = newton_schulz(x[l, :, h, :])
+    else:
+      want[l] = newton_schulz(x[l])
   mesh = make_mesh(mesh_cfg, jax.devices()[:8])
   spec = logical_to_spec(axes)
   with jax.set_mesh(mesh):

@@ -16,12 +16,13 @@ import pytest
 
 from glm_jax.sharding.mesh import batch_sharding, make_mesh
 from glm_jax.sharding.state import abstract_sharded
-from glm_jax.sharding.topology import install_hint, libtpu_installed, tpu_topology_devices
+from glm_jax.sharding.topology import compiled_flops, install_hint, libtpu_installed, tpu_topology_devices
 from glm_jax.train import aot, trainer
+from glm_jax.train.config import model_config_for_stage
 from configs import glm5_tiny
+from tests.helpers import ROOT
 
 needs_libtpu = pytest.mark.skipif(not libtpu_installed(), reason=f"libtpu is not installed: {install_hint()}")
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def tiny(mesh: dict, **train):
@@ -63,11 +64,11 @@ def test_extrapolated_flops_equal_the_unrolled_full_depth_count():
   devices = tpu_topology_devices("v5p:2x2x1")
   flops = aot.extrapolated_flops(config, devices)
   full = aot.compile_train_step(config, devices, unrolled=True)
-  exact = aot.cost_flops(full.compiled)
+  exact = compiled_flops(full.compiled)
   # Linear in depth up to what XLA's simplifications change with depth (elementwise ops fused or folded
   # differently): 2.7e-4 of the count here.
   assert flops["per_device"] == pytest.approx(exact, rel=1e-3)
-  scanned = aot.cost_flops(aot.compile_train_step(config, devices).compiled)
+  scanned = compiled_flops(aot.compile_train_step(config, devices).compiled)
   assert scanned == pytest.approx(exact - 2 * flops["per_moe_layer"], rel=0.02)  # a loop body counted once
 
 
@@ -78,6 +79,7 @@ def run_compile(*args):
 
 
 @needs_libtpu
+@pytest.mark.slow  # a TPU compile of the train step
 def test_compile_prints_one_json_line_that_fits():
   out = run_compile("--config=configs/glm5_tiny.py", "--topology=v5p:2x2x1", "--config.mesh.fsdp=2",
                     "--config.mesh.expert=2", "--config.data.seq_len=64", "--config.data.batch_size=8")
@@ -95,7 +97,7 @@ def test_compile_prints_one_json_line_that_fits():
   # each sized here from the shapes and the config's shardings alone.
   config = tiny({"fsdp": 2, "expert": 2})
   mesh = make_mesh(config.mesh, tpu_topology_devices("v5p:2x2x1"))
-  make_state, _ = trainer.train_state_factory(config, trainer.model_config_for_stage(config))
+  make_state, _ = trainer.train_state_factory(config, model_config_for_stage(config))
   abstract, _ = abstract_sharded(make_state, lambda s: s.params, mesh)
   batch = jax.ShapeDtypeStruct((8, 64), np.int32, sharding=batch_sharding(mesh))
   for tiled, compare in ((False, lambda want, got: want <= got), (True, lambda want, got: got <= want)):
@@ -122,6 +124,7 @@ def test_bad_input_is_named_before_compiling(args, message):
 
 
 @needs_libtpu
+@pytest.mark.slow  # a TPU compile of the sparse stage
 def test_pallas_sparse_stage_compiles_the_kernels_for_tpu():
   """attention_impl="pallas" in the sparse stage, lowered on this CPU host for TPU devices: the DSA kernels go
   into the step as Mosaic kernels (indexer top-k, attention forward and backward, the KL target's head

@@ -19,8 +19,9 @@ from configs import glm5_tiny
 from glm_jax import data as data_lib
 from glm_jax.train import distributed, step as step_lib, trainer
 from glm_jax.train.checkpoint import Checkpointer
+from glm_jax.train.config import model_config_for_stage
+from tests.helpers import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 OVERRIDES = {"train.steps": 2, "train.log_every": 1, "train.eval_every": 2, "train.checkpoint_every": 2,
              "train.async_checkpoints": False, "train.tensorboard": False, "data.batch_size": 8,
              "data.seq_len": 64, "data.eval_batches": 1, "mesh.fsdp": -1}
@@ -60,7 +61,7 @@ def test_two_processes_train_as_one(tmp_path):
   for key, value in OVERRIDES.items():
     section, field = key.split(".")
     config[section][field] = value
-  model_cfg = trainer.model_config_for_stage(config)
+  model_cfg = model_config_for_stage(config)
   tokenizer = data_lib.load_tokenizer(config.data)
   shards = [data_lib.make_train_iterator(config.data, tokenizer, process_index=i, process_count=2) for i in range(2)]
   graphdef, state, optimizer, schedule = trainer.create_train_state(config, model_cfg)

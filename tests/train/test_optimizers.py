@@ -14,24 +14,13 @@ from configs import glm5_tiny
 from glm_jax.model import ModelConfig
 from glm_jax.model.params import abstract_model
 from glm_jax.train import optimizers as opt
+from glm_jax.train.optimizer_config import default_optimizer_config
+from glm_jax.train.param_plan import leaf_plan
+from glm_jax.tree_paths import path_names
+from tests.helpers import newton_schulz
 
-NS_COEFFS = (3.4445, -4.7750, 2.0315)
 # The 5-step quintic leaves singular values in about [0.68, 1.14], not at 1 (measured on Gaussian matrices).
 NS_SV_RANGE = (0.675, 1.14)
-
-
-@jax.jit
-def newton_schulz(g, steps=5):
-  """X <- a X + (b A + c A^2) X, A = X X^T, from X = G / ||G||_F; on the wide orientation."""
-  a, b, c = NS_COEFFS
-  x = g / (jnp.linalg.norm(g) + 1e-8)
-  tall = x.shape[0] > x.shape[1]
-  if tall:
-    x = x.T
-  for _ in range(steps):
-    gram = x @ x.T
-    x = a * x + (b * gram + c * gram @ gram) @ x
-  return x.T if tall else x
 
 
 def muon_update(g, lr, rms=0.2):
@@ -40,7 +29,7 @@ def muon_update(g, lr, rms=0.2):
 
 
 def cfg(**kw):
-  c = opt.default_optimizer_config()
+  c = default_optimizer_config()
   c.update(dict(warmup_steps=0, schedule="constant", lr=0.5, weight_decay=0.0))
   c.update(kw)
   return c
@@ -158,7 +147,7 @@ def test_adamw_leaves_get_optax_adamw_updates():
                  ("moe_layers", "self_attn", "indexer", "k_norm", "weight"),
                  ("moe_layers", "self_attn", "indexer", "k_norm", "bias")]
   decayed = {("lm_head",), ("moe_layers", "mlp", "router")}
-  mask = jax.tree_util.tree_map_with_path(lambda p, _: opt.path_names(p) in decayed, params)
+  mask = jax.tree_util.tree_map_with_path(lambda p, _: path_names(p) in decayed, params)
   ref = optax.adamw(opt.learning_rate_schedule(c), b1=c.b1, b2=c.b2, eps=c.eps, weight_decay=0.1, mask=mask)
   state, ref_state, p, ref_p = tx.init(params), ref.init(params), params, params
   update, ref_update = jax.jit(tx.update), jax.jit(ref.update)
@@ -168,7 +157,7 @@ def test_adamw_leaves_get_optax_adamw_updates():
     ru, ref_state = ref_update(grads, ref_state, ref_p)
     p, ref_p = optax.apply_updates(p, u), optax.apply_updates(ref_p, ru)
     flat, ref_flat = (
-        {opt.path_names(k): v for k, v in jax.tree_util.tree_leaves_with_path(t)} for t in (u, ru))
+        {path_names(k): v for k, v in jax.tree_util.tree_leaves_with_path(t)} for t in (u, ru))
     for name in adamw_names:
       np.testing.assert_array_equal(flat[name], ref_flat[name], err_msg=str((step, name)))
 
@@ -185,8 +174,8 @@ def test_frozen_leaves_stay_bitwise_and_keep_no_state():
   for i in range(3):
     p, state, u = step(p, state, tree_of(20 + i))
   for path, x in jax.tree_util.tree_leaves_with_path(p):
-    names = opt.path_names(path)
-    before = dict((opt.path_names(k), v) for k, v in jax.tree_util.tree_leaves_with_path(params))[names]
+    names = path_names(path)
+    before = dict((path_names(k), v) for k, v in jax.tree_util.tree_leaves_with_path(params))[names]
     if "indexer" in names:
       assert np.abs(np.asarray(x) - np.asarray(before)).max() > 1e-3, names
     else:
@@ -197,12 +186,12 @@ def test_frozen_leaves_stay_bitwise_and_keep_no_state():
   state_sizes = sum(x.size for x in jax.tree.leaves(state) if x.ndim > 0)
   assert state_sizes == L * D * 4 + 2 * 2 * (L * 4) + 3  # + Muon's ns_coeffs (3,)
   # a bool tree gives the same plan as the predicate
-  flags = jax.tree_util.tree_map_with_path(lambda p, _: "indexer" in opt.path_names(p), params)
-  assert opt.leaf_plan(c, params, trainable=flags) == opt.leaf_plan(c, params, trainable=lambda n: "indexer" in n)
+  flags = jax.tree_util.tree_map_with_path(lambda p, _: "indexer" in path_names(p), params)
+  assert leaf_plan(c, params, trainable=flags) == leaf_plan(c, params, trainable=lambda n: "indexer" in n)
 
 
 def _leaf(tree, names):
-  return dict((opt.path_names(k), v) for k, v in jax.tree_util.tree_leaves_with_path(tree))[names]
+  return dict((path_names(k), v) for k, v in jax.tree_util.tree_leaves_with_path(tree))[names]
 
 
 @pytest.mark.parametrize("kind,mid,quarter", [
@@ -241,12 +230,12 @@ def test_nnx_state_and_pure_dict_give_the_same_updates(default_update):
   u_state = first_update(cfg(), state_grads, state_params)
   assert jax.tree.structure(u_state) == jax.tree.structure(state_params)
   for path, x in jax.tree_util.tree_leaves_with_path(u_state):
-    np.testing.assert_array_equal(x, _leaf(u_dict, opt.path_names(path)))
+    np.testing.assert_array_equal(x, _leaf(u_dict, path_names(path)))
 
 
 def test_plan_of_the_tiny_model():
   mc = ModelConfig.from_dict(glm5_tiny.get_config().model)
-  plan = opt.leaf_plan(None, nnx.state(abstract_model(mc), nnx.Param))
+  plan = leaf_plan(None, nnx.state(abstract_model(mc), nnx.Param))
   labels = {}
   for names, p in plan.items():
     labels.setdefault(p.label, set()).add(names[-1] if isinstance(names[-1], str) else names)

@@ -22,6 +22,7 @@ from glm_jax.model import ModelConfig
 from glm_jax.model.transformer import GlmMoeDsa
 from glm_jax.train import losses, optimizers
 from glm_jax.train import step as step_lib
+from glm_jax.tree_paths import path_names
 
 B, T = 4, 16
 LR = 0.5
@@ -56,7 +57,7 @@ def build(cfg: ModelConfig, seed=0):
   rng = np.random.default_rng(seed)
 
   def fill(path, a):
-    names = [str(n) for n in optimizers.path_names(path)]
+    names = [str(n) for n in path_names(path)]
     z = rng.standard_normal(a.shape)
     if "e_score_correction_bias" in names:
       v = 0.01 * z
@@ -118,7 +119,7 @@ def global_norm(tree):
 
 
 def flat(tree):
-  return {optimizers.path_names(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(tree)}
+  return {path_names(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(tree)}
 
 
 def assert_bitwise_equal(a, b, name=""):
@@ -340,6 +341,7 @@ def test_warmup_trains_the_mtp_indexer(run_warmup):
 # ---- the sparse stage -----------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # compiles the sparse stage with gradients
 def test_sparse_stage_gradients():
   cfg = model_config(use_dsa=True, index_topk=INDEX_TOPK)
   graphdef, params, rest = build(cfg)

@@ -6,18 +6,18 @@ import signal
 import subprocess
 import sys
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental.compilation_cache import compilation_cache
 
 from configs import glm5_tiny
 from glm_jax import data as data_lib
 from glm_jax.train.checkpoint import Checkpointer
-from glm_jax.train.trainer import create_train_state, model_config_for_stage, train_and_evaluate
+from glm_jax.train.config import model_config_for_stage
+from glm_jax.train.trainer import create_train_state, train_and_evaluate
+from tests.helpers import ROOT, persistent_compilation_cache
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+pytestmark = pytest.mark.slow  # training runs end to end, several of them in subprocesses
 
 # A short run: 9 steps of 4 x 64 tokens, a checkpoint every 3 steps, every step logged.
 OVERRIDES = {"data.seq_len": 64, "data.batch_size": 4, "data.eval_batches": 2, "train.steps": 9,
@@ -25,51 +25,31 @@ OVERRIDES = {"data.seq_len": 64, "data.batch_size": 4, "data.eval_batches": 2, "
              "train.tensorboard": False, "optimizer.warmup_steps": 2, "optimizer.decay_steps": 7}
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-  return str(tmp_path_factory.mktemp("cache"))
-
-
 @pytest.fixture(scope="module", autouse=True)
 def shared_compilation_cache(tmp_path_factory):
-  """A persistent compilation cache shared by this module's runs, in this process and in the launch/train.py
-  subprocesses: they train the same model, so each program is compiled once and its executable reused as is.
-  Restored to this process's settings afterwards."""
-  path = str(tmp_path_factory.mktemp("jax_cache"))
-  options = {"jax_compilation_cache_dir": path, "jax_persistent_cache_min_compile_time_secs": 0.0}
-  saved = {name: getattr(jax.config, name) for name in (*options, "jax_persistent_cache_min_entry_size_bytes")}
-  with pytest.MonkeyPatch.context() as env:
-    env.setenv("JAX_COMPILATION_CACHE_DIR", path)
-    env.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-    compilation_cache.reset_cache()
-    for name, value in options.items():
-      jax.config.update(name, value)
-    try:
-      yield path
-    finally:
-      compilation_cache.reset_cache()
-      for name, value in saved.items():
-        jax.config.update(name, value)
+  """One persistent compilation cache for this module's runs, in this process and in the launch/train.py
+  subprocesses: they train the same model, so each program is compiled once and its executable reused as is."""
+  with persistent_compilation_cache(str(tmp_path_factory.mktemp("jax_cache"))) as path:
+    yield path
 
 
-def make_config(cache_dir, **changes):
+def make_config(data_cache_dir, **changes):
   config = glm5_tiny.get_config()
-  for key, value in {**OVERRIDES, "data.cache_dir": cache_dir, **changes}.items():
+  for key, value in {**OVERRIDES, "data.cache_dir": data_cache_dir, **changes}.items():
     section, field = key.split(".")
     config[section][field] = value
   return config
 
 
-def flag_args(cache_dir, **changes):
-  items = {**OVERRIDES, "data.cache_dir": cache_dir, **changes}
+def flag_args(data_cache_dir, **changes):
+  items = {**OVERRIDES, "data.cache_dir": data_cache_dir, **changes}
   return [f"--config.{k}={v}" for k, v in items.items()]
 
 
-def run_train(workdir, cache_dir, *, env=None, **changes):
+def run_train(workdir, data_cache_dir, **changes):
   cmd = [sys.executable, "launch/train.py", "--config=configs/glm5_tiny.py", f"--workdir={workdir}",
-         *flag_args(cache_dir, **changes)]
-  return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
-                        env={**os.environ, **(env or {})})
+         *flag_args(data_cache_dir, **changes)]
+  return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 
 def train_rows(workdir):
@@ -78,15 +58,15 @@ def train_rows(workdir):
 
 
 @pytest.fixture(scope="module")
-def straight_run(tmp_path_factory, cache_dir):
+def straight_run(tmp_path_factory, data_cache_dir):
   """9 uninterrupted steps through launch/train.py, as a user runs it."""
   workdir = str(tmp_path_factory.mktemp("straight"))
-  proc = run_train(workdir, cache_dir)
+  proc = run_train(workdir, data_cache_dir)
   assert proc.returncode == 0, proc.stderr[-3000:]
   return workdir, json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def test_train_py_end_to_end(straight_run, cache_dir):
+def test_train_py_end_to_end(straight_run, data_cache_dir):
   workdir, summary = straight_run
   rows = train_rows(workdir)
   assert [r["step"] for r in rows] == list(range(1, 10))
@@ -97,7 +77,7 @@ def test_train_py_end_to_end(straight_run, cache_dir):
   assert Checkpointer(workdir, save_every=3, keep=2).latest_step() == 9
   # The reported held-out loss equals a numpy cross-entropy of the checkpointed model on the held-out
   # batches: targets are the next token within the same (non-padding) document.
-  config = make_config(cache_dir)
+  config = make_config(data_cache_dir)
   model_cfg = model_config_for_stage(config)
   graphdef, state, _, _ = create_train_state(config, model_cfg)
   state = Checkpointer(workdir, save_every=3, keep=2).restore(9, state)
@@ -120,27 +100,46 @@ def test_train_py_end_to_end(straight_run, cache_dir):
   assert summary["unigram_entropy"] == pytest.approx(data_lib.unigram_entropy(config.data, tok))
 
 
-def test_resume_is_bitwise(straight_run, cache_dir, tmp_path):
+def test_resume_is_bitwise(straight_run, data_cache_dir, tmp_path):
   """Steps 1-4, stop, then resume to 9 in a new call: the logged losses equal the straight run's bit for bit."""
   workdir, _ = straight_run
-  train_and_evaluate(make_config(cache_dir, **{"train.steps": 4}), str(tmp_path))
-  train_and_evaluate(make_config(cache_dir), str(tmp_path))
+  train_and_evaluate(make_config(data_cache_dir, **{"train.steps": 4}), str(tmp_path))
+  train_and_evaluate(make_config(data_cache_dir), str(tmp_path))
   straight, resumed = train_rows(workdir), train_rows(str(tmp_path))
   assert [r["step"] for r in resumed] == list(range(1, 10))
   for a, b in zip(straight, resumed):
     assert (a["loss"], a["grad_norm"], a["lm_loss"]) == (b["loss"], b["grad_norm"], b["lm_loss"]), a["step"]
 
 
-def test_kill_during_async_save_resumes_from_last_complete_checkpoint(straight_run, cache_dir, tmp_path):
-  """launch/train.py SIGKILLed while the step-6 checkpoint is being written; the rerun (here in this process,
+# A training process that SIGKILLs itself from a step hook (train_and_evaluate's public `hooks`) right after the
+# asynchronous save of step argv[3] has started, while Orbax is still writing it.
+KILL_DURING_SAVE = """
+import json, os, signal, sys
+from configs import glm5_tiny
+from glm_jax.train.trainer import train_and_evaluate
+config = glm5_tiny.get_config()
+for key, value in json.loads(sys.argv[2]).items():
+  section, field = key.split(".")
+  config[section][field] = value
+def kill_at(step, state, metrics):
+  if step == int(sys.argv[3]):
+    os.kill(os.getpid(), signal.SIGKILL)
+train_and_evaluate(config, sys.argv[1], hooks=[kill_at])
+"""
+
+
+def test_kill_during_async_save_resumes_from_last_complete_checkpoint(straight_run, data_cache_dir, tmp_path):
+  """A training process SIGKILLed while the step-6 checkpoint is being written; the rerun (here in this process,
   the same train_and_evaluate) resumes from step 3 and logs the uninterrupted run's losses."""
   workdir = str(tmp_path)
-  proc = run_train(workdir, cache_dir, env={"GLM_JAX_TEST_KILL_DURING_SAVE": "6"})
+  overrides = json.dumps({**OVERRIDES, "data.cache_dir": data_cache_dir})
+  proc = subprocess.run([sys.executable, "-c", KILL_DURING_SAVE, workdir, overrides, "6"], cwd=ROOT,
+                        capture_output=True, text=True, timeout=600)
   assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
   ckpt_dir = os.path.join(workdir, "checkpoints")
   # Step 6 was being written when the process died: it is not a complete checkpoint.
   assert Checkpointer(workdir, save_every=3, keep=2).latest_step() == 3, os.listdir(ckpt_dir)
-  assert train_and_evaluate(make_config(cache_dir), workdir)["step"] == 9
+  assert train_and_evaluate(make_config(data_cache_dir), workdir)["step"] == 9
   rows = train_rows(workdir)
   # Steps 4-6 ran twice (before the kill and after the resume from step 3); both times identically, and
   # equal to the uninterrupted run.
@@ -156,16 +155,16 @@ def _snapshot(directory):
                 for d, _, files in os.walk(directory) for f in files)
 
 
-def test_incompatible_checkpoint_is_refused(straight_run, cache_dir):
+def test_incompatible_checkpoint_is_refused(straight_run, data_cache_dir):
   workdir, _ = straight_run
   before = _snapshot(os.path.join(workdir, "checkpoints"))
   with pytest.raises(ValueError, match=r"model\.hidden_size: checkpoint 64, config 96"):
-    train_and_evaluate(make_config(cache_dir, **{"model.hidden_size": 96, "train.steps": 12}), workdir)
+    train_and_evaluate(make_config(data_cache_dir, **{"model.hidden_size": 96, "train.steps": 12}), workdir)
   assert _snapshot(os.path.join(workdir, "checkpoints")) == before
 
 
-def test_unknown_flag_override_is_refused(tmp_path, cache_dir):
-  proc = run_train(str(tmp_path), cache_dir, **{"train.no_such_field": 1})
+def test_unknown_flag_override_is_refused(tmp_path, data_cache_dir):
+  proc = run_train(str(tmp_path), data_cache_dir, **{"train.no_such_field": 1})
   assert proc.returncode != 0
   assert "no_such_field" in proc.stderr
   assert not os.path.exists(tmp_path / "checkpoints")
@@ -178,17 +177,17 @@ def test_unknown_flag_override_is_refused(tmp_path, cache_dir):
     ({"train.dsa_stage": "sparse", "data.seq_len": 32}, r"data\.seq_len=32 <= model\.index_topk=32"),
     ({"train.dsa_stage": "sideways"}, r"train\.dsa_stage='sideways'"),
 ])
-def test_bad_input_stops_before_work(tmp_path, cache_dir, changes, message):
+def test_bad_input_stops_before_work(tmp_path, data_cache_dir, changes, message):
   with pytest.raises((ValueError, FileNotFoundError), match=message):
-    train_and_evaluate(make_config(cache_dir, **changes), str(tmp_path))
+    train_and_evaluate(make_config(data_cache_dir, **changes), str(tmp_path))
   assert not os.path.exists(tmp_path / "checkpoints") or not os.listdir(tmp_path / "checkpoints")
 
 
-def test_init_from_starts_the_warmup_stage_from_a_dense_run(straight_run, cache_dir, tmp_path):
+def test_init_from_starts_the_warmup_stage_from_a_dense_run(straight_run, data_cache_dir, tmp_path):
   """Dense -> warm-up, as GLM-5 trains DSA: the warm-up run starts from the dense run's weights and changes
   only the indexer, so its held-out loss (dense attention) is exactly the dense run's."""
   workdir, summary = straight_run
-  config = make_config(cache_dir, **{"train.dsa_stage": "warmup", "train.steps": 3, "train.init_from": workdir})
+  config = make_config(data_cache_dir, **{"train.dsa_stage": "warmup", "train.steps": 3, "train.init_from": workdir})
   warm = train_and_evaluate(config, str(tmp_path))
   assert warm["eval_loss"] == summary["eval_loss"]
   model_cfg = model_config_for_stage(config)
@@ -202,10 +201,10 @@ def test_init_from_starts_the_warmup_stage_from_a_dense_run(straight_run, cache_
   assert any(c for p, c in changed.items() if "indexer" in p)
 
 
-def test_init_from_an_incompatible_run_is_refused(straight_run, cache_dir, tmp_path):
+def test_init_from_an_incompatible_run_is_refused(straight_run, data_cache_dir, tmp_path):
   workdir, _ = straight_run
-  config = make_config(cache_dir, **{"train.init_from": workdir, "model.hidden_size": 96})
+  config = make_config(data_cache_dir, **{"train.init_from": workdir, "model.hidden_size": 96})
   with pytest.raises(ValueError, match=r"model\.hidden_size: checkpoint 64, config 96"):
     train_and_evaluate(config, str(tmp_path))
   with pytest.raises(FileNotFoundError, match="no checkpoints directory"):
-    train_and_evaluate(make_config(cache_dir, **{"train.init_from": str(tmp_path / "nothing")}), str(tmp_path))
+    train_and_evaluate(make_config(data_cache_dir, **{"train.init_from": str(tmp_path / "nothing")}), str(tmp_path))

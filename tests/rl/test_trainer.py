@@ -18,8 +18,12 @@ from glm_jax.model import GlmMoeDsa, ModelConfig
 from glm_jax.rl import rewards as rewards_lib
 from glm_jax.rl import tasks as tasks_lib
 from glm_jax.rl import trainer as rl_trainer
+from glm_jax.rl import warm_start
+from glm_jax.rl.rollout import make_sampler
 from glm_jax.train.checkpoint import Checkpointer
 from glm_jax.train.step import split_model
+
+pytestmark = pytest.mark.slow  # the GRPO and distillation loops end to end
 
 ALL_SUMS = [tasks_lib.AdditionTask(digits=1)._problem(f"{a}+{b}=", str(a + b)) for a in range(10) for b in range(10)]
 
@@ -53,9 +57,9 @@ def answer_logprobs(cfg, params, rest, tokens):
 def policy_weights(workdir, config, which):
   """(params, rest) of the warm start ("init") or the latest RL checkpoint ("final")."""
   cfg = ModelConfig.from_dict(config.model)
-  _, state, _, _ = rl_trainer._policy(cfg, config.optimizer, 0, True)
+  _, state, _, _ = warm_start.make_policy(cfg, config.optimizer, 0, True)
   if which == "init":
-    return rl_trainer.reference_policy(workdir, state)
+    return warm_start.reference_policy(workdir, state)
   ckpt = Checkpointer(workdir, read_only=True)
   state = ckpt.restore(ckpt.latest_step(), state)
   ckpt.close()
@@ -133,12 +137,12 @@ def test_distillation_lowers_kl_to_teachers(tmp_path):
   tasks = [(tasks_lib.make_task(config.teachers[n].task, **config.teachers[n].task_kwargs.to_dict()), 1.0)
            for n in names]
   problems = tasks_lib.mixed_prompts(tasks, np.random.default_rng(3), 512)
-  graphdef, state, _, _ = rl_trainer._policy(cfg, config.optimizer, 0, False)
+  graphdef, state, _, _ = warm_start.make_policy(cfg, config.optimizer, 0, False)
   teachers = []
   for n in names:
     ckpt = Checkpointer(os.path.join(tmp_path, "teachers", n), read_only=True)
     teachers.append(ckpt.restore_weights(ckpt.latest_step(), state.params, state.rest))
-  sampler = rl_trainer._sampler(graphdef, cfg, config.rl, tasks, tasks_lib.CharVocab())
+  sampler = make_sampler(graphdef, cfg, config.rl, tasks, tasks_lib.CharVocab())
   kls = {}
   for which in ("init", "final"):
     student = policy_weights(str(tmp_path), config, which)

@@ -15,7 +15,7 @@ from flax import nnx
 import configs.grpo_tiny
 from glm_jax.model import GlmMoeDsa, ModelConfig
 from glm_jax.rl import step as rl_step
-from glm_jax.rl import trainer as rl_trainer
+from glm_jax.rl import config as rl_config, warm_start
 from glm_jax.train.step import TrainState
 
 N, S = 4, 8
@@ -81,6 +81,7 @@ def reference_grad(setup, token_objective):
   return jax.jit(jax.grad(loss))(params)
 
 
+@pytest.mark.slow  # compiles a GRPO step and its reference gradient
 def test_grpo_step_is_icepop_weighted_reinforce(setup):
   """On-policy (old = current), r = 1 so the clip is inactive and d[w r A]/dtheta = w A dlogp/dtheta; IcePop's
   w = rho = exp(old - rollout) inside [1/2, 2], 0 outside."""
@@ -147,12 +148,13 @@ def test_non_finite_loss_skips_the_update(setup):
     np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow  # compiles a second GRPO step
 def test_frozen_indexer_stays_fixed():
   """rl.freeze_indexer (GLM-5's RL): the optimizer leaves every indexer parameter as it was."""
   cfg = tiny_cfg()
   opt_cfg = configs.grpo_tiny.get_config().optimizer
   opt_cfg.lr = opt_cfg.lr_init = 1e-2
-  graphdef, state, optimizer, schedule = rl_trainer._policy(cfg, opt_cfg, 0, freeze_indexer=True)
+  graphdef, state, optimizer, schedule = warm_start.make_policy(cfg, opt_cfg, 0, freeze_indexer=True)
   tokens = jnp.asarray(np.random.default_rng(0).integers(2, 20, (2, S)), jnp.int32)
   mask = jnp.zeros((2, S), bool).at[:, 3:].set(True)
   logp0 = rl_step.token_logprobs(nnx.merge(graphdef, state.params, state.rest), tokens)
@@ -179,4 +181,4 @@ def test_rl_config_errors():
     bad = ml_collections.ConfigDict(config.to_dict())
     bad.rl[field] = value
     with pytest.raises(ValueError, match=message):
-      rl_trainer.validate_rl_config(bad)
+      rl_config.validate_rl_config(bad)

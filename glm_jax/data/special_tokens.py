@@ -1,0 +1,17 @@
+"""The special tokens every tokenizer of ours has, reserved from the start for GLM's objectives.
+
+  <|pad|> (id 0 in the trained BPE), <|endoftext|> (eos, ends every document), [MASK], [gMASK], <sop>, <eop>
+ROLES maps each role to the token added when a given tokenizer.json lacks it and the names accepted for it
+there (glm_jax/data/tokenizer.py); the data config's checks read SPECIAL_TOKENS too.
+"""
+
+PAD, EOS, MASK, GMASK, SOP, EOP = "<|pad|>", "<|endoftext|>", "[MASK]", "[gMASK]", "<sop>", "<eop>"
+SPECIAL_TOKENS = (PAD, EOS, MASK, GMASK, SOP, EOP)  # ids 0..5 of the trained BPE, in this order.
+ROLES = {  # role -> (the token added when missing, the names accepted for it in a given tokenizer.json)
+    "pad": (PAD, (PAD, "<pad>", "[PAD]")),
+    "eos": (EOS, (EOS, "</s>", "<eos>", "<|end_of_text|>")),
+    "mask": (MASK, (MASK,)),
+    "gmask": (GMASK, (GMASK,)),
+    "sop": (SOP, (SOP, "[sop]")),
+    "eop": (EOP, (EOP, "[eop]")),
+}

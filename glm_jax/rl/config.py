@@ -1,0 +1,120 @@
+"""The post-training config's checks and the task mix it names; everything here runs before any work starts.
+
+A post-training config (configs/grpo_tiny.py, configs/distill_tiny.py) has the sections
+  model      the policy's architecture (glm_jax/model)
+  optimizer  the RL optimizer (glm_jax/train/optimizers.py)
+  rl         the loop: steps, sampling, the objective and its clipping, IcePop, async rollouts, logging
+  sft        the warm start's supervised fine-tuning: steps, batch_size, seq_len, its own optimizer, and
+             train_step, the pretraining step's settings (glm_jax/train/step.py) it runs with
+  tasks      (trainer "grpo") {task name: {weight, the task's arguments}}
+  teachers   (trainer "distill") {name: {task, task_kwargs, weight, init_from, sft_steps, seed, model}}
+`validate_rl_config` checks them, naming the field, its value and what is valid; `task_mix` is the run's
+[(task, weight)].
+"""
+
+from __future__ import annotations
+
+import ml_collections
+import numpy as np
+
+from glm_jax.rl import losses, step as rl_step, tasks as tasks_lib
+from glm_jax.train.config import invalid, require_sections, validate_step_config
+
+TRAINERS = ("pretrain", "grpo", "distill")  # config.trainer's values; launch/train.py dispatches on it
+_RL_POSITIVE_INTS = ("steps", "prompts_per_step", "group_size", "max_new_tokens", "log_every", "eval_every",
+                     "eval_prompts", "checkpoint_every", "keep_checkpoints", "max_pending")
+
+
+def validate_rl_config(config: ml_collections.ConfigDict) -> None:
+  """Checks config.trainer, that the sections it needs are there, and config.rl, config.sft.train_step and the
+  tasks / teachers sections the trainer reads."""
+  if config.trainer not in ("grpo", "distill"):
+    invalid("trainer", config.trainer, "rl.trainer.run takes 'grpo' or 'distill'")
+  require_sections(config, ("model", "rl", "sft", "optimizer", "tasks" if config.trainer == "grpo" else "teachers"),
+                   f"trainer {config.trainer!r}", "configs/grpo_tiny.py and configs/distill_tiny.py")
+  rl = config.rl
+  _validate_rl_section(rl)
+  if config.trainer == "grpo":
+    if rl.group_size < 2:
+      invalid("rl.group_size", rl.group_size, "GRPO needs >= 2 answers a prompt (advantages are group-normalized)")
+    _task_weights(config.tasks, "tasks")
+  if config.trainer == "distill":
+    _validate_distill(config)
+  _validate_sft_train_step(config.sft)
+
+
+def _validate_rl_section(rl: ml_collections.ConfigDict) -> None:
+  for field in _RL_POSITIVE_INTS:
+    if not isinstance(rl[field], int) or rl[field] <= 0:
+      invalid(f"rl.{field}", rl[field], "must be a positive integer")
+  if not isinstance(rl.tau, int) or rl.tau < 0:
+    invalid("rl.tau", rl.tau, "must be an integer >= 0 (versions a rollout may lag the trainer)")
+  if not rl.temperature > 0:
+    invalid("rl.temperature", rl.temperature, "must be > 0 (RL samples; the log-probs are of logits / temperature)")
+  if not 0 < rl.top_p <= 1:
+    invalid("rl.top_p", rl.top_p, "must be in (0, 1]")
+  if rl.objective not in rl_step.OBJECTIVES:
+    invalid("rl.objective", rl.objective, f"one of {rl_step.OBJECTIVES}")
+  if rl.objective == "async" and not rl.async_rollouts:
+    invalid("rl.objective", rl.objective, "'async' (Eq. 3-5) needs rl.async_rollouts=True")
+  if rl.is_correction not in losses.IS_CORRECTIONS:
+    invalid("rl.is_correction", rl.is_correction, f"one of {losses.IS_CORRECTIONS}")
+  if not 0 <= rl.eps_low < 1:
+    invalid("rl.eps_low", rl.eps_low, "must be in [0, 1)")
+  if not rl.eps_high >= 0:
+    invalid("rl.eps_high", rl.eps_high, "must be >= 0")
+  if not rl.icepop_beta > 1:
+    invalid("rl.icepop_beta", rl.icepop_beta, "must be > 1 (tokens are kept where 1/beta <= rho <= beta)")
+  for field in ("kl_coef", "grad_clip_norm"):
+    if not rl[field] >= 0:
+      invalid(f"rl.{field}", rl[field], "must be >= 0")
+  if rl.rollout_dtype not in ("", "float32", "bfloat16"):
+    invalid("rl.rollout_dtype", rl.rollout_dtype, "'' (the model's dtype), 'float32' or 'bfloat16'")
+
+
+def _validate_distill(config: ml_collections.ConfigDict) -> None:
+  rl = config.rl
+  if rl.group_size != 1:
+    invalid("rl.group_size", rl.group_size, "on-policy distillation samples one answer a prompt: use 1")
+  if rl.async_rollouts:
+    invalid("rl.async_rollouts", rl.async_rollouts, "the distillation loop is synchronous")
+  if not len(config.teachers):
+    invalid("teachers", config.teachers.to_dict(), "give at least one teacher")
+  for name, t in config.teachers.items():
+    tasks_lib.make_task(t.task, **t.task_kwargs.to_dict())
+    if not t.weight >= 0:
+      invalid(f"teachers.{name}.weight", t.weight, "must be >= 0")
+    vocab = t.model.get("vocab_size", config.model.vocab_size)
+    if vocab != config.model.vocab_size:
+      raise ValueError(f"teachers.{name}: vocab_size {vocab} differs from the student's model.vocab_size "
+                       f"{config.model.vocab_size}; teachers must share the student's vocabulary")
+
+
+def _validate_sft_train_step(sft: ml_collections.ConfigDict) -> None:
+  """sft.train_step: the pretraining step's fields, checked as for pretraining, and the microbatches split the
+  fine-tuning batch."""
+  validate_step_config(sft.train_step, "sft.train_step")
+  if sft.batch_size % sft.train_step.microbatches:
+    invalid("sft.train_step.microbatches", sft.train_step.microbatches, f"must divide sft.batch_size={sft.batch_size}")
+
+
+def _task_weights(section: ml_collections.ConfigDict, where: str) -> list[tuple[tasks_lib.Task, float]]:
+  """[(task, weight)] from a {name: {weight, kwargs...}} section."""
+  out = []
+  for name, spec in section.items():
+    kwargs = {k: v for k, v in spec.items() if k != "weight"}
+    try:
+      task = tasks_lib.make_task(name, **kwargs)
+    except (TypeError, ValueError) as e:
+      raise ValueError(f"{where}.{name}: {e}") from e
+    out.append((task, spec.weight))
+  tasks_lib.mixed_prompts(out, np.random.default_rng(0), 1)  # validates the weights
+  return out
+
+
+def task_mix(config: ml_collections.ConfigDict) -> list[tuple[tasks_lib.Task, float]]:
+  """The run's [(task, weight)]: config.tasks for GRPO; for distillation, each teacher's task, in the teachers'
+  order (the distillation loop finds a row's teacher by its task)."""
+  if config.trainer == "grpo":
+    return _task_weights(config.tasks, "tasks")
+  return [(tasks_lib.make_task(t.task, **t.task_kwargs.to_dict()), t.weight) for t in config.teachers.values()]

@@ -1,0 +1,55 @@
+"""What one post-training run shares, in two stages: `RunSetup`, fixed before the policy is warm-started (what the
+warm start and the teachers read), and `RunContext`, the setup plus what the loops sample, score and log with.
+The loops take a RunContext beside the TrainState and the step they start from.
+
+Two stages because `run` builds the samplers, the reward function and the metrics writer after the warm start
+(a run that fails while warm-starting leaves no metrics file in its workdir).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import ml_collections
+import optax
+
+from glm_jax.inference.sampler import Sampler
+from glm_jax.model import ModelConfig
+from glm_jax.rl.rewards import RewardFn
+from glm_jax.rl.tasks import CharVocab, Problem, Task
+from glm_jax.train.checkpoint import Checkpointer
+from glm_jax.train.metrics import MetricsWriter
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunSetup:
+  """The run's config and workdir, its policy's model and optimizer, its task mix and its checkpoints."""
+  config: ml_collections.ConfigDict
+  workdir: str
+  model_cfg: ModelConfig  # the policy's architecture
+  vocab: CharVocab
+  tasks_and_weights: list[tuple[Task, float]]  # the prompts' mix (glm_jax/rl/config.py's task_mix)
+  graphdef: Any  # the policy's
+  optimizer: optax.GradientTransformation  # the RL optimizer (the fine-tuning has its own, config.sft.optimizer)
+  schedule: Callable[[Any], Any]  # its learning rate by step
+  checkpointer: Checkpointer  # <workdir>'s checkpoints
+  # The compiled fine-tuning steps (glm_jax/rl/warm_start.py's sft_step), owned by the run: the student and the
+  # teachers of one architecture share one compilation.
+  sft_steps: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunContext(RunSetup):
+  """The setup plus the samplers, the reward, the held-out problems and the metrics writer."""
+  reward_fn: RewardFn
+  sampler: Sampler  # the rollouts' (rl.temperature, rl.top_p, rl.rollout_dtype)
+  greedy: Sampler  # eval_accuracy's
+  eval_problems: list[Problem]  # answered greedily for eval_accuracy
+  writer: MetricsWriter
+
+  @classmethod
+  def after_warm_start(cls, setup: RunSetup, **loop_fields) -> RunContext:
+    """The context of `setup` with the fields the loops add (not copies: the same checkpointer and caches)."""
+    return cls(**{f.name: getattr(setup, f.name) for f in dataclasses.fields(setup)}, **loop_fields)

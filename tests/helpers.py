@@ -1,0 +1,67 @@
+"""Helpers the tests share (fixtures live in conftest.py files): the repository root, modules with random
+parameters built without per-shape XLA compiles, a plain-jnp Newton-Schulz, a persistent compilation cache."""
+
+import contextlib
+import os
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.experimental.compilation_cache import compilation_cache
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository, where launch/ scripts run
+NS_COEFFS = (3.4445, -4.7750, 2.0315)  # Muon's quintic (Keller Jordan / Moonlight / optax)
+
+
+def init_module(ctor, seed, scale=0.3):
+  """Builds a module abstractly and fills it from numpy (no per-shape XLA compiles): weights N(0, scale^2),
+  norm scales and biases 1 + N(0, 0.2^2), so that every parameter matters to the outputs."""
+  graphdef, state = nnx.split(nnx.eval_shape(ctor))
+  rng = np.random.default_rng(seed)
+
+  def fill(path, a):
+    is_norm = any("norm" in str(getattr(p, "key", "")) for p in path)
+    z = rng.standard_normal(a.shape)
+    return jnp.asarray(1 + 0.2 * z if is_norm else scale * z, a.dtype)
+
+  return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(fill, state))
+
+
+@jax.jit
+def newton_schulz(g, steps=5):
+  """Muon's orthogonalization of one matrix written out: X <- a X + (b A + c A^2) X, A = X X^T, from
+  X = G / (||G||_F + 1e-8), on the wide orientation."""
+  a, b, c = NS_COEFFS
+  x = g / (jnp.linalg.norm(g) + 1e-8)
+  tall = x.shape[0] > x.shape[1]
+  if tall:
+    x = x.T
+  for _ in range(steps):
+    gram = x @ x.T
+    x = a * x + (b * gram + c * gram @ gram) @ x
+  return x.T if tall else x
+
+
+@contextlib.contextmanager
+def persistent_compilation_cache(path: str):
+  """jax's persistent compilation cache in `path` for everything compiled inside, in this process and in the
+  subprocesses it starts (through the environment), every program cached however fast it compiled; this
+  process's settings are restored afterwards. For tests that compile the same programs in several processes."""
+  options = {"jax_compilation_cache_dir": path, "jax_persistent_cache_min_compile_time_secs": 0.0}
+  saved = {name: getattr(jax.config, name) for name in (*options, "jax_persistent_cache_min_entry_size_bytes")}
+  env_saved = {k: os.environ.get(k) for k in ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS")}
+  os.environ.update(JAX_COMPILATION_CACHE_DIR=path, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+  compilation_cache.reset_cache()
+  for name, value in options.items():
+    jax.config.update(name, value)
+  try:
+    yield path
+  finally:
+    compilation_cache.reset_cache()
+    for name, value in saved.items():
+      jax.config.update(name, value)
+    for key, value in env_saved.items():
+      if value is None:
+        os.environ.pop(key, None)
+      else:
+        os.environ[key] = value

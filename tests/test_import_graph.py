@@ -1,0 +1,178 @@
+"""The import graph points down (docs/design.md, "The import graph, as built"): every module's imports, lazy ones
+included, read with `ast`; no cycle, and no edge up or sideways between packages. A failure names both files."""
+
+import ast
+import os
+
+import pytest
+
+from tests.helpers import ROOT
+
+SCANNED = ("pallas_kernels", "glm_jax", "configs", "launch", "experiments")
+
+# Group (the longest matching module prefix) -> rank. An import must stay inside its group or go to a lower rank.
+RANKS = {
+    "pallas_kernels": 0,
+    "glm_jax": 1, "glm_jax.tree_paths": 1, "glm_jax.mesh_axes": 1,  # the package's leaf modules, each by name
+    "glm_jax.model": 2, "glm_jax.data": 2, "glm_jax.sharding": 2,
+    "glm_jax.convert": 3, "glm_jax.inference": 3, "glm_jax.train": 3,
+    "glm_jax.rl": 4,
+    "launch": 5, "experiments": 5,
+}
+EXACT = {"glm_jax"}  # groups of one module: a new glm_jax subpackage or leaf module must be ranked here
+CONFIGS = "configs"  # experiment files: only entry points import them, and they import each other and these:
+CONFIG_IMPORTS = {"glm_jax.data.config", "glm_jax.sharding.mesh", "glm_jax.train.config",
+                  "glm_jax.train.optimizer_config"}  # the library's default sections (configs/common.py)
+
+
+def module_files(root: str = ROOT) -> dict[str, str]:
+  """{dotted module name: path relative to root} for every .py file of the scanned folders."""
+  out = {}
+  for top in SCANNED:
+    for folder, dirs, files in os.walk(os.path.join(root, top)):
+      dirs[:] = sorted(d for d in dirs if not d.startswith((".", "__")))
+      for name in sorted(f for f in files if f.endswith(".py")):
+        rel = os.path.relpath(os.path.join(folder, name), root)
+        parts = rel[:-3].split(os.sep)
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = rel
+  return out
+
+
+def imports_of(module: str, source: str, known: set[str], is_package: bool = False) -> set[str]:
+  """The known modules `module` (a package's __init__ when is_package) imports anywhere in `source`, function
+  bodies too. `from pkg import name` is an edge to pkg.name when that is a module, else to pkg."""
+  found = set()
+  tree = ast.parse(source)
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      targets = [a.name for a in node.names]
+    elif isinstance(node, ast.ImportFrom):
+      base = node.module or ""
+      if node.level:  # relative: resolved against this module's package
+        package = module.split(".")[:len(module.split(".")) - node.level + (1 if is_package else 0)]
+        base = ".".join(package + ([base] if base else []))
+      targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+    else:
+      continue
+    for target in targets:
+      while target and target not in known:  # `import glm_jax.model.mla as m` -> the module itself
+        target = target.rpartition(".")[0]
+      if target and target != module:
+        found.add(target)
+  return found
+
+
+def group_of(module: str) -> str:
+  if module == CONFIGS or module.startswith(CONFIGS + "."):
+    return CONFIGS
+  matches = [g for g in RANKS if module == g or (g not in EXACT and module.startswith(g + "."))]
+  if not matches:
+    raise ValueError(f"module {module} belongs to no group of RANKS; add its package there")
+  return max(matches, key=len)
+
+
+def layering_violations(edges: dict[str, set[str]], files: dict[str, str]) -> list[str]:
+  out = []
+  for src in sorted(edges):
+    for dst in sorted(edges[src]):
+      gs, gd = group_of(src), group_of(dst)
+      if gs == gd:
+        continue
+      if gs == CONFIGS:
+        why = None if dst in CONFIG_IMPORTS else "configs import only configs and the library's default sections"
+      elif gd == CONFIGS:
+        why = None if RANKS[gs] == max(RANKS.values()) else "only entry points (launch, experiments) import configs"
+      elif RANKS[gd] < RANKS[gs]:
+        why = None
+      else:
+        way = "sideways" if RANKS[gd] == RANKS[gs] else "upward"
+        why = f"{way}: {gs} (rank {RANKS[gs]}) may not import {gd} (rank {RANKS[gd]})"
+      if why:
+        out.append(f"{files[src]} imports {files[dst]}: {why}")
+  return out
+
+
+def cycles(edges: dict[str, set[str]], files: dict[str, str]) -> list[str]:
+  """One line per cycle found by a depth-first search: a -> b -> ... -> a, as file paths."""
+  found, state, stack = [], {}, []
+
+  def visit(node):
+    state[node] = "open"
+    stack.append(node)
+    for nxt in sorted(edges.get(node, ())):
+      if state.get(nxt) == "open":
+        loop = stack[stack.index(nxt):] + [nxt]
+        found.append(" -> ".join(files[m] for m in loop))
+      elif nxt not in state:
+        visit(nxt)
+    stack.pop()
+    state[node] = "done"
+
+  for node in sorted(edges):
+    if node not in state:
+      visit(node)
+  return found
+
+
+def import_graph(root: str = ROOT) -> tuple[dict[str, set[str]], dict[str, str]]:
+  files = module_files(root)
+  known = set(files)
+  edges = {}
+  for module, rel in files.items():
+    with open(os.path.join(root, rel), encoding="utf-8") as f:
+      edges[module] = imports_of(module, f.read(), known, is_package=rel.endswith("__init__.py"))
+  return edges, files
+
+
+def test_the_package_imports_only_downward_without_cycles():
+  edges, files = import_graph()
+  assert len(files) > 50 and sum(map(len, edges.values())) > 100  # the scan found the code
+  problems = layering_violations(edges, files) + [f"cycle: {c}" for c in cycles(edges, files)]
+  assert not problems, "\n".join(problems)
+
+
+def test_the_checker_finds_cycles_upward_and_sideways_edges(tmp_path):
+  """The rules on a small tree written here, with one of each fault, so the test above cannot pass vacuously."""
+  sources = {
+      "pallas_kernels/__init__.py": "",
+      "pallas_kernels/k.py": "",
+      "glm_jax/__init__.py": "",
+      "glm_jax/tree_paths.py": "import pallas_kernels.k\n",
+      "glm_jax/model/__init__.py": "",
+      "glm_jax/model/a.py": "from glm_jax.model import b\n",
+      "glm_jax/model/b.py": "def f():\n  from glm_jax.model.a import x  # lazy, still an edge\n",
+      "glm_jax/data/__init__.py": "from glm_jax.model import a\n",  # sideways
+      "glm_jax/train/__init__.py": "from glm_jax import tree_paths\nfrom glm_jax.rl import loop\n",  # upward
+      "glm_jax/rl/__init__.py": "",
+      "glm_jax/rl/loop.py": "from glm_jax.train import x\nimport configs.c\n",  # configs from a library module
+      "configs/__init__.py": "",
+      "configs/c.py": "from configs import d\nfrom glm_jax.train.config import default_train_config\n",
+      "configs/d.py": "from glm_jax.model import a\n",  # a config reaching into the model
+      "glm_jax/train/config.py": "",
+      "launch/__init__.py": "",
+      "launch/run.py": "from configs import c\nfrom glm_jax.rl import loop\n",
+  }
+  for rel, text in sources.items():
+    path = tmp_path / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+  edges, files = import_graph(str(tmp_path))
+  assert edges["glm_jax.model.b"] == {"glm_jax.model.a"} and edges["glm_jax.tree_paths"] == {"pallas_kernels.k"}
+  assert layering_violations(edges, files) == [
+      "configs/d.py imports glm_jax/model/a.py: configs import only configs and the library's default sections",
+      "glm_jax/data/__init__.py imports glm_jax/model/a.py: sideways: glm_jax.data (rank 2) may not import "
+      "glm_jax.model (rank 2)",
+      "glm_jax/rl/loop.py imports configs/c.py: only entry points (launch, experiments) import configs",
+      "glm_jax/train/__init__.py imports glm_jax/rl/loop.py: upward: glm_jax.train (rank 3) may not import "
+      "glm_jax.rl (rank 4)",
+  ]
+  assert cycles(edges, files) == [
+      "glm_jax/model/a.py -> glm_jax/model/b.py -> glm_jax/model/a.py",
+      "glm_jax/rl/loop.py -> glm_jax/train/__init__.py -> glm_jax/rl/loop.py",
+  ]
+
+
+def test_an_unranked_package_is_an_error():
+  for module in ("glm_jax_extra.x", "glm_jax.new_leaf", "glm_jax.newpkg.module"):
+    with pytest.raises(ValueError, match=f"{module} belongs to no group"):
+      group_of(module)
