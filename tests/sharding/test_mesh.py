@@ -214,13 +214,13 @@ def test_muon_orthogonalizes_whole_matrices_on_any_mesh(mesh_cfg, axes, shape):
   dims = Dims(-3, -1) if "heads" in axes else Dims(-2, -1)
   x = jax.random.normal(jax.random.key(0), shape, jnp.float32)
   coeffs = jnp.asarray(NS_COEFFS)
-  want = np.zeros(shape, np.float32)  # each matrix on its own: [in, out] = x[l] or, per head, x[l, :, h, :]
-  for l in range(shape[0]):
-    if "heads" in axes:
-      for h in range(shape[2]):
-        want[l, :, h, :] = newton_schulz(x[l, :, h, :])
-    else:
-      want[l] = newton_schulz(x[l])
+  want = np.zeros(shape, np.float32)  # each matrix on its own: the last two axes or, per head, x[l, :, h, :]
+  if "heads" in axes:
+    for l, h in np.ndindex(shape[0], shape[2]):
+      want[l, :, h, :] = newton_schulz(x[l, :, h, :])
+  else:
+    for lead in np.ndindex(shape[:-2]):
+      want[lead] = newton_schulz(x[lead])
   mesh = make_mesh(mesh_cfg, jax.devices()[:8])
   spec = logical_to_spec(axes)
   with jax.set_mesh(mesh):
