@@ -5,7 +5,7 @@
                Compiled on TPU; on a CPU in Pallas interpret mode (slow, exact: how the tests run them); on any
                other backend (a GPU: no compiled variant yet) the reference runs instead. The choice is logged
                once per process. The backend is jax's default, or the one set by `target_platform` (ahead-of-time
-               compilation for TPU devices from a CPU host, glm_jax/train/aot.py).
+               compilation for TPU devices from a CPU host, glm_jax/train/aot.py; glm_jax/model/platform.py).
 
 Under a mesh (jax.set_mesh) the kernels run inside a shard_map: each device takes its slice of the batch (the
 mesh's data / fsdp / expert axes) and, for the attention, of the heads (tensor; kv is shared by all heads, so its
@@ -21,7 +21,6 @@ with the reference formula on the selected keys only.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 
@@ -31,22 +30,11 @@ from absl import logging
 from jax.sharding import PartitionSpec as P
 
 from glm_jax.mesh_axes import BATCH_AXES, TENSOR
+from glm_jax.model.platform import current_platform
 from pallas_kernels import lightning_indexer, lightning_indexer_reference, sparse_mla_attention
 from pallas_kernels import sparse_mla_attention_reference
 
 _logged: set[str] = set()
-_target_platform: list[str] = []
-
-
-@contextlib.contextmanager
-def target_platform(platform: str):
-  """Trace for `platform` ("tpu", "cpu", ...) instead of jax's default backend, e.g. while lowering a program for
-  compile-only TPU devices on a CPU host."""
-  _target_platform.append(platform)
-  try:
-    yield
-  finally:
-    _target_platform.pop()
 
 
 def kernel_mode(impl: str) -> str:
@@ -55,7 +43,7 @@ def kernel_mode(impl: str) -> str:
     return "reference"
   if impl != "pallas":
     raise ValueError(f"attention_impl={impl!r}; one of 'reference', 'pallas'")
-  backend = _target_platform[-1] if _target_platform else jax.default_backend()
+  backend = current_platform()
   mode = {"tpu": "compiled", "cpu": "interpret"}.get(backend, "reference")
   if backend not in _logged:
     _logged.add(backend)

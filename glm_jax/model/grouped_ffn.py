@@ -2,8 +2,8 @@
 
   y[n] = sum_k w[n, k] SwiGLU_{idx[n, k]}(x[n]),   SwiGLU_e(x) = (silu(x W_gate_e) * (x W_up_e)) W_down_e
 The N*K pairs are sorted by expert (a stable argsort, so the order within an expert is the token order) and
-each projection is one `jax.lax.ragged_dot` over the per-expert groups: no capacity, no dropped tokens, no
-one-hot over experts. moe.py routes; moe_parallel.py runs the same computation with the experts split over a
+each projection is one grouped matmul over the per-expert groups (grouped_matmul.py: ragged_dot's contract, only
+the real rows' work on every backend): no capacity, no dropped tokens, no one-hot over experts. moe.py routes; moe_parallel.py runs the same computation with the experts split over a
 mesh axis and calls `expert_swiglu` on the rows each device receives.
 """
 
@@ -12,15 +12,17 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from glm_jax.model.grouped_matmul import grouped_matmul
+
 
 def expert_swiglu(xs: jax.Array, group_sizes: jax.Array, gate_EDI: jax.Array, up_EDI: jax.Array,
                   down_EID: jax.Array, dtype: jnp.dtype, out_dtype: jnp.dtype = jnp.float32) -> jax.Array:
   """Row m through the SwiGLU expert of its group (rows sorted by expert; rows past the last group give 0), one
-  ragged_dot per projection, matmuls in `dtype` accumulated in fp32; the result in out_dtype (fp32 by default;
+  grouped matmul per projection, matmuls in `dtype` accumulated in fp32; the result in out_dtype (fp32 by default;
   `dtype` when the rows travel on in `dtype` anyway, which also keeps their gradient in `dtype`)."""
 
   def gmm(a, w, out=jnp.float32):
-    return jax.lax.ragged_dot(a, w.astype(dtype), group_sizes, preferred_element_type=out)
+    return grouped_matmul(a, w.astype(dtype), group_sizes, preferred_element_type=out)
 
   h = (jax.nn.silu(gmm(xs, gate_EDI)) * gmm(xs, up_EDI)).astype(dtype)
   return gmm(h, down_EID, out_dtype)

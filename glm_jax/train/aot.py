@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from glm_jax.model import dsa, param_counts
+from glm_jax.model import param_counts
+from glm_jax.model.platform import target_platform
 from glm_jax.sharding.mesh import MESH_AXES, batch_sharding, make_mesh
 from glm_jax.sharding.state import abstract_sharded
 from glm_jax.sharding.topology import compiled_flops
@@ -77,7 +78,7 @@ def compile_train_step(config: ml_collections.ConfigDict, devices: Sequence[Any]
   batch = {k: jax.ShapeDtypeStruct((b, t), jnp.int32, sharding=data_sharding)
            for k in ("input_ids", "segment_ids", "positions")}
   t0 = time.perf_counter()
-  with jax.set_mesh(mesh), dsa.target_platform(devices[0].platform):  # the DSA kernels compiled, not interpreted
+  with jax.set_mesh(mesh), target_platform(devices[0].platform):  # the DSA kernels compiled, not interpreted
     lowered = train_step.lower(abstract_state, batch)
   lower_seconds = time.perf_counter() - t0
   t0 = time.perf_counter()

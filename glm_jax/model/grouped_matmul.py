@@ -1,0 +1,133 @@
+"""The grouped matmul of the routed experts: row r of x times the weight of its group, rows sorted by group.
+
+  y[r] = x[r] @ w[g(r)],   g(r) = the group whose range [start_g, start_g + size_g) holds r; rows past the last
+                           group give 0                          (jax.lax.ragged_dot's contract)
+`grouped_matmul` picks the implementation for the backend being traced for (glm_jax/model/platform.py):
+  cpu:    `tiled_grouped_matmul`. XLA:CPU lowers ragged_dot by multiplying every row by every group's weight and
+          masking (E times the work). Here the rows are cut into tiles of `tile` rows and each (tile, group) pair
+          that overlaps is one [tile, in] @ [in, out] matmul, the rows of other groups zeroed: at most
+          ceil(rows / tile) + E - 1 tile products, i.e. the real rows' work plus at most one partial tile per
+          group boundary. A custom_vjp gives the backward the same shape: dx is the grouped matmul of dy with the
+          transposed weights, dw accumulates x_tile^T dy_tile into its group's slice.
+  other:  jax.lax.ragged_dot (TPU and GPU lower it to grouped kernels).
+Both take operands in any float dtype and accumulate in fp32 (preferred_element_type).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from glm_jax.model.platform import current_platform
+
+CPU_TILE = 128  # rows a tile on CPU (tests/model/test_grouped_matmul.py covers sizes around it)
+
+
+def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
+                   preferred_element_type: jnp.dtype = jnp.float32) -> jax.Array:
+  """jax.lax.ragged_dot(x [rows, in], w [groups, in, out], group_sizes [groups]) -> [rows, out], by backend."""
+  if current_platform() == "cpu":
+    return tiled_grouped_matmul(x, w, group_sizes, CPU_TILE, jnp.dtype(preferred_element_type))
+  return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=preferred_element_type)
+
+
+def _visits(group_sizes: jax.Array, n_tiles: int, tile: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """The (tile, group) pairs whose rows overlap, in row order: (tile index [V], group [V], real [V]) for the static
+  bound V = n_tiles + groups - 1; pairs past the real ones repeat the last and are marked not real."""
+  groups = group_sizes.shape[0]
+  ends = jnp.cumsum(group_sizes)
+  starts = ends - group_sizes
+  first = starts // tile
+  count = jnp.where(group_sizes > 0, (ends - 1) // tile - first + 1, 0)
+  offsets = jnp.cumsum(count) - count  # visits before group g
+  v = jnp.arange(n_tiles + groups - 1)
+  group = jnp.clip(jnp.searchsorted(offsets + count, v, side="right"), 0, groups - 1)
+  real = v < jnp.sum(count)
+  tile_idx = jnp.where(real, first[group] + v - offsets[group], 0)
+  return tile_idx.astype(jnp.int32), group.astype(jnp.int32), real
+
+
+def _tile_rows(x_pad, group_sizes, visit, tile):
+  """The tile's rows of x that belong to the visit's group (others zeroed), and where the tile starts."""
+  t, g, real = visit
+  ends = jnp.cumsum(group_sizes)
+  start = t * tile
+  rows = start + jnp.arange(tile)
+  keep = (rows >= ends[g] - group_sizes[g]) & (rows < ends[g]) & real
+  xs = jax.lax.dynamic_slice_in_dim(x_pad, start, tile, 0)
+  return jnp.where(keep[:, None], xs, jnp.zeros_like(xs)), start
+
+
+def _varying_axes(a: jax.Array) -> frozenset:
+  """The mesh axes `a` varies over inside a shard_map (check_vma); empty outside one."""
+  return frozenset(getattr(getattr(jax.typeof(a), "manual_axis_type", None), "varying", ()))
+
+
+def _zeros_varying_like(shape, dtype, *operands) -> jax.Array:
+  """Zeros that vary over every mesh axis the operands vary over: inside a shard_map a scan carry must have the
+  type its body returns."""
+  axes = tuple(sorted(frozenset().union(*map(_varying_axes, operands))))
+  zeros = jnp.zeros(shape, dtype)
+  return jax.lax.pcast(zeros, axes, to="varying") if axes else zeros
+
+
+def _forward(x, w, group_sizes, tile, out_dtype):
+  rows = x.shape[0]
+  n_tiles = -(-rows // tile)
+  x_pad = jnp.pad(x, ((0, n_tiles * tile - rows), (0, 0)))
+  visits = _visits(group_sizes, n_tiles, tile)
+
+  def body(y, visit):
+    xs, start = _tile_rows(x_pad, group_sizes, visit, tile)
+    out = jnp.dot(xs, w[visit[1]], preferred_element_type=out_dtype)
+    y = jax.lax.dynamic_update_slice_in_dim(y, jax.lax.dynamic_slice_in_dim(y, start, tile, 0) + out, start, 0)
+    return y, None
+
+  y0 = _zeros_varying_like((n_tiles * tile, w.shape[-1]), out_dtype, x, w, group_sizes)
+  y, _ = jax.lax.scan(body, y0, visits)
+  return y[:rows]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def tiled_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, tile: int = CPU_TILE,
+                         out_dtype: jnp.dtype = jnp.float32) -> jax.Array:
+  """ragged_dot's result computed tile by tile (see the module docstring); differentiable in x and w."""
+  return _forward(x, w, group_sizes, tile, out_dtype)
+
+
+def _fwd(x, w, group_sizes, tile, out_dtype):
+  return _forward(x, w, group_sizes, tile, out_dtype), (x, w, group_sizes)
+
+
+def _bwd(tile, out_dtype, res, dy):
+  del out_dtype
+  x, w, group_sizes = res
+  dx = _forward(dy.astype(x.dtype), jnp.swapaxes(w, 1, 2), group_sizes, tile, jnp.float32).astype(x.dtype)
+  rows = x.shape[0]
+  n_tiles = -(-rows // tile)
+  pad = ((0, n_tiles * tile - rows), (0, 0))
+  x_pad, dy_pad = jnp.pad(x, pad), jnp.pad(dy, pad)
+
+  def body(dw, visit):
+    xs, start = _tile_rows(x_pad, group_sizes, visit, tile)
+    dys = jax.lax.dynamic_slice_in_dim(dy_pad, start, tile, 0).astype(x.dtype)
+    g = visit[1]
+    contrib = jnp.dot(xs.T, dys, preferred_element_type=jnp.float32)
+    return dw.at[g].add(contrib), None
+
+  dw0 = _zeros_varying_like(w.shape, jnp.float32, x, dy, group_sizes)
+  dw, _ = jax.lax.scan(body, dw0, _visits(group_sizes, n_tiles, tile))
+  return _summed_like(dx, x), _summed_like(dw, w).astype(w.dtype), None
+
+
+def _summed_like(ct: jax.Array, primal: jax.Array) -> jax.Array:
+  """Inside a shard_map, an operand may be the same on devices where the other one differs (w replicated over a
+  token axis, x over the tensor axis of tensor-parallel experts): its cotangent is the sum over those devices,
+  as autodiff of ragged_dot gives it."""
+  axes = tuple(sorted(_varying_axes(ct) - _varying_axes(primal)))
+  return jax.lax.psum(ct, axes) if axes else ct
+
+
+tiled_grouped_matmul.defvjp(_fwd, _bwd)

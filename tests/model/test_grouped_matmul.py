@@ -1,0 +1,72 @@
+"""The routed experts' grouped matmul: the CPU tiled path equals jax.lax.ragged_dot in value and in both gradients
+(empty groups, every row in one group, group sizes off the tile, rows past the last group), visits exactly the
+(tile, group) pairs that overlap, and the backend choice follows the platform being traced for."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from glm_jax.model import grouped_matmul as gm
+from glm_jax.model.platform import target_platform
+
+CASES = {  # group sizes, tile
+    "empty_groups": ([5, 0, 7, 20, 0, 3], 8),
+    "one_group": ([35, 0, 0, 0], 8),
+    "no_rows": ([0, 0, 0], 8),
+    "off_tile": ([3, 1, 2], 16),
+    "on_tile": ([8, 8, 16], 8),
+    "cpu_tile": ([130, 1, 0, 126, 300], gm.CPU_TILE),
+}
+
+
+def operands(sizes, dtype, seed=0, extra_rows=3):
+  rng = np.random.default_rng(seed)
+  rows, k, n = sum(sizes) + extra_rows, 6, 5  # rows past the last group must come out 0
+  x = jnp.asarray(rng.standard_normal((rows, k)), dtype)
+  w = jnp.asarray(rng.standard_normal((len(sizes), k, n)), dtype)
+  ct = jnp.asarray(rng.standard_normal((rows, n)), jnp.float32)
+  return x, w, jnp.asarray(sizes, jnp.int32), ct
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
+def test_tiled_equals_ragged_dot_in_value_and_gradients(name, dtype, tol):
+  sizes, tile = CASES[name]
+  x, w, gs, ct = operands(sizes, dtype)
+
+  def loss_and_grads(fn):
+    loss = lambda x, w: jnp.sum(fn(x, w).astype(jnp.float32) * ct)
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(x, w)
+
+  ref = loss_and_grads(lambda x, w: jax.lax.ragged_dot(x, w, gs, preferred_element_type=jnp.float32))
+  got = loss_and_grads(lambda x, w: gm.tiled_grouped_matmul(x, w, gs, tile, jnp.dtype(jnp.float32)))
+  y_ref = jax.lax.ragged_dot(x, w, gs, preferred_element_type=jnp.float32)
+  y = gm.tiled_grouped_matmul(x, w, gs, tile, jnp.dtype(jnp.float32))
+  scale = max(1.0, float(jnp.max(jnp.abs(y_ref))))
+  np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), atol=tol * scale)
+  assert not np.any(np.asarray(y)[sum(sizes):])  # rows past the last group
+  for g_ref, g in zip(ref[1], got[1]):
+    assert g.dtype == g_ref.dtype
+    g_scale = max(1.0, float(jnp.max(jnp.abs(g_ref.astype(jnp.float32)))))
+    np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(g_ref, np.float32), atol=tol * g_scale)
+
+
+def test_visits_are_the_overlapping_tile_group_pairs():
+  """Sizes [5, 0, 7, 20, 0, 3] over tiles of 8 rows: group 0 is rows 0-4 (tile 0), group 2 rows 5-11 (tiles 0-1),
+  group 3 rows 12-31 (tiles 1-3), group 5 rows 32-34 (tile 4): 7 products where ragged_dot's CPU lowering does
+  every row against all 6 groups."""
+  tiles, groups, real = gm._visits(jnp.asarray([5, 0, 7, 20, 0, 3]), n_tiles=5, tile=8)  # pylint: disable=protected-access
+  n = int(np.sum(real))
+  assert n == 7 and len(real) == 5 + 6 - 1 and not np.any(np.asarray(real)[n:])
+  assert list(zip(np.asarray(tiles)[:n].tolist(), np.asarray(groups)[:n].tolist())) == [
+      (0, 0), (0, 2), (1, 2), (1, 3), (2, 3), (3, 3), (4, 5)]
+
+
+@pytest.mark.parametrize("platform, tiled", [("cpu", True), ("tpu", False), ("gpu", False)])
+def test_the_backend_picks_the_implementation(platform, tiled):
+  x, w, gs, _ = operands([4, 0, 9], jnp.float32)
+  with target_platform(platform):  # a fresh function: jax caches traces by function, not by our platform
+    jaxpr = str(jax.make_jaxpr(lambda *a: gm.grouped_matmul(*a))(x, w, gs))
+  assert ("ragged_dot" not in jaxpr) == tiled
+  assert ("scan" in jaxpr) == tiled
