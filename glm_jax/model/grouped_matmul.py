@@ -49,13 +49,20 @@ def _visits(group_sizes: jax.Array, n_tiles: int, tile: int) -> tuple[jax.Array,
   return tile_idx.astype(jnp.int32), group.astype(jnp.int32), real
 
 
-def _tile_rows(x_pad, group_sizes, visit, tile):
+def _tiles(rows: int, tile: int, group_sizes: jax.Array):
+  """(number of tiles, the padding that makes rows a whole number of tiles, each group's (start, end) rows)."""
+  n_tiles = -(-rows // tile)
+  ends = jnp.cumsum(group_sizes)
+  return n_tiles, ((0, n_tiles * tile - rows), (0, 0)), (ends - group_sizes, ends)
+
+
+def _tile_rows(x_pad, bounds, visit, tile):
   """The tile's rows of x that belong to the visit's group (others zeroed), and where the tile starts."""
   t, g, real = visit
-  ends = jnp.cumsum(group_sizes)
+  starts, ends = bounds
   start = t * tile
   rows = start + jnp.arange(tile)
-  keep = (rows >= ends[g] - group_sizes[g]) & (rows < ends[g]) & real
+  keep = (rows >= starts[g]) & (rows < ends[g]) & real
   xs = jax.lax.dynamic_slice_in_dim(x_pad, start, tile, 0)
   return jnp.where(keep[:, None], xs, jnp.zeros_like(xs)), start
 
@@ -75,18 +82,17 @@ def _zeros_varying_like(shape, dtype, *operands) -> jax.Array:
 
 def _forward(x, w, group_sizes, tile, out_dtype):
   rows = x.shape[0]
-  n_tiles = -(-rows // tile)
-  x_pad = jnp.pad(x, ((0, n_tiles * tile - rows), (0, 0)))
-  visits = _visits(group_sizes, n_tiles, tile)
+  n_tiles, pad, bounds = _tiles(rows, tile, group_sizes)
+  x_pad = jnp.pad(x, pad)
 
   def body(y, visit):
-    xs, start = _tile_rows(x_pad, group_sizes, visit, tile)
+    xs, start = _tile_rows(x_pad, bounds, visit, tile)
     out = jnp.dot(xs, w[visit[1]], preferred_element_type=out_dtype)
     y = jax.lax.dynamic_update_slice_in_dim(y, jax.lax.dynamic_slice_in_dim(y, start, tile, 0) + out, start, 0)
     return y, None
 
   y0 = _zeros_varying_like((n_tiles * tile, w.shape[-1]), out_dtype, x, w, group_sizes)
-  y, _ = jax.lax.scan(body, y0, visits)
+  y, _ = jax.lax.scan(body, y0, _visits(group_sizes, n_tiles, tile))
   return y[:rows]
 
 
@@ -105,13 +111,11 @@ def _bwd(tile, out_dtype, res, dy):
   del out_dtype
   x, w, group_sizes = res
   dx = _forward(dy.astype(x.dtype), jnp.swapaxes(w, 1, 2), group_sizes, tile, jnp.float32).astype(x.dtype)
-  rows = x.shape[0]
-  n_tiles = -(-rows // tile)
-  pad = ((0, n_tiles * tile - rows), (0, 0))
+  n_tiles, pad, bounds = _tiles(x.shape[0], tile, group_sizes)
   x_pad, dy_pad = jnp.pad(x, pad), jnp.pad(dy, pad)
 
   def body(dw, visit):
-    xs, start = _tile_rows(x_pad, group_sizes, visit, tile)
+    xs, start = _tile_rows(x_pad, bounds, visit, tile)
     dys = jax.lax.dynamic_slice_in_dim(dy_pad, start, tile, 0).astype(x.dtype)
     g = visit[1]
     contrib = jnp.dot(xs.T, dys, preferred_element_type=jnp.float32)
