@@ -1,8 +1,13 @@
 """Helpers the tests share (fixtures live in conftest.py files): the repository root, modules with random
-parameters built without per-shape XLA compiles, a plain-jnp Newton-Schulz, a persistent compilation cache."""
+parameters built without per-shape XLA compiles, a plain-jnp Newton-Schulz, a persistent compilation cache, a test
+module rerun as a script on simulated CPU devices."""
 
 import contextlib
+import json
 import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -65,3 +70,15 @@ def persistent_compilation_cache(path: str):
         os.environ.pop(key, None)
       else:
         os.environ[key] = value
+
+
+def run_on_simulated_devices(script: str, *args: str, devices: int = 8, timeout: int = 300) -> dict:
+  """Runs the test module `script` as a script (`python script args...`) in a process with `devices` simulated CPU
+  devices and returns the JSON object its last line of output prints: for checks that need more devices than
+  this test process has (jax's device count is fixed when it initialises)."""
+  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
+             PYTHONPATH=os.pathsep.join(filter(None, (ROOT, os.environ.get("PYTHONPATH")))))
+  proc = subprocess.run([sys.executable, os.path.abspath(script), *args], env=env, capture_output=True, text=True,
+                        timeout=timeout, cwd=ROOT)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -63,6 +63,8 @@ class ModelConfig:
   attention_impl: str = "reference"  # DSA: "reference" (pure jnp, the oracle) or "pallas" (glm_jax/model/dsa.py)
   dtype: str = "float32"  # activations and matmul inputs; softmax, router and norms run in fp32
   param_dtype: str = "float32"
+  moe_capacity_factor: float = 0.0  # 0: dropless (GLM-5); c > 0: each expert takes at most ceil(c * G * K / E)
+  #                                   of the (token, slot) pairs of a dispatch group of G tokens, the rest dropped
   remat_policy: str = "none"  # per scanned layer: none | full | dots | dots_with_no_batch_dims
   scan_unroll: bool = False  # unroll the layer scans: compile time grows with depth, XLA's cost analysis
   #                            then counts every layer (it counts a loop body once)
@@ -143,7 +145,8 @@ class ModelConfig:
     """The HF GlmMoeDsaConfig dict for this config (what `hf.save` writes as config.json)."""
     ours = {
         "rope_interleave", "indexer_rope_interleave", "mla_norm_eps", "index_norm_eps", "use_dsa",
-        "attention_impl", "dtype", "param_dtype", "remat_policy", "scan_unroll", "rope_theta",
+        "attention_impl", "dtype", "param_dtype", "remat_policy", "scan_unroll", "moe_capacity_factor",
+        "rope_theta",
     }
     d = {k: v for k, v in self.to_dict().items() if k not in ours}
     d.update(
@@ -235,6 +238,10 @@ def _validate(c: ModelConfig) -> None:
     fail("attention_bias", "only False is implemented (GLM-5 has no attention bias)")
   if c.attention_impl not in ATTENTION_IMPLS:
     fail("attention_impl", f"one of {ATTENTION_IMPLS}")
+  cf = c.moe_capacity_factor
+  if isinstance(cf, bool) or not isinstance(cf, (int, float)) or not (cf == 0 or cf >= 1 / c.num_experts_per_tok):
+    fail("moe_capacity_factor", f"0 (dropless) or a number >= 1 / num_experts_per_tok = "
+         f"{1 / c.num_experts_per_tok:.4g} (below that an expert could not even take its share of one slot)")
   if c.remat_policy not in REMAT_POLICIES:
     fail("remat_policy", f"one of {REMAT_POLICIES}")
   for f in ("dtype", "param_dtype"):

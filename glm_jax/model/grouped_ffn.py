@@ -1,13 +1,17 @@
-"""The routed experts on one device, dropless: each (token, slot) pair through its expert's SwiGLU.
+"""The routed experts on one device: each (token, slot) pair through its expert's SwiGLU, dropless by default.
 
   y[n] = sum_k w[n, k] SwiGLU_{idx[n, k]}(x[n]),   SwiGLU_e(x) = (silu(x W_gate_e) * (x W_up_e)) W_down_e
 The N*K pairs are sorted by expert (a stable argsort, so the order within an expert is the token order) and
 each projection is one grouped matmul over the per-expert groups (grouped_matmul.py: ragged_dot's contract, only
-the real rows' work on every backend): no capacity, no dropped tokens, no one-hot over experts. moe.py routes; moe_parallel.py runs the same computation with the experts split over a
-mesh axis and calls `expert_swiglu` on the rows each device receives.
+the real rows' work on every backend): by default no capacity, no dropped tokens, no one-hot over experts. An
+optional capacity factor c bounds each expert's rows at ceil(c * G * K / E) for a dispatch group of G tokens (the
+pairs past it dropped, in token order, and counted). moe.py routes; moe_parallel.py runs the same computation
+with the experts split over a mesh axis and calls `expert_swiglu` on the rows each device receives.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -28,20 +32,52 @@ def expert_swiglu(xs: jax.Array, group_sizes: jax.Array, gate_EDI: jax.Array, up
   return gmm(h, down_EID, out_dtype)
 
 
+def expert_capacity(capacity_factor: float, group_tokens: int, k: int, n_experts: int) -> int | None:
+  """The (token, slot) pairs one expert takes from a dispatch group of `group_tokens` tokens, ceil(c * G * K / E);
+  None when capacity_factor is 0 (dropless)."""
+  if not capacity_factor:
+    return None
+  return max(1, math.ceil(capacity_factor * group_tokens * k / n_experts))
+
+
+def capacity_ranks(flat_e: jax.Array, order: jax.Array, n_experts: int) -> jax.Array:
+  """For pairs sorted by expert (`order`, a stable argsort of their expert ids `flat_e`), each sorted pair's rank
+  among its expert's pairs: the first pair routed to an expert (in token order) has rank 0."""
+  counts = jnp.bincount(flat_e, length=n_experts)
+  starts = (jnp.cumsum(counts) - counts).astype(jnp.int32)
+  return jnp.arange(flat_e.shape[0], dtype=jnp.int32) - starts[flat_e[order]]
+
+
 def grouped_ffn_f32(x_ND: jax.Array, w_NX: jax.Array, idx_NX: jax.Array, gate_EDI: jax.Array,
-                    up_EDI: jax.Array, down_EID: jax.Array, dtype: jnp.dtype) -> jax.Array:
-  """sum_k w[n, k] * SwiGLU_{idx[n, k]}(x[n]) in fp32, with tokens sorted by expert and ragged_dot per group."""
+                    up_EDI: jax.Array, down_EID: jax.Array, dtype: jnp.dtype, capacity_factor: float = 0.0
+                    ) -> tuple[jax.Array, jax.Array]:
+  """(sum_k w[n, k] * SwiGLU_{idx[n, k]}(x[n]) in fp32 [N, D], dropped pairs: int32 scalar).
+
+  The pairs are sorted by expert and each projection is one grouped matmul over the per-expert groups. With a
+  capacity factor the N tokens are one dispatch group: an expert keeps its first `expert_capacity(...)` pairs in
+  token order; the others are sorted past the last group, where the grouped matmul gives 0 (dropped)."""
   n, k = idx_NX.shape
-  flat_e = idx_NX.reshape(-1)
+  n_experts = gate_EDI.shape[0]
+  flat_e = idx_NX.reshape(-1).astype(jnp.int32)
   order = jnp.argsort(flat_e, stable=True)
+  group_sizes = jnp.bincount(flat_e, length=n_experts).astype(jnp.int32)
+  dropped = jnp.zeros((), jnp.int32)
+  cap = expert_capacity(capacity_factor, n, k, n_experts)
+  if cap is not None:
+    drop_sorted = capacity_ranks(flat_e, order, n_experts) >= cap
+    drop = jnp.zeros_like(drop_sorted).at[order].set(drop_sorted)
+    order = jnp.argsort(flat_e + n_experts * drop.astype(jnp.int32), stable=True)  # kept by expert, then dropped
+    dropped = jnp.sum(group_sizes - jnp.minimum(group_sizes, cap)).astype(jnp.int32)
+    group_sizes = jnp.minimum(group_sizes, cap)
   token_of = order // k
-  group_sizes = jnp.bincount(flat_e, length=gate_EDI.shape[0]).astype(jnp.int32)
   ys = expert_swiglu(x_ND[token_of].astype(dtype), group_sizes, gate_EDI, up_EDI, down_EID, dtype)
   ys = ys * w_NX.reshape(-1)[order][:, None].astype(jnp.float32)
-  return jnp.zeros((n, x_ND.shape[-1]), jnp.float32).at[token_of].add(ys)
+  return jnp.zeros((n, x_ND.shape[-1]), jnp.float32).at[token_of].add(ys), dropped
 
 
 def grouped_ffn(x_ND: jax.Array, w_NX: jax.Array, idx_NX: jax.Array, gate_EDI: jax.Array,
-                up_EDI: jax.Array, down_EID: jax.Array, dtype: jnp.dtype) -> jax.Array:
-  """grouped_ffn_f32 in `dtype`: the dropless MoE on one device."""
-  return grouped_ffn_f32(x_ND, w_NX, idx_NX, gate_EDI, up_EDI, down_EID, dtype).astype(dtype)
+                up_EDI: jax.Array, down_EID: jax.Array, dtype: jnp.dtype, capacity_factor: float = 0.0
+                ) -> tuple[jax.Array, jax.Array]:
+  """grouped_ffn_f32 with y in `dtype`: the MoE's routed experts on one device."""
+  y, dropped = grouped_ffn_f32(x_ND, w_NX, idx_NX, gate_EDI, up_EDI, down_EID, dtype, capacity_factor)
+  return y.astype(dtype), dropped

@@ -3,14 +3,20 @@
   y[r] = x[r] @ w[g(r)],   g(r) = the group whose range [start_g, start_g + size_g) holds r; rows past the last
                            group give 0                          (jax.lax.ragged_dot's contract)
 `grouped_matmul` picks the implementation for the backend being traced for (glm_jax/model/platform.py):
+  tpu:    `megablox_grouped_matmul`: jax's Pallas grouped matmul for TPU (jax.experimental.pallas.ops.tpu.megablox,
+          gmm forward and for dx, tgmm for dw). Its grid's row dimension is traced: only the row tiles that hold
+          real rows run (at most ceil(real rows / 128) + groups - 1 of them), however large the static buffer.
+          Chosen over the tokamax package's ragged dot by compiling both for v5p (issue 13's note): tokamax's TPU
+          kernel is a fork of the same megablox code with the same compiled size, and megablox ships with jax.
   cpu:    `tiled_grouped_matmul`. XLA:CPU lowers ragged_dot by multiplying every row by every group's weight and
           masking (E times the work). Here the rows are cut into tiles of `tile` rows and each (tile, group) pair
           that overlaps is one [tile, in] @ [in, out] matmul, the rows of other groups zeroed: at most
           ceil(rows / tile) + E - 1 tile products, i.e. the real rows' work plus at most one partial tile per
           group boundary. A custom_vjp gives the backward the same shape: dx is the grouped matmul of dy with the
           transposed weights, dw accumulates x_tile^T dy_tile into its group's slice.
-  other:  jax.lax.ragged_dot (TPU and GPU lower it to grouped kernels).
-Both take operands in any float dtype and accumulate in fp32 (preferred_element_type).
+  other:  jax.lax.ragged_dot (GPU lowers it to grouped kernels).
+All take operands in any float dtype (megablox: bfloat16 or float32) and accumulate in fp32
+(preferred_element_type); the TPU and CPU backwards multiply the cotangent in the operands' dtype.
 """
 
 from __future__ import annotations
@@ -19,18 +25,66 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas.ops.tpu.megablox.gmm import gmm as megablox_gmm, make_group_metadata, tgmm as megablox_tgmm
 
 from glm_jax.model.platform import current_platform
 
 CPU_TILE = 128  # rows a tile on CPU (tests/model/test_grouped_matmul.py covers sizes around it)
+TPU_TILING = (128, 128, 128)  # megablox (rows, in, out) tile; the row tile bounds the padding at a group boundary
 
 
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
                    preferred_element_type: jnp.dtype = jnp.float32) -> jax.Array:
   """jax.lax.ragged_dot(x [rows, in], w [groups, in, out], group_sizes [groups]) -> [rows, out], by backend."""
-  if current_platform() == "cpu":
+  platform = current_platform()
+  if platform == "cpu":
     return tiled_grouped_matmul(x, w, group_sizes, CPU_TILE, jnp.dtype(preferred_element_type))
+  if platform == "tpu":
+    return megablox_grouped_matmul(x, w, group_sizes, preferred_element_type)
   return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=preferred_element_type)
+
+
+def megablox_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
+                            preferred_element_type: jnp.dtype = jnp.float32, *,
+                            tiling: tuple[int, int, int] = TPU_TILING, interpret: bool = False) -> jax.Array:
+  """ragged_dot's result with megablox's gmm / tgmm kernels; interpret=True runs them in Pallas interpret mode (any
+  backend). The rows are padded to a whole number of row tiles; rows past the groups, which the kernels leave
+  unwritten (in y and in dx), are set to 0."""
+  if x.dtype not in (jnp.bfloat16, jnp.float32) or w.dtype not in (jnp.bfloat16, jnp.float32):
+    raise ValueError(f"megablox_grouped_matmul: x {x.dtype} and w {w.dtype}; the kernel takes bfloat16 or float32")
+  rows = x.shape[0]
+  pad = -rows % tiling[0]
+  y = _megablox(jnp.pad(x, ((0, pad), (0, 0))), w, group_sizes.astype(jnp.int32),
+                jnp.dtype(preferred_element_type), tuple(tiling), interpret)
+  return y[:rows]
+
+
+def _past_groups(rows: int, group_sizes: jax.Array) -> jax.Array:
+  return (jnp.arange(rows) >= jnp.sum(group_sizes))[:, None]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _megablox(x, w, group_sizes, out_dtype, tiling, interpret):
+  y = megablox_gmm(x, w, group_sizes, out_dtype, tiling, interpret=interpret)
+  return jnp.where(_past_groups(x.shape[0], group_sizes), jnp.zeros((), y.dtype), y)
+
+
+def _megablox_fwd(x, w, group_sizes, out_dtype, tiling, interpret):
+  return _megablox(x, w, group_sizes, out_dtype, tiling, interpret), (x, w, group_sizes)
+
+
+def _megablox_bwd(out_dtype, tiling, interpret, res, dy):
+  del out_dtype
+  x, w, group_sizes = res
+  dy = dy.astype(x.dtype)
+  dx = megablox_gmm(dy, w, group_sizes, x.dtype, tiling, transpose_rhs=True, interpret=interpret)
+  dx = jnp.where(_past_groups(x.shape[0], group_sizes), jnp.zeros((), dx.dtype), dx)
+  dw = megablox_tgmm(x.swapaxes(0, 1), dy, group_sizes, jnp.float32, tiling, num_actual_groups=w.shape[0],
+                     interpret=interpret)
+  return dx, dw.astype(w.dtype), None
+
+
+_megablox.defvjp(_megablox_fwd, _megablox_bwd)
 
 
 def _visits(group_sizes: jax.Array, n_tiles: int, tile: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -135,3 +189,33 @@ def _summed_like(ct: jax.Array, primal: jax.Array) -> jax.Array:
 
 
 tiled_grouped_matmul.defvjp(_fwd, _bwd)
+
+
+def megablox_grid_cost(kernel: str, m: int, k: int, n: int, group_sizes, *, tiling: tuple[int, int, int] = TPU_TILING,
+                       in_bytes: int = 2, out_bytes: int = 4) -> tuple[float, float]:
+  """(FLOPs, HBM bytes) of one megablox call as its grid runs for these group sizes (a host-side count, for cost
+  reports; megablox's own cost_estimate assumes every row of the static buffer is real).
+
+  kernel "gmm": [m, k] x [G, k, n] -> [m, n] (the forward and dx); "tgmm": [k, m]^T-style [m, k] x [m, n] ->
+  [G, k, n] (dw). The grid visits megablox's active row tiles (make_group_metadata: each group's rows rounded
+  out to whole tiles; tgmm also one tile for each empty group) x ceil(n / tn) x ceil(k / tk) steps, each a full
+  tm x tk x tn tile product, padding included. Bytes: every step reads its lhs and rhs tiles (an rhs tile only
+  once per run of one group when k is a single tile, as Pallas skips re-fetching an unchanged block), and each
+  output tile is written once per visit."""
+  tm, tk, tn = tiling
+  group_sizes = jnp.asarray(group_sizes, jnp.int32)
+  _, tiles = make_group_metadata(group_sizes=group_sizes, m=-(-m // tm) * tm, tm=tm, start_group=0,
+                                 num_nonzero_groups=group_sizes.shape[0], visit_empty_groups=kernel == "tgmm")
+  tiles = int(tiles)
+  tiles_k, tiles_n = -(-k // tk), -(-n // tn)
+  steps = tiles * tiles_k * tiles_n
+  flops = 2.0 * steps * tm * tk * tn
+  groups_visited = int(jnp.sum(group_sizes > 0)) if kernel == "gmm" else group_sizes.shape[0]
+  if kernel == "gmm":
+    rhs_reads = steps if tiles_k > 1 else tiles_n * groups_visited
+    moved = steps * tm * tk * in_bytes + rhs_reads * tk * tn * in_bytes + tiles * tiles_n * tm * tn * out_bytes
+  elif kernel == "tgmm":
+    moved = steps * (tk * tm + tm * tn) * in_bytes + groups_visited * tiles_k * tiles_n * tk * tn * out_bytes
+  else:
+    raise ValueError(f"megablox_grid_cost: kernel={kernel!r}; 'gmm' or 'tgmm'")
+  return flops, float(moved)

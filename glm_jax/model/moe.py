@@ -6,9 +6,10 @@
   y = sum_k g_k FFN_{e_k}(u) + FFN_shared(u)
 Group-limited routing (n_group > 1): a group's score is the sum of its top-2 biased scores; only experts
 in the topk_group best groups can be picked. The routed experts run dropless (grouped_ffn.py: the (token,
-slot) pairs sorted by expert, `jax.lax.ragged_dot` over the per-expert groups: no capacity, no dropped
-tokens, no one-hot over experts). Under a mesh whose "expert" axis is larger than 1, experts are split over
-it and tokens travel by all-to-all (moe_parallel.expert_parallel_ffn), computing the same thing.
+slot) pairs sorted by expert, grouped matmuls over the per-expert groups: no capacity, no dropped tokens, no
+one-hot over experts; model.moe_capacity_factor > 0 bounds each expert's rows instead and counts the drops).
+Under a mesh whose "expert" axis is larger than 1, experts are split over it and tokens travel by ragged
+all-to-all (moe_parallel.expert_parallel_ffn), computing the same thing.
 """
 
 from __future__ import annotations
@@ -63,8 +64,9 @@ class MoE(nnx.Module):
     self.shared_experts = (MLP(cfg, i * cfg.n_shared_experts, rngs) if cfg.n_shared_experts else None)
 
   def __call__(self, x_BTD: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Returns (y [B, T, D], router stats): expert_counts [B, E] (selections per sequence) and
-    expert_probs [B, E] (the sequence mean of s_i / sum_j s_j, the P_i of the sequence balance loss)."""
+    """Returns (y [B, T, D], router stats): expert_counts [B, E] (selections per sequence, before any capacity
+    drop), expert_probs [B, E] (the sequence mean of s_i / sum_j s_j, the P_i of the sequence balance loss) and,
+    with a capacity factor, expert_dropped (the (token, slot) pairs dropped, int32 scalar)."""
     cfg = self.cfg
     b, t, d = x_BTD.shape
     x_ND = x_BTD.reshape(b * t, d)
@@ -73,13 +75,16 @@ class MoE(nnx.Module):
     experts = (x_ND, w_NX, idx_NX, self.gate_proj[...], self.up_proj[...], self.down_proj[...], self.dtype)
     mesh = jax.sharding.get_abstract_mesh()
     if not mesh.empty and mesh.shape.get(EXPERT, 1) > 1:  # expert parallelism: shard_map + all-to-all
-      y_ND = expert_parallel_ffn(*experts, mesh=mesh)
+      y_ND, dropped = expert_parallel_ffn(*experts, mesh=mesh, capacity_factor=cfg.moe_capacity_factor)
     else:
-      y_ND = grouped_ffn(*experts)
+      y_ND, dropped = grouped_ffn(*experts, capacity_factor=cfg.moe_capacity_factor)
     y_BTD = y_ND.reshape(b, t, d)
     if self.shared_experts is not None:
       y_BTD = y_BTD + self.shared_experts(x_BTD)
     e = cfg.n_routed_experts
     counts_BE = jax.vmap(lambda ids: jnp.bincount(ids, length=e))(idx_NX.reshape(b, t * cfg.num_experts_per_tok))
     probs_BE = jnp.mean((s_NE / jnp.sum(s_NE, axis=-1, keepdims=True)).reshape(b, t, e), axis=1)
-    return y_BTD, {"expert_counts": counts_BE.astype(jnp.int32), "expert_probs": probs_BE}
+    stats = {"expert_counts": counts_BE.astype(jnp.int32), "expert_probs": probs_BE}
+    if cfg.moe_capacity_factor:
+      stats["expert_dropped"] = dropped
+    return y_BTD, stats

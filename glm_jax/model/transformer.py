@@ -36,7 +36,8 @@ REMAT_POLICIES: dict[str, Callable | None] = {
 class ModelOutput:
   """logits [B, T, V] fp32 (position t predicts token t+1); mtp_logits [n_mtp, B, T, V] (depth k at t
   predicts token t+1+k; the last k positions have no target) or None; aux: per-layer statistics stacked on a
-  leading layer axis: "expert_counts", "expert_probs" [L_moe, B, E] (MoE layers), "topk_indices"
+  leading layer axis: "expert_counts", "expert_probs" [L_moe, B, E] (MoE layers), "expert_dropped" [L_moe]
+  (with model.moe_capacity_factor), "topk_indices"
   [L, B, T, K] when DSA is active, "index_scores" [L, B, T, T] when asked for, "indexer_kl" [L + n_mtp]
   (the MTP layers last) when asked for; "mtp{k}_expert_*" [B, E] for MoE MTP layers."""
   logits: jax.Array

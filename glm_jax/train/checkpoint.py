@@ -24,7 +24,7 @@ from glm_jax.tree_paths import path_str
 
 # Config fields that may change between a run and its resumption (they do not change the saved state).
 RUNTIME_FIELDS = {
-    "model": {"attention_impl", "dtype", "remat_policy", "scan_unroll", "use_dsa"},
+    "model": {"attention_impl", "dtype", "moe_capacity_factor", "remat_policy", "scan_unroll", "use_dsa"},
 }
 # Config sections whose other fields must match the checkpoint's.
 COMPARED_SECTIONS = ("model", "optimizer")

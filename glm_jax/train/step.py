@@ -73,6 +73,10 @@ def _forward_losses(graphdef, params, rest, batch, stage: str, train_cfg) -> tup
   else:
     m["balance_loss"] = jnp.zeros((), jnp.float32)
   m["indexer_kl"] = jnp.mean(out.aux["indexer_kl"]) if "indexer_kl" in out.aux else jnp.zeros((), jnp.float32)
+  dropped = [v for k, v in out.aux.items() if k.endswith("expert_dropped")]  # with model.moe_capacity_factor
+  if dropped:  # the share of (token, slot) pairs the MoE layers dropped for capacity
+    pairs = sum(v.size for v in dropped) * batch["input_ids"].size * model.cfg.num_experts_per_tok
+    m["moe_dropped_fraction"] = sum(jnp.sum(v) for v in dropped).astype(jnp.float32) / pairs
   if stage == "warmup":
     loss = m["indexer_kl"]
   else:

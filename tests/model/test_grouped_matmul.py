@@ -1,6 +1,7 @@
-"""The routed experts' grouped matmul: the CPU tiled path equals jax.lax.ragged_dot in value and in both gradients
-(empty groups, every row in one group, group sizes off the tile, rows past the last group), visits exactly the
-(tile, group) pairs that overlap, and the backend choice follows the platform being traced for."""
+"""The routed experts' grouped matmul: the CPU tiled path and the TPU path (megablox's kernels, in Pallas interpret
+mode here) equal jax.lax.ragged_dot in value and in both gradients (empty groups, every row in one group, group
+sizes off the tile, rows past the last group), the tiled path visits exactly the (tile, group) pairs that overlap,
+and the backend choice follows the platform being traced for."""
 
 import jax
 import jax.numpy as jnp
@@ -29,20 +30,29 @@ def operands(sizes, dtype, seed=0, extra_rows=3):
   return x, w, jnp.asarray(sizes, jnp.int32), ct
 
 
+IMPLEMENTATIONS = {  # name -> fn(x, w, group_sizes, tile) with fp32 results
+    "tiled": lambda x, w, gs, tile: gm.tiled_grouped_matmul(x, w, gs, tile, jnp.dtype(jnp.float32)),
+    "megablox": lambda x, w, gs, tile: gm.megablox_grouped_matmul(x, w, gs, jnp.float32, tiling=(tile, 128, 128),
+                                                                  interpret=True),
+}
+
+
+@pytest.mark.parametrize("impl", list(IMPLEMENTATIONS))
 @pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
-def test_tiled_equals_ragged_dot_in_value_and_gradients(name, dtype, tol):
+def test_equals_ragged_dot_in_value_and_gradients(impl, name, dtype, tol):
   sizes, tile = CASES[name]
   x, w, gs, ct = operands(sizes, dtype)
+  fn = IMPLEMENTATIONS[impl]
 
   def loss_and_grads(fn):
     loss = lambda x, w: jnp.sum(fn(x, w).astype(jnp.float32) * ct)
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(x, w)
 
   ref = loss_and_grads(lambda x, w: jax.lax.ragged_dot(x, w, gs, preferred_element_type=jnp.float32))
-  got = loss_and_grads(lambda x, w: gm.tiled_grouped_matmul(x, w, gs, tile, jnp.dtype(jnp.float32)))
+  got = loss_and_grads(lambda x, w: fn(x, w, gs, tile))
   y_ref = jax.lax.ragged_dot(x, w, gs, preferred_element_type=jnp.float32)
-  y = gm.tiled_grouped_matmul(x, w, gs, tile, jnp.dtype(jnp.float32))
+  y = jax.jit(fn, static_argnums=3)(x, w, gs, tile)
   scale = max(1.0, float(jnp.max(jnp.abs(y_ref))))
   np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), atol=tol * scale)
   assert not np.any(np.asarray(y)[sum(sizes):])  # rows past the last group
@@ -63,10 +73,16 @@ def test_visits_are_the_overlapping_tile_group_pairs():
       (0, 0), (0, 2), (1, 2), (1, 3), (2, 3), (3, 3), (4, 5)]
 
 
-@pytest.mark.parametrize("platform, tiled", [("cpu", True), ("tpu", False), ("gpu", False)])
-def test_the_backend_picks_the_implementation(platform, tiled):
+@pytest.mark.parametrize("platform, want", [("cpu", "scan"), ("tpu", "pallas_call"), ("gpu", "ragged_dot")])
+def test_the_backend_picks_the_implementation(platform, want):
   x, w, gs, _ = operands([4, 0, 9], jnp.float32)
   with target_platform(platform):  # a fresh function: jax caches traces by function, not by our platform
     jaxpr = str(jax.make_jaxpr(lambda *a: gm.grouped_matmul(*a))(x, w, gs))
-  assert ("ragged_dot" not in jaxpr) == tiled
-  assert ("scan" in jaxpr) == tiled
+  found = {p for p in ("pallas_call", "ragged_dot") if p in jaxpr}
+  assert found == ({want} - {"scan"}) and want in jaxpr, found
+
+
+def test_megablox_refuses_other_dtypes_by_name():
+  x, w, gs, _ = operands([4, 0, 9], jnp.float32)
+  with pytest.raises(ValueError, match=r"x float16 and w float32; the kernel takes bfloat16 or float32"):
+    gm.megablox_grouped_matmul(x.astype(jnp.float16), w, gs, interpret=True)

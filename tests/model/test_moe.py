@@ -115,8 +115,11 @@ def swiglu(x, gate, up, down):
 
 
 @pytest.mark.parametrize("overrides", [{}, {"norm_topk_prob": False, "num_experts_per_tok": 3},
-                                       {"n_group": 4, "topk_group": 2}, {"n_shared_experts": 0}])
+                                       {"n_group": 4, "topk_group": 2}, {"n_shared_experts": 0},
+                                       {"moe_capacity_factor": 0.5}, {"moe_capacity_factor": 1.25}])
 def test_moe_matches_per_token_loop(overrides):
+  """With a capacity factor c the 10 tokens are one dispatch group: each expert takes its first
+  ceil(c * 10 * K / E) (token, slot) pairs in token order and the rest are dropped (and counted)."""
   cfg = CFG.replace(**overrides)
   moe = make_moe(cfg)
   x = np.random.default_rng(1).standard_normal((2, 5, 16)).astype(np.float32)
@@ -128,14 +131,20 @@ def test_moe_matches_per_token_loop(overrides):
   want_y = np.zeros((2, 5, 16))
   want_counts = np.zeros((2, 8), int)
   want_probs = np.zeros((2, 8))
+  cap = math.ceil(cfg.moe_capacity_factor * 10 * cfg.num_experts_per_tok / 8) if cfg.moe_capacity_factor else 10**9
+  taken, dropped = np.zeros(8, int), 0
   for b in range(2):
     for t in range(5):
       xt = x[b, t].astype(np.float64)
       logits = xt @ p["router"]
       w, idx = route_numpy(logits, bias, cfg)
       for wk, e in zip(w, idx):
-        want_y[b, t] += wk * swiglu(xt, p["gate_proj"][e], p["up_proj"][e], p["down_proj"][e])
         want_counts[b, e] += 1
+        if taken[e] == cap:
+          dropped += 1
+          continue
+        taken[e] += 1
+        want_y[b, t] += wk * swiglu(xt, p["gate_proj"][e], p["up_proj"][e], p["down_proj"][e])
       if cfg.n_shared_experts:
         sh = moe.shared_experts
         want_y[b, t] += swiglu(xt, *(np.asarray(v[...], np.float64) for v in (sh.gate_proj, sh.up_proj, sh.down_proj)))
@@ -145,6 +154,17 @@ def test_moe_matches_per_token_loop(overrides):
   np.testing.assert_array_equal(np.asarray(stats["expert_counts"]), want_counts)
   np.testing.assert_allclose(np.asarray(stats["expert_probs"]), want_probs, rtol=1e-5)
   assert want_counts.sum() == 2 * 5 * cfg.num_experts_per_tok
+  if cfg.moe_capacity_factor:
+    assert dropped > 0 and int(stats["expert_dropped"]) == dropped, (dropped, stats["expert_dropped"])
+  else:
+    assert "expert_dropped" not in stats
+
+
+@pytest.mark.parametrize("factor", [0.1, 1 / 3 - 1e-3, -1.0, True, "1.0"])
+def test_capacity_factor_below_one_over_k_is_named(factor):
+  with pytest.raises(ValueError, match=r"moe_capacity_factor=.* is invalid; 0 \(dropless\) or a number >= "
+                                       r"1 / num_experts_per_tok = 0.3333"):
+    CFG.replace(num_experts_per_tok=3, moe_capacity_factor=factor)
 
 
 def test_gradient_reaches_only_selected_experts_and_never_the_bias():

@@ -1,14 +1,14 @@
 """Expert parallelism (moe_parallel.expert_parallel_ffn) against the one-device dropless MoE (moe.grouped_ffn):
 outputs and gradients on 8 simulated CPU devices for several meshes and routings, including every pair sent to one
-expert, and the compiled program really exchanging tokens with an all-to-all.
+expert, and the compiled program really exchanging tokens with an all-to-all; with a capacity factor, outputs
+and dropped counts against a numpy loop over each dispatch group.
 
-The checks need 8 devices. tests/conftest.py asks for them before jax is imported; when this process has fewer
-(jax initialised earlier with other flags), each check reruns this file as a script in a subprocess with
-XLA_FLAGS set, and the test asserts on the JSON it prints."""
+The checks need 8 devices; when this process has fewer, each check reruns this file as a script in a subprocess
+with 8 simulated devices (tests/helpers.py: run_on_simulated_devices), and the test asserts on the JSON it
+prints."""
 
 import json
-import os
-import subprocess
+import math
 import sys
 
 import jax
@@ -19,9 +19,11 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from glm_jax.model.grouped_ffn import grouped_ffn
 from glm_jax.model.moe_parallel import expert_parallel_ffn, expert_parallel_specs
+from tests.helpers import run_on_simulated_devices
 
 N, D, I, E, K = 64, 16, 8, 16, 3
 TOL = 1e-5
+CAPACITY = 1.0  # cap = ceil(G * K / E) pairs an expert for a dispatch group of G tokens
 
 # name -> (axis sizes, axis names, sharding of the expert weights' D axis before the call)
 MESHES = {
@@ -71,8 +73,8 @@ def check(name: str) -> dict:
   sx, sw, sct = put(x, specs["x"]), put(w, specs["w"]), put(ct, specs["y"])
   sg, su, sd = put(gate, specs["gate"]), put(up, specs["up"]), put(down, specs["down"])
 
-  ep = lambda x, w, i, g, u, d: expert_parallel_ffn(x, w, i, g, u, d, jnp.float32, mesh=mesh)
-  ref = lambda x, w, i, g, u, d: grouped_ffn(x, w, i, g, u, d, jnp.float32)
+  ep = lambda x, w, i, g, u, d: expert_parallel_ffn(x, w, i, g, u, d, jnp.float32, mesh=mesh)[0]
+  ref = lambda x, w, i, g, u, d: grouped_ffn(x, w, i, g, u, d, jnp.float32)[0]
   ep_fn = jax.jit(lambda *a: value_and_grads(ep, *a))
   ref_fn = jax.jit(lambda *a: value_and_grads(ref, *a))
 
@@ -92,21 +94,51 @@ def check(name: str) -> dict:
   out["has_all_to_all"] = "all-to-all" in hlo  # also matches ragged-all-to-all
 
   # bf16: equal to grouped_ffn in bf16 up to bf16 rounding (rows travel in bf16)
-  y16 = jax.jit(lambda *a: expert_parallel_ffn(*a, jnp.bfloat16, mesh=mesh))(sx, sw, idx, sg, su, sd)
-  y16_ref = grouped_ffn(x, w, idxs["random"], gate, up, down, jnp.bfloat16)
+  y16 = jax.jit(lambda *a: expert_parallel_ffn(*a, jnp.bfloat16, mesh=mesh)[0])(sx, sw, idx, sg, su, sd)
+  y16_ref = grouped_ffn(x, w, idxs["random"], gate, up, down, jnp.bfloat16)[0]
   out["bf16_rel_error"] = float(np.max(np.abs(np.asarray(y16, np.float32) - np.asarray(y16_ref, np.float32)))
                                 / np.max(np.abs(np.asarray(y16_ref, np.float32))))
+  out["capacity"] = capacity_check(mesh, (sx, sw, sg, su, sd), idxs, put, specs)
+  return out
+
+
+def capacity_reference(x, w, idx, gate, up, down, group: int, cap: int):
+  """numpy float64: each block of `group` consecutive tokens is one dispatch group, in which every expert takes its
+  first `cap` (token, slot) pairs in token order; returns (y [N, D], pairs dropped)."""
+  x, w, gate, up, down = (np.asarray(a, np.float64) for a in (x, w, gate, up, down))
+  y, dropped = np.zeros_like(x), 0
+  for start in range(0, N, group):
+    taken = np.zeros(E, int)
+    for n in range(start, start + group):
+      for k, e in enumerate(np.asarray(idx)[n]):
+        if taken[e] == cap:
+          dropped += 1
+          continue
+        taken[e] += 1
+        a = x[n] @ gate[e]
+        y[n] += w[n, k] * ((a / (1 + np.exp(-a)) * (x[n] @ up[e])) @ down[e])
+  return y, dropped
+
+
+def capacity_check(mesh, args, idxs, put, specs) -> dict:
+  """With capacity factor CAPACITY: max |y - numpy| and the dropped counts, per routing. A dispatch group is the
+  tokens of the P devices along `expert` (P = 1 without one), consecutive in N as the token axes split it."""
+  names = mesh.axis_names
+  shards = math.prod(mesh.shape[a] for a in ("data", "fsdp", "expert") if a in names)
+  group = N // shards * (mesh.shape["expert"] if "expert" in names else 1)
+  cap = math.ceil(CAPACITY * group * K / E)
+  fn = jax.jit(lambda *a: expert_parallel_ffn(*a, jnp.float32, mesh=mesh, capacity_factor=CAPACITY))
+  out = {}
+  for routing in ("random", "all_to_expert_0"):
+    y, dropped = fn(*args[:2], put(idxs[routing], specs["idx"]), *args[2:])
+    want_y, want_dropped = capacity_reference(*args[:2], idxs[routing], *args[2:], group, cap)
+    out[routing] = {"y_error": float(np.max(np.abs(np.asarray(y) - want_y))), "scale": float(np.abs(want_y).max()),
+                    "dropped": int(dropped), "want_dropped": want_dropped}
   return out
 
 
 def run_check(name: str) -> dict:
-  if jax.device_count() >= 8:
-    return check(name)
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-  proc = subprocess.run([sys.executable, os.path.abspath(__file__), name], env=env, capture_output=True, text=True,
-                        timeout=300, cwd=os.path.dirname(os.path.abspath(__file__)))
-  assert proc.returncode == 0, proc.stderr[-4000:]
-  return json.loads(proc.stdout.strip().splitlines()[-1])
+  return check(name) if jax.device_count() >= 8 else run_on_simulated_devices(__file__, name)
 
 
 @pytest.mark.parametrize("name", list(MESHES))
@@ -121,12 +153,16 @@ def test_expert_parallel_equals_grouped_ffn(name):
   has_expert_axis = "expert" in MESHES[name][1]
   assert result["has_all_to_all"] == has_expert_axis, result["has_all_to_all"]
   assert result["bf16_rel_error"] < 2e-2, result["bf16_rel_error"]
+  for routing, got in result["capacity"].items():
+    assert got["dropped"] == got["want_dropped"] > 0, (routing, got)
+    assert got["y_error"] <= TOL * max(1.0, got["scale"]), (name, routing, got)
 
 
 def test_errors_name_the_sizes():
   mesh = jax.make_mesh((1,), ("expert",), axis_types=(AxisType.Auto,), devices=jax.devices()[:1])
   x, w, gate, up, down, _, idxs = inputs()
-  ffn = lambda x, w, g, u, d, m: expert_parallel_ffn(x, w, idxs["random"][:x.shape[0]], g, u, d, jnp.float32, mesh=m)
+  ffn = lambda x, w, g, u, d, m: expert_parallel_ffn(x, w, idxs["random"][:x.shape[0]], g, u, d, jnp.float32,
+                                                     mesh=m)[0]
   if jax.device_count() >= 3:
     mesh3 = jax.make_mesh((3,), ("expert",), axis_types=(AxisType.Auto,), devices=jax.devices()[:3])
     with pytest.raises(ValueError, match="n_routed_experts=16 must divide over mesh axis 'expert' of size 3"):
@@ -135,7 +171,7 @@ def test_errors_name_the_sizes():
       ffn(x, w, gate, up, down, mesh3)
   # an expert axis of size 1 is grouped_ffn
   np.testing.assert_allclose(ffn(x, w, gate, up, down, mesh),
-                             grouped_ffn(x, w, idxs["random"], gate, up, down, jnp.float32), atol=TOL)
+                             grouped_ffn(x, w, idxs["random"], gate, up, down, jnp.float32)[0], atol=TOL)
 
 
 if __name__ == "__main__":  # the subprocess of run_check
