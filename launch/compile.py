@@ -18,9 +18,15 @@ allocated and no TPU is needed. Prints one JSON line:
   compiled_flops_per_step       XLA's FLOP count of the compiled program per chip x chips, at full depth: XLA
                       counts a loop body (a scanned layer stack) once, so with --flops this comes from unrolled
                       compiles of shallow copies, extrapolated to full depth; xla_flops_per_device_loop_bodies_once
-                      is the scanned program's own figure
+                      is the scanned program's own figure. A Pallas kernel counts as the cost it declares
+                      (megablox: its whole static buffer), so "cost" below is the figure to read.
   analytic_flops_per_step       6 N P + attention (glm_jax/train/flops.py), Muon's Newton-Schulz apart in
                       analytic_optimizer_flops_per_step; compiled_over_analytic divides by their sum
+  cost                with --flops (aot.cost_report, glm_jax/sharding/hlo_cost.py): the compiled TPU program op by
+                      op (matmul FLOPs, HBM bytes, ICI bytes; the grouped-matmul kernels as their grids run) for
+                      "balanced" and "hot" routing: per MoE and dense layer against the analytic FLOPs, the ops
+                      that cost most per layer, the full step's roofline time and MFU, and a linearity check of
+                      the depth extrapolation against one more compiled layer
   lower_seconds, compile_seconds
 Exit status 0 when it fits, 1 when it does not, 2 on bad input.
 """
@@ -35,8 +41,9 @@ from ml_collections import config_flags
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file.", lock_config=True)
 _TOPOLOGY = flags.DEFINE_string("topology", None, "TPU slice: v5p:8x8x8, v5p-1024, v6e:16x16, v5e-256, ...")
 _NUM_SLICES = flags.DEFINE_integer("num_slices", 1, "Slices joined by DCN (multislice); the mesh spans all.")
-_FLOPS = flags.DEFINE_bool("flops", False, "Also count the compiled step's FLOPs at full depth (three more, "
-                           "shallow, unrolled compiles; aot.extrapolated_flops; minutes for glm5_744b).")
+_FLOPS = flags.DEFINE_bool("flops", False, "Also count the compiled step's cost at full depth: FLOPs, bytes, a "
+                           "roofline time and MFU (four more, shallow, unrolled compiles; aot.cost_report; minutes "
+                           "for glm5_744b).")
 
 
 def main(argv):
@@ -60,7 +67,10 @@ def main(argv):
     devices = topology.tpu_topology_devices(topo.name, num_slices=_NUM_SLICES.value)
     topology_seconds = time.perf_counter() - t0
     result = aot.compile_train_step(config, devices)
-    flops = aot.extrapolated_flops(config, devices) if _FLOPS.value and result.compiled is not None else None
+    flops = cost = None
+    if _FLOPS.value and result.compiled is not None:
+      depths = aot.compile_depths(config, devices, linearity=True)
+      flops, cost = aot.extrapolated_flops(config, devices, depths), aot.cost_report(config, devices, depths)
   except (ValueError, ModuleNotFoundError) as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
@@ -69,6 +79,8 @@ def main(argv):
   report = {"topology": topo.name, "num_slices": _NUM_SLICES.value, "chips": len(devices),
             "device_kind": devices[0].device_kind}
   report.update(aot.step_report(config, result, flops))
+  if cost is not None:
+    report["cost"] = cost
   report["topology_seconds"] = round(topology_seconds, 1)
   usable = topology.HBM_USABLE_BYTES[gen]
   report["hbm_bytes"] = topology.HBM_BYTES[gen]

@@ -365,6 +365,34 @@ def lightning_indexer_topk(q_BTHD: jax.Array, k_BSD: jax.Array, w_BTH: jax.Array
                        causal=bool(causal), block_sizes=block_sizes, interpret=interpret)
 
 
+def _indexer_cost(*, b: int, t_pad: int, s_pad: int, num_heads: int, dim: int, kp: int, block_q: int, block_k: int,
+                  itemsize: int, has_segments: bool) -> pl.CostEstimate:
+  """What the grid (b, n_q = t_pad / block_q, n_k = s_pad / block_k) statically runs, for XLA's cost model.
+
+  flops: the MXU products only, 2 * H * D * block_q * block_k per tile (one [block_k, D] @ [D, block_q] a head),
+    for every tile the grid visits, padded queries and keys included: 2 * b * H * D * t_pad * s_pad. The causal
+    skip (pl.when on s0 <= t0 + block_q - 1 + q_offset) depends on q_offset, a runtime scalar, so it is not
+    subtracted: an upper bound for causal calls (exact for non-causal ones). Not counted: the VPU's relu / scale /
+    add of the scores and the bitonic network's integer compare-exchanges (not FLOPs of a product; the network
+    is data-dependent too: it runs only for tiles with a key that enters the running top-k).
+  transcendentals: none.
+  bytes_accessed (HBM): each input block once per grid step at which its block index changes, the key axis
+    innermost: q [H, D, block_q] (itemsize) and w [H, block_q] fp32 (and the query segment ids, int32) once per
+    (batch, query block), i.e. once in all; the key block [block_k, D] (and its segment ids, int32) at every step
+    when n_k > 1 (b * n_q * s_pad rows), once per batch element when n_k == 1 (its index never changes). Causal
+    index maps repeat the last needed key block past the diagonal, which skips those copies, but where the
+    diagonal lies depends on q_offset: counted as if every key block were needed (upper bound). The two outputs
+    [block_q, Kp] (int32 and fp32) written once per (batch, query block). Plus the 4-byte scalar q_offset.
+  """
+  n_q, n_k = t_pad // block_q, s_pad // block_k
+  key_fetches = b * (n_q * n_k if n_k > 1 else 1)
+  flops = 2 * b * num_heads * dim * t_pad * s_pad
+  q_w = b * t_pad * (num_heads * dim * itemsize + num_heads * 4 + (4 if has_segments else 0))
+  keys = key_fetches * block_k * (dim * itemsize + (4 if has_segments else 0))
+  outputs = 2 * b * t_pad * kp * 4
+  return pl.CostEstimate(flops=int(flops), transcendentals=0, bytes_accessed=int(q_w + keys + outputs + 4))
+
+
 @functools.partial(jax.jit, static_argnames=("topk", "causal", "block_sizes", "interpret"))
 def _indexer_topk(q_BTHD, k_BSD, w_BTH, q_segment_ids, kv_segment_ids, q_offset_1, *, topk, causal, block_sizes,
                   interpret):
@@ -429,6 +457,8 @@ def _indexer_topk(q_BTHD, k_BSD, w_BTH, q_segment_ids, kv_segment_ids, q_offset_
       out_shape=[jax.ShapeDtypeStruct((b, t_pad, kp), jnp.int32), jax.ShapeDtypeStruct((b, t_pad, kp), jnp.float32)],
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"),
                                            vmem_limit_bytes=vmem_limit(vmem_bytes)),
+      cost_estimate=_indexer_cost(b=b, t_pad=t_pad, s_pad=s_pad, num_heads=num_heads, dim=dim, kp=kp,
+                                  block_q=block_q, block_k=block_k, itemsize=itemsize, has_segments=has_segments),
       interpret=interpret,
   )(q_offset_1, *args)
   return idx_BTK[:, :t_len, :topk], val_BTK[:, :t_len, :topk]

@@ -332,6 +332,43 @@ def _vmem_limit(lay: _Layout, extra_bytes: int) -> int:
   return vmem_limit(blocks + scratch + extra_bytes)
 
 
+# Cost estimates (pl.CostEstimate: XLA sees nothing inside a Pallas kernel otherwise). Every kernel runs the same
+# grid (B, T_pad / block_t) and, per grid step, all block_t * Kp / block_kv key blocks of its queries: every count
+# below is per selected-key slot of the padded [B, T_pad, Kp] index array (padding slots hold -1 but still run
+# their matmuls on a gathered row 0 and are masked), so the FLOPs and transcendentals are exact, not bounds.
+# flops are the MXU products only (2 x result elements x contracted size), not the VPU's elementwise work.
+
+
+def _slots(lay: _Layout) -> int:
+  """Selected-key slots the grid visits: B * T_pad * Kp."""
+  return lay.b * lay.t_pad * lay.kp
+
+
+def _common_bytes(lay: _Layout) -> int:
+  """HBM bytes every kernel moves the same way: the indices twice (the SMEM block and the VMEM validity block,
+  [block_t, Kp] int32 each, once per grid step), q's parts once ([block_t, H, D] in all, MXU dtype), and the kv
+  gather: one DMA of one row per slot, -1 slots included (they fetch row 0): D * 2 bytes a row packed (bf16 pairs
+  in int32 words), D * 4 in fp32."""
+  kv_row = lay.dim * (2 if lay.packed else 4)
+  return (2 * _slots(lay) * 4 + lay.b * lay.t_pad * lay.heads * lay.dim * lay.dtype.itemsize
+          + _slots(lay) * kv_row)
+
+
+def _forward_cost(lay: _Layout, out_dtype) -> pl.CostEstimate:
+  """flops: per (query, key block) 2 * H * block_kv * (D + v): the scores q kv^T (D contracted) and p kv[:, :v]
+  (block_kv contracted); in all 2 * B * T_pad * H * Kp * (D + v).
+  transcendentals: per (query, key block) H * block_kv exps of the scores and H of the rescale factor alpha; per
+  query H logs for lse: B * T_pad * H * (Kp + Kp / block_kv + 1).
+  bytes_accessed: _common_bytes, plus the outputs written once per block: o [B, T_pad, H, v] in q's dtype and
+  lse [B, T_pad, H] fp32."""
+  per_query = lay.b * lay.t_pad * lay.heads
+  nkb = lay.kp // lay.block_kv
+  return pl.CostEstimate(
+      flops=int(2 * _slots(lay) * lay.heads * (lay.dim + lay.v_dim)),
+      transcendentals=int(per_query * (lay.kp + nkb + 1)),
+      bytes_accessed=int(_common_bytes(lay) + per_query * (lay.v_dim * jnp.dtype(out_dtype).itemsize + 4)))
+
+
 def _forward(q, kv, idx, *, sm_scale, v_dim, blocks, interpret, out_dtype):
   lay = _layout(q, kv, idx, v_dim, blocks)
   idx_smem, idx_vmem = _indices(idx, lay)
@@ -349,6 +386,7 @@ def _forward(q, kv, idx, *, sm_scale, v_dim, blocks, interpret, out_dtype):
                       pltpu.VMEM((lay.heads, v_dim), jnp.float32)],
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel"),
                                            vmem_limit_bytes=_vmem_limit(lay, 0)),
+      cost_estimate=_forward_cost(lay, out_dtype),
       interpret=interpret,
   )(idx_smem, idx_vmem, *q_parts, _kv_words(kv, lay))
   return o[:, :lay.t_len], lse[:, :lay.t_len]
@@ -385,6 +423,17 @@ def sparse_attention_head_probs(q_BTHD: jax.Array, kv_BSD: jax.Array, idx_BTK: j
                      blocks=block_sizes or SparseAttentionBlockSizes(), interpret=interpret)
 
 
+def _head_probs_cost(lay: _Layout) -> pl.CostEstimate:
+  """flops: the scores only, 2 * H * block_kv * D per (query, key block): 2 * B * T_pad * H * Kp * D.
+  transcendentals: one exp a score: B * T_pad * H * Kp.
+  bytes_accessed: _common_bytes, plus lse [B, T_pad, H] fp32 read once, and the output [B, T_pad, Kp] fp32
+  written once."""
+  return pl.CostEstimate(
+      flops=int(2 * _slots(lay) * lay.heads * lay.dim),
+      transcendentals=int(_slots(lay) * lay.heads),
+      bytes_accessed=int(_common_bytes(lay) + lay.b * lay.t_pad * lay.heads * 4 + _slots(lay) * 4))
+
+
 @functools.partial(jax.jit, static_argnames=("sm_scale", "blocks", "interpret"))
 def _head_probs(q, kv, idx, lse, *, sm_scale, blocks, interpret):
   lay = _layout(q, kv, idx, q.shape[-1], blocks)
@@ -401,6 +450,7 @@ def _head_probs(q, kv, idx, lse, *, sm_scale, blocks, interpret):
       scratch_shapes=[_kv_buf_shape(lay), pltpu.SemaphoreType.DMA((2,))],
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel"),
                                            vmem_limit_bytes=_vmem_limit(lay, 0)),
+      cost_estimate=_head_probs_cost(lay),
       interpret=interpret,
   )(idx_smem, idx_vmem, *_q_parts(q, lay), _pad_t(lse, lay, -jnp.inf), _kv_words(kv, lay))
   return p.reshape(lay.b, lay.t_pad, lay.kp)[:, :lay.t_len, :idx.shape[-1]]
@@ -482,6 +532,28 @@ def _bwd_kernel(*refs, lay: _Layout, sm_scale: float):
   _loop_blocks(lay, body, idx_ref, kv_hbm, kv_buf, sem)
 
 
+def _backward_cost(lay: _Layout, q_dtype, k_len: int) -> pl.CostEstimate:
+  """flops: per (query, key block) 2 * H * block_kv * (3 D + 2 v): the scores recomputed (D contracted), dp = do
+  kv[:, :v]^T (v), dq += ds kv (block_kv contracted, D wide), dkv's key part ds^T q (H contracted, D wide) and
+  value part p^T do (H contracted, v wide); in all 2 * B * T_pad * H * Kp * (3 D + 2 v).
+  transcendentals: one exp a score (p from lse): B * T_pad * H * Kp.
+  bytes_accessed: _common_bytes; the full q once more when packed (dkv's key part needs it unsplit); do
+  [B, T_pad, H, v] (MXU dtype), lse and delta [B, T_pad, H] fp32, each read once; dq [B, T_pad, H, D] in q's dtype
+  written once; and the dkv read-modify-write, one fp32 row of D read and written back per valid slot. The kernel
+  skips it (pl.when) for -1 slots: the padding slots (t >= T, k >= K) never do it and are not counted; which of
+  the B * T * K real slots are -1 is data, so all of them are counted (an upper bound, exact for a full top-k)."""
+  per_query = lay.b * lay.t_pad * lay.heads
+  itemsize = lay.dtype.itemsize
+  q_full = per_query * lay.dim * itemsize if lay.packed else 0
+  reads = q_full + per_query * (lay.v_dim * itemsize + 4 + 4)
+  dq = per_query * lay.dim * jnp.dtype(q_dtype).itemsize
+  dkv_rmw = 2 * lay.b * lay.t_len * k_len * lay.dim * 4
+  return pl.CostEstimate(
+      flops=int(2 * _slots(lay) * lay.heads * (3 * lay.dim + 2 * lay.v_dim)),
+      transcendentals=int(_slots(lay) * lay.heads),
+      bytes_accessed=int(_common_bytes(lay) + reads + dq + dkv_rmw))
+
+
 def _backward(q, kv, idx, o, lse, do, dlse, *, sm_scale, v_dim, blocks, interpret):
   lay = _layout(q, kv, idx, v_dim, blocks)
   idx_smem, idx_vmem = _indices(idx, lay)
@@ -512,6 +584,7 @@ def _backward(q, kv, idx, o, lse, do, dlse, *, sm_scale, v_dim, blocks, interpre
                      + [pltpu.VMEM((lay.heads, lay.part_dim), jnp.float32)] * lay.n_parts,
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
                                            vmem_limit_bytes=_vmem_limit(lay, 2 * lay.block_kv * lay.dim * 4)),
+      cost_estimate=_backward_cost(lay, q.dtype, idx.shape[-1]),
       interpret=interpret,
   )(*args)
   dq = dq_parts[0]

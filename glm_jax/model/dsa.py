@@ -1,4 +1,5 @@
-"""DSA's two steps, routed by `attention_impl`: the indexer's top-k selection and sparse attention over it.
+"""DSA's two steps, routed by `attention_impl`: the indexer's top-k selection and sparse attention over it; and
+the dense stage's causal attention (`dense_causal_attend`: jax's splash kernel, glm_jax/model/splash.py).
 
   "reference": the pure-jnp oracles in pallas_kernels/*_reference.py (they build the indexer's [T, S] scores).
   "pallas":    the Pallas kernels (pallas_kernels/lightning_indexer.py, sparse_mla_attention.py): nothing [T, S].
@@ -30,6 +31,7 @@ from absl import logging
 from jax.sharding import PartitionSpec as P
 
 from glm_jax.mesh_axes import BATCH_AXES, TENSOR
+from glm_jax.model import splash
 from glm_jax.model.platform import current_platform
 from pallas_kernels import lightning_indexer, lightning_indexer_reference, sparse_mla_attention
 from pallas_kernels import sparse_mla_attention_reference
@@ -114,6 +116,21 @@ def attend(impl: str, q_BTHA: jax.Array, kv_BSA: jax.Array, idx_BTK: jax.Array, 
   return jax.shard_map(kernel, in_specs=(_spec(batch, None, heads, None), _spec(batch), _spec(batch)),
                        out_specs=(_spec(batch, None, heads, None), _spec(batch, None, heads)),
                        check_vma=False)(q_BTHA, kv_BSA, idx_BTK)
+
+
+def dense_causal_attend(q_BTHP: jax.Array, k_BTHP: jax.Array, v_BTHO: jax.Array, segment_ids_BT: jax.Array | None,
+                        *, sm_scale: float, interpret: bool) -> jax.Array:
+  """The dense stage's causal MHA with the splash kernel (glm_jax/model/splash.py): o [B, T, H, O]; batch and heads
+  split over the mesh as for `attend`. For attention_impl "pallas" where kernel_mode is not "reference"."""
+  kernel = functools.partial(splash.causal_attention, sm_scale=sm_scale, interpret=interpret)
+  batch = _batch_axes(q_BTHP.shape[0])
+  heads = _split_axes(q_BTHP.shape[2], (TENSOR,)) or None
+  seg = jnp.zeros(q_BTHP.shape[:2], jnp.int32) if segment_ids_BT is None else segment_ids_BT
+  if not batch and not heads:
+    return kernel(q_BTHP, k_BTHP, v_BTHO, seg)
+  qkv = _spec(batch, None, heads, None)
+  return jax.shard_map(kernel, in_specs=(qkv, qkv, qkv, _spec(batch)), out_specs=qkv,
+                       check_vma=False)(q_BTHP, k_BTHP, v_BTHO, seg)
 
 
 def head_probs(impl: str, q_BTHA: jax.Array, kv_BSA: jax.Array, idx_BTK: jax.Array, lse_BTH: jax.Array, *,

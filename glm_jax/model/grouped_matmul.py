@@ -5,7 +5,7 @@
 `grouped_matmul` picks the implementation for the backend being traced for (glm_jax/model/platform.py):
   tpu:    `megablox_grouped_matmul`: jax's Pallas grouped matmul for TPU (jax.experimental.pallas.ops.tpu.megablox,
           gmm forward and for dx, tgmm for dw). Its grid's row dimension is traced: only the row tiles that hold
-          real rows run (at most ceil(real rows / 128) + groups - 1 of them), however large the static buffer.
+          real rows run (at most ceil(real rows / 256) + groups - 1 of them), however large the static buffer.
           Chosen over the tokamax package's ragged dot by compiling both for v5p (issue 13's note): tokamax's TPU
           kernel is a fork of the same megablox code with the same compiled size, and megablox ships with jax.
   cpu:    `tiled_grouped_matmul`. XLA:CPU lowers ragged_dot by multiplying every row by every group's weight and
@@ -30,7 +30,17 @@ from jax.experimental.pallas.ops.tpu.megablox.gmm import gmm as megablox_gmm, ma
 from glm_jax.model.platform import current_platform
 
 CPU_TILE = 128  # rows a tile on CPU (tests/model/test_grouped_matmul.py covers sizes around it)
-TPU_TILING = (128, 128, 128)  # megablox (rows, in, out) tile; the row tile bounds the padding at a group boundary
+TPU_ROW_TILE = 256  # megablox's row tile: bounds the padding at a group boundary (< 256 rows a group)
+TPU_MAX_TILE = 1024  # megablox's in / out tiles: whole dims up to this (fewer re-reads of each operand tile)
+
+
+def tpu_tiling(k: int, n: int) -> tuple[int, int, int]:
+  """megablox's (rows, in, out) tiles for a [rows, k] x [k, n] grouped matmul, the same for its dx ([rows, n] x
+  [n, k]) and dw calls: in and out tiles of min(1024, max(k, n) rounded up to 128). With 128^3 tiles (megablox's
+  default) the glm5_744b expert matmuls re-read their operand tiles so often that they are HBM-bound (0.043 s a
+  MoE layer in the v5p roofline against 0.016 s of FLOPs)."""
+  t = min(TPU_MAX_TILE, -(-max(k, n) // 128) * 128)
+  return TPU_ROW_TILE, t, t
 
 
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
@@ -46,13 +56,14 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
 
 def megablox_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
                             preferred_element_type: jnp.dtype = jnp.float32, *,
-                            tiling: tuple[int, int, int] = TPU_TILING, interpret: bool = False) -> jax.Array:
+                            tiling: tuple[int, int, int] | None = None, interpret: bool = False) -> jax.Array:
   """ragged_dot's result with megablox's gmm / tgmm kernels; interpret=True runs them in Pallas interpret mode (any
   backend). The rows are padded to a whole number of row tiles; rows past the groups, which the kernels leave
   unwritten (in y and in dx), are set to 0."""
   if x.dtype not in (jnp.bfloat16, jnp.float32) or w.dtype not in (jnp.bfloat16, jnp.float32):
     raise ValueError(f"megablox_grouped_matmul: x {x.dtype} and w {w.dtype}; the kernel takes bfloat16 or float32")
   rows = x.shape[0]
+  tiling = tiling or tpu_tiling(x.shape[1], w.shape[2])
   pad = -rows % tiling[0]
   y = _megablox(jnp.pad(x, ((0, pad), (0, 0))), w, group_sizes.astype(jnp.int32),
                 jnp.dtype(preferred_element_type), tuple(tiling), interpret)
@@ -191,8 +202,9 @@ def _summed_like(ct: jax.Array, primal: jax.Array) -> jax.Array:
 tiled_grouped_matmul.defvjp(_fwd, _bwd)
 
 
-def megablox_grid_cost(kernel: str, m: int, k: int, n: int, group_sizes, *, tiling: tuple[int, int, int] = TPU_TILING,
-                       in_bytes: int = 2, out_bytes: int = 4) -> tuple[float, float]:
+def megablox_grid_cost(kernel: str, m: int, k: int, n: int, group_sizes, *,
+                       tiling: tuple[int, int, int] | None = None, in_bytes: int = 2, out_bytes: int = 4
+                       ) -> tuple[float, float]:
   """(FLOPs, HBM bytes) of one megablox call as its grid runs for these group sizes (a host-side count, for cost
   reports; megablox's own cost_estimate assumes every row of the static buffer is real).
 
@@ -202,7 +214,7 @@ def megablox_grid_cost(kernel: str, m: int, k: int, n: int, group_sizes, *, tili
   tm x tk x tn tile product, padding included. Bytes: every step reads its lhs and rhs tiles (an rhs tile only
   once per run of one group when k is a single tile, as Pallas skips re-fetching an unchanged block), and each
   output tile is written once per visit."""
-  tm, tk, tn = tiling
+  tm, tk, tn = tiling or tpu_tiling(k, n)
   group_sizes = jnp.asarray(group_sizes, jnp.int32)
   _, tiles = make_group_metadata(group_sizes=group_sizes, m=-(-m // tm) * tm, tm=tm, start_group=0,
                                  num_nonzero_groups=group_sizes.shape[0], visit_empty_groups=kernel == "tgmm")

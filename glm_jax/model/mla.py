@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from glm_jax.model import dsa
+from glm_jax.model import dsa, splash
 from glm_jax.model.config import ModelConfig
 from glm_jax.model.indexer import Indexer
 from glm_jax.model.kv_cache import LayerCache
@@ -66,13 +66,22 @@ class MLA(nnx.Module):
     k_rope_BTR = apply_rope(kv_BTA[..., cfg.kv_lora_rank:], inp.cos, inp.sin, cfg.rope_interleave)
     return cq_BTQ, q_nope, q_rope, ckv_BTC, k_rope_BTR
 
+  def mha_qkv(self, q_nope, q_rope, ckv_BSC, k_rope_BSR) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """MHA form's per-head operands: q [B, T, H, P] = [q_nope ; q_rope], k [B, S, H, P] = [k_nope ; k_rope] (the
+    shared rope key broadcast to every head) and v [B, S, H, O], k_nope and v expanded from the latent."""
+    kv_up = dense(ckv_BSC, self.kv_b_proj, self.dtype, "bsr,rhk->bshk")
+    k_nope, v_BSHO = kv_up[..., :self.cfg.qk_nope_head_dim], kv_up[..., self.cfg.qk_nope_head_dim:]
+    k_rope = jnp.broadcast_to(k_rope_BSR[:, :, None], k_nope.shape[:3] + k_rope_BSR.shape[-1:]).astype(k_nope.dtype)
+    return (jnp.concatenate([q_nope, q_rope], axis=-1), jnp.concatenate([k_nope, k_rope], axis=-1), v_BSHO)
+
   def mha_probs(self, q_nope, q_rope, ckv_BSC, k_rope_BSR, mask_BTS) -> tuple[jax.Array, jax.Array]:
     """MHA form up to the softmax: (p [B, H, T, S] fp32, v [B, S, H, v_head_dim])."""
     cfg = self.cfg
-    kv_up = dense(ckv_BSC, self.kv_b_proj, self.dtype, "bsr,rhk->bshk")
-    k_nope, v_BSHO = kv_up[..., :cfg.qk_nope_head_dim], kv_up[..., cfg.qk_nope_head_dim:]
-    s_BHTS = (jnp.einsum("bthk,bshk->bhts", q_nope, k_nope, preferred_element_type=jnp.float32)
-              + jnp.einsum("bthk,bsk->bhts", q_rope, k_rope_BSR, preferred_element_type=jnp.float32))
+    q_BTHP, k_BSHP, v_BSHO = self.mha_qkv(q_nope, q_rope, ckv_BSC, k_rope_BSR)
+    # One score einsum over [nope ; rope] with the rope key broadcast to every head: the same products as
+    # q_nope.k_nope + q_rope.k_rope, one [B, H, T, S] pass, and no dot contracting (h, t) in the backward (the
+    # shared rope key's gradient), which XLA:CPU computes through transposed copies of [B, H, T, S] arrays.
+    s_BHTS = jnp.einsum("bthk,bshk->bhts", q_BTHP, k_BSHP, preferred_element_type=jnp.float32)
     s_BHTS = jnp.where(mask_BTS[:, None], s_BHTS * cfg.softmax_scale, -jnp.inf)
     return _safe_softmax(s_BHTS), v_BSHO
 
@@ -150,6 +159,13 @@ class MLA(nnx.Module):
           vals_BTK = dsa.selected_index_scores(q_i, k_i, w_i, idx_BTK)
         p_BTK = dsa.head_probs(impl, q_BTHA, kv_BSA, idx_BTK, lse_BTH, sm_scale=cfg.softmax_scale)
         aux["indexer_kl"] = indexer_kl(p_BTK, vals_BTK, idx_BTK >= 0)
+    elif (form == "mha" and not indexer_loss and dsa.kernel_mode(cfg.attention_impl) != "reference"
+          and splash.fits(seq_len)):
+      # The dense stage on TPU (CPU: interpret mode): splash attention skips the blocks above the diagonal.
+      # Sequences no block size divides (short prompts, odd lengths) take the reference below: same values.
+      o_BTHO = dsa.dense_causal_attend(*self.mha_qkv(q_nope, q_rope, ckv_BTC, k_rope_BTR), inp.segment_ids,
+                                       sm_scale=cfg.softmax_scale,
+                                       interpret=dsa.kernel_mode(cfg.attention_impl) == "interpret")
     elif form == "mha":
       p_BHTS, v_BSHO = self.mha_probs(q_nope, q_rope, ckv_BTC, k_rope_BTR, inp.mask)
       o_BTHO = self._mha_out(p_BHTS, v_BSHO)
@@ -209,7 +225,9 @@ def indexer_kl(p_target_BTS: jax.Array, scores_BTS: jax.Array, valid_BTS: jax.Ar
 
 def _safe_softmax(s: jax.Array) -> jax.Array:
   """Softmax over the last axis in fp32; a row with nothing visible gives zeros, not NaN."""
-  m = jnp.max(s, axis=-1, keepdims=True)
+  # The shift m cancels in p, so its gradient is zero: stopped (as jax.nn.softmax does) rather than autodiff
+  # building the max's argmax-mask gradient, a second [.., T, S] pass that sums to zero.
+  m = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
   m = jnp.where(jnp.isneginf(m), 0.0, m)
   p = jnp.exp(s - m)
   l = jnp.sum(p, axis=-1, keepdims=True)

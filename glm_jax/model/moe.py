@@ -8,8 +8,8 @@ Group-limited routing (n_group > 1): a group's score is the sum of its top-2 bia
 in the topk_group best groups can be picked. The routed experts run dropless (grouped_ffn.py: the (token,
 slot) pairs sorted by expert, grouped matmuls over the per-expert groups: no capacity, no dropped tokens, no
 one-hot over experts; model.moe_capacity_factor > 0 bounds each expert's rows instead and counts the drops).
-Under a mesh whose "expert" axis is larger than 1, experts are split over it and tokens travel by ragged
-all-to-all (moe_parallel.expert_parallel_ffn), computing the same thing.
+Under a mesh the routed experts run in moe_parallel.expert_parallel_ffn's shard_map: with an "expert" axis larger
+than 1 the experts are split over it and tokens travel by ragged all-to-all, computing the same thing.
 """
 
 from __future__ import annotations
@@ -18,11 +18,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from glm_jax.mesh_axes import EXPERT
 from glm_jax.model.config import ModelConfig
 from glm_jax.model.grouped_ffn import grouped_ffn
 from glm_jax.model.layers import MLP, dtype_of, param
-from glm_jax.model.moe_parallel import expert_parallel_ffn
+from glm_jax.model.moe_parallel import expert_parallel_ffn, token_shards
 
 
 class ExpertBias(nnx.Variable):
@@ -74,7 +73,9 @@ class MoE(nnx.Module):
     w_NX, idx_NX, s_NE = route(logits_NE, self.e_score_correction_bias[...], cfg)
     experts = (x_ND, w_NX, idx_NX, self.gate_proj[...], self.up_proj[...], self.down_proj[...], self.dtype)
     mesh = jax.sharding.get_abstract_mesh()
-    if not mesh.empty and mesh.shape.get(EXPERT, 1) > 1:  # expert parallelism: shard_map + all-to-all
+    if not mesh.empty and mesh.size > 1 and (b * t) % token_shards(mesh) == 0:
+      # Under a mesh the experts run in a shard_map: by ragged all-to-all over an expert axis, else each device on
+      # its own tokens. (A Mosaic kernel, TPU's grouped matmul, cannot be partitioned by XLA.)
       y_ND, dropped = expert_parallel_ffn(*experts, mesh=mesh, capacity_factor=cfg.moe_capacity_factor)
     else:
       y_ND, dropped = grouped_ffn(*experts, capacity_factor=cfg.moe_capacity_factor)

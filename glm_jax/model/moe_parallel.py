@@ -68,6 +68,12 @@ def _resolved_axes(mesh: Mesh, expert_axis: str, token_axes: Sequence[str], tens
   return tokens, n_expert, tensor_axis
 
 
+def token_shards(mesh: Mesh, *, expert_axis: str = EXPERT, token_axes: Sequence[str] = BATCH_AXES) -> int:
+  """How many ways expert_parallel_ffn splits the N tokens over `mesh` (N must be a multiple)."""
+  tokens, _, _ = _resolved_axes(mesh, expert_axis, token_axes, None)
+  return math.prod(mesh.shape[a] for a in tokens)
+
+
 def expert_parallel_specs(mesh: Mesh, *, expert_axis: str = EXPERT, token_axes: Sequence[str] = BATCH_AXES,
                           tensor_axis: str | None = TENSOR) -> dict[str, P]:
   """The PartitionSpecs expert_parallel_ffn works in, by argument name (x, w, idx, gate, up, down, y).

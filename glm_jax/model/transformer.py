@@ -19,7 +19,7 @@ from flax import nnx
 
 from glm_jax.model.config import ModelConfig
 from glm_jax.model.kv_cache import KVCache, LayerCache
-from glm_jax.model.layers import MLP, Embed, RMSNorm, check_token_ids, dense, dtype_of, param, rope_angles
+from glm_jax.model.layers import MLP, Embed, RMSNorm, check_token_ids, dense, dense_fp32, dtype_of, param, rope_angles
 from glm_jax.model.mla import MLA, AttentionInputs
 from glm_jax.model.moe import MoE
 from pallas_kernels.lightning_indexer_reference import visible_mask
@@ -158,8 +158,7 @@ class GlmMoeDsa(nnx.Module):
     if self.lm_head is None:
       w = self.embed_tokens.embedding[...].astype(self.dtype)
       return jnp.einsum("btd,vd->btv", x_BTD, w, preferred_element_type=jnp.float32)
-    return jnp.einsum("btd,dv->btv", x_BTD, self.lm_head[...].astype(self.dtype),
-                      preferred_element_type=jnp.float32)
+    return dense_fp32(x_BTD, self.lm_head, self.dtype)
 
   def __call__(self, input_ids: jax.Array, *, positions: jax.Array | None = None,
                segment_ids: jax.Array | None = None, form: str = "mha", return_index_scores: bool = False,

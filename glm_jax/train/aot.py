@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -21,10 +22,13 @@ import jax.numpy as jnp
 import ml_collections
 
 from glm_jax.model import param_counts
+from glm_jax.model import splash
+from glm_jax.model.grouped_matmul import megablox_grid_cost
 from glm_jax.model.platform import target_platform
+from glm_jax.sharding import hlo_cost
 from glm_jax.sharding.mesh import MESH_AXES, batch_sharding, make_mesh
 from glm_jax.sharding.state import abstract_sharded
-from glm_jax.sharding.topology import compiled_flops
+from glm_jax.sharding.topology import GENERATIONS, compiled_flops
 from glm_jax.train import step as step_lib, trainer
 from glm_jax.train.config import model_config_for_stage, require_sections, validate_train_config
 from glm_jax.train.flops import analytic_flops, muon_ns_flops
@@ -91,38 +95,193 @@ def compile_train_step(config: ml_collections.ConfigDict, devices: Sequence[Any]
                       abstract_state.params)
 
 
-def extrapolated_flops(config: ml_collections.ConfigDict, devices: Sequence[Any]) -> dict[str, Any]:
-  """XLA's FLOPs per device of the full-depth step, from fully unrolled compiles of shallow copies.
+def _shallow(config: ml_collections.ConfigDict, n_dense: int, n_moe: int) -> ml_collections.ConfigDict:
+  shallow = config.copy_and_resolve_references()
+  shallow.model.num_hidden_layers = n_dense + n_moe
+  shallow.model.first_k_dense_replace = n_dense
+  return shallow
 
-  XLA's cost analysis counts a while body once, so the scanned step's own figure misses all but one layer of
-  each stack. Unrolling glm5_744b's 78 layers would make the compile minutes long; instead the step is compiled
-  unrolled with (dense, MoE) layer counts (1, 1), (2, 1) and (1, 2) (one stack at a time when the model has
-  only one kind), and, FLOPs being c + n_dense * a + n_moe * b for the same widths, mesh and batch, the full
-  depth's count is c + N_dense * a + N_moe * b. Exact up to work that is not linear in depth: the optimizer's
-  padding of the Muon matrix stacks to the device count (see glm_jax/train/muon.py: orthogonalize), and the few elementwise
-  ops XLA fuses or folds differently at another depth (2.7e-4 of the count for a 4-layer tiny model with AdamW,
-  tests/train/test_aot.py).
-  """
+
+def depth_variants(config: ml_collections.ConfigDict, *, linearity: bool = False) -> list[tuple[int, int]]:
+  """The (dense, MoE) layer counts of the shallow copies: (1, 1), (2, 1), (1, 2) (one stack at a time when the
+  model has only one kind); with linearity, one more MoE layer (or dense, for an all-dense model) to check that
+  the cost really is linear in depth."""
   model_cfg = model_config_for_stage(config)
-  n_dense, n_moe = model_cfg.num_dense_layers, model_cfg.num_moe_layers
-  base = (min(n_dense, 1), min(n_moe, 1))
+  base = (min(model_cfg.num_dense_layers, 1), min(model_cfg.num_moe_layers, 1))
   variants = [base] + [tuple(b + (i == j) for j, b in enumerate(base)) for i in range(2) if base[i]]
+  if linearity:
+    i = 1 if base[1] else 0
+    variants.append(tuple(b + 2 * (i == j) for j, b in enumerate(base)))
+  return variants
+
+
+def compile_depths(config: ml_collections.ConfigDict, devices: Sequence[Any], *, linearity: bool = False
+                   ) -> dict[str, Any]:
+  """Fully unrolled compiles of the shallow copies of depth_variants: {"programs": {(dense, MoE): (XLA's FLOPs a
+  device, the optimized HLO text)}, "seconds": ...}. XLA's cost analysis counts a while body once, so the scanned
+  step's own figures miss all but one layer of each stack; unrolling glm5_744b's 78 layers would make the compile
+  very long. For the same widths, mesh and batch a cost is c + n_dense * a + n_moe * b, so the shallow copies give
+  the full depth's (extrapolated_flops, cost_report)."""
   t0 = time.perf_counter()
-  flops = {}
-  for nd, nm in variants:
-    shallow = config.copy_and_resolve_references()
-    shallow.model.num_hidden_layers = nd + nm
-    shallow.model.first_k_dense_replace = nd
-    result = compile_train_step(shallow, devices, unrolled=True)
+  programs = {}
+  for nd, nm in depth_variants(config, linearity=linearity):
+    result = compile_train_step(_shallow(config, nd, nm), devices, unrolled=True)
     if result.compiled is None:
       raise RuntimeError(f"the unrolled {nd}+{nm}-layer copy did not compile: {result.error}")
-    flops[(nd, nm)] = compiled_flops(result.compiled)
-  f0 = flops[base]
-  per_dense = flops[(2, base[1])] - f0 if base[0] else 0.0
-  per_moe = flops[(base[0], 2)] - f0 if base[1] else 0.0
+    programs[(nd, nm)] = (compiled_flops(result.compiled), result.compiled.as_text())
+  return {"programs": programs, "seconds": time.perf_counter() - t0}
+
+
+def _per_layer(values: dict[tuple[int, int], Any], config: ml_collections.ConfigDict, sub=lambda a, b: a - b):
+  """(outside the layers, per dense layer, per MoE layer) of a cost linear in depth, from the base variants."""
+  base = depth_variants(config)[0]
+  f0 = values[base]
+  zero = sub(f0, f0)
+  per_dense = sub(values[(2, base[1])], f0) if base[0] else zero
+  per_moe = sub(values[(base[0], 2)], f0) if base[1] else zero
+  return f0, per_dense, per_moe, base
+
+
+def extrapolated_flops(config: ml_collections.ConfigDict, devices: Sequence[Any], depths: dict | None = None
+                       ) -> dict[str, Any]:
+  """XLA's FLOPs per device of the full-depth step, from compile_depths (given, or compiled here).
+
+  Exact up to work that is not linear in depth: the optimizer's padding of the Muon matrix stacks to the device
+  count (see glm_jax/train/muon.py: orthogonalize), and the few elementwise ops XLA fuses or folds differently at
+  another depth (2.7e-4 of the count for a 4-layer tiny model with AdamW, tests/train/test_aot.py). A Pallas
+  kernel counts as the cost_estimate it declares (megablox's grouped matmul: its whole static buffer)."""
+  depths = depths or compile_depths(config, devices)
+  model_cfg = model_config_for_stage(config)
+  flops = {k: v[0] for k, v in depths["programs"].items()}
+  f0, per_dense, per_moe, base = _per_layer(flops, config)
   rest = f0 - base[0] * per_dense - base[1] * per_moe
-  return {"per_device": rest + n_dense * per_dense + n_moe * per_moe, "per_dense_layer": per_dense,
-          "per_moe_layer": per_moe, "outside_layers": rest, "seconds": time.perf_counter() - t0}
+  return {"per_device": rest + model_cfg.num_dense_layers * per_dense + model_cfg.num_moe_layers * per_moe,
+          "per_dense_layer": per_dense, "per_moe_layer": per_moe, "outside_layers": rest,
+          "seconds": depths["seconds"]}
+
+
+ROUTINGS = ("balanced", "hot")
+
+
+def moe_real_rows(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, routing: str) -> int:
+  """The (token, slot) rows one device's experts get in an MoE layer: "balanced", every expert the same share,
+  n*K for the n tokens a device holds; "hot", every pair of an expert group's P devices sent to one shard,
+  P*n*K on that device (the dropless worst case; the step waits for it)."""
+  model_cfg = model_config_for_stage(config)
+  shards = math.prod(mesh.shape[a] for a in batch_sharding(mesh).spec[0])
+  n = config.data.batch_size * config.data.seq_len // (shards * config.train.microbatches)
+  rows = n * model_cfg.num_experts_per_tok
+  if routing == "balanced":
+    return rows
+  if routing == "hot":
+    return rows * mesh.shape.get("expert", 1)
+  raise ValueError(f"routing={routing!r}; one of {ROUTINGS}")
+
+
+def _megablox_model(real_rows: int, routing: str):
+  """hlo_cost's kernel model: megablox's calls as their grid runs with `real_rows` rows (at most the buffer)
+  spread evenly over the groups; splash's (which declare no cost) as their causal grid runs."""
+
+  def model(source, ins, by_name):
+    splash_kernel = re.match(r"splash_mha_(fwd|dkv)_", ins.name)
+    if splash_kernel:  # q, k [b, H, T, P] and v [b, H, T, O] are its first float operands
+      q, _, v = [s for s in (by_name[o].shapes[0] for o in ins.operands if o in by_name and by_name[o].shapes)
+                 if s[0] in ("bf16", "f32") and len(s[1]) == 4][:3]
+      b, h, t, p = q[1]
+      flops, moved = splash.grid_cost(splash_kernel.group(1), b * h, t, p, v[1][-1],
+                                      int(hlo_cost.nbytes([(q[0], ())])))
+      return flops, moved, "causal blocks"
+    kernel = re.search(r"jit\((t?gmm)\)/pallas_call", source)
+    if not kernel:
+      return None
+    operands = [by_name[o].shapes[0] for o in ins.operands if o in by_name and by_name[o].shapes]
+    (out_dtype, out), = ins.shapes[:1]
+    mats = [(dt, dims) for dt, dims in operands if len(dims) in (2, 3)]
+    lhs_dtype, lhs = next((dt, dims) for dt, dims in mats if len(dims) == 2)
+    if kernel.group(1) == "gmm":  # lhs [m, k] x rhs [G, k, n] (or [G, n, k]) -> [m, n]
+      m, n = out
+      k, groups = lhs[1], next(dims for _, dims in mats if len(dims) == 3)[0]
+    else:  # lhs [k, m] x rhs [m, n] -> [G, k, n]
+      groups, k, n = out
+      m = lhs[1]
+    rows = min(real_rows, m)
+    sizes = [rows // groups + (g < rows % groups) for g in range(groups)]
+    flops, moved = megablox_grid_cost(kernel.group(1), m, k, n, sizes, in_bytes=hlo_cost.nbytes([(lhs_dtype, ())]),
+                                      out_bytes=hlo_cost.nbytes([(out_dtype, ())]))
+    return flops, moved, f"{routing}: {rows} real rows of {m}"
+
+  return model
+
+
+def cost_report(config: ml_collections.ConfigDict, devices: Sequence[Any], depths: dict | None = None, *,
+                top: int = 8) -> dict[str, Any]:
+  """The step's cost from the compiled TPU programs, op by op (glm_jax/sharding/hlo_cost.py), per layer kind and
+  at full depth, with a roofline time and MFU, for each routing of ROUTINGS; and the linearity check.
+
+  depths: compile_depths(config, devices, linearity=True)'s result (compiled here when None)."""
+  depths = depths or compile_depths(config, devices, linearity=True)
+  model_cfg = model_config_for_stage(config)
+  mesh = make_mesh(config.mesh, devices)
+  chips = mesh.size
+  peaks = hlo_cost.PEAKS[_generation(devices)]
+  b, t, stage = config.data.batch_size, config.data.seq_len, config.train.dsa_stage
+  analytic = {k: analytic_flops(model_config_for_stage(_shallow(config, *k)), b, t, stage)["total"] / chips
+              for k in depths["programs"]}
+  a0, a_dense, a_moe, base = _per_layer(analytic, config)
+  full_analytic = analytic_flops(model_cfg, b, t, stage)["total"]
+  report: dict[str, Any] = {"peaks": dataclasses.asdict(peaks), "chips": chips, "routings": {}}
+  for routing in ROUTINGS:
+    rows = moe_real_rows(config, mesh, routing)
+    ops = {k: hlo_cost.program_ops(text, kernel_model=_megablox_model(rows, routing),
+                                   ragged_rows=lambda ins, rows=rows: rows)
+           for k, (_, text) in depths["programs"].items()}
+    sums = {k: hlo_cost.summarize(v, peaks) for k, v in ops.items()}
+    sub = lambda x, y: {key: x[key] - y[key] for key in x}
+    s0, s_dense, s_moe, _ = _per_layer(sums, config, sub)
+    rest = {key: s0[key] - base[0] * s_dense[key] - base[1] * s_moe[key] for key in s0}
+    step = {key: rest[key] + model_cfg.num_dense_layers * s_dense[key] + model_cfg.num_moe_layers * s_moe[key]
+            for key in s0}
+    tables = {k: hlo_cost.by_source(v, peaks) for k, v in ops.items()}
+
+    def layer_top(variant):  # where one more layer's cost goes, largest first
+      more, less = tables[variant], tables[base]
+      rows_ = {key: {f: more.get(key, {}).get(f, 0.0) - less.get(key, {}).get(f, 0.0)
+                     for f in ("flops", "hbm_bytes", "wire_bytes", "seconds")} for key in set(more) | set(less)}
+      return [dict(op=key, **{f: float(f"{v:.4g}") for f, v in vals.items()})
+              for key, vals in sorted(rows_.items(), key=lambda kv: -abs(kv[1]["seconds"]))[:top]]
+
+    entry = {
+        "moe_real_rows_per_device": rows,
+        "per_device_step": {k: float(f"{v:.4g}") for k, v in step.items()},
+        "estimated_step_seconds": round(step["seconds"], 4),
+        "estimated_mfu": round(full_analytic / (chips * peaks.bf16_flops * step["seconds"]), 4),
+        "compiled_over_analytic_step": round(step["flops"] * chips / full_analytic, 3),
+        "per_moe_layer": dict({k: float(f"{v:.4g}") for k, v in s_moe.items()}, analytic_flops=float(f"{a_moe:.4g}"),
+                              compiled_over_analytic=round(s_moe["flops"] / a_moe, 3) if a_moe else None),
+        "per_dense_layer": dict({k: float(f"{v:.4g}") for k, v in s_dense.items()},
+                                analytic_flops=float(f"{a_dense:.4g}"),
+                                compiled_over_analytic=round(s_dense["flops"] / a_dense, 3) if a_dense else None),
+        "top_ops_per_moe_layer": layer_top((base[0], 2)) if base[1] else [],
+        "top_ops_per_dense_layer": layer_top((2, base[1])) if base[0] else [],
+    }
+    extra = [k for k in depths["programs"] if k not in depth_variants(config)]
+    if extra:  # linearity: the deeper copy against what the three shallow ones predict
+      nd, nm = extra[0]
+      predicted = {key: s0[key] + (nd - base[0]) * s_dense[key] + (nm - base[1]) * s_moe[key] for key in s0}
+      entry["linearity"] = {"variant": f"{nd}+{nm}", **{
+          f"{key}_rel_error": round(abs(sums[extra[0]][key] - predicted[key]) / max(abs(sums[extra[0]][key]), 1e-30), 5)
+          for key in ("flops", "hbm_bytes", "seconds")}}
+    report["routings"][routing] = entry
+  return report
+
+
+def _generation(devices: Sequence[Any]) -> str:
+  kind = devices[0].device_kind
+  names = [g.name for g in GENERATIONS.values() if g.device_kind == kind and g.name in hlo_cost.PEAKS]
+  if not names:
+    raise ValueError(f"cost_report: device kind {kind!r} is not a TPU generation with peaks in hlo_cost.PEAKS "
+                     f"({sorted(hlo_cost.PEAKS)})")
+  return names[0]
 
 
 def step_report(config: ml_collections.ConfigDict, result: CompiledStep, flops: dict | None = None

@@ -5,8 +5,8 @@ The formulas are written out in experiments/bench_train_step.py's docstring; in 
 (warmup: forward-only main model + indexer; sparse: attention over index_topk keys + the indexer) and Muon's
 Newton-Schulz reported apart.
 
-`hlo_dot_flops` reads the dots of an optimized HLO module (jax.stages.Compiled.as_text()) and multiplies a
-while body's dots by its known trip count, which XLA's own cost_analysis() does not (it counts a scanned layer
+`hlo_dot_flops` reads the dots and convolutions of an optimized HLO module (jax.stages.Compiled.as_text()) and
+multiplies a while body's by its known trip count, which XLA's own cost_analysis() does not (it counts a scanned layer
 stack's body once). On an SPMD-partitioned program the figures are per device.
 """
 
@@ -19,6 +19,7 @@ import re
 import jax
 
 from glm_jax.model import ModelConfig
+from glm_jax.sharding import hlo_cost
 from glm_jax.train.optimizer_config import checked_optimizer_config
 from glm_jax.train.param_plan import leaf_plan, matrix_axes
 from glm_jax.tree_paths import path_names
@@ -108,17 +109,7 @@ def muon_ns_flops(opt_cfg, params, trainable) -> tuple[float, int]:
 
 # ----------------------------------------------------------------------------------------------- HLO dots
 
-_COMP_RE = re.compile(r"^(ENTRY )?%?([\w.\-]+) \(.*\) -> .*\{\s*$")
-_SHAPE_RE = re.compile(r"%([\w.\-]+) = [a-z]+[0-9]*\[([\d,]*)\]")
-_DOT_RE = re.compile(r"%([\w.\-]+) = [a-z]+[0-9]*\[([\d,]*)\][^ ]* dot\(%([\w.\-]+), %([\w.\-]+)\)")
-_CALL_RE = re.compile(r"(?:calls|body|to_apply)=%([\w.\-]+)")
-_CALLS_LIST_RE = re.compile(r"(?:branch_computations|called_computations)=\{([^}]*)\}")
 _TRIP_RE = re.compile(r'known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
-_OPNAME_RE = re.compile(r'op_name="([^"]*)"')
-
-
-def _dims(s: str) -> tuple[int, ...]:
-  return tuple(int(x) for x in s.split(",") if x)
 
 
 def _phase(op_name: str) -> str:
@@ -132,76 +123,34 @@ def _phase(op_name: str) -> str:
 
 
 def hlo_dot_flops(hlo_text: str) -> dict:
-  """Dot FLOPs of an optimized HLO module, while bodies times their known trip count, split by phase."""
-  comps: dict[str, list[str]] = {}
-  entry, current = None, None
-  for line in hlo_text.splitlines():
-    m = _COMP_RE.match(line)
-    if m:
-      current = m.group(2)
-      comps[current] = []
-      if m.group(1):
-        entry = current
-    elif line.startswith("}"):
-      current = None
-    elif current is not None:
-      comps[current].append(line)
-  local: dict[str, collections.Counter] = {}
-  calls: dict[str, list[tuple[str, int]]] = {}
-  details: dict[str, list] = {}
+  """Dot and convolution FLOPs of an optimized HLO module (glm_jax/sharding/hlo_cost.py reads them), every
+  computation times how often it runs: a while body times its known trip count; split by phase."""
+  comps, entry, by_name = hlo_cost.parse_module(hlo_text)
+  runs: dict[str, int] = collections.defaultdict(int)
   unknown_trip = 0
-  for name, lines in comps.items():
-    shapes = {m.group(1): _dims(m.group(2)) for m in (_SHAPE_RE.search(l) for l in lines) if m}
-    counter, callees, det = collections.Counter(), [], []
-    for l in lines:
-      d = _DOT_RE.search(l)
-      if d:
-        out, lhs, rhs = _dims(d.group(2)), shapes.get(d.group(3)), shapes.get(d.group(4))
-        cm = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", l)
-        contract = math.prod(lhs[i] for i in _dims(cm.group(1))) if (cm and lhs is not None) else 0
-        flops = 2 * math.prod(out) * contract
-        op = _OPNAME_RE.search(l)
-        op_name = op.group(1) if op else ""
-        counter[_phase(op_name)] += flops
-        det.append((flops, _phase(op_name), lhs, rhs, out, op_name))
-      mult = 1
-      if " while(" in l:
-        tm = _TRIP_RE.search(l)
-        if tm:
-          mult = int(tm.group(1))
-        else:
-          unknown_trip += 1
-      for c in _CALL_RE.findall(l):
-        callees.append((c, mult))
-      for group in _CALLS_LIST_RE.findall(l):
-        callees.extend((c.strip().lstrip("%"), 1) for c in group.split(",") if c.strip())
-    local[name], calls[name], details[name] = counter, callees, det
-  memo: dict[str, collections.Counter] = {}
 
-  def total(name: str) -> collections.Counter:
-    if name not in memo:
-      acc = collections.Counter(local.get(name, {}))
-      for callee, mult in calls.get(name, []):
-        for k, v in total(callee).items():
-          acc[k] += mult * v
-      memo[name] = acc
-    return memo[name]
-
-  by_phase = total(entry)
-  # Multiplicity of every computation (for the verbose listing of the largest dots).
-  mult_of: dict[str, int] = collections.defaultdict(int)
-
-  def visit(name: str, mult: int):
-    mult_of[name] += mult
-    for callee, m in calls.get(name, []):
-      visit(callee, mult * m)
+  def visit(comp: str, mult: int):
+    nonlocal unknown_trip
+    runs[comp] += mult
+    for ins in comps.get(comp, ()):
+      m = 1
+      if ins.opcode == "while":
+        trip = _TRIP_RE.search(ins.attrs)
+        m = int(trip.group(1)) if trip else 1
+        unknown_trip += trip is None
+      for callee in hlo_cost.called_computations(ins):
+        visit(callee, mult * m)
 
   visit(entry, 1)
-  top = collections.Counter()
-  for name, det in details.items():
-    for flops, phase, lhs, rhs, out, op_name in det:
-      short = re.sub(r"(while/body/|closed_call/|jit\(step\)/)", "", op_name)
-      top[(phase, str(lhs), str(rhs), str(out), short)] += flops * mult_of.get(name, 0)
-  n_while = hlo_text.count(" while(")
+  by_phase, top = collections.Counter(), collections.Counter()
+  for comp, mult in runs.items():
+    for ins in comps.get(comp, ()):
+      flops = hlo_cost.matmul_flops(ins, by_name) * mult
+      if flops:
+        op_name = hlo_cost.op_name(ins)
+        shapes = [by_name[o].shapes[0][1] if o in by_name and by_name[o].shapes else None for o in ins.operands[:2]]
+        short = re.sub(r"(while/body/|closed_call/|jit\(step\)/)", "", op_name)
+        by_phase[_phase(op_name)] += flops
+        top[(_phase(op_name), str(shapes[0]), str(shapes[1]), str(ins.shapes[0][1]), short)] += flops
   return {"total": float(sum(by_phase.values())), "by_phase": {k: float(v) for k, v in sorted(by_phase.items())},
-          "while_loops": n_while, "while_loops_without_trip_count": unknown_trip, "top": top}
+          "while_loops": hlo_text.count(" while("), "while_loops_without_trip_count": unknown_trip, "top": top}

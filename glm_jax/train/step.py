@@ -156,11 +156,14 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, schedule:
     def accumulate(carry, mb):
       return jax.tree.map(jnp.add, carry, micro_grads(mb)), None
 
-    shapes = jax.eval_shape(micro_grads, jax.tree.map(lambda x: x[0], micro))
-    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-    (grads, m, counts), _ = jax.lax.scan(accumulate, zeros, micro, unroll=unroll_microbatches)
-    grads = jax.tree.map(lambda g: g / n_micro, grads)
-    m = {k: (v if k == "tokens" else v / n_micro) for k, v in m.items()}
+    if n_micro == 1:  # no accumulation loop: 0 + g and g / 1 are g exactly, so this is the same step
+      grads, m, counts = micro_grads(batch)
+    else:
+      shapes = jax.eval_shape(micro_grads, jax.tree.map(lambda x: x[0], micro))
+      zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+      (grads, m, counts), _ = jax.lax.scan(accumulate, zeros, micro, unroll=unroll_microbatches)
+      grads = jax.tree.map(lambda g: g / n_micro, grads)
+      m = {k: (v if k == "tokens" else v / n_micro) for k, v in m.items()}
 
     new_rest = _update_expert_biases(state.rest, counts, bias_rate) if bias_rate else state.rest
     loss = m["loss"]

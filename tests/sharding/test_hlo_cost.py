@@ -1,0 +1,117 @@
+"""The op-by-op cost of compiled TPU programs (glm_jax/sharding/hlo_cost.py) against hand counts: matmul FLOPs of
+einsums in the forms XLA:TPU rewrites as convolutions, the wire bytes of collectives, the grouped matmul's grid as
+megablox runs it, and the train step's per-layer report (aot.cost_report) against the analytic FLOPs.
+
+Needs libtpu (compile-only TPU devices); skipped with the install hint without it."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P, SingleDeviceSharding
+
+from glm_jax.model.grouped_matmul import megablox_grid_cost
+from glm_jax.sharding import hlo_cost
+from glm_jax.sharding.topology import install_hint, libtpu_installed, tpu_topology_devices
+
+needs_libtpu = pytest.mark.skipif(not libtpu_installed(), reason=f"libtpu is not installed: {install_hint()}")
+
+EINSUMS = {  # equation -> operand shapes; the FLOPs are 2 x the product of every distinct index's size
+    "ij,jk->ik": ((256, 512), (512, 128)),
+    "ij,ik->jk": ((256, 64), (256, 32)),
+    "bij,bjk->bik": ((4, 32, 64), (4, 64, 32)),
+    "btr,rhk->bthk": ((2, 64, 24), (24, 4, 32)),  # MLA's up-projection of the latent to heads
+    "bthk,bsk->bhts": ((2, 64, 4, 24), (2, 64, 24)),  # absorbed-form scores
+    "bhts,bshv->bthv": ((2, 4, 64, 64), (2, 64, 4, 16)),
+    "bthv,hvd->btd": ((2, 64, 4, 16), (4, 16, 64)),
+}
+
+
+def einsum_flops(eq, shapes):
+  sizes = {}
+  for labels, shape in zip(eq.split("->")[0].split(","), shapes):
+    sizes.update(zip(labels, shape))
+  return 2 * math.prod(sizes.values())
+
+
+@needs_libtpu
+@pytest.mark.parametrize("eq", list(EINSUMS))
+def test_matmul_flops_of_compiled_einsums(eq):
+  device = tpu_topology_devices("v5p:2x2x1")[0]
+  args = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=SingleDeviceSharding(device)) for s in EINSUMS[eq]]
+  text = jax.jit(lambda a, b: jnp.einsum(eq, a, b, preferred_element_type=jnp.float32)).lower(*args).compile().as_text()
+  ops = hlo_cost.program_ops(text)
+  assert sum(o.flops for o in ops) == einsum_flops(eq, EINSUMS[eq])
+  assert [o.kind for o in ops if o.flops] == ["matmul fusion"]
+
+
+@needs_libtpu
+def test_collective_wire_bytes():
+  """On 4 chips: an all-gather of a [4 x 256, 128] f32 array moves 3/4 of it into each chip, an all-reduce twice
+  that of its [256, 128] operand."""
+  mesh = jax.make_mesh((4,), ("x",), axis_types=(AxisType.Auto,), devices=tpu_topology_devices("v5p:2x2x1"))
+  arg = jax.ShapeDtypeStruct((1024, 128), jnp.float32, sharding=NamedSharding(mesh, P("x")))
+  fns = {"all-gather": lambda a: jax.lax.all_gather(a, "x", tiled=True),
+         "all-reduce": lambda a: jax.lax.psum(a, "x")}
+  for kind, fn in fns.items():
+    f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+    ops = [o for o in hlo_cost.program_ops(f.lower(arg).compile().as_text()) if o.wire]
+    assert [o.kind for o in ops] == [kind]
+    want = 1024 * 128 * 4 * 3 / 4 if kind == "all-gather" else 2 * 256 * 128 * 4 * 3 / 4
+    assert ops[0].wire == want
+
+
+def test_megablox_grid_cost_by_hand():
+  """Groups [5, 0, 7, 20, 0, 3] over row tiles of 8: the non-empty groups cover tiles (0), (0, 1), (1, 2, 3), (4),
+  7 visits; tgmm also visits one tile per empty group (9). k = 64 is one k tile of 128, n = 200 two n tiles."""
+  sizes, tiling = [5, 0, 7, 20, 0, 3], (8, 128, 128)
+  flops, moved = megablox_grid_cost("gmm", 40, 64, 200, sizes, tiling=tiling, in_bytes=2, out_bytes=4)
+  tile = 2 * 8 * 128 * 128
+  assert flops == 7 * 2 * 1 * tile
+  # lhs tile each step, the rhs once per run of a group and n tile (4 groups x 2), each output tile per visit
+  assert moved == 14 * 8 * 128 * 2 + 8 * 128 * 128 * 2 + 7 * 2 * 8 * 128 * 4
+  flops, _ = megablox_grid_cost("tgmm", 40, 64, 200, sizes, tiling=tiling)
+  assert flops == 9 * 2 * 1 * tile
+  with pytest.raises(ValueError, match="kernel='x'; 'gmm' or 'tgmm'"):
+    megablox_grid_cost("x", 40, 64, 200, sizes, tiling=tiling)
+
+
+@needs_libtpu
+@pytest.mark.slow  # four unrolled TPU compiles of the tiny train step
+def test_cost_report_of_the_expert_parallel_step():
+  """glm5_tiny on 4 chips (expert 4, AdamW): a dense layer's compiled matmul FLOPs are the analytic count, the
+  depth extrapolation is linear, and the MoE layer's kernels are counted by their grids."""
+  from configs import glm5_tiny
+  from glm_jax.train import aot
+
+  config = glm5_tiny.get_config()
+  config.data.batch_size, config.data.seq_len = 8, 64
+  config.mesh.expert = 4
+  config.optimizer.name = "adamw"
+  devices = tpu_topology_devices("v5p:2x2x1")
+  report = aot.cost_report(config, devices)
+  for routing in aot.ROUTINGS:
+    entry = report["routings"][routing]
+    assert entry["per_dense_layer"]["compiled_over_analytic"] == pytest.approx(1.0, abs=0.01)
+    assert entry["linearity"]["flops_rel_error"] < 1e-3, entry["linearity"]
+    kernels = [o for o in entry["top_ops_per_moe_layer"] if o["op"].startswith("pallas gmm")]
+    assert kernels and kernels[0]["flops"] > 0
+  balanced, hot = (report["routings"][r]["moe_real_rows_per_device"] for r in aot.ROUTINGS)
+  assert balanced == 8 * 64 // 4 * 2 and hot == 4 * balanced  # n K and P n K rows
+  assert report["routings"]["hot"]["per_moe_layer"]["flops"] > report["routings"]["balanced"]["per_moe_layer"]["flops"]
+  assert np.isfinite(report["routings"]["balanced"]["estimated_mfu"])
+
+
+def test_tpu_tiling_and_splash_grid_by_hand():
+  from glm_jax.model import splash
+  from glm_jax.model.grouped_matmul import tpu_tiling
+
+  assert tpu_tiling(6144, 2048) == (256, 1024, 1024) and tpu_tiling(64, 32) == (256, 128, 128)
+  # 4096 tokens in blocks of 512: 8 x 9 / 2 = 36 of the 64 blocks on or below the diagonal, for each of 2 x 64
+  # (sequence, head) pairs; P = O = 256
+  flops, _ = splash.grid_cost("fwd", 128, 4096, 256, 256, 2)
+  assert flops == 128 * 36 * 2 * 512 * 512 * (256 + 256)
+  flops, _ = splash.grid_cost("dkv", 128, 4096, 256, 256, 2)
+  assert flops == 128 * 36 * 2 * 512 * 512 * (3 * 256 + 2 * 256)
