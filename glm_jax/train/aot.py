@@ -184,12 +184,14 @@ def _megablox_model(real_rows: int, routing: str):
 
   def model(source, ins, by_name):
     splash_kernel = re.match(r"splash_mha_(fwd|dkv)_", ins.name)
-    if splash_kernel:  # q, k [b, H, T, P] and v [b, H, T, O] are its first float operands
-      q, _, v = [s for s in (by_name[o].shapes[0] for o in ins.operands if o in by_name and by_name[o].shapes)
-                 if s[0] in ("bf16", "f32") and len(s[1]) == 4][:3]
-      b, h, t, p = q[1]
-      flops, moved = splash.grid_cost(splash_kernel.group(1), b * h, t, p, v[1][-1],
-                                      int(hlo_cost.nbytes([(q[0], ())])))
+    if splash_kernel:  # q, k [(b,) H, T, P] and v [(b,) H, T, O] are its first float operands (b: under vmap)
+      qkv = [s for s in (by_name[o].shapes[0] for o in ins.operands if o in by_name and by_name[o].shapes)
+             if s[0] in ("bf16", "f32") and len(s[1]) in (3, 4)][:3]
+      if len(qkv) < 3:
+        return None  # not the layout this model knows: the kernel's declared cost (none) stands
+      (dtype, q), v = qkv[0], qkv[2][1]
+      flops, moved = splash.grid_cost(splash_kernel.group(1), math.prod(q[:-2]), q[-2], q[-1], v[-1],
+                                      int(hlo_cost.nbytes([(dtype, ())])))
       return flops, moved, "causal blocks"
     kernel = re.search(r"jit\((t?gmm)\)/pallas_call", source)
     if not kernel:
