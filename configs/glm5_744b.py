@@ -59,12 +59,12 @@ def get_config() -> ml_collections.ConfigDict:
   config.train = common.train(steps=100_000, eval_every=1000, checkpoint_every=1000)
 
   # The mesh for v5p-1024 (512 chips, `python launch/compile.py --config=configs/glm5_744b.py --topology=v5p:8x8x8`:
-  # 76.1 GiB a chip of the 95.7 usable, XLA's live peak 60.9 GiB). On other slices fsdp = -1 takes the rest.
+  # 74.7 GiB a chip of the 95.7 usable with AdamW, XLA's live peak 56.2 GiB). On other slices fsdp = -1 takes the rest.
   # - fsdp 64 x expert 8 shards every parameter 64 ways (routed experts 512 ways) together with its gradient
   #   and Muon momentum: the fp32 train state is 17.4 GiB a chip. data = 1 because a data axis replicates it.
-  # - expert 8: the dropless all-to-all sizes its buffers for the worst case, P x n x K rows (P the expert axis,
-  #   n = 4096 tokens a chip, K = 8), 3 GiB each in bf16 at P = 8; P = 16 doubles them (glm_jax/model/
-  #   moe_parallel.py). 256 experts / 8 = 32 per chip group.
+  # - expert 8: the dropless ragged all-to-all's receive buffer holds the worst case, P x n x K rows (P the expert
+  #   axis, n = 4096 tokens a chip, K = 8), 3 GiB in bf16 at P = 8 (the grouped matmul runs only the real rows);
+  #   P = 16 doubles it; model.moe_capacity_factor bounds it (glm_jax/model/moe_parallel.py). 32 experts a chip.
   # - tensor 1: at 4096 tokens the reference attention's [64 heads, T, T] fp32 scores (4 GiB) fit, and every
   #   chip keeps a sequence of its own (the batch is split over data x fsdp x expert = 512).
   config.mesh = common.mesh(expert=8)
