@@ -37,7 +37,7 @@ IMPLEMENTATIONS = {  # name -> fn(x, w, group_sizes, tile) with fp32 results
 }
 
 
-@pytest.mark.parametrize("impl", list(IMPLEMENTATIONS))
+@pytest.mark.parametrize("impl", ["tiled", pytest.param("megablox", marks=pytest.mark.slow)])  # interpret mode
 @pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
 def test_equals_ragged_dot_in_value_and_gradients(impl, name, dtype, tol):
@@ -80,6 +80,12 @@ def test_the_backend_picks_the_implementation(platform, want):
     jaxpr = str(jax.make_jaxpr(lambda *a: gm.grouped_matmul(*a))(x, w, gs))
   found = {p for p in ("pallas_call", "ragged_dot") if p in jaxpr}
   assert found == ({want} - {"scan"}) and want in jaxpr, found
+
+
+@pytest.mark.parametrize("name", ["empty_groups", "one_group"])
+def test_megablox_fast_cases(name):
+  """Two of the megablox cases in the fast tier (the rest are slow: Pallas interpret mode)."""
+  test_equals_ragged_dot_in_value_and_gradients("megablox", name, jnp.float32, 1e-5)
 
 
 def test_megablox_refuses_other_dtypes_by_name():

@@ -96,8 +96,9 @@ def check(seed: int, per_device: int) -> dict:
           "rows_kept": int(ROWS_OUT * DEVICES - sizes.sum())}
 
 
-@pytest.mark.parametrize("per_device", [1, 2])
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("seed, per_device", [(0, 2), pytest.param(0, 1, marks=pytest.mark.slow),
+                                               pytest.param(1, 1, marks=pytest.mark.slow),
+                                               pytest.param(1, 2, marks=pytest.mark.slow)])
 def test_dense_emulation_follows_jax_contract(seed, per_device):
   got = (check(seed, per_device) if jax.device_count() >= DEVICES
          else run_on_simulated_devices(__file__, str(seed), str(per_device), devices=DEVICES))

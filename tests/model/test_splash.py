@@ -57,6 +57,7 @@ def test_block_size_that_does_not_fit_is_named():
     splash.block_size(100)
 
 
+@pytest.mark.slow  # Pallas interpret mode through the MLA layer, forward and backward
 def test_mla_dense_stage_with_pallas_equals_reference():
   """glm5-like MLA without DSA (the dense stage), 128 tokens: attention_impl="pallas" runs splash in interpret mode
   on the CPU, "reference" the [T, S] softmax; same outputs and parameter gradients."""
