@@ -10,7 +10,13 @@ at 1.0), by
           bias update included);
   torch:  transformers' GlmMoeDsaForCausalLM in eager mode, loss.backward(), clip_grad_norm_, AdamW.step().
 Each is timed as the median of --steps steps after --warmup untimed ones (jax: compile included in the warm-up;
-each step ended by block_until_ready). One JSON line a config: tokens/s of each and jax / torch.
+each step ended by block_until_ready), the two taking their steps in turn so that a change in the machine's speed
+(neighbours on a shared VM) falls on both alike. One JSON line a config: tokens/s of each and jax / torch; the
+step's analytic FLOPs (glm_jax/train/flops.py) over each step time; the machine's fp32 GEMM rate (XLA, a
+[2048, 1024] x [1024, 1024] matmul, measured first) and `torch_over_gemm_bound`: torch's step time over the time of
+the step's analytic FLOPs at that rate, the jax / torch of a step that ran every FLOP at that GEMM rate.
+transformers runs its routed experts with its default `experts_implementation` (printed; grouped_mm in 5.x, only
+the real rows' work, as ours).
 transformers runs its lightning indexer in every layer (it has no dense stage), our dense stage does not; with
 index_topk = T its top-k keeps every key, so both compute the same attention. Needs the test requirements
 (torch, transformers), which `scripts/with_env.sh` installs.
@@ -20,6 +26,8 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +40,7 @@ from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
 from configs import common
 from glm_jax.model import ModelConfig
 from glm_jax.train import step as step_lib
+from glm_jax.train.flops import analytic_flops
 from glm_jax.train.trainer import create_train_state
 
 _WHICH = flags.DEFINE_list("which", ["moe", "dense"], "Configs to compare: moe (1 dense + 3 MoE layers), dense.")
@@ -53,8 +62,19 @@ def model_config(which: str, seq_len: int) -> ModelConfig:
   return ModelConfig(**{**MODEL, "index_topk": seq_len, "first_k_dense_replace": layers if which == "dense" else 1})
 
 
-def jax_step_seconds(cfg: ModelConfig, ids: np.ndarray) -> list[float]:
-  """Times of each step of our jit pretraining step (warm-up included)."""
+def timed(step: Callable[[], Any]) -> Callable[[], float]:
+  """`step` wrapped to return its wall-clock seconds."""
+
+  def run() -> float:
+    t0 = time.perf_counter()
+    step()
+    return time.perf_counter() - t0
+
+  return run
+
+
+def jax_stepper(cfg: ModelConfig, ids: np.ndarray) -> Callable[[], float]:
+  """One step of our jit pretraining step a call (state carried between calls), returning its seconds."""
   config = ml_collections.ConfigDict()
   config.model = ml_collections.ConfigDict(cfg.to_dict())
   config.train = common.train(grad_clip_norm=CLIP, spike_factor=0.0)
@@ -65,52 +85,85 @@ def jax_step_seconds(cfg: ModelConfig, ids: np.ndarray) -> list[float]:
   b, t = ids.shape
   batch = {"input_ids": jnp.asarray(ids), "segment_ids": jnp.ones((b, t), jnp.int32),
            "positions": jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))}
-  times = []
-  for _ in range(_WARMUP.value + _STEPS.value):
-    t0 = time.perf_counter()
-    state, metrics = step(state, batch)
+  carry = {"state": state}
+
+  def one():
+    carry["state"], metrics = step(carry["state"], batch)
     jax.block_until_ready(metrics["loss"])
-    times.append(time.perf_counter() - t0)
-  return times
+
+  return timed(one)
 
 
-def torch_step_seconds(cfg: ModelConfig, ids: np.ndarray) -> list[float]:
-  """Times of each step of transformers' model with torch's AdamW (warm-up included)."""
+def torch_stepper(cfg: ModelConfig, ids: np.ndarray) -> tuple[Callable[[], float], str | None]:
+  """One step of transformers' model with torch's AdamW a call, returning its seconds; and the model's
+  experts_implementation (None without MoE layers)."""
   torch.manual_seed(0)
   hf_config = GlmMoeDsaConfig(**cfg.to_hf_dict())
-  hf_config._attn_implementation = "eager"  # pylint: disable=protected-access
+  hf_config._attn_implementation = "eager"  # pylint: disable=protected-access  # as fast as sdpa here, measured
   model = GlmMoeDsaForCausalLM(hf_config).train()
   opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
   tokens = torch.as_tensor(ids, dtype=torch.long)
-  times = []
-  for _ in range(_WARMUP.value + _STEPS.value):
-    t0 = time.perf_counter()
+
+  def one():
     loss = model(tokens, labels=tokens).loss
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
     opt.step()
     opt.zero_grad(set_to_none=True)
+
+  experts = model.config._experts_implementation if cfg.num_moe_layers else None  # pylint: disable=protected-access
+  return timed(one), experts
+
+
+def interleaved_medians(steppers: Sequence[Callable[[], float]], warmup: int, steps: int) -> list[float]:
+  """Each stepper's median step seconds, the steps taken in turn (one of each, `steps` times) after `warmup`
+  untimed rounds, so that a change in the machine's speed during the run (a shared 2-core VM's neighbours)
+  falls on all of them alike."""
+  for _ in range(warmup):
+    for run in steppers:
+      run()
+  times = [[] for _ in steppers]
+  for _ in range(steps):
+    for run, ts in zip(steppers, times):
+      ts.append(run())
+  return [statistics.median(ts) for ts in times]
+
+
+def gemm_flops_per_s(m: int = 2048, k: int = 1024, n: int = 1024, repeats: int = 7) -> float:
+  """The fp32 matmul rate XLA reaches on this machine for a mid-sized GEMM (median of `repeats`)."""
+  a, b = jnp.ones((m, k), jnp.float32), jnp.ones((k, n), jnp.float32)
+  matmul = jax.jit(jnp.matmul)
+  jax.block_until_ready(matmul(a, b))
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(matmul(a, b))
     times.append(time.perf_counter() - t0)
-  return times
+  return 2.0 * m * k * n / statistics.median(times)
 
 
 def main(argv):
   del argv
   torch.set_num_threads(os.cpu_count())
+  gemm = gemm_flops_per_s()
   for which in _WHICH.value:
     if which not in ("moe", "dense"):
       raise app.UsageError(f"--which={which!r}; one of moe, dense")
     cfg = model_config(which, _SEQ.value)
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (_BATCH.value, _SEQ.value)).astype(np.int32)
     tokens = ids.size
-    jax_s = statistics.median(jax_step_seconds(cfg, ids)[_WARMUP.value:])
-    torch_s = statistics.median(torch_step_seconds(cfg, ids)[_WARMUP.value:])
+    flops = analytic_flops(cfg.replace(use_dsa=False), _BATCH.value, _SEQ.value, "dense")["total"]
+    torch_step, experts_impl = torch_stepper(cfg, ids)
+    jax_s, torch_s = interleaved_medians([jax_stepper(cfg, ids), torch_step], _WARMUP.value, _STEPS.value)
     print(json.dumps({
         "config": which, "layers": f"{cfg.num_dense_layers} dense + {cfg.num_moe_layers} MoE",
         "experts": f"{cfg.n_routed_experts} top-{cfg.num_experts_per_tok}", "tokens_per_step": tokens,
         "jax_step_s": round(jax_s, 4), "torch_step_s": round(torch_s, 4),
         "jax_tokens_per_s": round(tokens / jax_s), "torch_tokens_per_s": round(tokens / torch_s),
-        "jax_over_torch": round(torch_s / jax_s, 3), "cpu_count": os.cpu_count(),
+        "jax_over_torch": round(torch_s / jax_s, 3), "analytic_gflop_per_step": round(flops / 1e9, 2),
+        "jax_gflop_per_s": round(flops / jax_s / 1e9, 1), "torch_gflop_per_s": round(flops / torch_s / 1e9, 1),
+        "cpu_fp32_gemm_gflop_per_s": round(gemm / 1e9, 1), "torch_over_gemm_bound": round(torch_s * gemm / flops, 3),
+        "torch_experts_implementation": experts_impl, "cpu_count": os.cpu_count(),
         "load_avg_1min": round(os.getloadavg()[0], 2)}), flush=True)
 
 

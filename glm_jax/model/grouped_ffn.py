@@ -3,9 +3,10 @@
   y[n] = sum_k w[n, k] SwiGLU_{idx[n, k]}(x[n]),   SwiGLU_e(x) = (silu(x W_gate_e) * (x W_up_e)) W_down_e
 The N*K pairs are sorted by expert (a stable argsort, so the order within an expert is the token order) and
 each projection is one grouped matmul over the per-expert groups (grouped_matmul.py: ragged_dot's contract, only
-the real rows' work on every backend): by default no capacity, no dropped tokens, no one-hot over experts. An
-optional capacity factor c bounds each expert's rows at ceil(c * G * K / E) for a dispatch group of G tokens (the
-pairs past it dropped, in token order, and counted). moe.py routes; moe_parallel.py runs the same computation
+the real rows' work on every backend; on the CPU the three projections run fused, tile by tile: tiled_swiglu.py):
+by default no capacity, no dropped tokens, no one-hot over experts. An optional capacity factor c bounds each
+expert's rows at ceil(c * G * K / E) for a dispatch group of G tokens (the pairs past it dropped, in token order,
+and counted). moe.py routes; moe_parallel.py runs the same computation
 with the experts split over a mesh axis and calls `expert_swiglu` on the rows each device receives.
 """
 
@@ -17,13 +18,18 @@ import jax
 import jax.numpy as jnp
 
 from glm_jax.model.grouped_matmul import grouped_matmul
+from glm_jax.model.platform import current_platform
+from glm_jax.model.tiled_swiglu import tiled_swiglu
 
 
 def expert_swiglu(xs: jax.Array, group_sizes: jax.Array, gate_EDI: jax.Array, up_EDI: jax.Array,
                   down_EID: jax.Array, dtype: jnp.dtype, out_dtype: jnp.dtype = jnp.float32) -> jax.Array:
   """Row m through the SwiGLU expert of its group (rows sorted by expert; rows past the last group give 0), one
   grouped matmul per projection, matmuls in `dtype` accumulated in fp32; the result in out_dtype (fp32 by default;
-  `dtype` when the rows travel on in `dtype` anyway, which also keeps their gradient in `dtype`)."""
+  `dtype` when the rows travel on in `dtype` anyway, which also keeps their gradient in `dtype`). When traced for
+  the CPU the three projections run tile by tile in one loop (tiled_swiglu.py), the same products."""
+  if current_platform() == "cpu":
+    return tiled_swiglu(xs, group_sizes, gate_EDI, up_EDI, down_EID, jnp.dtype(dtype), jnp.dtype(out_dtype))
 
   def gmm(a, w, out=jnp.float32):
     return grouped_matmul(a, w.astype(dtype), group_sizes, preferred_element_type=out)

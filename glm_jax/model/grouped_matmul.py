@@ -13,7 +13,8 @@
           that overlaps is one [tile, in] @ [in, out] matmul, the rows of other groups zeroed: at most
           ceil(rows / tile) + E - 1 tile products, i.e. the real rows' work plus at most one partial tile per
           group boundary. A custom_vjp gives the backward the same shape: dx is the grouped matmul of dy with the
-          transposed weights, dw accumulates x_tile^T dy_tile into its group's slice.
+          transposed weights, dw accumulates x_tile^T dy_tile into its group's slice. (The routed experts on the
+          CPU go further: tiled_swiglu.py takes a tile through all three SwiGLU projections in one loop step.)
   other:  jax.lax.ragged_dot (GPU lowers it to grouped kernels).
 All take operands in any float dtype (megablox: bfloat16 or float32) and accumulate in fp32
 (preferred_element_type); the TPU and CPU backwards multiply the cotangent in the operands' dtype.
@@ -137,12 +138,11 @@ def _varying_axes(a: jax.Array) -> frozenset:
   return frozenset(getattr(getattr(jax.typeof(a), "manual_axis_type", None), "varying", ()))
 
 
-def _zeros_varying_like(shape, dtype, *operands) -> jax.Array:
-  """Zeros that vary over every mesh axis the operands vary over: inside a shard_map a scan carry must have the
+def varying_like(a: jax.Array, *operands) -> jax.Array:
+  """`a` made to vary over every mesh axis the operands vary over: inside a shard_map a loop carry must have the
   type its body returns."""
-  axes = tuple(sorted(frozenset().union(*map(_varying_axes, operands))))
-  zeros = jnp.zeros(shape, dtype)
-  return jax.lax.pcast(zeros, axes, to="varying") if axes else zeros
+  axes = tuple(sorted(frozenset().union(*map(_varying_axes, operands)) - _varying_axes(a)))
+  return jax.lax.pcast(a, axes, to="varying") if axes else a
 
 
 def _forward(x, w, group_sizes, tile, out_dtype):
@@ -156,7 +156,7 @@ def _forward(x, w, group_sizes, tile, out_dtype):
     y = jax.lax.dynamic_update_slice_in_dim(y, jax.lax.dynamic_slice_in_dim(y, start, tile, 0) + out, start, 0)
     return y, None
 
-  y0 = _zeros_varying_like((n_tiles * tile, w.shape[-1]), out_dtype, x, w, group_sizes)
+  y0 = varying_like(jnp.zeros((n_tiles * tile, w.shape[-1]), out_dtype), x, w, group_sizes)
   y, _ = jax.lax.scan(body, y0, _visits(group_sizes, n_tiles, tile))
   return y[:rows]
 
@@ -186,12 +186,12 @@ def _bwd(tile, out_dtype, res, dy):
     contrib = jnp.dot(xs.T, dys, preferred_element_type=jnp.float32)
     return dw.at[g].add(contrib), None
 
-  dw0 = _zeros_varying_like(w.shape, jnp.float32, x, dy, group_sizes)
+  dw0 = varying_like(jnp.zeros(w.shape, jnp.float32), x, dy, group_sizes)
   dw, _ = jax.lax.scan(body, dw0, _visits(group_sizes, n_tiles, tile))
-  return _summed_like(dx, x), _summed_like(dw, w).astype(w.dtype), None
+  return summed_like(dx, x), summed_like(dw, w).astype(w.dtype), None
 
 
-def _summed_like(ct: jax.Array, primal: jax.Array) -> jax.Array:
+def summed_like(ct: jax.Array, primal: jax.Array) -> jax.Array:
   """Inside a shard_map, an operand may be the same on devices where the other one differs (w replicated over a
   token axis, x over the tensor axis of tensor-parallel experts): its cotangent is the sum over those devices,
   as autodiff of ragged_dot gives it."""
