@@ -45,16 +45,16 @@ def _kernel(heads: int, seq_len: int, interpret: bool):
   return splash.make_splash_mha_single_device(mask, block_sizes=sizes, interpret=interpret)
 
 
-def causal_attention(q_BTHP: jax.Array, k_BTHP: jax.Array, v_BTHO: jax.Array, segment_ids_BT: jax.Array | None, *,
+def causal_attention(q_BTHP: jax.Array, k_BTHP: jax.Array, v_BTHO: jax.Array, segment_ids_BT: jax.Array, *,
                      sm_scale: float, interpret: bool = False) -> jax.Array:
-  """softmax(q k^T * sm_scale over the visible keys) v, visible = causal and same segment: o [B, T, H, O] in
-  v's dtype (fp32 softmax and accumulation inside the kernel)."""
+  """softmax(q k^T * sm_scale over the visible keys) v, visible = causal and same segment (segment_ids [B, T]; all
+  zeros for one document a row): o [B, T, H, O] in v's dtype (fp32 softmax and accumulation inside the kernel)."""
   b, t, h, p = q_BTHP.shape
   if k_BTHP.shape != (b, t, h, p) or v_BTHO.shape[:3] != (b, t, h):
     raise ValueError(f"splash causal_attention: q {q_BTHP.shape}, k {k_BTHP.shape}, v {v_BTHO.shape}; want "
                      "q, k [B, T, H, P] and v [B, T, H, O]")
   kernel = _kernel(h, t, interpret)
-  seg = jnp.zeros((b, t), jnp.int32) if segment_ids_BT is None else segment_ids_BT.astype(jnp.int32)
+  seg = segment_ids_BT.astype(jnp.int32)
   heads_first = lambda x: jnp.swapaxes(x, 1, 2)  # [B, T, H, .] -> [B, H, T, .]
 
   def one(q, k, v, s):

@@ -229,7 +229,7 @@ def cost_report(config: ml_collections.ConfigDict, devices: Sequence[Any], depth
   b, t, stage = config.data.batch_size, config.data.seq_len, config.train.dsa_stage
   analytic = {k: analytic_flops(model_config_for_stage(_shallow(config, *k)), b, t, stage)["total"] / chips
               for k in depths["programs"]}
-  a0, a_dense, a_moe, base = _per_layer(analytic, config)
+  _, a_dense, a_moe, base = _per_layer(analytic, config)
   full_analytic = analytic_flops(model_cfg, b, t, stage)["total"]
   report: dict[str, Any] = {"peaks": dataclasses.asdict(peaks), "chips": chips, "routings": {}}
   for routing in ROUTINGS:
