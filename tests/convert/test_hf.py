@@ -105,6 +105,7 @@ def test_selected_keys_match_reference_indexer(saved, loaded):
   assert np.all((got < 0) | (got <= t))
 
 
+@pytest.mark.slow  # the sparse case above is the fast tier's parity check
 def test_logits_match_dense_when_sequence_fits_topk(saved, loaded):
   model, _ = saved
   _, ours = loaded

@@ -39,7 +39,7 @@ def full_forward(model, out):
 
 @pytest.mark.parametrize("index_topk,impl", [
     pytest.param(64, "reference", marks=pytest.mark.slow),  # the longest compile of the three
-    (6, "reference"),
+    pytest.param(6, "reference", marks=pytest.mark.slow),  # a compile of the prefill and the decode loop
     pytest.param(6, "pallas", marks=pytest.mark.slow),  # the kernels in interpret mode
 ], ids=["dense", "dsa", "dsa-pallas"])
 def test_cached_greedy_decoding_equals_full_forward(index_topk, impl):

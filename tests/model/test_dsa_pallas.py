@@ -67,7 +67,8 @@ def test_tiny_model_logits_kl_and_gradients_equal_the_reference():
   assert indexer and all(float(jnp.abs(g).max()) > 0 for g in indexer)  # the KL trains the indexer
 
 
-@pytest.mark.parametrize("t_len, s_len", [(1, 40), (7, 40)])  # decode, chunked prefill
+# decode (slow tier: a second interpret-mode compile) and chunked prefill
+@pytest.mark.parametrize("t_len, s_len", [pytest.param(1, 40, marks=pytest.mark.slow), (7, 40)])
 def test_q_offset_against_a_longer_cache(t_len, s_len):
   rng = np.random.default_rng(1)
   normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731

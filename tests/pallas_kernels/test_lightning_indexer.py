@@ -47,9 +47,11 @@ def _assert_same(got, want):
 @pytest.mark.parametrize("b, t_len, s_len, topk, q_offset, causal, block_q, block_k, dtype", [
     (2, 40, 72, 10, 24, True, 128, 16, jnp.float32),  # T != S, q_offset, topk not a multiple of block_k < Kp
     (2, 40, 72, 20, 24, True, 128, 8, jnp.bfloat16),  # block_k 8: many tiles, merges into the Kp=32 buffer
-    (1, 160, 200, 40, 40, True, 128, 64, jnp.float32),  # two query blocks (T padded to 256), Kp=64 == block_k
+    pytest.param(1, 160, 200, 40, 40, True, 128, 64, jnp.float32,  # two query blocks (T padded to 256), Kp=64 ==
+                 marks=pytest.mark.slow),  #                            block_k (interpret mode: slow tier)
     (1, 24, 300, 5, 276, True, 128, 32, jnp.bfloat16),  # decode-like: few queries at the end of a long cache
-    (2, 32, 48, 6, 0, False, 128, 64, jnp.float32),  # not causal; block_k > Kp, S padded to one 64-key tile
+    pytest.param(2, 32, 48, 6, 0, False, 128, 64, jnp.float32,  # not causal; block_k > Kp, S padded to one 64-key
+                 marks=pytest.mark.slow),  #                          tile
 ])
 def test_matches_reference(b, t_len, s_len, topk, q_offset, causal, block_q, block_k, dtype):
   q, k, w = _int_inputs(0, b, t_len, s_len, 3, 8, dtype)

@@ -64,10 +64,12 @@ NAMES = ("out", "lse", "dq", "dkv")
 
 @pytest.mark.parametrize("b, t_len, s_len, heads, dim, v_dim, topk, block_t, block_kv, dtype", [
     (2, 20, 40, 4, 40, 32, 12, 8, 8, jnp.float32),  # T != S (q_offset 20), topk not a multiple of block_kv
-    (1, 24, 24, 3, 24, 16, 16, 8, 8, jnp.float32),  # T == S: the first 15 queries see fewer than topk keys
+    pytest.param(1, 24, 24, 3, 24, 16, 16, 8, 8, jnp.float32,  # T == S: the first 15 queries see fewer than topk
+                 marks=pytest.mark.slow),  #                          keys (interpret mode: slow tier)
     (1, 9, 64, 2, 20, 14, 24, 16, 16, jnp.bfloat16),  # bf16 (kv packed two to a word), decode-like: few queries
     #                                                   at the end of a longer cache, T padded to block_t
-    (1, 16, 32, 2, 18, 11, 8, 8, 8, jnp.bfloat16),  # odd v_dim: bf16 runs through the fp32 layout
+    pytest.param(1, 16, 32, 2, 18, 11, 8, 8, 8, jnp.bfloat16,  # odd v_dim: bf16 runs through the fp32 layout
+                 marks=pytest.mark.slow),
 ])
 def test_matches_reference(b, t_len, s_len, heads, dim, v_dim, topk, block_t, block_kv, dtype):
   q, kv, idx = _inputs(0, b, t_len, s_len, heads, dim, topk, dtype)

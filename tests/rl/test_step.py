@@ -101,6 +101,7 @@ def test_grpo_step_is_icepop_weighted_reinforce(setup):
   assert int(m["skipped"]) == 0
 
 
+@pytest.mark.slow  # a third step function compiled
 def test_distill_step_uses_teacher_gap_as_advantage(setup):
   """Eq. 2: A_it = sg(log p_teacher - log p_student); with rollout = old = current, w = 1."""
   cfg, graphdef, params, rest, tokens, mask = setup

@@ -127,6 +127,7 @@ GROUPED_MATMUL = re.compile(r"jit\((t?gmm)\)/pallas_call")  # megablox's kernels
 
 
 @needs_libtpu
+@pytest.mark.slow  # a TPU compile of the train step on an expert mesh
 def test_expert_parallel_step_sends_real_rows_to_grouped_matmul_kernels():
   """The train step on an expert mesh compiled for v5p: tokens travel by ragged all-to-all and the experts run
   megablox's grouped matmul kernels (forward and both gradients), and no XLA matmul is sized for the dropless
