@@ -12,8 +12,11 @@ prefill, then a lax.while_loop over the decode step that stops when every row ha
 max_new_tokens are out; nothing is recompiled per token, and a new prompt width or batch size compiles once.
 
 Log-probabilities are those of the distribution the token was drawn from before top-p truncation:
-log_softmax(logits / temperature) (temperature 1 for greedy decoding). A trainer that recomputes them must
-divide its logits by the same temperature (glm_jax/rl/step.py's token_logprobs does).
+log_softmax(logits / temperature) (temperature 1 for greedy decoding), computed by `tempered_log_softmax`, which
+stays finite for any temperature > 0 (a tiny one gives the greedy token with log-probability 0). A trainer that
+recomputes them must use the same function (glm_jax/rl/step.py's token_logprobs does). A non-finite
+log-probability of a generated token (NaN or infinite logits: broken weights) raises FloatingPointError instead
+of returning the tokens drawn from it.
 """
 
 from __future__ import annotations
@@ -30,6 +33,9 @@ from flax import nnx
 from glm_jax.model.config import ModelConfig
 
 
+MIN_TEMPERATURE = 1e-30  # the smallest temperature > 0: tempered_log_softmax is finite down to fp32's normal range
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
   max_new_tokens: int
@@ -41,8 +47,9 @@ class SamplingParams:
   def __post_init__(self):
     if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
       raise ValueError(f"max_new_tokens={self.max_new_tokens!r}; must be a positive integer")
-    if not self.temperature >= 0:
-      raise ValueError(f"temperature={self.temperature!r}; must be >= 0 (0 = greedy)")
+    if not (self.temperature == 0 or self.temperature >= MIN_TEMPERATURE):
+      raise ValueError(f"temperature={self.temperature!r}; must be 0 (greedy) or at least {MIN_TEMPERATURE} (smaller "
+                       "ones are not normal fp32 numbers: XLA flushes them to zero)")
     if not 0 < self.top_p <= 1:
       raise ValueError(f"top_p={self.top_p!r}; must be in (0, 1]")
 
@@ -59,15 +66,25 @@ class SampleOutput:
   logits: jax.Array | None  # [B, S, V] fp32 with return_logits: the logits tokens[b, s] was drawn from
 
 
+def tempered_log_softmax(logits: jax.Array, temperature: float) -> jax.Array:
+  """log_softmax(logits / temperature) over the last axis, in fp32; temperature 0 (greedy) and 1 give
+  log_softmax(logits). The logits are shifted by their maximum before the division, which changes nothing
+  mathematically but keeps logits / temperature from overflowing: for temperature 1e-30 the result is 0 at the
+  largest logit and -inf (or a huge negative) elsewhere, the greedy choice, where the plain division gives NaN."""
+  logits = logits.astype(jnp.float32)
+  if temperature in (0, 1):
+    return jax.nn.log_softmax(logits, axis=-1)
+  shifted = logits - jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+  return jax.nn.log_softmax(shifted / temperature, axis=-1)
+
+
 def sample_token(logits_BV: jax.Array, key: jax.Array, temperature: float, top_p: float
                  ) -> tuple[jax.Array, jax.Array]:
   """(token [B] int32, its log-probability [B] fp32 under softmax(logits / temperature))."""
-  logits_BV = logits_BV.astype(jnp.float32)
+  logp_BV = tempered_log_softmax(logits_BV, temperature)
   if temperature == 0:
-    tok = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
-    logp_BV = jax.nn.log_softmax(logits_BV, axis=-1)
+    tok = jnp.argmax(logp_BV, axis=-1).astype(jnp.int32)
   else:
-    logp_BV = jax.nn.log_softmax(logits_BV / temperature, axis=-1)
     draw_BV = logp_BV
     if top_p < 1:
       sorted_BV = jnp.sort(logp_BV, axis=-1)[:, ::-1]
@@ -173,4 +190,11 @@ class Sampler:
     if cache_len not in self._jitted:
       self._jitted[cache_len] = jax.jit(functools.partial(
           _generate, self._graphdef, sampling=self.sampling, cache_len=cache_len, return_logits=self._return_logits))
-    return self._jitted[cache_len](params, rest, jnp.asarray(prompts_BT), jnp.asarray(lens_B), key)
+    out = self._jitted[cache_len](params, rest, jnp.asarray(prompts_BT), jnp.asarray(lens_B), key)
+    finite_B = np.asarray(jnp.all(jnp.isfinite(out.logp) | ~out.response_mask, axis=-1))
+    if not finite_B.all():
+      rows = np.flatnonzero(~finite_B).tolist()
+      raise FloatingPointError(
+          f"sampling: rows {rows} drew tokens with a non-finite log-probability (temperature="
+          f"{self.sampling.temperature}): the model's logits are NaN or infinite (non-finite weights?)")
+    return out

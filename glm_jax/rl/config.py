@@ -17,6 +17,7 @@ from __future__ import annotations
 import ml_collections
 import numpy as np
 
+from glm_jax.inference.sampler import MIN_TEMPERATURE
 from glm_jax.rl import losses, step as rl_step, tasks as tasks_lib
 from glm_jax.train.config import invalid, require_sections, validate_step_config
 
@@ -49,8 +50,9 @@ def _validate_rl_section(rl: ml_collections.ConfigDict) -> None:
       invalid(f"rl.{field}", rl[field], "must be a positive integer")
   if not isinstance(rl.tau, int) or rl.tau < 0:
     invalid("rl.tau", rl.tau, "must be an integer >= 0 (versions a rollout may lag the trainer)")
-  if not rl.temperature > 0:
-    invalid("rl.temperature", rl.temperature, "must be > 0 (RL samples; the log-probs are of logits / temperature)")
+  if not rl.temperature >= MIN_TEMPERATURE:
+    invalid("rl.temperature", rl.temperature, f"must be at least {MIN_TEMPERATURE} (RL samples; the log-probs are of "
+            "logits / temperature)")
   if not 0 < rl.top_p <= 1:
     invalid("rl.top_p", rl.top_p, "must be in (0, 1]")
   if rl.objective not in rl_step.OBJECTIVES:

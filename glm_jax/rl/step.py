@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from glm_jax.inference.sampler import tempered_log_softmax
 from glm_jax.rl import losses
 from glm_jax.train.step import TrainState, apply_gradients
 
@@ -31,10 +32,8 @@ OBJECTIVES = ("grpo", "async")
 
 def token_logprobs(model, tokens_BT: jax.Array, temperature: float = 1.0) -> jax.Array:
   """[N, S] fp32: log p(tokens[:, s] | tokens[:, :s]) under softmax(logits / temperature); 0 at s = 0."""
-  logits = model(tokens_BT, compute_mtp=False).logits[:, :-1].astype(jnp.float32)
-  if temperature not in (0, 1):  # 0 is greedy sampling, whose log-probs are at temperature 1
-    logits = logits / temperature
-  logp = jax.nn.log_softmax(logits, axis=-1)
+  logits = model(tokens_BT, compute_mtp=False).logits[:, :-1]
+  logp = tempered_log_softmax(logits, temperature)  # the sampler's: 0 is greedy, whose log-probs are at 1
   picked = jnp.take_along_axis(logp, tokens_BT[:, 1:, None], axis=-1)[..., 0]
   return jnp.pad(picked, [(0, 0), (1, 0)])
 

@@ -8,6 +8,7 @@ from flax import nnx
 
 import configs.glm5_tiny
 from glm_jax.inference import Sampler, SamplingParams
+from glm_jax.inference.sampler import sample_token, tempered_log_softmax
 from glm_jax.model import GlmMoeDsa, ModelConfig
 from glm_jax.model.kv_cache import cache_bytes_per_token
 
@@ -91,6 +92,46 @@ def test_sampling_log_probs_temperature_and_top_p():
   sampler(params, rest, [[1, 2, 3]] * 3 + [[1, 2, 3, 4, 5, 6]] * 3, jax.random.key(4))
   (jitted,) = sampler._jitted.values()
   assert jitted._cache_size() == 1
+
+
+@pytest.mark.parametrize("temperature", [1e-9, 1e-30])
+def test_a_tiny_temperature_draws_the_greedy_token_with_log_probability_zero(temperature):
+  """jit(log_softmax(logits / T)) is not finite for T <= 1e-9 on XLA:CPU, and the sampler used to return token 0
+  with a log-probability of +-inf. Every draw is now the argmax, with probability one; below 1e-30 (where fp32's
+  subnormals flush to zero) SamplingParams refuses the temperature by name."""
+  logits = jnp.asarray(np.random.default_rng(0).standard_normal((64, 50)) * 5, jnp.float32)
+  old = jax.jit(lambda x: jax.nn.log_softmax(x / temperature, axis=-1))(logits)
+  assert not np.all(np.isfinite(np.asarray(old)))
+  for top_p in (1.0, 0.5):
+    tok, logp = sample_token(logits, jax.random.key(1), temperature, top_p)
+    np.testing.assert_array_equal(np.asarray(tok), np.argmax(np.asarray(logits), axis=-1))
+    np.testing.assert_array_equal(np.asarray(logp), 0.0)
+  with pytest.raises(ValueError, match=r"temperature=1e-42; must be 0 \(greedy\) or at least 1e-30"):
+    SamplingParams(max_new_tokens=4, temperature=1e-42)
+
+
+def test_tempered_log_softmax_is_the_plain_formula_where_that_is_finite():
+  logits = jnp.asarray(np.random.default_rng(1).standard_normal((4, 30)) * 5, jnp.float32)
+  for temperature in (0.05, 0.7, 1.0, 3.0):
+    want = np.asarray(jax.nn.log_softmax(np.asarray(logits, np.float64) / temperature, axis=-1))
+    np.testing.assert_allclose(np.asarray(tempered_log_softmax(logits, temperature)), want, atol=2e-5)
+
+
+@pytest.mark.slow  # a generation compiled for each of the two samplers
+def test_tiny_temperature_sampling_equals_greedy_and_non_finite_logits_raise():
+  """The sampler at T = 1e-30 generates greedy decoding's tokens, each with log-probability 0; with a NaN in the
+  LM head it raises, naming the rows, instead of returning tokens drawn from NaN logits."""
+  cfg = tiny(index_topk=6)
+  _, graphdef, params, rest = split(cfg)
+  run = lambda temperature, params: Sampler(graphdef, cfg, SamplingParams(max_new_tokens=5, temperature=temperature),
+                                            width=8)(params, rest, PROMPTS, jax.random.key(5))
+  greedy, cold = run(0.0, params), run(1e-30, params)
+  np.testing.assert_array_equal(np.asarray(cold.tokens), np.asarray(greedy.tokens))
+  np.testing.assert_array_equal(np.asarray(cold.logp)[np.asarray(cold.response_mask)], 0.0)
+  broken = jax.tree.map(lambda x: x, params)
+  broken["lm_head"] = nnx.Param(broken["lm_head"][...].at[0, 0].set(jnp.nan))
+  with pytest.raises(FloatingPointError, match=r"rows \[0, 1, 2\] drew tokens with a non-finite log-probability"):
+    run(1e-30, broken)
 
 
 def test_stop_tokens_end_rows():
