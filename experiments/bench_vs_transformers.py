@@ -133,13 +133,8 @@ def gemm_flops_per_s(m: int = 2048, k: int = 1024, n: int = 1024, repeats: int =
   """The fp32 matmul rate XLA reaches on this machine for a mid-sized GEMM (median of `repeats`)."""
   a, b = jnp.ones((m, k), jnp.float32), jnp.ones((k, n), jnp.float32)
   matmul = jax.jit(jnp.matmul)
-  jax.block_until_ready(matmul(a, b))
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(matmul(a, b))
-    times.append(time.perf_counter() - t0)
-  return 2.0 * m * k * n / statistics.median(times)
+  (seconds,) = interleaved_medians([timed(lambda: jax.block_until_ready(matmul(a, b)))], 1, repeats)
+  return 2.0 * m * k * n / seconds
 
 
 def main(argv):

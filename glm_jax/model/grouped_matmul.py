@@ -71,14 +71,16 @@ def megablox_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
   return y[:rows]
 
 
-def _past_groups(rows: int, group_sizes: jax.Array) -> jax.Array:
-  return (jnp.arange(rows) >= jnp.sum(group_sizes))[:, None]
+def zero_past_groups(a: jax.Array, group_sizes: jax.Array) -> jax.Array:
+  """a [rows, ...] with the rows past the last group set to 0 (ragged_dot's contract for y and dx)."""
+  past = jnp.arange(a.shape[0]) >= jnp.sum(group_sizes)
+  return jnp.where(past.reshape((-1,) + (1,) * (a.ndim - 1)), jnp.zeros((), a.dtype), a)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _megablox(x, w, group_sizes, out_dtype, tiling, interpret):
   y = megablox_gmm(x, w, group_sizes, out_dtype, tiling, interpret=interpret)
-  return jnp.where(_past_groups(x.shape[0], group_sizes), jnp.zeros((), y.dtype), y)
+  return zero_past_groups(y, group_sizes)
 
 
 def _megablox_fwd(x, w, group_sizes, out_dtype, tiling, interpret):
@@ -90,7 +92,7 @@ def _megablox_bwd(out_dtype, tiling, interpret, res, dy):
   x, w, group_sizes = res
   dy = dy.astype(x.dtype)
   dx = megablox_gmm(dy, w, group_sizes, x.dtype, tiling, transpose_rhs=True, interpret=interpret)
-  dx = jnp.where(_past_groups(x.shape[0], group_sizes), jnp.zeros((), dx.dtype), dx)
+  dx = zero_past_groups(dx, group_sizes)
   dw = megablox_tgmm(x.swapaxes(0, 1), dy, group_sizes, jnp.float32, tiling, num_actual_groups=w.shape[0],
                      interpret=interpret)
   return dx, dw.astype(w.dtype), None

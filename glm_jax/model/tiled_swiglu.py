@@ -25,14 +25,14 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from glm_jax.model.grouped_matmul import CPU_TILE, summed_like, varying_like
+from glm_jax.model.grouped_matmul import CPU_TILE, summed_like, varying_like, zero_past_groups
 
 
 class _Tiles(NamedTuple):
   group: jax.Array  # [V] the group of each tile (V = ceil(rows / tile) + G, the static bound)
   start: jax.Array  # [V] its first row
   count: jax.Array  # int32 scalar: the real tiles, a prefix of the V
-  total: jax.Array  # int32 scalar: the rows in groups
+  ends: jax.Array  # [G] one past each group's last row
 
 
 def _tiles(rows: int, group_sizes: jax.Array, tile: int) -> _Tiles:
@@ -44,12 +44,7 @@ def _tiles(rows: int, group_sizes: jax.Array, tile: int) -> _Tiles:
   v = jnp.arange(-(-rows // tile) + groups, dtype=jnp.int32)
   group = jnp.clip(jnp.searchsorted(before + per_group, v, side="right"), 0, groups - 1).astype(jnp.int32)
   start = (ends - sizes)[group] + (v - before[group]) * tile
-  return _Tiles(group, start.astype(jnp.int32), jnp.sum(per_group).astype(jnp.int32), ends[-1])
-
-
-def _rows_in_groups(a: jax.Array, total: jax.Array) -> jax.Array:
-  keep = jnp.arange(a.shape[0]) < total
-  return jnp.where(keep[:, None], a, jnp.zeros((), a.dtype))
+  return _Tiles(group, start.astype(jnp.int32), jnp.sum(per_group).astype(jnp.int32), ends)
 
 
 def _pad(a: jax.Array, tile: int) -> jax.Array:
@@ -86,7 +81,7 @@ def _forward(xs, group_sizes, gate, up, down, dtype, out_dtype, tile):
   operands = (xs, group_sizes, gate, up, down)
   init = tuple(varying_like(z, *operands) for z in (y0, ab0, ab0))
   y, a_all, b_all = jax.lax.fori_loop(0, t.count, body, init)
-  return _rows_in_groups(y[:rows], t.total), a_all, b_all, t
+  return zero_past_groups(y[:rows], group_sizes), a_all, b_all, t
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
@@ -98,23 +93,21 @@ def tiled_swiglu(xs: jax.Array, group_sizes: jax.Array, gate_EDI: jax.Array, up_
 
 
 def _fwd(xs, group_sizes, gate, up, down, dtype, out_dtype, tile):
-  y, a_all, b_all, _ = _forward(xs, group_sizes, gate, up, down, dtype, out_dtype, tile)
-  return y, (xs, group_sizes, gate, up, down, a_all, b_all)
+  y, a_all, b_all, t = _forward(xs, group_sizes, gate, up, down, dtype, out_dtype, tile)
+  return y, (xs, group_sizes, gate, up, down, a_all, b_all, t)
 
 
 def _bwd(dtype, out_dtype, tile, res, dy):
   del out_dtype
-  xs, group_sizes, gate, up, down, a_all, b_all = res
+  xs, group_sizes, gate, up, down, a_all, b_all, t = res  # t: the forward's tiles
   rows = xs.shape[0]
-  t = _tiles(rows, group_sizes, tile)
   x_pad, dy_pad = _pad(xs.astype(dtype), tile), _pad(dy.astype(dtype), tile)
   w_gate, w_up, w_down = gate.astype(dtype), up.astype(dtype), down.astype(dtype)
-  group_ends = jnp.cumsum(group_sizes.astype(jnp.int32))
 
   def body(i, carry):
     dx, dgate, dup, ddown = carry
     g, start = t.group[i], t.start[i]
-    mine = (start + jnp.arange(tile) < group_ends[g])[:, None]  # rows of the next group: no gradient from here
+    mine = (start + jnp.arange(tile) < t.ends[g])[:, None]  # rows of the next group: no gradient from here
     x_t = _slice(x_pad, start, tile)
     dy_t = jnp.where(mine, _slice(dy_pad, start, tile), jnp.zeros((), dtype))
     a, b = _slice(a_all, start, tile), _slice(b_all, start, tile)
@@ -133,7 +126,7 @@ def _bwd(dtype, out_dtype, tile, res, dy):
   init = (jnp.zeros((rows + tile, xs.shape[1]), jnp.float32), jnp.zeros(gate.shape, jnp.float32),
           jnp.zeros(up.shape, jnp.float32), jnp.zeros(down.shape, jnp.float32))
   dx, dgate, dup, ddown = jax.lax.fori_loop(0, t.count, body, tuple(varying_like(z, *operands) for z in init))
-  dx = _rows_in_groups(dx[:rows], t.total).astype(xs.dtype)
+  dx = zero_past_groups(dx[:rows], group_sizes).astype(xs.dtype)
   return (summed_like(dx, xs), None, summed_like(dgate, gate).astype(gate.dtype),
           summed_like(dup, up).astype(up.dtype), summed_like(ddown, down).astype(down.dtype))
 

@@ -56,7 +56,7 @@ def test_tiles_are_each_groups_rows_cut_from_its_first_row():
   rows 12-31 (at 12, 20, 28), group 5 rows 32-34 (at 32): 6 tiles of the static bound ceil(38 / 8) + 6 = 11."""
   t = ts._tiles(38, jnp.asarray([5, 0, 7, 20, 0, 3]), tile=8)  # pylint: disable=protected-access
   n = int(t.count)
-  assert n == 6 and len(t.group) == 11 and int(t.total) == 35
+  assert n == 6 and len(t.group) == 11 and int(t.ends[-1]) == 35  # rows in groups
   assert list(zip(np.asarray(t.group)[:n].tolist(), np.asarray(t.start)[:n].tolist())) == [
       (0, 0), (2, 5), (3, 12), (3, 20), (3, 28), (5, 32)]
 
