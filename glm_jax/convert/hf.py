@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.flax import save_file
 
 from glm_jax.model.config import ModelConfig
@@ -38,6 +38,9 @@ log = logging.getLogger(__name__)
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+MODEL_TYPE = "glm_moe_dsa"  # config.json's model_type for GLM-5 (transformers' GlmMoeDsaConfig)
+# Tensor dtypes read as numbers; anything else (ints, bools, fp8 without its scales) would load as wrong values.
+_FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")
 # Tensors a HF checkpoint may carry that hold nothing of the model (rope caches).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -164,14 +167,30 @@ def to_hf(spec: TensorSpec, ours: np.ndarray) -> np.ndarray:
   raise ValueError(f"to_hf: kind {spec.kind!r} is read-only")
 
 
+def _first_line(e: BaseException) -> str:
+  return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+def _read_json(path: str) -> Any:
+  try:
+    with open(path, encoding="utf-8") as f:
+      return json.load(f)
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{path}: not valid JSON (line {e.lineno} column {e.colno}: {e.msg})") from e
+  except UnicodeDecodeError as e:
+    raise ValueError(f"{path}: not valid JSON (not UTF-8 text: {e.reason} at byte {e.start})") from e
+
+
 class _Reader:
-  """Tensor-by-tensor access to a single or sharded safetensors checkpoint."""
+  """Tensor-by-tensor access to a single or sharded safetensors checkpoint. Every file's header is read on
+  construction, so a truncated or corrupt file is named before any tensor is."""
 
   def __init__(self, path: str):
     index_path, single = os.path.join(path, INDEX_FILE), os.path.join(path, SINGLE_FILE)
+    self._open: dict[str, Any] = {}
     if os.path.exists(index_path):
-      with open(index_path) as f:
-        weight_map = json.load(f).get("weight_map")
+      index = _read_json(index_path)
+      weight_map = index.get("weight_map") if isinstance(index, dict) else None
       if not isinstance(weight_map, dict):
         raise ValueError(f"{index_path}: no 'weight_map' object")
       self.file_of = {name: os.path.join(path, fname) for name, fname in weight_map.items()}
@@ -179,25 +198,45 @@ class _Reader:
         if not os.path.exists(fname):
           raise FileNotFoundError(f"{index_path} names shard {os.path.basename(fname)}, which is not in {path}")
     elif os.path.exists(single):
-      with safe_open(single, framework="flax") as f:
-        self.file_of = {name: single for name in f.keys()}
+      self.file_of = {name: single for name in self._handle(single).keys()}
     else:
       raise FileNotFoundError(f"{path}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
-    self._open: dict[str, Any] = {}
+    try:
+      for fname in sorted(set(self.file_of.values())):
+        self._handle(fname)
+    except BaseException:
+      self.close()
+      raise
 
   def names(self) -> set[str]:
     return set(self.file_of)
 
   def _handle(self, fname: str):
     if fname not in self._open:
-      self._open[fname] = safe_open(fname, framework="flax").__enter__()
+      try:
+        self._open[fname] = safe_open(fname, framework="flax").__enter__()
+      except SafetensorError as e:
+        raise ValueError(f"{fname}: cannot be read as safetensors (truncated or corrupt: {_first_line(e)})") from e
     return self._open[fname]
 
+  def _slice(self, name: str):
+    fname = self.file_of[name]
+    try:
+      return self._handle(fname).get_slice(name)
+    except SafetensorError as e:
+      raise ValueError(f"{fname}: tensor {name} cannot be read ({_first_line(e)})") from e
+
   def shape(self, name: str) -> tuple[int, ...]:
-    return tuple(self._handle(self.file_of[name]).get_slice(name).get_shape())
+    return tuple(self._slice(name).get_shape())
 
   def get(self, name: str, dtype) -> np.ndarray:
-    return np.asarray(self._handle(self.file_of[name]).get_tensor(name).astype(dtype))
+    fname, found = self.file_of[name], self._slice(name).get_dtype()
+    if found not in _FLOAT_DTYPES:
+      raise ValueError(f"{fname}: tensor {name} has dtype {found}; expected one of {', '.join(_FLOAT_DTYPES)}")
+    try:
+      return np.asarray(self._handle(fname).get_tensor(name).astype(dtype))
+    except (SafetensorError, ValueError, TypeError) as e:
+      raise ValueError(f"{fname}: tensor {name} cannot be read ({_first_line(e)})") from e
 
   def close(self):
     for h in self._open.values():
@@ -206,16 +245,28 @@ class _Reader:
 
 
 def load_config(path: str, **overrides: Any) -> ModelConfig:
+  """The ModelConfig of a HF directory's config.json; one that is not GLM-5's (model_type) is refused."""
   cfg_path = os.path.join(path, "config.json")
   if not os.path.exists(cfg_path):
     raise FileNotFoundError(f"{path}: no config.json (expected a Hugging Face model directory)")
-  with open(cfg_path) as f:
-    return ModelConfig.from_hf_dict(json.load(f), **overrides)
+  hf_dict = _read_json(cfg_path)
+  if not isinstance(hf_dict, dict):
+    raise ValueError(f"{cfg_path}: expected a JSON object, found {type(hf_dict).__name__}")
+  model_type = hf_dict.get("model_type")
+  if model_type != MODEL_TYPE:
+    found = "model_type is missing" if model_type is None else f"model_type={model_type!r}"
+    raise ValueError(f"{cfg_path}: {found}; expected {MODEL_TYPE!r} (a GLM-5 checkpoint)")
+  try:
+    return ModelConfig.from_hf_dict(hf_dict, **overrides)
+  except (ValueError, TypeError) as e:
+    raise ValueError(f"{cfg_path}: {str(e).removeprefix('config.json: ')}") from e
 
 
 def load(path: str, *, seed: int = 0, **overrides: Any) -> tuple[ModelConfig, GlmMoeDsa]:
   """Reads a HF GlmMoeDsaForCausalLM directory. `overrides` replace ModelConfig fields (dtype, use_dsa, ...).
-  A missing, unexpected or wrongly shaped tensor raises ValueError naming it with both shapes."""
+  A missing, unexpected or wrongly shaped tensor raises ValueError naming it with both shapes; a truncated or
+  corrupt file, a tensor that cannot be read and a config.json that is not GLM-5's raise ValueError naming the file
+  (and the tensor). Nothing in `path` is written."""
   cfg = load_config(path, **overrides)
   reader = _Reader(path)
   try:
