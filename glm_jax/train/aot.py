@@ -148,7 +148,7 @@ def extrapolated_flops(config: ml_collections.ConfigDict, devices: Sequence[Any]
 
   Exact up to work that is not linear in depth: the optimizer's padding of the Muon matrix stacks to the device
   count (see glm_jax/train/muon.py: orthogonalize), and the few elementwise ops XLA fuses or folds differently at
-  another depth (2.7e-4 of the count for a 4-layer tiny model with AdamW, tests/train/test_aot.py). A Pallas
+  another depth (2.7e-4 of the count for a 4-layer tiny model with AdamW, tests/sharding/test_hlo_cost.py). A Pallas
   kernel counts as the cost_estimate it declares (megablox's grouped matmul: its whole static buffer)."""
   depths = depths or compile_depths(config, devices)
   model_cfg = model_config_for_stage(config)

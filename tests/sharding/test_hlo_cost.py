@@ -79,19 +79,25 @@ def test_megablox_grid_cost_by_hand():
 
 
 @needs_libtpu
-@pytest.mark.slow  # four unrolled TPU compiles of the tiny train step
+@pytest.mark.slow  # four unrolled TPU compiles of the tiny train step and a scanned one
 def test_cost_report_of_the_expert_parallel_step():
-  """glm5_tiny on 4 chips (expert 4, AdamW): a dense layer's compiled matmul FLOPs are the analytic count, the
-  depth extrapolation is linear, and the MoE layer's kernels are counted by their grids."""
+  """glm5_tiny at 4 layers (1 dense, 3 MoE) on 4 chips (expert 4, AdamW): a dense layer's compiled matmul FLOPs are
+  the analytic count, the MoE layer's kernels are counted by their grids, and the depth extrapolation from the
+  1+1, 2+1 and 1+2-layer copies is linear: it equals the unrolled full depth (the 1+3 copy) both in XLA's count
+  and op by op. XLA's count of the scanned step has one MoE layer of three (a loop body is counted once)."""
   from configs import glm5_tiny
+  from glm_jax.sharding.topology import compiled_flops
   from glm_jax.train import aot
 
   config = glm5_tiny.get_config()
   config.data.batch_size, config.data.seq_len = 8, 64
   config.mesh.expert = 4
-  config.optimizer.name = "adamw"
+  config.optimizer.name = "adamw"  # Muon's padding of matrix stacks to the device count is not linear in depth
+  config.model.num_hidden_layers = 4
   devices = tpu_topology_devices("v5p:2x2x1")
-  report = aot.cost_report(config, devices)
+  depths = aot.compile_depths(config, devices, linearity=True)
+  assert sorted(depths["programs"]) == [(1, 1), (1, 2), (1, 3), (2, 1)]
+  report = aot.cost_report(config, devices, depths)
   for routing in aot.ROUTINGS:
     entry = report["routings"][routing]
     assert entry["per_dense_layer"]["compiled_over_analytic"] == pytest.approx(1.0, abs=0.01)
@@ -102,6 +108,14 @@ def test_cost_report_of_the_expert_parallel_step():
   assert balanced == 8 * 64 // 4 * 2 and hot == 4 * balanced  # n K and P n K rows
   assert report["routings"]["hot"]["per_moe_layer"]["flops"] > report["routings"]["balanced"]["per_moe_layer"]["flops"]
   assert np.isfinite(report["routings"]["balanced"]["estimated_mfu"])
+
+  flops = aot.extrapolated_flops(config, devices, depths)
+  exact = depths["programs"][(1, 3)][0]  # XLA's count of the unrolled full depth
+  # Linear in depth up to what XLA's simplifications change with depth (elementwise ops fused or folded
+  # differently): 2.7e-4 of the count here.
+  assert flops["per_device"] == pytest.approx(exact, rel=1e-3)
+  scanned = compiled_flops(aot.compile_train_step(config, devices).compiled)
+  assert scanned == pytest.approx(exact - 2 * flops["per_moe_layer"], rel=0.02)  # a loop body counted once
 
 
 def test_tpu_tiling_and_splash_grid_by_hand():
