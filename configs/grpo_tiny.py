@@ -63,6 +63,7 @@ def get_config() -> ml_collections.ConfigDict:
   rl.tis_cap = 2.0  # the truncated-IS weight's cap
   rl.kl_coef = 0.0  # KL to the warm-started policy (GLM-5 removes it)
   rl.grad_clip_norm = 1.0
+  rl.max_consecutive_skips = 10  # stop (non-zero exit) after this many skipped updates in a row; 0 = never
   rl.freeze_indexer = True  # GLM-5's RL keeps the indexer fixed (its top-k is deterministic here on every path)
   rl.rollout_dtype = ""  # "" = the model's; "bfloat16" samples in bf16 while training in fp32 (a real mismatch)
   rl.async_rollouts = False  # a background rollout worker generating with tagged weights

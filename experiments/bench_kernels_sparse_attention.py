@@ -21,7 +21,6 @@ around them; analytic_flops counts the matmuls each program executes (see kernel
 """
 
 import argparse
-import json
 import re
 import time
 
@@ -29,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import SingleDeviceSharding
 
+from glm_jax import strict_json
 from glm_jax.sharding import topology
 from pallas_kernels import lightning_indexer_reference as indexer_reference
 from pallas_kernels.lightning_indexer import IndexerBlockSizes, lightning_indexer_topk
@@ -317,7 +317,7 @@ def main():
   print()
   for r in reports:
     r = dict(r, error=None if r["error"] is None else r["error"].splitlines()[0][:2000])
-    print(json.dumps(r), flush=True)
+    print(strict_json.dumps(r), flush=True)
 
 
 if __name__ == "__main__":

@@ -81,7 +81,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import statistics
 import sys
@@ -93,6 +92,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from glm_jax import strict_json
 from glm_jax.model import param_counts
 from glm_jax.train import step as step_lib
 from glm_jax.sharding.topology import compiled_flops
@@ -274,7 +274,7 @@ def main():
   print(f"# jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} CPU cores", file=sys.stderr)
   for config in configs:
     row = bench(config, args)
-    print(json.dumps(row), flush=True)
+    print(strict_json.dumps(row), flush=True)
     print(f"# {row['name']}: {row['tokens_per_s']:.0f} tokens/s ({row['step_seconds']} s/step, load "
           f"{row['loadavg_1min_before_after']}); ratio {row['ratio']} ({row['ratio_with_optimizer']} with Muon NS), "
           f"dots {row['dot_ratio']}, dots after ragged_dot waste {row['dot_ratio_after_known_waste']}",

@@ -22,7 +22,6 @@ index_topk = T its top-k keeps every key, so both compute the same attention. Ne
 (torch, transformers), which `scripts/with_env.sh` installs.
 """
 
-import json
 import os
 import statistics
 import time
@@ -38,6 +37,7 @@ from absl import app, flags
 from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
 
 from configs import common
+from glm_jax import strict_json
 from glm_jax.model import ModelConfig
 from glm_jax.train import step as step_lib
 from glm_jax.train.flops import analytic_flops
@@ -150,7 +150,7 @@ def main(argv):
     flops = analytic_flops(cfg.replace(use_dsa=False), _BATCH.value, _SEQ.value, "dense")["total"]
     torch_step, experts_impl = torch_stepper(cfg, ids)
     jax_s, torch_s = interleaved_medians([jax_stepper(cfg, ids), torch_step], _WARMUP.value, _STEPS.value)
-    print(json.dumps({
+    print(strict_json.dumps({
         "config": which, "layers": f"{cfg.num_dense_layers} dense + {cfg.num_moe_layers} MoE",
         "experts": f"{cfg.n_routed_experts} top-{cfg.num_experts_per_tok}", "tokens_per_step": tokens,
         "jax_step_s": round(jax_s, 4), "torch_step_s": round(torch_s, 4),

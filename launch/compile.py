@@ -31,12 +31,13 @@ allocated and no TPU is needed. Prints one JSON line:
 Exit status 0 when it fits, 1 when it does not, 2 on bad input.
 """
 
-import json
 import sys
 import time
 
 from absl import app, flags, logging
 from ml_collections import config_flags
+
+from glm_jax import cli, strict_json
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file.", lock_config=True)
 _TOPOLOGY = flags.DEFINE_string("topology", None, "TPU slice: v5p:8x8x8, v5p-1024, v6e:16x16, v5e-256, ...")
@@ -95,10 +96,10 @@ def main(argv):
   else:
     report["fits"] = False
     report["error"] = result.error.strip().splitlines()[0][:2000] if result.error else "compile failed"
-  print(json.dumps(report), flush=True)
+  print(strict_json.dumps(report), flush=True)
   sys.exit(0 if report["fits"] else 1)
 
 
 if __name__ == "__main__":
   flags.mark_flags_as_required(["config", "topology"])
-  app.run(main)
+  cli.run(main)

@@ -9,7 +9,6 @@ Prints {"config", "total", "active", "mtp"} (parameter counts, see glm_jax.model
 model on random tokens (about ln(vocab_size)) and the wall time of the jit-compiled forward.
 """
 
-import json
 import time
 
 import jax
@@ -18,6 +17,7 @@ from absl import app, flags
 from flax import nnx
 from ml_collections import config_flags
 
+from glm_jax import cli, strict_json
 from glm_jax.model import GlmMoeDsa, ModelConfig, param_counts
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file.", lock_config=True)
@@ -48,8 +48,8 @@ def main(argv):
     logits, value = jax.block_until_ready(loss(state, ids))
     info.update(logits_shape=list(logits.shape), init_loss=float(value), ln_vocab=float(jnp.log(cfg.vocab_size)),
                 forward_seconds=round(time.perf_counter() - start, 4))
-  print(json.dumps(info))
+  print(strict_json.dumps(info))
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -3,16 +3,19 @@ r"""Prints text sampled from a training run's latest checkpoint.
   python launch/sample.py --config=configs/glm5_tiny.py --workdir=workdirs/glm5_tiny \
       --prompt="In the beginning" --max_new_tokens=64 --temperature=0.8
 
---config must be the run's config (with the same overrides), so the model and tokenizer match. Decoding
+--config must be the run's config (with the same overrides), so the model matches; the text is encoded and
+decoded with the tokenizer recorded in the checkpoint (the one the model was trained with). Decoding
 uses the KV-cache sampler (glm_jax/inference/sampler.py): one prefill, then one compiled decode step a token.
 """
 
+import dataclasses
+
 import jax
 import numpy as np
-from absl import app, flags, logging
+from absl import flags, logging
 from ml_collections import config_flags
 
-from glm_jax import data as data_lib
+from glm_jax import cli, data as data_lib
 from glm_jax.inference import Sampler, SamplingParams
 from glm_jax.train.checkpoint import Checkpointer
 from glm_jax.train.config import model_config_for_stage
@@ -28,32 +31,39 @@ _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
 
 
 def main(argv):
-  del argv
+  if len(argv) > 1:
+    raise ValueError(f"unexpected arguments: {argv[1:]}")
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)
+  # The flags and the workdir are checked before anything is read, built or created.
+  try:
+    sampling = SamplingParams(max_new_tokens=_MAX_NEW.value, temperature=_TEMPERATURE.value, top_p=_TOP_P.value)
+  except ValueError as e:
+    raise ValueError(f"--{e}") from e
   config = _CONFIG.value
   workdir = _WORKDIR.value or f"workdirs/{config.get('name', 'run')}"
   model_cfg = model_config_for_stage(config)
-  tokenizer = data_lib.load_tokenizer(config.data)
-  data_lib.check_vocab(tokenizer, model_cfg.vocab_size)
-  checkpointer = Checkpointer(workdir, save_every=1, keep=1)
-  step = checkpointer.latest_step()
-  if step is None:
-    raise app.UsageError(f"--workdir={workdir}: no checkpoint found in {checkpointer.directory}")
+  checkpointer = Checkpointer(workdir, read_only=True)
+  if not checkpointer.steps():
+    raise FileNotFoundError(f"--workdir={workdir}: no checkpoint in {checkpointer.directory}")
   checkpointer.check_compatible(config.to_dict())
+  record = checkpointer.recorded_tokenizer(checkpointer.steps()[0])
+  if record is not None:  # the tokenizer the model was trained with, whatever config.data says
+    tokenizer = data_lib.Tokenizer.from_record(record)
+  else:
+    logging.warning("%s records no tokenizer (saved before runs recorded one); using config.data's",
+                    checkpointer.directory)
+    tokenizer = data_lib.load_tokenizer(config.data)
+  data_lib.check_vocab(tokenizer, model_cfg.vocab_size)
   graphdef, state, _, _ = create_train_state(config, model_cfg)
-  state = checkpointer.restore(step, state)
+  step, state = checkpointer.restore_latest(state)
   checkpointer.close()
   prompt = tokenizer.encode(_PROMPT.value) or [tokenizer.eos_id]
-  try:
-    sampling = SamplingParams(max_new_tokens=_MAX_NEW.value, temperature=_TEMPERATURE.value, top_p=_TOP_P.value,
-                              stop_ids=(tokenizer.eos_id,), pad_id=tokenizer.pad_id)
-    out = Sampler(graphdef, model_cfg, sampling)(state.params, state.rest, [prompt], jax.random.key(_SEED.value))
-  except ValueError as e:
-    raise app.UsageError(str(e)) from e
+  sampling = dataclasses.replace(sampling, stop_ids=(tokenizer.eos_id,), pad_id=tokenizer.pad_id)
+  out = Sampler(graphdef, model_cfg, sampling)(state.params, state.rest, [prompt], jax.random.key(_SEED.value))
   print(f"[step {step}] " + tokenizer.decode(np.asarray(out.tokens[0, :int(out.lengths[0])]).tolist()))
 
 
 if __name__ == "__main__":
   flags.mark_flag_as_required("config")
-  app.run(main)
+  cli.run(main)

@@ -22,16 +22,19 @@ Every process reads its own rows of each global batch and writes its part of eac
 writes the metrics and prints the JSON line.
 Metrics go to <workdir>/metrics.jsonl and <workdir>/tensorboard, checkpoints to <workdir>/checkpoints.
 The run ends by printing one JSON line: eval_loss and unigram_entropy (nats per token), step, and more (for
-grpo / distill: the greedy eval_accuracy at the start and the end, the last reward_mean or teacher_kl).
+grpo / distill: the greedy eval_accuracy at the start and the end, the last reward_mean or teacher_kl). JSON is
+strict: a non-finite number is null and the row's "nonfinite" list names it (glm_jax/strict_json.py).
+A bad flag, config value or path, an unreadable checkpoint or a diverging run (train.max_consecutive_skips
+skipped steps in a row) ends the run with one line, `error: ...`, and a non-zero exit code; GLM_JAX_TRACEBACK=1
+shows the traceback (glm_jax/cli.py).
 """
-
-import json
 
 import jax
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from glm_jax import cli, strict_json
 from glm_jax.rl import config as rl_config, trainer as rl_trainer
 from glm_jax.train import distributed
 from glm_jax.train.trainer import train_and_evaluate
@@ -66,9 +69,9 @@ def main(argv):
   else:
     raise app.UsageError(f"config.trainer={kind!r} is invalid; one of {rl_config.TRAINERS}")
   if jax.process_index() == 0:
-    print(json.dumps(summary), flush=True)
+    print(strict_json.dumps(summary), flush=True)
 
 
 if __name__ == "__main__":
   flags.mark_flag_as_required("config")
-  app.run(main)
+  cli.run(main)

@@ -13,10 +13,10 @@ SCANNED = ("pallas_kernels", "glm_jax", "configs", "launch", "experiments")
 # Group (the longest matching module prefix) -> rank. An import must stay inside its group or go to a lower rank.
 RANKS = {
     "pallas_kernels": 0,
-    "glm_jax": 1, "glm_jax.tree_paths": 1, "glm_jax.mesh_axes": 1,  # the package's leaf modules, each by name
+    "glm_jax": 1, "glm_jax.tree_paths": 1, "glm_jax.mesh_axes": 1, "glm_jax.strict_json": 1,  # leaf modules, by name
     "glm_jax.model": 2, "glm_jax.data": 2, "glm_jax.sharding": 2,
     "glm_jax.convert": 3, "glm_jax.inference": 3, "glm_jax.train": 3,
-    "glm_jax.rl": 4,
+    "glm_jax.rl": 4, "glm_jax.cli": 4,  # the launch scripts' error handling (reads train.guards)
     "launch": 5, "experiments": 5,
 }
 EXACT = {"glm_jax"}  # groups of one module: a new glm_jax subpackage or leaf module must be ranked here

@@ -62,6 +62,20 @@ class Tokenizer:
   def decode(self, ids: Sequence[int]) -> str:
     return self.backend.decode([int(i) for i in ids], skip_special_tokens=False)
 
+  def record(self) -> dict:
+    """What a checkpoint saves of this tokenizer (from_record rebuilds it): name, sha256, vocab_size, json."""
+    return {"name": self.name, "sha256": self.fingerprint, "vocab_size": self.vocab_size,
+            "json": self.backend.to_str()}
+
+  @classmethod
+  def from_record(cls, record: dict) -> "Tokenizer":
+    """The tokenizer a checkpoint recorded (see record); raises ValueError when the record does not rebuild it."""
+    tok = cls(tokenizers.Tokenizer.from_str(record["json"]), record["name"])
+    if tok.fingerprint != record["sha256"]:
+      raise ValueError(f"recorded tokenizer {record['name']!r}: its JSON hashes to {tok.fingerprint[:12]}, the record "
+                       f"says {record['sha256'][:12]}")
+    return tok
+
   def __repr__(self) -> str:
     return f"Tokenizer({self.name!r}, vocab_size={self.vocab_size}, special_ids={self.special_ids})"
 

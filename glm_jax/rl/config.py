@@ -48,6 +48,8 @@ def _validate_rl_section(rl: ml_collections.ConfigDict) -> None:
   for field in _RL_POSITIVE_INTS:
     if not isinstance(rl[field], int) or rl[field] <= 0:
       invalid(f"rl.{field}", rl[field], "must be a positive integer")
+  if not isinstance(rl.max_consecutive_skips, int) or rl.max_consecutive_skips < 0:
+    invalid("rl.max_consecutive_skips", rl.max_consecutive_skips, "must be an integer >= 0 (0 = never stop)")
   if not isinstance(rl.tau, int) or rl.tau < 0:
     invalid("rl.tau", rl.tau, "must be an integer >= 0 (versions a rollout may lag the trainer)")
   if not rl.temperature >= MIN_TEMPERATURE:

@@ -20,6 +20,7 @@ from glm_jax.model import ModelConfig
 from glm_jax.rl.rewards import RewardFn
 from glm_jax.rl.tasks import CharVocab, Problem, Task
 from glm_jax.train.checkpoint import Checkpointer
+from glm_jax.train.guards import ConsecutiveSkips
 from glm_jax.train.metrics import MetricsWriter
 
 
@@ -48,6 +49,7 @@ class RunContext(RunSetup):
   greedy: Sampler  # eval_accuracy's
   eval_problems: list[Problem]  # answered greedily for eval_accuracy
   writer: MetricsWriter
+  skips: ConsecutiveSkips  # stops the run after rl.max_consecutive_skips skipped updates in a row
 
   @classmethod
   def after_warm_start(cls, setup: RunSetup, **loop_fields) -> RunContext:

@@ -23,6 +23,7 @@ Host-side numpy only; everything is deterministic given the numpy Generator pass
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
@@ -51,6 +52,11 @@ class CharVocab:
 
   def __hash__(self) -> int:
     return hash(("CharVocab", self.alphabet))
+
+  def record(self) -> dict:
+    """What a checkpoint saves of this vocabulary (as data.Tokenizer.record, without a JSON to rebuild it from)."""
+    digest = hashlib.sha256(f"CharVocab:{self.alphabet}".encode("utf-8")).hexdigest()
+    return {"name": f"CharVocab({self.alphabet!r})", "sha256": digest, "vocab_size": self.vocab_size}
 
   def __repr__(self) -> str:
     return f"CharVocab(alphabet={self.alphabet!r}, vocab_size={self.vocab_size})"

@@ -38,6 +38,7 @@ from glm_jax.rl.context import RunContext, RunSetup
 from glm_jax.rl.rollout import RolloutWorker, greedy_accuracy, is_stale, make_rollout, make_sampler
 from glm_jax.rl.warm_start import load_teacher, make_policy, reference_policy, warm_start
 from glm_jax.train.checkpoint import Checkpointer
+from glm_jax.train.guards import ConsecutiveSkips
 from glm_jax.train.metrics import MetricsWriter
 
 
@@ -45,7 +46,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   """Runs config.trainer ("grpo" or "distill") for config.rl.steps updates; returns the summary line."""
   setup, state = _setup(config, workdir)
   state, start, info = warm_start(setup, state)
-  ctx = _context(setup)
+  ctx = _context(setup, start)
   summary = dict(trainer=config.trainer, workdir=os.path.abspath(workdir), **info)
   accuracy = _eval_accuracy(ctx, state)
   if start == 0:
@@ -74,7 +75,7 @@ def _setup(config: ml_collections.ConfigDict, workdir: str):
   checkpointer = Checkpointer(workdir, save_every=rl.checkpoint_every, keep=rl.keep_checkpoints,
                               async_save=False)
   checkpointer.check_compatible(config.to_dict(), sections=("model", "optimizer", "tasks", "teachers"),
-                                train_fields=())
+                                train_fields=(), tokenizer=vocab.record())
   graphdef, state, optimizer, schedule = make_policy(model_cfg, config.optimizer, rl.seed, rl.freeze_indexer)
   setup = RunSetup(config=config, workdir=workdir, model_cfg=model_cfg, vocab=vocab,
                    tasks_and_weights=tasks_and_weights, graphdef=graphdef, optimizer=optimizer, schedule=schedule,
@@ -82,17 +83,20 @@ def _setup(config: ml_collections.ConfigDict, workdir: str):
   return setup, state
 
 
-def _context(setup: RunSetup) -> RunContext:
-  """The setup with the reward function, the samplers, the held-out problems and the metrics writer."""
+def _context(setup: RunSetup, start: int) -> RunContext:
+  """The setup with the reward function, the samplers, the held-out problems and the metrics writer (whose rows
+  after `start` are moved aside: a resumed run writes them again)."""
   rl = setup.config.rl
   reward_fn = rewards_lib.make_reward_fn(rl.reward, setup.vocab)
   sampler = make_sampler(setup.graphdef, setup.model_cfg, rl, setup.tasks_and_weights, setup.vocab)
   greedy = make_sampler(setup.graphdef, setup.model_cfg, rl, setup.tasks_and_weights, setup.vocab, greedy=True)
   eval_problems = tasks_lib.mixed_prompts(setup.tasks_and_weights, np.random.default_rng(10**6 + rl.seed),
                                           rl.eval_prompts)
-  writer = MetricsWriter(setup.workdir, tensorboard=rl.tensorboard)
+  # A fresh run (start 0) writes its step-0 row again, so it keeps none.
+  writer = MetricsWriter(setup.workdir, tensorboard=rl.tensorboard, keep_through=start if start else -1)
+  skips = ConsecutiveSkips(rl.max_consecutive_skips, "rl.max_consecutive_skips")
   return RunContext.after_warm_start(setup, reward_fn=reward_fn, sampler=sampler, greedy=greedy,
-                                     eval_problems=eval_problems, writer=writer)
+                                     eval_problems=eval_problems, writer=writer, skips=skips)
 
 
 def _eval_accuracy(ctx: RunContext, state) -> float:
@@ -115,12 +119,13 @@ def _step_rollout(ctx: RunContext, params, rest, version: int, index: int, group
 def _log_and_eval(ctx: RunContext, done: int, metrics: dict, state) -> dict:
   """Adds eval_accuracy every rl.eval_every steps, writes the metrics every rl.log_every, and checkpoints."""
   rl = ctx.config.rl
+  ctx.skips.count(done, metrics["skipped"])  # raises Diverged after too many skipped updates in a row
   if done % rl.eval_every == 0 or done == rl.steps:
     metrics["eval_accuracy"] = _eval_accuracy(ctx, state)
   if done % rl.log_every == 0 or done == rl.steps or "eval_accuracy" in metrics:
     row = ctx.writer.write(done, metrics)
     logging.info("step %d: %s", done, {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()})
-  ctx.checkpointer.save(done, state, None, ctx.config.to_dict(), force=done == rl.steps)
+  ctx.checkpointer.save(done, state, None, ctx.config.to_dict(), tokenizer=ctx.vocab.record(), force=done == rl.steps)
   return metrics
 
 

@@ -77,21 +77,21 @@ def warm_start(setup: RunSetup, state):
   """(state, step, info): the latest checkpoint's state; else the warm-started policy, kept in <workdir>/init:
   rl.init_from's weights, or config.sft.steps of fine-tuning, or the random initialization."""
   config, checkpointer = setup.config, setup.checkpointer
-  latest = checkpointer.latest_step()
+  latest, restored = checkpointer.restore_latest(state)
   if latest is not None:
     logging.info("resuming from %s step %d", checkpointer.directory, latest)
-    return checkpointer.restore(latest, state), latest, {}
+    return restored, latest, {}
   init = Checkpointer(os.path.join(setup.workdir, "init"), save_every=1, keep=1, async_save=False)
   info = {}
-  if init.latest_step() is not None:
-    state.params, state.rest = init.restore_weights(init.latest_step(), state.params, state.rest)
+  if init.steps():
+    _, (state.params, state.rest) = init.restore_latest_weights(state.params, state.rest)
   else:
     if config.rl.init_from:
       source = Checkpointer(config.rl.init_from, read_only=True)
-      step = source.latest_step()
-      if step is None:
+      if not source.steps():
         raise ValueError(f"rl.init_from={config.rl.init_from!r}: no complete checkpoint in {source.directory}")
-      state.params, state.rest = source.restore_weights(step, state.params, state.rest)
+      source.require_tokenizer(setup.vocab.record(), f"rl.init_from={config.rl.init_from!r}")
+      _, (state.params, state.rest) = source.restore_latest_weights(state.params, state.rest)
       source.close()
     elif config.sft.steps:
       t0 = time.perf_counter()
@@ -99,7 +99,7 @@ def warm_start(setup: RunSetup, state):
           setup, setup.graphdef, state.params, state.rest, setup.model_cfg, config.sft, setup.tasks_and_weights,
           config.rl.seed)
       info["sft_s"] = time.perf_counter() - t0
-    init.save(0, state, None, config.to_dict(), force=True)
+    init.save(0, state, None, config.to_dict(), tokenizer=setup.vocab.record(), force=True)
   init.close()
   return state, 0, info
 
@@ -107,7 +107,7 @@ def warm_start(setup: RunSetup, state):
 def reference_policy(workdir: str, state):
   """(params, rest) of the warm-started policy (<workdir>/init)."""
   init = Checkpointer(os.path.join(workdir, "init"), read_only=True)
-  params, rest = init.restore_weights(init.latest_step(), state.params, state.rest)
+  _, (params, rest) = init.restore_latest_weights(state.params, state.rest)
   init.close()
   return params, rest
 
@@ -120,9 +120,10 @@ def load_teacher(setup: RunSetup, name: str):
   graphdef, state, _, _ = make_policy(cfg, config.optimizer, spec.seed, freeze_indexer=False)
   source = spec.init_from or os.path.join(setup.workdir, "teachers", name)
   cache = Checkpointer(source, save_every=1, keep=1, async_save=False, read_only=bool(spec.init_from))
-  step = cache.latest_step()
-  if step is not None:
-    state.params, state.rest = cache.restore_weights(step, state.params, state.rest)
+  if cache.steps():
+    if spec.init_from:
+      cache.require_tokenizer(setup.vocab.record(), f"teachers.{name}.init_from={spec.init_from!r}")
+    _, (state.params, state.rest) = cache.restore_latest_weights(state.params, state.rest)
   elif spec.init_from:
     raise ValueError(f"teachers.{name}.init_from={spec.init_from!r}: no complete checkpoint in {cache.directory}")
   else:
@@ -132,6 +133,7 @@ def load_teacher(setup: RunSetup, name: str):
     state.params, state.rest, loss = supervised_finetune(setup, graphdef, state.params, state.rest, cfg, sft,
                                                          [(task, 1.0)], spec.seed, f"teacher {name}")
     logging.info("teacher %s fine-tuned on %s: lm_loss %.4f", name, spec.task, loss)
-    cache.save(0, state, None, {"teacher": spec.to_dict(), "model": cfg.to_dict()}, force=True)
+    cache.save(0, state, None, {"teacher": spec.to_dict(), "model": cfg.to_dict()}, tokenizer=setup.vocab.record(),
+               force=True)
   cache.close()
   return graphdef, state.params, state.rest

@@ -1,16 +1,26 @@
 """Orbax checkpoints of the train state with the Grain iterator state in the same step.
 
-<workdir>/checkpoints/<step>/ holds three items: "state" (TrainState), "data" (the Grain iterator) and
-"config" (the run's config as JSON). Saves are asynchronous; Orbax writes each step into a temporary
-directory and renames it when complete, so a run killed mid-save resumes from the last complete step.
-A workdir whose checkpoints were written with an incompatible config (other model shapes, optimizer or
-DSA stage) is refused before anything is restored or overwritten.
+<workdir>/checkpoints/<step>/ holds the items "state" (TrainState), "data" (the Grain iterator), "config" (the
+run's config as JSON) and "tokenizer" (the tokenizer's record: name, sha256 of its JSON, vocabulary size and the
+JSON itself, so a sampler decodes with the tokenizer the model was trained with). Together, config and tokenizer
+are the run's fingerprint. Saves are asynchronous; Orbax writes each step into a temporary directory and renames
+it when complete, so a run killed mid-save resumes from the last complete step.
+
+Safeguards:
+  - A workdir whose checkpoints were written with an incompatible config (other model shapes, optimizer or DSA
+    stage; for a pretraining resume also other data or another tokenizer, unless train.allow_data_change) is
+    refused, naming each field, before anything is restored or overwritten.
+  - A step that cannot be restored (a truncated or deleted file) is reported in one line and the step before it
+    is restored instead; the bad step is moved aside to <step>.unreadable, never deleted.
+  - Parameters that are not all finite are never saved.
+  - An unwritable checkpoints directory fails at once, before any work; nothing is created until the first save.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -18,14 +28,21 @@ import grain
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
+from absl import logging
 from flax import nnx
 
+from glm_jax.train.guards import Diverged, first_nonfinite
 from glm_jax.tree_paths import path_str
 
-# Config fields that may change between a run and its resumption (they do not change the saved state).
+# Config fields that may change between a run and its resumption (they do not change the saved state or data).
 RUNTIME_FIELDS = {
     "model": {"attention_impl", "dtype", "moe_capacity_factor", "remat_policy", "scan_unroll", "use_dsa"},
+    "data": {"cache_dir", "eval_batches"},
 }
+# Differences that train.allow_data_change permits (a new data mix is a real use).
+DATA_DIFFS = ("data.", "tokenizer:")
+# The sections a pretraining run resumes only under the same values (or with allow_data_change for "data").
+RESUME_SECTIONS = ("model", "optimizer", "data")
 # Config sections whose other fields must match the checkpoint's.
 COMPARED_SECTIONS = ("model", "optimizer")
 COMPARED_TRAIN_FIELDS = ("dsa_stage",)
@@ -52,37 +69,109 @@ def config_differences(saved: Mapping[str, Any], current: Mapping[str, Any], *,
 
 
 class Checkpointer:
+  """Orbax's CheckpointManager over <workdir>/checkpoints.
+
+  The directory is created on the first save, not before, so a run that fails while it is being set up leaves
+  nothing behind; whether it can be written is checked at once (a probe file, removed), so an unwritable one
+  fails in a line before any work. read_only: restore only; the directory must exist."""
 
   def __init__(self, workdir: str, *, save_every: int = 1, keep: int = 1, async_save: bool = True,
                read_only: bool = False):
     self.directory = os.path.join(os.path.abspath(workdir), "checkpoints")
+    self.read_only = read_only
     if read_only and not os.path.isdir(self.directory):
       raise FileNotFoundError(f"{workdir}: no checkpoints directory ({self.directory} does not exist)")
-    options = ocp.CheckpointManagerOptions(save_interval_steps=save_every, max_to_keep=keep,
-                                           enable_async_checkpointing=async_save, create=not read_only,
-                                           read_only=read_only)
-    self.manager = ocp.CheckpointManager(self.directory, options=options)
+    if not read_only:
+      check_writable(self.directory)
+    self._options = ocp.CheckpointManagerOptions(save_interval_steps=save_every, max_to_keep=keep,
+                                                 enable_async_checkpointing=async_save, create=not read_only,
+                                                 read_only=read_only)
+    self._manager = self._open() if os.path.isdir(self.directory) else None
+
+  def _open(self) -> ocp.CheckpointManager:
+    return ocp.CheckpointManager(self.directory, options=self._options)
+
+  @property
+  def manager(self) -> ocp.CheckpointManager:
+    """The Orbax manager; its directory is created when first asked for (to save)."""
+    if self._manager is None:
+      os.makedirs(self.directory, exist_ok=True)
+      self._manager = self._open()
+    return self._manager
 
   def latest_step(self) -> int | None:
-    return self.manager.latest_step()
+    return None if self._manager is None else self._manager.latest_step()
 
-  def check_compatible(self, config: Mapping[str, Any], **compare) -> None:
-    """Raises ValueError naming every field where the latest checkpoint's config differs from `config`
-    (`compare`: config_differences' sections / train_fields)."""
-    step = self.latest_step()
-    if step is None:
-      return
-    saved = self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+  def steps(self) -> list[int]:
+    """The saved steps, newest first."""
+    return [] if self._manager is None else sorted(self._manager.all_steps(), reverse=True)
+
+  def _read_json(self, step: int, item: str) -> Any:
+    if not os.path.isdir(os.path.join(self.directory, str(step), item)):
+      return None  # a checkpoint from before the item existed
+    return self._manager.restore(step, args=ocp.args.Composite(**{item: ocp.args.JsonRestore()}))[item]
+
+  def recorded_tokenizer(self, step: int) -> dict | None:
+    """The tokenizer record saved with `step` (Tokenizer.record(): name, sha256, vocab_size and, for a
+    tokenizers.Tokenizer, its JSON), or None for a checkpoint saved without one."""
+    return self._read_json(step, "tokenizer")
+
+  def require_tokenizer(self, tokenizer: Mapping[str, Any], field: str) -> None:
+    """Raises ValueError (naming `field`, the config field that chose this checkpoint) when the newest step
+    recorded another tokenizer than `tokenizer` (a record); a step that recorded none is accepted."""
+    steps = self.steps()
+    recorded = self.recorded_tokenizer(steps[0]) if steps else None
+    if recorded is not None and recorded["sha256"] != tokenizer["sha256"]:
+      raise ValueError(f"{field}: {self.directory} (step {steps[0]}) was trained with the tokenizer "
+                       f"{describe_tokenizer(recorded)}, but this run uses {describe_tokenizer(tokenizer)}; its "
+                       "weights would read other tokens")
+
+  def check_compatible(self, config: Mapping[str, Any], *, tokenizer: Mapping[str, Any] | None = None,
+                       allow_data_change: bool = False, **compare) -> list[str]:
+    """Raises ValueError naming every field where the newest checkpoint's config differs from `config`
+    (`compare`: config_differences' sections / train_fields) and, given this run's tokenizer record, where the
+    recorded tokenizer differs. Differences in the data section and the tokenizer are allowed with
+    allow_data_change (logged, and returned so the caller starts its data afresh). A step whose config cannot be
+    read is passed over (restore_latest reports it)."""
+    for step in self.steps():
+      try:
+        saved = self._read_json(step, "config")
+        recorded = self.recorded_tokenizer(step)
+        break
+      except Exception:  # noqa: BLE001 - reported when restore_latest reaches it
+        continue
+    else:
+      return []
     diffs = config_differences(saved, config, **compare)
-    if diffs:
-      raise ValueError(f"{self.directory} holds checkpoints (latest step {step}) of an incompatible config: "
-                       + "; ".join(diffs) + ". Use another --workdir, or the checkpoint's config.")
+    if tokenizer is not None and recorded is not None and recorded["sha256"] != tokenizer["sha256"]:
+      diffs.append(f"tokenizer: checkpoint {describe_tokenizer(recorded)}, config {describe_tokenizer(tokenizer)}")
+    data = [d for d in diffs if d.startswith(DATA_DIFFS)]
+    fixed = [d for d in diffs if d not in data]
+    where = f"{self.directory} holds checkpoints (latest step {step}) of"
+    if fixed or (data and not allow_data_change):
+      hint = (" Or, to go on training this run on other data, --config.train.allow_data_change=True (the train "
+              "state is restored; the data starts afresh)." if data and not fixed else "")
+      raise ValueError(f"{where} an incompatible config: " + "; ".join(fixed + data)
+                       + ". Use another --workdir, or the checkpoint's config." + hint)
+    if data:
+      logging.warning("%s other data (allowed by train.allow_data_change): %s; the data starts afresh", where,
+                      "; ".join(data))
+    return data
 
   def save(self, step: int, state: Any, data_iter: grain.DatasetIterator | None, config: Mapping[str, Any],
-           *, force: bool = False) -> bool:
-    """Saves state, the config and, when given, the data iterator's position (a run whose data is a function
-    of the step, such as the RL loops', has none)."""
+           *, tokenizer: Mapping[str, Any] | None = None, force: bool = False) -> bool:
+    """Saves state, the config, the tokenizer record when given and, when given, the data iterator's position
+    (a run whose data is a function of the step, such as the RL loops', has none). Refuses (Diverged, nothing
+    written) a state whose parameters are not all finite."""
+    if not (force or self.manager.should_save(step)):
+      return False
+    bad = first_nonfinite(state.params) if hasattr(state, "params") else None
+    if bad is not None:
+      raise Diverged(f"not saving step {step}: parameter {bad} is not finite; {self.directory} keeps its "
+                     f"checkpoints (latest step {self.latest_step()})")
     items = dict(state=ocp.args.StandardSave(state), config=ocp.args.JsonSave(dict(config)))
+    if tokenizer is not None:
+      items["tokenizer"] = ocp.args.JsonSave(dict(tokenizer))
     if data_iter is not None:
       items["data"] = grain.checkpoint.CheckpointSave(data_iter)
     return self.manager.save(step, args=ocp.args.Composite(**items), force=force)
@@ -94,6 +183,56 @@ class Checkpointer:
     if data_iter is not None:
       items["data"] = grain.checkpoint.CheckpointRestore(data_iter)
     return self.manager.restore(step, args=ocp.args.Composite(**items))["state"]
+
+  def restore_latest(self, abstract_state: Any, data_iter: grain.DatasetIterator | None = None
+                     ) -> tuple[int | None, Any]:
+    """(step, state) from the newest step that restores (see restore), or (None, abstract_state) when there is
+    none. A step that fails to restore (a truncated or missing file) is reported in one line each, and once an
+    older one has restored it is moved aside to <step>.unreadable (never deleted; left in place when read_only),
+    so the run's next saves do not meet it. When no step restores, nothing is moved and the error names each."""
+    return self._newest_restorable(lambda step: self.restore(step, abstract_state, data_iter), abstract_state)
+
+  def restore_latest_weights(self, params: Any, rest: Any) -> tuple[int, tuple[Any, Any]]:
+    """(step, restore_weights(step, ...)) for the newest step that restores, as restore_latest chooses it."""
+    step, weights = self._newest_restorable(lambda step: self.restore_weights(step, params, rest), None)
+    if step is None:
+      raise ValueError(f"{self.directory}: no checkpoint to initialize from")
+    return step, weights
+
+  def _newest_restorable(self, restore, default):
+    failed = []
+    for step in self.steps():
+      try:
+        out = restore(step)
+      except Exception as e:  # noqa: BLE001 - any failure to read a step is reported and the next one tried
+        reason = first_line(e)
+        logging.warning("checkpoint %s/%d cannot be restored (%s); trying the step before it",
+                        self.directory, step, reason)
+        failed.append((step, reason))
+        continue
+      if failed:
+        moved = [self._set_aside(bad) for bad, _ in failed]
+        logging.warning("restored step %d of %s instead of step %s; the unreadable step(s) are kept in %s", step,
+                        self.directory, ", ".join(str(b) for b, _ in failed), ", ".join(moved))
+      return step, out
+    if failed:
+      raise ValueError(f"no checkpoint in {self.directory} can be restored: "
+                       + "; ".join(f"step {s} ({r})" for s, r in failed)
+                       + ". They are left as they are; use another --workdir")
+    return None, default
+
+  def _set_aside(self, step: int) -> str:
+    path = os.path.join(self.directory, str(step))
+    if self.read_only or jax.process_index() != 0:
+      return path
+    target = f"{path}.unreadable"
+    n = 1
+    while os.path.exists(target):
+      n += 1
+      target = f"{path}.unreadable{n}"
+    os.rename(path, target)
+    self._manager.reload()
+    return target
 
   def restore_weights(self, step: int, params: Any, rest: Any) -> tuple[Any, Any]:
     """(params, rest) with every array taken from the checkpoint at `step`, whatever optimizer state or
@@ -126,3 +265,39 @@ class Checkpointer:
 
   def close(self) -> None:
     self.manager.close()
+
+
+def first_line(error: BaseException, limit: int = 300) -> str:
+  """The first line of the innermost cause of `error` (tensorstore's, which names the file), without the
+  tensorstore spec that follows it."""
+  while True:
+    inner = error.__cause__ or (None if error.__suppress_context__ else error.__context__)
+    if inner is None:
+      break
+    error = inner
+  text = (str(error).strip().splitlines() or [""])[0]
+  text = re.split(r" \[tensorstore_spec| See full TensorStore details", text)[0]
+  text = f"{type(error).__name__}: {text}"
+  return text if len(text) <= limit else text[:limit] + " ..."
+
+
+def describe_tokenizer(record: Mapping[str, Any]) -> str:
+  return f"{record['name']!r} (sha256 {record['sha256'][:12]}, {record['vocab_size']} ids)"
+
+
+def check_writable(directory: str) -> None:
+  """Raises PermissionError (one line, naming the directory) unless files can be created in `directory`, or,
+  when it does not exist yet, in its nearest existing parent; the probe file is removed, nothing is created."""
+  existing = directory
+  while not os.path.isdir(existing):
+    if os.path.exists(existing):
+      raise NotADirectoryError(f"{directory}: cannot hold checkpoints: {existing} is a file, not a directory")
+    existing = os.path.dirname(existing)
+  probe = os.path.join(existing, f".glm_jax_write_probe_{os.getpid()}")
+  try:
+    with open(probe, "w"):
+      pass
+    os.remove(probe)
+  except OSError as e:
+    raise PermissionError(f"{directory}: checkpoints cannot be written there ({existing}: {e.strerror}); "
+                          "use another --workdir") from e

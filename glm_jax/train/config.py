@@ -21,6 +21,7 @@ def default_train_config() -> ml_collections.ConfigDict:
   c.seed = 0
   c.dsa_stage = "dense"  # "dense" | "warmup" (indexer only, KL to dense attention) | "sparse" (top-k)
   c.init_from = ""  # a workdir whose latest checkpoint's weights start this run (e.g. dense -> warmup)
+  c.allow_data_change = False  # resume a workdir under another data section or tokenizer (the data starts afresh)
   c.microbatches = 1  # gradient accumulation: the batch is split into this many parts
   c.grad_clip_norm = 1.0  # 0 = off
   c.mtp_loss_weight = 0.3  # GLM-4.5's weight early in training
@@ -30,6 +31,7 @@ def default_train_config() -> ml_collections.ConfigDict:
   c.spike_factor = 3.0  # skip a step whose loss exceeds this x its running mean (0 = off)
   c.spike_min_steps = 50  # ... once this many steps have passed
   c.spike_ema = 0.99  # decay of that running mean
+  c.max_consecutive_skips = 10  # stop the run (non-zero exit) after this many skipped steps in a row; 0 = never
   c.log_every = 10
   c.eval_every = 200
   c.checkpoint_every = 200
@@ -64,6 +66,10 @@ def validate_train_config(train: ml_collections.ConfigDict) -> None:
       invalid(f"train.{field}", train[field], "must be a positive integer")
   if train.dsa_stage not in STAGES:
     invalid("train.dsa_stage", train.dsa_stage, f"one of {STAGES}")
+  if not isinstance(train.max_consecutive_skips, int) or train.max_consecutive_skips < 0:
+    invalid("train.max_consecutive_skips", train.max_consecutive_skips, "must be an integer >= 0 (0 = never stop)")
+  if not isinstance(train.allow_data_change, bool):
+    invalid("train.allow_data_change", train.allow_data_change, "True or False")
   if not isinstance(train.init_from, str):
     invalid("train.init_from", train.init_from, "a workdir path or ''")
   validate_step_config(train, "train")

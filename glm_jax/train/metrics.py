@@ -1,7 +1,13 @@
 """Metrics to <workdir>/metrics.jsonl (one JSON object a logged step) and to TensorBoard event files.
 
 Scalars are written as numbers; a per-layer vector (e.g. expert_load_entropy) as a list in the JSON line
-and as one TensorBoard scalar a layer ("expert_load_entropy/layer_3").
+and as one TensorBoard scalar a layer ("expert_load_entropy/layer_3"). The lines are strict JSON
+(glm_jax/strict_json.py): a NaN or infinite value is written as null and the row's "nonfinite" list names it.
+
+A resumed run continues from its checkpoint's step, so the rows a killed run wrote after that checkpoint would
+be written twice. `keep_through` reconciles the file when the writer opens: rows of later steps (and a line
+torn by the kill) are moved to <workdir>/metrics.dropped.jsonl, nothing is deleted, and every step appears
+once in metrics.jsonl.
 """
 
 from __future__ import annotations
@@ -12,6 +18,11 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+from absl import logging
+
+from glm_jax import strict_json
+
+DROPPED_FILE = "metrics.dropped.jsonl"
 
 
 def to_python(value: Any) -> float | int | list:
@@ -21,25 +32,63 @@ def to_python(value: Any) -> float | int | list:
   return arr.tolist()
 
 
-class MetricsWriter:
-  """enabled=False (every process of a multi-process run but the first) formats rows but writes nothing."""
+def _row_step(line: str) -> int | None:
+  try:
+    return int(json.loads(line)["step"])
+  except (ValueError, KeyError, TypeError):
+    return None
 
-  def __init__(self, workdir: str, *, tensorboard: bool = True, enabled: bool = True):
+
+def reconcile(path: str, keep_through: int) -> int:
+  """Moves the rows of `path` whose step is after `keep_through` (and unreadable lines) to DROPPED_FILE beside
+  it; returns how many were moved."""
+  if not os.path.exists(path):
+    return 0
+  with open(path) as f:
+    lines = [line for line in f.read().splitlines() if line.strip()]
+  keep, drop = [], []
+  for line in lines:
+    step = _row_step(line)
+    (keep if step is not None and step <= keep_through else drop).append(line)
+  if drop:
+    with open(os.path.join(os.path.dirname(path), DROPPED_FILE), "a") as f:
+      f.write("".join(line + "\n" for line in drop))
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+      f.write("".join(line + "\n" for line in keep))
+    os.replace(tmp, path)
+    logging.warning("%s: moved %d row(s) after step %d to %s (the run resumes from step %d)", path, len(drop),
+                    keep_through, DROPPED_FILE, keep_through)
+  return len(drop)
+
+
+class MetricsWriter:
+  """enabled=False (every process of a multi-process run but the first) formats rows but writes nothing.
+
+  keep_through: the step the run starts from; rows after it already in metrics.jsonl are moved aside
+  (see the module docstring). None keeps the file as it is."""
+
+  def __init__(self, workdir: str, *, tensorboard: bool = True, enabled: bool = True,
+               keep_through: int | None = None):
     self.enabled = enabled
     self.jsonl = self.tb = None
     if not enabled:
       return
     os.makedirs(workdir, exist_ok=True)
-    self.jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")
+    path = os.path.join(workdir, "metrics.jsonl")
+    if keep_through is not None:
+      reconcile(path, keep_through)
+    self.jsonl = open(path, "a")
     if tensorboard:
       from tensorboardX import SummaryWriter  # imported here: TensorBoard is optional for library users
       self.tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
 
   def write(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
+    """Writes one row; returns it with Python numbers (non-finite values as they are)."""
     row = {"step": int(step), **{k: to_python(v) for k, v in metrics.items()}}
     if not self.enabled:
       return row
-    self.jsonl.write(json.dumps(row) + "\n")
+    self.jsonl.write(strict_json.dumps(row) + "\n")
     self.jsonl.flush()
     if self.tb is not None:
       for key, value in row.items():

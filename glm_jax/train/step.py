@@ -6,8 +6,10 @@ Stages (train.dsa_stage, docs/glm5_facts.md section 3):
   sparse: top-k attention; loss = LM + w_mtp MTP + w_bal balance + w_idx indexer KL, where the KL reaches
           only the indexer (its input is detached) and the LM loss cannot reach it (top-k is discrete)
 Gradients are accumulated over `train.microbatches`, clipped to `train.grad_clip_norm`; a step whose loss or
-gradient norm is not finite, or whose loss exceeds `train.spike_factor` x its running mean, is skipped:
-parameters, optimizer state and expert biases stay as they were and `skipped` is 1 in the metrics.
+gradient norm is not finite, whose updated parameters are not all finite (an update so large it overflows), or
+whose loss exceeds `train.spike_factor` x its running mean, is skipped: parameters, optimizer state and expert
+biases stay as they were and `skipped` is 1 in the metrics. So the parameters are always finite; a run whose
+steps keep being skipped is stopped by its loop (train.max_consecutive_skips).
 """
 
 from __future__ import annotations
@@ -108,7 +110,8 @@ def apply_gradients(state: TrainState, grads, loss: jax.Array, optimizer: optax.
                     grad_clip_norm: float, *, new_rest: Any = None, also_skip: jax.Array | bool = False
                     ) -> tuple[TrainState, jax.Array, jax.Array]:
   """One optimizer update from `grads` (clipped to grad_clip_norm when > 0), skipped (parameters, `rest` and
-  optimizer state kept as they were) when the loss or the gradient norm is not finite or `also_skip` holds.
+  optimizer state kept as they were) when the loss, the gradient norm or any updated parameter is not finite,
+  or `also_skip` holds.
   new_rest: the non-parameter variables after the step (default: unchanged). Returns (the state with step + 1,
   the gradient norm before clipping, skip); loss_ema is carried over unchanged."""
   grad_norm = optax.tree.norm(grads)
@@ -117,7 +120,8 @@ def apply_gradients(state: TrainState, grads, loss: jax.Array, optimizer: optax.
     grads = jax.tree.map(lambda g: g * scale, grads)
   updates, new_opt_state = optimizer.update(grads, state.opt_state, state.params)
   new_params = optax.apply_updates(state.params, updates)
-  skip = ~(jnp.isfinite(loss) & jnp.isfinite(grad_norm)) | also_skip
+  params_finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(p)) for p in jax.tree.leaves(new_params)]))
+  skip = ~(jnp.isfinite(loss) & jnp.isfinite(grad_norm) & params_finite) | also_skip
 
   def keep(new, old):
     return jax.tree.map(lambda n, o: jnp.where(skip, o, n), new, old)

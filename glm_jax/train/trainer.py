@@ -22,12 +22,15 @@ from absl import logging
 from flax import nnx
 
 from glm_jax import data as data_lib
+from glm_jax.data.config import check_process_split
 from glm_jax.model import GlmMoeDsa, ModelConfig, param_counts
 from glm_jax.sharding.mesh import batch_sharding, make_mesh
 from glm_jax.sharding.state import create_sharded
 from glm_jax.train import optimizers, step as step_lib
-from glm_jax.train.config import model_config_for_stage, require_sections, validate_train_config
-from glm_jax.train.checkpoint import Checkpointer
+from glm_jax.train.checkpoint import RESUME_SECTIONS, Checkpointer
+from glm_jax.train.config import invalid, model_config_for_stage, require_sections, validate_train_config
+from glm_jax.train.guards import ConsecutiveSkips
+from glm_jax.train.optimizer_config import checked_optimizer_config
 from glm_jax.train.metrics import MetricsWriter
 
 def create_train_state(config: ml_collections.ConfigDict, model_cfg: ModelConfig):
@@ -95,24 +98,31 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, hooks
   `metrics` is the step's metrics dict (jax arrays; numpy values on logged steps). An exception in a hook ends the run (the checkpointer is
   closed, as on any error)."""
   require_sections(config, ("model", "data", "train", "optimizer"), "training", "configs/glm5_tiny.py")
+  # Everything cheap to check is checked before anything is built or written.
   train = config.train
   validate_train_config(train)
   model_cfg = model_config_for_stage(config)
-  tokenizer = data_lib.load_tokenizer(config.data)
-  data_lib.check_vocab(tokenizer, model_cfg.vocab_size)
+  checked_optimizer_config(config.optimizer)
+  data_lib.validate_data_config(config.data)
+  check_process_split(config.data, jax.process_index(), jax.process_count())
+  if config.data.batch_size % train.microbatches:
+    invalid("train.microbatches", train.microbatches, f"must divide data.batch_size={config.data.batch_size}")
+  mesh = make_mesh(config.mesh) if "mesh" in config else None
   checkpointer = Checkpointer(workdir, save_every=train.checkpoint_every, keep=train.keep_checkpoints,
                               async_save=train.async_checkpoints)
   config_dict = config.to_dict()
-  checkpointer.check_compatible(config_dict)
-  resume_step = checkpointer.latest_step()
   init_source = None
-  if resume_step is None and train.init_from:
+  if not checkpointer.steps() and train.init_from:
     init_source = Checkpointer(train.init_from, read_only=True)
-    if init_source.latest_step() is None:
+    if not init_source.steps():
       raise ValueError(f"train.init_from={train.init_from!r}: no complete checkpoint in {init_source.directory}")
     init_source.check_compatible(config_dict, sections=("model",), train_fields=())
+  tokenizer = data_lib.load_tokenizer(config.data)
+  data_lib.check_vocab(tokenizer, model_cfg.vocab_size)
+  tokenizer_record = tokenizer.record()
+  data_changed = checkpointer.check_compatible(config_dict, sections=RESUME_SECTIONS, tokenizer=tokenizer_record,
+                                               allow_data_change=train.allow_data_change)
 
-  mesh = make_mesh(config.mesh) if "mesh" in config else None
   if mesh is not None and mesh.size == 1:
     mesh = None  # one device: the plain path, nothing to shard
   if mesh is None:
@@ -129,13 +139,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, hooks
                                            process_count=jax.process_count())
   eval_batches = data_lib.make_eval_batches(config.data, tokenizer, process_index=jax.process_index(),
                                             process_count=jax.process_count())
-  start = resume_step
+  start, state = checkpointer.restore_latest(state, None if data_changed else data_iter)
   if start is not None:
-    state = checkpointer.restore(start, state, data_iter)
     logging.info("resumed from %s at step %d", checkpointer.directory, start)
   elif init_source is not None:
-    source_step = init_source.latest_step()
-    state.params, state.rest = init_source.restore_weights(source_step, state.params, state.rest)
+    source_step, (state.params, state.rest) = init_source.restore_latest_weights(state.params, state.rest)
     if shardings is not None:
       state = jax.device_put(state, shardings)
     init_source.close()
@@ -148,7 +156,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, hooks
   def mesh_context():  # the MoE's expert parallelism reads the mesh from this context
     return jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
 
-  writer = MetricsWriter(workdir, tensorboard=train.tensorboard, enabled=jax.process_index() == 0)
+  writer = MetricsWriter(workdir, tensorboard=train.tensorboard, enabled=jax.process_index() == 0,
+                         keep_through=start)
+  skips = ConsecutiveSkips(train.max_consecutive_skips, "train.max_consecutive_skips")
   tokens_per_step = config.data.batch_size * config.data.seq_len
   last_loss = math.nan
   eval_loss = None
@@ -162,6 +172,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, hooks
         state, metrics = train_step(state, _global_batch(next(data_iter), data_sharding))
       steps_since_log += 1
       done = step + 1
+      skips.update(done, metrics["skipped"])  # raises Diverged after too many skipped steps in a row
       if done % train.log_every == 0 or done == train.steps:
         metrics = jax.device_get(metrics)
         elapsed = time.perf_counter() - t_log
@@ -176,10 +187,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, hooks
         with mesh_context():
           eval_loss = evaluate(eval_step, state, eval_batches, data_sharding)
         writer.write(done, {"eval_loss": eval_loss})
-      checkpointer.save(done, state, data_iter, config_dict, force=done == train.steps)
+      checkpointer.save(done, state, data_iter, config_dict, tokenizer=tokenizer_record, force=done == train.steps)
       for hook in hooks:
         hook(done, state, metrics)
       bar.update(1)
+    skips.finish()
     bar.close()
     checkpointer.wait()
   finally:

@@ -1,0 +1,81 @@
+"""What the launch scripts share: a user's mistake ends the script in one line, not a traceback.
+
+  cli.run(main)   # instead of absl.app.run(main)
+
+A bad flag or config override, a config file that does not load, a bad config value, a missing or unwritable
+path, an unreadable checkpoint or a diverged run prints `error: <message>` on stderr and exits with code 2 (flags
+and usage) or 1 (everything else); the message names the field or file, its value and what is valid. Set
+GLM_JAX_TRACEBACK=1, or pass -v 1, to get the full traceback instead. Any other exception is a bug and keeps
+its traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from collections.abc import Callable
+
+from absl import app, flags, logging
+
+from glm_jax.train.guards import Diverged
+
+# What a user's input can cause; anything else is a bug and shows its traceback.
+USER_ERRORS = (ValueError, OSError, Diverged, app.UsageError)
+TRACEBACK_ENV = "GLM_JAX_TRACEBACK"
+
+
+def _want_traceback(argv: list[str]) -> bool:
+  if os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
+    return True
+  try:
+    return flags.FLAGS["verbosity"].present and flags.FLAGS.verbosity >= 1
+  except flags.Error:  # flags not parsed
+    return any(re.fullmatch(r"-(v|-verbosity)=?[1-9]\d*", a) for a in argv) or "-v" in argv
+
+
+def fail(message: str, code: int = 1) -> None:
+  print(f"error: {message}", file=sys.stderr, flush=True)
+  sys.exit(code)
+
+
+def _message(error: BaseException) -> str:
+  """str(error) in one line; ml_collections' "no such field" KeyErrors arrive repr'd with an embedded newline."""
+  text = str(error)
+  if isinstance(error, (KeyError, AttributeError)):
+    text = text.strip("'\"").replace("\\'", "'").replace("\\n", " ")
+    text = re.sub(r"^'(\w+)' Did you mean", r"no field '\1'; did you mean", text)
+  return " ".join(text.split())
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing, with every failure (an unknown --config.* field, a config file that does not load, a
+  bad value) reported in one line naming the flag."""
+  try:
+    return flags.FLAGS(argv)
+  except Exception as e:  # noqa: BLE001 - whatever the parse raised came from the command line or the config file
+    if _want_traceback(argv):
+      raise
+    text = _message(e)
+    key = re.search(r"field '(\w+)'|^'?(\w+)'", text)
+    if key and not isinstance(e, flags.Error):
+      name = key.group(1) or key.group(2)
+      arg = next((a for a in argv[1:] if a.startswith("--config.") and re.search(rf"\.{name}(=|\.|$)", a)), None)
+      if arg:
+        text = f"{arg}: the config has {text}" if text.startswith("no field") else f"{arg}: {text}"
+    fail(text + " (--helpfull lists the flags)", 2)
+
+
+def run(main: Callable[[list[str]], None]) -> None:
+  """absl.app.run(main) with the one-line errors of the module docstring."""
+
+  def guarded(argv):
+    try:
+      main(argv)
+    except USER_ERRORS as e:
+      if _want_traceback(argv):
+        raise
+      logging.flush()
+      fail(f"{_message(e)}", 2 if isinstance(e, app.UsageError) else 1)
+
+  app.run(guarded, flags_parser=_parse_flags)

@@ -1,0 +1,58 @@
+"""Short glm5_tiny training runs for the trainer's tests (tests/train/test_trainer.py, test_faults.py): the
+config, the launch/train.py command, and what a run leaves in its workdir."""
+
+import json
+import os
+import subprocess
+import sys
+
+from configs import glm5_tiny
+from tests.helpers import ROOT
+
+# A short run: 9 steps of 4 x 64 tokens, a checkpoint every 3 steps, every step logged.
+OVERRIDES = {"data.seq_len": 64, "data.batch_size": 4, "data.eval_batches": 2, "train.steps": 9,
+             "train.log_every": 1, "train.eval_every": 100, "train.checkpoint_every": 3,
+             "train.tensorboard": False, "optimizer.warmup_steps": 2, "optimizer.decay_steps": 7}
+
+
+def make_config(data_cache_dir, **changes):
+  config = glm5_tiny.get_config()
+  for key, value in {**OVERRIDES, "data.cache_dir": data_cache_dir, **changes}.items():
+    section, field = key.split(".")
+    config[section][field] = value
+  return config
+
+
+def flag_args(data_cache_dir, **changes):
+  items = {**OVERRIDES, "data.cache_dir": data_cache_dir, **changes}
+  return [f"--config.{k}={v}" for k, v in items.items()]
+
+
+def run_script(script, *args, timeout=600, env=None):
+  """`python <script> args...` from the repository root, as a user runs it."""
+  return subprocess.run([sys.executable, script, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                        env=env)
+
+
+def run_train(workdir, data_cache_dir, **changes):
+  return run_script("launch/train.py", "--config=configs/glm5_tiny.py", f"--workdir={workdir}",
+                    *flag_args(data_cache_dir, **changes))
+
+
+def metric_rows(workdir, name="metrics.jsonl"):
+  """The rows of a metrics file, parsed strictly (a bare NaN or Infinity is an error)."""
+  def refuse(constant):
+    raise ValueError(f"{name} holds a bare {constant}")
+  with open(os.path.join(workdir, name)) as f:
+    return [json.loads(line, parse_constant=refuse) for line in f]
+
+
+def train_rows(workdir):
+  return [r for r in metric_rows(workdir) if "loss" in r]
+
+
+def snapshot(directory):
+  """Every file under `directory` with its size and modification time."""
+  return sorted((os.path.relpath(os.path.join(d, f), directory), os.path.getsize(os.path.join(d, f)),
+                 os.stat(os.path.join(d, f)).st_mtime_ns)
+                for d, _, files in os.walk(directory) for f in files)
