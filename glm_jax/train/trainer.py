@@ -120,6 +120,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, hooks
   tokenizer = data_lib.load_tokenizer(config.data)
   data_lib.check_vocab(tokenizer, model_cfg.vocab_size)
   tokenizer_record = tokenizer.record()
+  if init_source is not None:
+    init_source.require_tokenizer(tokenizer_record, f"train.init_from={train.init_from!r}")
   data_changed = checkpointer.check_compatible(config_dict, sections=RESUME_SECTIONS, tokenizer=tokenizer_record,
                                                allow_data_change=train.allow_data_change)
 

@@ -67,6 +67,7 @@ def test_cached_greedy_decoding_equals_full_forward(index_topk, impl):
     assert (out.tokens[b, n:] == 0).all()
 
 
+@pytest.mark.slow  # a generation with top-p compiled, and the full forward
 def test_sampling_log_probs_temperature_and_top_p():
   """Sampled tokens: logp = log_softmax(full logits / T)[token]; with top_p every token lies in the nucleus
   computed here from the full forward's logits."""

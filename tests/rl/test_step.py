@@ -115,6 +115,7 @@ def test_distill_step_uses_teacher_gap_as_advantage(setup):
   np.testing.assert_allclose(float(m["teacher_kl"]), float(np.sum(-gap * np.asarray(mask)) / mask.sum()), rtol=1e-5)
 
 
+@pytest.mark.slow  # compiles the async-objective step and its reference gradient
 def test_async_step_masks_tokens_outside_the_ratio_band(setup):
   """Eq. 3-5: r = exp(logp - rollout_logp); tokens with r outside (0.8, 1.28) removed; d[r A] = r A dlogp."""
   cfg, graphdef, params, rest, tokens, mask = setup

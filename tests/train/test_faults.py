@@ -130,6 +130,14 @@ def test_resuming_on_other_data_is_refused_by_name(six_steps, data_cache_dir, ch
   assert snapshot(six_steps) == before
 
 
+def test_init_from_a_run_with_another_tokenizer_is_refused(six_steps, data_cache_dir, tmp_path):
+  config = make_config(data_cache_dir, **{"train.init_from": six_steps, "data.bpe_vocab_size": 384})
+  with pytest.raises(ValueError, match=r"train\.init_from='.*': .* was trained with the tokenizer '.*bpe512-.*' "
+                                       r"\(sha256 \w{12}, 512 ids\), but this run uses '.*bpe384-.*'"):
+    train_and_evaluate(config, str(tmp_path / "run"))
+  assert not os.path.exists(tmp_path / "run")
+
+
 def test_allow_data_change_resumes_the_state_on_fresh_data(six_steps, data_cache_dir, tmp_path):
   """With the override, the weights and optimizer continue from step 6 and the new data starts from its first
   batch: step 7's loss is the loss of step 6's state on the new data's first batch."""
