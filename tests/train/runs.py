@@ -56,3 +56,4 @@ def snapshot(directory):
   return sorted((os.path.relpath(os.path.join(d, f), directory), os.path.getsize(os.path.join(d, f)),
                  os.stat(os.path.join(d, f)).st_mtime_ns)
                 for d, _, files in os.walk(directory) for f in files)
+

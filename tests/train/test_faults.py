@@ -21,19 +21,13 @@ from glm_jax.train.checkpoint import Checkpointer
 from glm_jax.train.config import model_config_for_stage
 from glm_jax.train.guards import Diverged, first_nonfinite
 from glm_jax.train.trainer import create_train_state, train_and_evaluate
-from tests.helpers import persistent_compilation_cache
 from tests.train.runs import make_config, metric_rows, run_script, run_train, snapshot, train_rows
 
-pytestmark = pytest.mark.slow  # training runs, a few of them through launch/train.py
+# training runs, a few of them through launch/train.py
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("shared_compilation_cache")]
 
 # 6 steps with checkpoints at 3 and 6 (both kept), resumed to 9.
 SHORT = {"train.steps": 6, "train.keep_checkpoints": 3}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def shared_compilation_cache(tmp_path_factory):
-  with persistent_compilation_cache(str(tmp_path_factory.mktemp("jax_cache"))) as path:
-    yield path
 
 
 @pytest.fixture(scope="module")

@@ -14,18 +14,11 @@ from glm_jax import data as data_lib
 from glm_jax.train.checkpoint import Checkpointer
 from glm_jax.train.config import model_config_for_stage
 from glm_jax.train.trainer import create_train_state, train_and_evaluate
-from tests.helpers import ROOT, persistent_compilation_cache
+from tests.helpers import ROOT
 from tests.train.runs import OVERRIDES, make_config, metric_rows, run_train, snapshot, train_rows
 
-pytestmark = pytest.mark.slow  # training runs end to end, several of them in subprocesses
-
-@pytest.fixture(scope="module", autouse=True)
-def shared_compilation_cache(tmp_path_factory):
-  """One persistent compilation cache for this module's runs, in this process and in the launch/train.py
-  subprocesses: they train the same model, so each program is compiled once and its executable reused as is."""
-  with persistent_compilation_cache(str(tmp_path_factory.mktemp("jax_cache"))) as path:
-    yield path
-
+# training runs end to end, several of them in subprocesses
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("shared_compilation_cache")]
 
 @pytest.fixture(scope="module")
 def straight_run(tmp_path_factory, data_cache_dir):
