@@ -25,18 +25,20 @@ The run ends by printing one JSON line: eval_loss and unigram_entropy (nats per 
 grpo / distill: the greedy eval_accuracy at the start and the end, the last reward_mean or teacher_kl). JSON is
 strict: a non-finite number is null and the row's "nonfinite" list names it (glm_jax/strict_json.py).
 A bad flag, config value or path, an unreadable checkpoint or a diverging run (train.max_consecutive_skips
-skipped steps in a row) ends the run with one line, `error: ...`, and a non-zero exit code; GLM_JAX_TRACEBACK=1
-shows the traceback (glm_jax/cli.py).
+skipped steps in a row, or a final eval_loss or train_loss that is not finite, after the JSON line) ends the run
+with one line, `error: ...`, and a non-zero exit code; GLM_JAX_TRACEBACK=1 shows the traceback (glm_jax/cli.py).
 """
 
-import jax
+import math
 
+import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
 from glm_jax import cli, strict_json
 from glm_jax.rl import config as rl_config, trainer as rl_trainer
 from glm_jax.train import distributed
+from glm_jax.train.guards import Diverged
 from glm_jax.train.trainer import train_and_evaluate
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file.", lock_config=True)
@@ -70,6 +72,10 @@ def main(argv):
     raise app.UsageError(f"config.trainer={kind!r} is invalid; one of {rl_config.TRAINERS}")
   if jax.process_index() == 0:
     print(strict_json.dumps(summary), flush=True)
+  bad = [k for k in ("eval_loss", "train_loss") if isinstance(summary.get(k), float) and not math.isfinite(summary[k])]
+  if bad:  # the run ended diverged (with fewer skipped steps in a row than train.max_consecutive_skips)
+    raise Diverged(f"the run ended with a non-finite {' and '.join(bad)} (step {summary['step']}, "
+                   f"{summary['skipped_steps']} steps skipped in all); see {workdir}/metrics.jsonl")
 
 
 if __name__ == "__main__":

@@ -39,12 +39,17 @@ def run_train(workdir, data_cache_dir, **changes):
                     *flag_args(data_cache_dir, **changes))
 
 
-def metric_rows(workdir, name="metrics.jsonl"):
-  """The rows of a metrics file, parsed strictly (a bare NaN or Infinity is an error)."""
+def strict_loads(text):
+  """json.loads that refuses a bare NaN or Infinity, as strict parsers do."""
   def refuse(constant):
-    raise ValueError(f"{name} holds a bare {constant}")
+    raise ValueError(f"not strict JSON: a bare {constant}")
+  return json.loads(text, parse_constant=refuse)
+
+
+def metric_rows(workdir, name="metrics.jsonl"):
+  """The rows of a metrics file, parsed strictly."""
   with open(os.path.join(workdir, name)) as f:
-    return [json.loads(line, parse_constant=refuse) for line in f]
+    return [strict_loads(line) for line in f]
 
 
 def train_rows(workdir):

@@ -21,7 +21,7 @@ from glm_jax.train.checkpoint import Checkpointer
 from glm_jax.train.config import model_config_for_stage
 from glm_jax.train.guards import Diverged, first_nonfinite
 from glm_jax.train.trainer import create_train_state, train_and_evaluate
-from tests.train.runs import make_config, metric_rows, run_script, run_train, snapshot, train_rows
+from tests.train.runs import make_config, metric_rows, run_script, run_train, snapshot, strict_loads, train_rows
 
 # training runs, a few of them through launch/train.py
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("shared_compilation_cache")]
@@ -186,10 +186,21 @@ def test_a_diverging_run_stops_non_zero_and_checkpoints_only_finite_weights(tmp_
   assert [r["skipped"] for r in rows] == [0, 1, 1, 1, 1][:len(rows)] and len(rows) >= 4
   # Strict JSON: the NaN losses are null, and the row says so.
   assert rows[1]["loss"] is None and "loss" in rows[1]["nonfinite"]
+  # Without the stop (0 = never), the rerun resumes from step 4, skips steps 5-6 too and ends with NaN losses: it
+  # prints its JSON line (strict: null, with the fields named) and then fails.
+  proc = run_train(workdir, data_cache_dir, **{
+      "optimizer.name": "adamw", "optimizer.lr": 1e12, "optimizer.warmup_steps": 0, "train.grad_clip_norm": 0.0,
+      "train.max_consecutive_skips": 0, "train.checkpoint_every": 1, "train.keep_checkpoints": 10, "train.steps": 6})
+  assert proc.returncode == 1, proc.stderr[-3000:]
+  summary = strict_loads(proc.stdout.strip().splitlines()[-1])
+  assert summary["eval_loss"] is None and summary["train_loss"] is None
+  assert summary["nonfinite"] == ["eval_loss", "train_loss"] and summary["skipped_steps"] == 5
+  assert one_error_line(proc) == (f"error: the run ended with a non-finite eval_loss and train_loss (step 6, 5 steps "
+                                  f"skipped in all); see {workdir}/metrics.jsonl")
   config = make_config(data_cache_dir)
   _, state, _, _ = create_train_state(config, model_config_for_stage(config))
   ckpt = Checkpointer(workdir, read_only=True)
-  assert ckpt.steps() == [4, 3, 2, 1]
+  assert ckpt.steps() == [6, 5, 4, 3, 2, 1]
   for step in ckpt.steps():
     assert first_nonfinite(ckpt.restore_weights(step, state.params, state.rest)[0]) is None, step
 
