@@ -83,9 +83,10 @@ class Checkpointer:
       raise FileNotFoundError(f"{workdir}: no checkpoints directory ({self.directory} does not exist)")
     if not read_only:
       check_writable(self.directory)
+    # Read-only: the interval and the number kept that Orbax would set itself (it warns when it has to).
     self._options = ocp.CheckpointManagerOptions(
-        save_interval_steps=0 if read_only else save_every, max_to_keep=None if read_only else keep,  # as Orbax
-        enable_async_checkpointing=async_save, create=not read_only, read_only=read_only)  # sets them, unwarned
+        save_interval_steps=0 if read_only else save_every, max_to_keep=None if read_only else keep,
+        enable_async_checkpointing=async_save, create=not read_only, read_only=read_only)
     self._manager = self._open() if os.path.isdir(self.directory) else None
 
   def _open(self) -> ocp.CheckpointManager:
