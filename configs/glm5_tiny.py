@@ -2,6 +2,11 @@
 
 Dense and MoE layers, MLA with its low-rank paths, DSA with index_topk below the sequence length (so the
 indexer really selects), one MTP layer, group-limited routing off as in GLM-5.
+
+Variants (big_vision's manner: `--config=configs/glm5_tiny.py:<variant>`, then any --config.* override):
+  long   2,048-token rows (4 a batch, the same 8,192 tokens a step as 64 x 128) and index_topk 128: the
+         indexer picks 128 of up to 2,048 keys (the DSA reproduction, experiments/dsa_quality.py)
+  smoke  20 steps, evaluated and checkpointed at the end: seconds, for notebooks and CI
 """
 
 import ml_collections
@@ -9,7 +14,12 @@ import ml_collections
 from configs import common
 
 
-def get_config() -> ml_collections.ConfigDict:
+VARIANTS = ("long", "smoke")
+
+
+def get_config(variant: str = "") -> ml_collections.ConfigDict:
+  if variant not in ("", *VARIANTS):
+    raise ValueError(f"configs/glm5_tiny.py has no variant {variant!r}; its variants: {list(VARIANTS)}")
   config = ml_collections.ConfigDict()
   config.name = "glm5_tiny"
   m = config.model = ml_collections.ConfigDict()
@@ -55,4 +65,16 @@ def get_config() -> ml_collections.ConfigDict:
   config.train = common.train()
   config.mesh = common.mesh()  # fsdp over whatever devices there are; one device trains unsharded
   config.optimizer = common.optimizer(lr=3e-3, lr_end=3e-4, warmup_steps=50, decay_steps=550)
+  if variant == "long":
+    config.data.seq_len = 2048
+    config.data.batch_size = 4
+    m.index_topk = 128
+  elif variant == "smoke":
+    config.train.steps = 20
+    config.train.log_every = 2
+    config.train.eval_every = 20
+    config.train.checkpoint_every = 20
+    config.data.eval_batches = 2
+    config.optimizer.warmup_steps = 5
+    config.optimizer.decay_steps = 15
   return config

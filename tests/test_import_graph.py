@@ -14,10 +14,12 @@ SCANNED = ("pallas_kernels", "glm_jax", "configs", "launch", "experiments")
 RANKS = {
     "pallas_kernels": 0,
     "glm_jax": 1, "glm_jax.tree_paths": 1, "glm_jax.mesh_axes": 1, "glm_jax.strict_json": 1,  # leaf modules, by name
+    "glm_jax.plots": 1,
     "glm_jax.model": 2, "glm_jax.data": 2, "glm_jax.sharding": 2,
     "glm_jax.convert": 3, "glm_jax.inference": 3, "glm_jax.train": 3,
     "glm_jax.rl": 4, "glm_jax.cli": 4,  # the launch scripts' error handling (reads train.guards)
-    "launch": 5, "experiments": 5,
+    "glm_jax.sweep": 5,  # checks each point's config with the pretraining and RL trainers' checks
+    "launch": 6, "experiments": 6,
 }
 EXACT = {"glm_jax"}  # groups of one module: a new glm_jax subpackage or leaf module must be ranked here
 CONFIGS = "configs"  # experiment files: only entry points import them, and they import each other and these:

@@ -84,6 +84,21 @@ def evaluate(eval_step, state: step_lib.TrainState, batches: list[dict[str, np.n
   return total / count if count else None
 
 
+def check_config(config: ml_collections.ConfigDict) -> ModelConfig:
+  """The checks a pretraining config passes before any work starts (its sections, the train, optimizer and data
+  fields, the model of its DSA stage), each failure a ValueError naming the field, its value and what is valid.
+  Returns the model config of the run's DSA stage. launch/sweep.py runs it on every point before the first run."""
+  require_sections(config, ("model", "data", "train", "optimizer"), "training", "configs/glm5_tiny.py")
+  train = config.train
+  validate_train_config(train)
+  model_cfg = model_config_for_stage(config)
+  checked_optimizer_config(config.optimizer)
+  data_lib.validate_data_config(config.data)
+  if config.data.batch_size % train.microbatches:
+    invalid("train.microbatches", train.microbatches, f"must divide data.batch_size={config.data.batch_size}")
+  return model_cfg
+
+
 StepHook = Callable[[int, step_lib.TrainState, dict[str, Any]], None]
 
 
@@ -97,16 +112,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, hooks
   evaluation or a stopping rule in a notebook or sweep, without editing the loop. `step` counts the steps done;
   `metrics` is the step's metrics dict (jax arrays; numpy values on logged steps). An exception in a hook ends the run (the checkpointer is
   closed, as on any error)."""
-  require_sections(config, ("model", "data", "train", "optimizer"), "training", "configs/glm5_tiny.py")
   # Everything cheap to check is checked before anything is built or written.
+  model_cfg = check_config(config)
   train = config.train
-  validate_train_config(train)
-  model_cfg = model_config_for_stage(config)
-  checked_optimizer_config(config.optimizer)
-  data_lib.validate_data_config(config.data)
   check_process_split(config.data, jax.process_index(), jax.process_count())
-  if config.data.batch_size % train.microbatches:
-    invalid("train.microbatches", train.microbatches, f"must divide data.batch_size={config.data.batch_size}")
   mesh = make_mesh(config.mesh) if "mesh" in config else None
   checkpointer = Checkpointer(workdir, save_every=train.checkpoint_every, keep=train.keep_checkpoints,
                               async_save=train.async_checkpoints)
