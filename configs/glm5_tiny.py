@@ -4,7 +4,7 @@ Dense and MoE layers, MLA with its low-rank paths, DSA with index_topk below the
 indexer really selects), one MTP layer, group-limited routing off as in GLM-5.
 
 Variants (big_vision's manner: `--config=configs/glm5_tiny.py:<variant>`, then any --config.* override):
-  long   2,048-token rows (4 a batch, the same 8,192 tokens a step as 64 x 128) and index_topk 128: the
+  long   2,048-token rows, 2 a batch (4,096 tokens a step; the default: 16 x 128), and index_topk 128: the
          indexer picks 128 of up to 2,048 keys (the DSA reproduction, experiments/dsa_quality.py)
   smoke  20 steps, evaluated and checkpointed at the end: seconds, for notebooks and CI
 """
@@ -67,7 +67,7 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   config.optimizer = common.optimizer(lr=3e-3, lr_end=3e-4, warmup_steps=50, decay_steps=550)
   if variant == "long":
     config.data.seq_len = 2048
-    config.data.batch_size = 4
+    config.data.batch_size = 2
     m.index_topk = 128
   elif variant == "smoke":
     config.train.steps = 20

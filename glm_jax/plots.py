@@ -4,6 +4,7 @@
   fig = plots.curves({"dense": "runs/dense", "sparse": "runs/sparse"}, ["loss", "eval_loss"])
   plots.save(fig, "curves.png")
   fig = plots.sweep_plot("runs/lr_topk", "eval_loss", against="optimizer.lr")   # a line per index_topk
+  fig = plots.curves(plots.sweep_runs("runs/lr_topk"), "loss")                   # every run of the sweep
 
 `curves` draws any column of the runs' metrics.jsonl over steps (one panel a metric, one line a run; a per-layer
 column such as expert_load_entropy is named with its layer, `expert_load_entropy[2]`); `sweep_plot` draws a
@@ -129,6 +130,20 @@ def read_results(sweep: str | Sequence[dict]) -> list[dict]:
     path = sweep if sweep.endswith(".jsonl") else os.path.join(sweep, RESULTS_FILE)
     return read_jsonl(path)
   return list(sweep)
+
+
+def sweep_runs(sweep: str | Sequence[dict]) -> dict[str, str]:
+  """{label: workdir} of a sweep's finished runs, labelled by their overrides: curves(sweep_runs(d), "loss")."""
+  rows = read_results(sweep)
+  if not rows:
+    raise ValueError(f"sweep {sweep if isinstance(sweep, str) else '(rows)'}: no finished run")
+  out = {}
+  for row in rows:
+    workdir = row["result"].get("workdir")
+    if not workdir and isinstance(sweep, str):
+      workdir = os.path.join(sweep if not sweep.endswith(".jsonl") else os.path.dirname(sweep), row["run"])
+    out[", ".join(f"{k}={v}" for k, v in row["overrides"].items()) or row["run"]] = workdir
+  return out
 
 
 def _as_number(text: str) -> float | None:

@@ -15,11 +15,9 @@ import numpy as np
 from absl import flags, logging
 from ml_collections import config_flags
 
-from glm_jax import cli, data as data_lib
+from glm_jax import cli
 from glm_jax.inference import Sampler, SamplingParams
-from glm_jax.train.checkpoint import Checkpointer
-from glm_jax.train.config import model_config_for_stage
-from glm_jax.train.trainer import create_train_state
+from glm_jax.train.trainer import restore_run
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "The run's configs/*.py file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "The run's directory (default: workdirs/<config name>).")
@@ -42,25 +40,12 @@ def main(argv):
     raise ValueError(f"--{e}") from e
   config = _CONFIG.value
   workdir = _WORKDIR.value or f"workdirs/{config.get('name', 'run')}"
-  model_cfg = model_config_for_stage(config)
-  checkpointer = Checkpointer(workdir, read_only=True)
-  if not checkpointer.steps():
-    raise FileNotFoundError(f"--workdir={workdir}: no checkpoint in {checkpointer.directory}")
-  checkpointer.check_compatible(config.to_dict())
-  record = checkpointer.recorded_tokenizer(checkpointer.steps()[0])
-  if record is not None:  # the tokenizer the model was trained with, whatever config.data says
-    tokenizer = data_lib.Tokenizer.from_record(record)
-  else:
-    logging.warning("%s records no tokenizer (saved before runs recorded one); using config.data's",
-                    checkpointer.directory)
-    tokenizer = data_lib.load_tokenizer(config.data)
-  data_lib.check_vocab(tokenizer, model_cfg.vocab_size)
-  graphdef, state, _, _ = create_train_state(config, model_cfg)
-  step, state = checkpointer.restore_latest(state)
-  checkpointer.close()
+  run = restore_run(config, workdir)
+  tokenizer, step = run.tokenizer, run.step
   prompt = tokenizer.encode(_PROMPT.value) or [tokenizer.eos_id]
   sampling = dataclasses.replace(sampling, stop_ids=(tokenizer.eos_id,), pad_id=tokenizer.pad_id)
-  out = Sampler(graphdef, model_cfg, sampling)(state.params, state.rest, [prompt], jax.random.key(_SEED.value))
+  out = Sampler(run.graphdef, run.model_cfg, sampling)(run.state.params, run.state.rest, [prompt],
+                                                       jax.random.key(_SEED.value))
   print(f"[step {step}] " + tokenizer.decode(np.asarray(out.tokens[0, :int(out.lengths[0])]).tolist()))
 
 

@@ -17,9 +17,10 @@ def data_cache_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def shared_compilation_cache(tmp_path_factory):
-  """One persistent compilation cache for the short glm5_tiny runs of the trainer and sweep test files, in this
-  process and in the launch/train.py subprocesses they start (under pytest-xdist, shared by the workers): the runs
-  train the same model, so each program is compiled once and its executable reused as is."""
+  """One persistent compilation cache for the tests that compile the same programs more than once (the short
+  glm5_tiny runs of the trainer, fault and sweep tests, the RL loops and the notebooks), in this process and in the
+  subprocesses and notebook kernels they start (under pytest-xdist, shared by the workers): each program is
+  compiled once and its executable reused as is."""
   base = tmp_path_factory.getbasetemp()
   root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
   path = os.path.join(str(root), "jax_cache_short_runs")

@@ -8,6 +8,7 @@ so a bad run stops with a message and touches nothing.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import time
@@ -82,6 +83,39 @@ def evaluate(eval_step, state: step_lib.TrainState, batches: list[dict[str, np.n
     total += float(nll)
     count += float(n)
   return total / count if count else None
+
+
+@dataclasses.dataclass
+class RestoredRun:
+  """A run's latest checkpoint, ready to sample from or evaluate: what restore_run returns."""
+  step: int
+  model_cfg: ModelConfig
+  graphdef: Any
+  state: step_lib.TrainState
+  tokenizer: data_lib.Tokenizer
+
+
+def restore_run(config: ml_collections.ConfigDict, workdir: str) -> RestoredRun:
+  """The latest checkpoint of `workdir` (trained under `config`: a checkpoint of another model is refused by
+  name), with the tokenizer it was trained with (whatever config.data says), on one device.
+  launch/sample.py and the notebooks sample from it."""
+  model_cfg = model_config_for_stage(config)
+  checkpointer = Checkpointer(workdir, read_only=True)
+  if not checkpointer.steps():
+    raise FileNotFoundError(f"--workdir={workdir}: no checkpoint in {checkpointer.directory}")
+  checkpointer.check_compatible(config.to_dict())
+  record = checkpointer.recorded_tokenizer(checkpointer.steps()[0])
+  if record is not None:  # the tokenizer the model was trained with, whatever config.data says
+    tokenizer = data_lib.Tokenizer.from_record(record)
+  else:
+    logging.warning("%s records no tokenizer (saved before runs recorded one); using config.data's",
+                    checkpointer.directory)
+    tokenizer = data_lib.load_tokenizer(config.data)
+  data_lib.check_vocab(tokenizer, model_cfg.vocab_size)
+  graphdef, state, _, _ = create_train_state(config, model_cfg)
+  step, state = checkpointer.restore_latest(state)
+  checkpointer.close()
+  return RestoredRun(step, model_cfg, graphdef, state, tokenizer)
 
 
 def check_config(config: ml_collections.ConfigDict) -> ModelConfig:

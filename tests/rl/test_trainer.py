@@ -23,7 +23,8 @@ from glm_jax.rl.rollout import make_sampler
 from glm_jax.train.checkpoint import Checkpointer
 from glm_jax.train.step import split_model
 
-pytestmark = pytest.mark.slow  # the GRPO and distillation loops end to end
+# the GRPO and distillation loops end to end; the notebooks run the same programs (tests/test_notebooks.py)
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("shared_compilation_cache")]
 
 ALL_SUMS = [tasks_lib.AdditionTask(digits=1)._problem(f"{a}+{b}=", str(a + b)) for a in range(10) for b in range(10)]
 

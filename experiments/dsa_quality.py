@@ -1,0 +1,95 @@
+r"""Does DSA keep quality? Dense attention against GLM-5's warm-up + sparse training, at 2,048-token rows.
+
+  python experiments/dsa_quality.py --workdir=runs/dsa_quality          # ~30 minutes on a 2-core CPU
+
+glm5_tiny's `long` variant (2,048-token rows of the embedded corpus, whose documents are Bible chapters of
+about 1,000-3,000 tokens) trains in GLM-5's order:
+  1. dense    --dense_steps of dense attention from scratch;
+  2. warmup   --warmup_steps training only the indexer (KL to the dense attention), from 1;
+  3. then, each from 2 for --steps (fresh optimizer and data, the same for every branch):
+       dense        dense attention (the baseline: what the model reaches without DSA)
+       sparse_k     DSA's sparse stage with index_topk = k for each k of --topk: each query attends to the k
+                    keys its indexer picks, the indexer trained by the KL on its selection.
+Every stage is a run directory under --workdir (rerunning resumes or skips finished stages). The held-out loss
+of each branch (in the attention it was trained with, on the held-out chapters) goes to --results as JSON, and the
+branches' loss curves and final held-out losses to --figure.
+"""
+
+import json
+import os
+import time
+
+from absl import app, flags
+
+from configs import glm5_tiny
+from glm_jax import cli, plots
+from glm_jax.train.trainer import train_and_evaluate
+
+_WORKDIR = flags.DEFINE_string("workdir", "runs/dsa_quality", "Where the stages' run directories go.")
+_DENSE_STEPS = flags.DEFINE_integer("dense_steps", 150, "Steps of the dense stage from scratch.")
+_WARMUP_STEPS = flags.DEFINE_integer("warmup_steps", 40, "Steps of the indexer warm-up.")
+_STEPS = flags.DEFINE_integer("steps", 100, "Steps of each branch (dense, sparse at each top-k).")
+_TOPK = flags.DEFINE_list("topk", ["64", "128", "256"], "index_topk of the sparse branches.")
+_BATCH = flags.DEFINE_integer("batch_size", 2, "Rows of 2,048 tokens a step.")
+_RESULTS = flags.DEFINE_string("results", "experiments/results/dsa_quality.json", "The JSON of the figures.")
+_FIGURE = flags.DEFINE_string("figure", "experiments/figures/dsa_quality.png", "The PNG.")
+
+
+def stage_config(stage: str, steps: int, init_from: str = "", topk: int | None = None):
+  config = glm5_tiny.get_config("long")
+  config.data.batch_size = _BATCH.value
+  config.train.dsa_stage = stage
+  config.train.steps = steps
+  config.train.init_from = init_from
+  config.train.log_every = 5
+  config.train.eval_every = steps
+  config.train.checkpoint_every = steps
+  config.train.tensorboard = False
+  config.optimizer.warmup_steps = max(1, steps // 10)
+  config.optimizer.decay_steps = steps - config.optimizer.warmup_steps
+  if topk is not None:
+    config.model.index_topk = topk
+  return config
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  topks = [int(k) for k in _TOPK.value]
+  root = _WORKDIR.value
+  t0 = time.perf_counter()
+  dense_dir, warmup_dir = os.path.join(root, "dense"), os.path.join(root, "warmup")
+  train_and_evaluate(stage_config("dense", _DENSE_STEPS.value), dense_dir)
+  warm = train_and_evaluate(stage_config("warmup", _WARMUP_STEPS.value, dense_dir), warmup_dir)
+  branches = {"dense": train_and_evaluate(stage_config("dense", _STEPS.value, warmup_dir),
+                                          os.path.join(root, "branch_dense"))}
+  for k in topks:
+    branches[f"sparse_{k}"] = train_and_evaluate(stage_config("sparse", _STEPS.value, warmup_dir, k),
+                                                 os.path.join(root, f"branch_sparse_{k}"))
+  wall = time.perf_counter() - t0
+  rows = plots.read_metrics(warmup_dir)
+  kl = [r["indexer_kl"] for r in rows if r.get("indexer_kl") is not None]
+  summary = {
+      "seq_len": 2048, "batch_size": _BATCH.value, "dense_steps": _DENSE_STEPS.value,
+      "warmup_steps": _WARMUP_STEPS.value, "branch_steps": _STEPS.value,
+      "warmup_indexer_kl": {"first": kl[0], "last": kl[-1]} if kl else None,
+      "warmup_eval_loss": warm["eval_loss"],
+      "eval_loss": {name: s["eval_loss"] for name, s in branches.items()},
+      "eval_loss_minus_dense": {name: s["eval_loss"] - branches["dense"]["eval_loss"] for name, s in branches.items()},
+      "unigram_entropy": warm["unigram_entropy"], "wall_s_this_invocation": round(wall, 1),
+  }
+  os.makedirs(os.path.dirname(os.path.abspath(_RESULTS.value)), exist_ok=True)
+  with open(_RESULTS.value, "w") as f:
+    json.dump(summary, f, indent=1)
+  fig = plots.curves({name: os.path.join(root, f"branch_{name}") for name in branches}, "lm_loss", width=6.5,
+                     title=f"dense vs DSA after {_WARMUP_STEPS.value} warm-up steps, 2,048-token rows")
+  ax = fig.axes[0]
+  for i, (name, s) in enumerate(branches.items()):
+    ax.axhline(s["eval_loss"], ls=":", lw=1, color=f"C{i}")
+  ax.set_ylabel("lm_loss (dotted: held-out loss at the end)")
+  plots.save(fig, _FIGURE.value)
+  print(json.dumps(summary), flush=True)
+
+
+if __name__ == "__main__":
+  cli.run(main)
