@@ -160,3 +160,15 @@ def test_a_killed_sweep_finishes_only_its_missing_runs(tmp_path, data_cache_dir)
   for seed in "12":
     assert losses[(seed, "1")][4] == losses[(seed, "2")][4]
   assert losses[("1", "1")][4] != losses[("2", "1")][4]
+
+
+@pytest.mark.parametrize("args, code, message", [
+    (["--sweep=optimizer.lr=1e-3,,3e-3"], 2, "error: --sweep axis 1 ('optimizer.lr=1e-3,,3e-3'): value(s) [2] are empty"),
+    (["--sweep=optimizer.lrr=1e-3"], 1, "error: sweep point 'optimizer.lrr=1e-3':"),
+    (["--sweep=train.seed=1", "--config.train.stepz=3"], 2, "error: --config.train.stepz=3: the config has no field"),
+])
+def test_the_command_line_fails_in_one_line_and_creates_nothing(tmp_path, args, code, message):
+  done = runs.run_script("launch/sweep.py", f"--config={CONFIG}", f"--workdir={tmp_path}/sweep", *args)
+  assert done.returncode == code, done.stderr
+  assert done.stderr.strip().splitlines()[-1].startswith(message), done.stderr
+  assert not os.path.exists(tmp_path / "sweep")
