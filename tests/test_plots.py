@@ -106,6 +106,7 @@ def test_sweep_plot_refuses_what_the_sweep_does_not_have(kwargs, message):
   assert message in str(e.value)
 
 
+@pytest.mark.slow  # two launch/plot.py processes
 def test_the_command_line_writes_a_png_or_one_error_line(two_runs, tmp_path):
   out = str(tmp_path / "c.png")
   done = run_script("launch/plot.py", f"--workdirs={','.join(two_runs)}", "--labels=d,s", "--metrics=loss",

@@ -162,6 +162,7 @@ def test_a_killed_sweep_finishes_only_its_missing_runs(tmp_path, data_cache_dir)
   assert losses[("1", "1")][4] != losses[("2", "1")][4]
 
 
+@pytest.mark.slow  # three launch/sweep.py processes; the in-process tests above check the same errors
 @pytest.mark.parametrize("args, code, message", [
     (["--sweep=optimizer.lr=1e-3,,3e-3"], 2, "error: --sweep axis 1 ('optimizer.lr=1e-3,,3e-3'): value(s) [2] are empty"),
     (["--sweep=optimizer.lrr=1e-3"], 1, "error: sweep point 'optimizer.lrr=1e-3':"),
