@@ -243,9 +243,12 @@ def collect(workdir: str, runs: Sequence[Run]) -> list[dict]:
   return rows
 
 
+TRAIN_SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch", "train.py")
+
+
 def train_command(config_arg: str, shared: Sequence[str], run: Run) -> list[str]:
-  script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch", "train.py")
-  return [sys.executable, script, f"--config={config_arg}", *shared, *point_flags(run.overrides),
+  """The command of one run: launch/train.py of the checkout this package is in."""
+  return [sys.executable, TRAIN_SCRIPT, f"--config={config_arg}", *shared, *point_flags(run.overrides),
           f"--workdir={run.workdir}"]
 
 
@@ -256,6 +259,9 @@ def run_sweep(config_arg: str, workdir: str, axes: Sequence[Axis], shared: Seque
   the runs that failed). A failed run is reported with its last error line and retried on the next rerun."""
   if not isinstance(parallel, int) or parallel < 1:
     raise ValueError(f"--parallel={parallel!r} is invalid; a positive number of runs at a time")
+  if command is train_command and not os.path.isfile(TRAIN_SCRIPT):
+    raise ValueError(f"{TRAIN_SCRIPT} does not exist: sweeps run launch/train.py from a checkout of the repository "
+                     "(pip install -e of a clone), not from an installed copy of the package")
   runs = plan(config_arg, workdir, axes, shared)
   os.makedirs(workdir, exist_ok=True)
   _write_json(os.path.join(workdir, SWEEP_FILE),
