@@ -39,6 +39,10 @@ RUNTIME_FIELDS = {
     "model": {"attention_impl", "dtype", "moe_capacity_factor", "remat_policy", "scan_unroll", "use_dsa"},
     "data": {"cache_dir", "eval_batches"},
 }
+# Model fields that may differ between a run and one that starts from its weights (train.init_from): they change
+# what the model computes, not its parameters; a sweep of the sparse stage over index_topk starts every point from
+# one warm-up run.
+INIT_FROM_FREE_FIELDS = {"model": {"index_topk"}}
 # Differences that train.allow_data_change permits (a new data mix is a real use).
 DATA_DIFFS = ("data.", "tokenizer:")
 # The sections a pretraining run resumes only under the same values (or with allow_data_change for "data").
@@ -50,14 +54,17 @@ COMPARED_TRAIN_FIELDS = ("dsa_stage",)
 
 def config_differences(saved: Mapping[str, Any], current: Mapping[str, Any], *,
                        sections: tuple[str, ...] = COMPARED_SECTIONS,
-                       train_fields: tuple[str, ...] = COMPARED_TRAIN_FIELDS) -> list[str]:
-  """Human-readable differences that make a checkpoint unusable under `current`."""
+                       train_fields: tuple[str, ...] = COMPARED_TRAIN_FIELDS,
+                       free: Mapping[str, set[str]] | None = None) -> list[str]:
+  """Human-readable differences that make a checkpoint unusable under `current`; the fields of RUNTIME_FIELDS and
+  of `free` ({section: fields}) may differ."""
+  free = free or {}
   current = json.loads(json.dumps(current))  # as the checkpoint stored it: tuples become lists
   diffs = []
   for section in sections:
     a, b = saved.get(section, {}), current.get(section, {})
     for key in sorted(set(a) | set(b)):
-      if key in RUNTIME_FIELDS.get(section, ()):
+      if key in RUNTIME_FIELDS.get(section, ()) or key in free.get(section, ()):
         continue
       if a.get(key) != b.get(key):
         diffs.append(f"{section}.{key}: checkpoint {a.get(key)!r}, config {b.get(key)!r}")

@@ -28,7 +28,7 @@ from glm_jax.model import GlmMoeDsa, ModelConfig, param_counts
 from glm_jax.sharding.mesh import batch_sharding, make_mesh
 from glm_jax.sharding.state import create_sharded
 from glm_jax.train import optimizers, step as step_lib
-from glm_jax.train.checkpoint import RESUME_SECTIONS, Checkpointer
+from glm_jax.train.checkpoint import INIT_FROM_FREE_FIELDS, RESUME_SECTIONS, Checkpointer
 from glm_jax.train.config import invalid, model_config_for_stage, require_sections, validate_train_config
 from glm_jax.train.guards import ConsecutiveSkips
 from glm_jax.train.optimizer_config import checked_optimizer_config
@@ -159,7 +159,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, hooks
     init_source = Checkpointer(train.init_from, read_only=True)
     if not init_source.steps():
       raise ValueError(f"train.init_from={train.init_from!r}: no complete checkpoint in {init_source.directory}")
-    init_source.check_compatible(config_dict, sections=("model",), train_fields=())
+    init_source.check_compatible(config_dict, sections=("model",), train_fields=(), free=INIT_FROM_FREE_FIELDS)
   tokenizer = data_lib.load_tokenizer(config.data)
   data_lib.check_vocab(tokenizer, model_cfg.vocab_size)
   tokenizer_record = tokenizer.record()
