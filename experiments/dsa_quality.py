@@ -1,6 +1,6 @@
 r"""Does DSA keep quality? Dense attention against GLM-5's warm-up + sparse training, at 2,048-token rows.
 
-  python experiments/dsa_quality.py --workdir=runs/dsa_quality          # ~30 minutes on a 2-core CPU
+  python experiments/dsa_quality.py --workdir=runs/dsa_quality   # an hour or more on a 2-core CPU
 
 glm5_tiny's `long` variant (2,048-token rows of the embedded corpus, whose documents are Bible chapters of
 about 1,000-3,000 tokens) trains in GLM-5's order:
@@ -58,14 +58,20 @@ def main(argv):
   topks = [int(k) for k in _TOPK.value]
   root = _WORKDIR.value
   t0 = time.perf_counter()
+  stage_wall = {}
+
+  def run(name, config):
+    t = time.perf_counter()
+    out = train_and_evaluate(config, os.path.join(root, name))
+    stage_wall[name] = round(time.perf_counter() - t, 1)    # a stage finished earlier only restores: seconds
+    return out
+
   dense_dir, warmup_dir = os.path.join(root, "dense"), os.path.join(root, "warmup")
-  train_and_evaluate(stage_config("dense", _DENSE_STEPS.value), dense_dir)
-  warm = train_and_evaluate(stage_config("warmup", _WARMUP_STEPS.value, dense_dir), warmup_dir)
-  branches = {"dense": train_and_evaluate(stage_config("dense", _STEPS.value, warmup_dir),
-                                          os.path.join(root, "branch_dense"))}
+  run("dense", stage_config("dense", _DENSE_STEPS.value))
+  warm = run("warmup", stage_config("warmup", _WARMUP_STEPS.value, dense_dir))
+  branches = {"dense": run("branch_dense", stage_config("dense", _STEPS.value, warmup_dir))}
   for k in topks:
-    branches[f"sparse_{k}"] = train_and_evaluate(stage_config("sparse", _STEPS.value, warmup_dir, k),
-                                                 os.path.join(root, f"branch_sparse_{k}"))
+    branches[f"sparse_{k}"] = run(f"branch_sparse_{k}", stage_config("sparse", _STEPS.value, warmup_dir, k))
   wall = time.perf_counter() - t0
   rows = plots.read_metrics(warmup_dir)
   kl = [r["indexer_kl"] for r in rows if r.get("indexer_kl") is not None]
@@ -77,6 +83,7 @@ def main(argv):
       "eval_loss": {name: s["eval_loss"] for name, s in branches.items()},
       "eval_loss_minus_dense": {name: s["eval_loss"] - branches["dense"]["eval_loss"] for name, s in branches.items()},
       "unigram_entropy": warm["unigram_entropy"], "wall_s_this_invocation": round(wall, 1),
+      "stage_wall_s": stage_wall,
   }
   os.makedirs(os.path.dirname(os.path.abspath(_RESULTS.value)), exist_ok=True)
   with open(_RESULTS.value, "w") as f:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The small-scale reproductions of the README's results table, one after another, each a sweep or run plus its
 # figures (experiments/figures/*.png) and final numbers (experiments/results/*.jsonl). On a 2-core CPU:
-# about 80 minutes in all. Rerunning skips what has finished.
+# about 32 minutes for all but the DSA run, which takes an hour or more. Rerunning skips what has finished.
 #   bash scripts/with_env.sh bash experiments/reproduce_small.sh [runs dir, default runs/repro]
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -27,6 +27,8 @@ python launch/sweep.py --config=configs/grpo_tiny.py --workdir="$R/icepop" \
 cp "$R/icepop/results.jsonl" "$S/icepop.jsonl"
 python launch/plot.py --sweep="$R/icepop" --metrics=reward_mean,mismatch_kl,icepop_drop_frac \
     --title="GRPO with bf16 rollouts, fp32 training" --out="$F/icepop.png"
+python experiments/summarize.py --sweep="$R/icepop" --metrics=reward_mean,mismatch_kl,icepop_drop_frac,eval_accuracy \
+    > "$S/icepop_summary.jsonl"
 
 # The shipped post-training configs as they are: GRPO's reward and distillation's KL to its teachers.
 stamp grpo_tiny
@@ -37,6 +39,10 @@ python launch/plot.py --workdirs="$R/grpo_tiny" --metrics=reward_mean,eval_accur
     --out="$F/grpo_tiny.png"
 python launch/plot.py --workdirs="$R/distill_tiny" --metrics=teacher_kl,teacher_kl/addition,teacher_kl/sort \
     --title="configs/distill_tiny.py" --out="$F/distill_tiny.png"
+python experiments/summarize.py --workdirs="$R/grpo_tiny" --metrics=reward_mean,eval_accuracy,mismatch_kl \
+    > "$S/grpo_tiny_summary.jsonl"
+python experiments/summarize.py --workdirs="$R/distill_tiny" \
+    --metrics=teacher_kl,teacher_kl/addition,teacher_kl/sort,eval_accuracy > "$S/distill_tiny_summary.jsonl"
 
 # DSA keeps quality: dense vs warm-up + sparse at 2,048-token rows, top-k 64 / 128 / 256.
 stamp dsa_quality

@@ -118,3 +118,14 @@ def test_the_command_line_writes_a_png_or_one_error_line(two_runs, tmp_path):
   assert bad.returncode == 1
   assert bad.stderr.strip().splitlines()[-1].startswith("error: metric 'rewardd': no run logged it")
   assert not os.path.exists(f"{tmp_path}/x.png")
+
+
+def test_summarize_windows_of_a_column_skip_nonfinite_rows(two_runs):
+  """experiments/summarize.py's figures for the results table, against the hand-written rows: the loss column of
+  the first run is 5.0 (step 10), non-finite (step 20, skipped), 3.0 (step 30)."""
+  from experiments import summarize
+  rows = plots.read_metrics(two_runs[0])
+  assert summarize.summary(rows, "loss", window=1) == {
+      "first": 5.0, "last": 3.0, "mean": 4.0, "max": 5.0, "final": 3.0, "final_step": 30, "n": 2}
+  assert summarize.summary(rows, "loss", window=5)["first"] == 4.0      # a window longer than the run: all of it
+  assert summarize.summary(rows, "indexer_kl", window=1) is None
