@@ -13,12 +13,14 @@ with the code that reads them:
   train      glm_jax/train/config.py           default_train_config
   mesh       glm_jax/sharding/mesh.py          default_mesh_config
   optimizer  glm_jax/train/optimizer_config.py default_optimizer_config (GLM-5's Muon and LR range)
+  quant      glm_jax/model/quantization.py     default_quant_config (QAT in training; launch/quantize.py)
 Configs import nothing from glm_jax but these default sections (docs/design.md).
 """
 
 import ml_collections
 
 from glm_jax.data.config import default_data_config
+from glm_jax.model.quantization import default_quant_config
 from glm_jax.sharding.mesh import default_mesh_config
 from glm_jax.train.config import default_train_config
 from glm_jax.train.optimizer_config import default_optimizer_config
@@ -51,3 +53,9 @@ def mesh(**overrides) -> ml_collections.ConfigDict:
 def optimizer(**overrides) -> ml_collections.ConfigDict:
   """GLM-5's Muon (momentum 0.95, 5 Newton-Schulz steps, update RMS 0.2, Muon split) and LR range (2e-4 -> 4e-5)."""
   return _override(default_optimizer_config(), overrides, "optimizer")
+
+
+def quant(**overrides) -> ml_collections.ConfigDict:
+  """Quantization-aware training: scheme "int4" (GLM-5's INT4 QAT, groups along each weight's input) or "int4_row";
+  by default on the routed experts."""
+  return _override(default_quant_config(), overrides, "quant")

@@ -142,7 +142,7 @@ def load_config(config_arg: str, overrides: Sequence[str]) -> ml_collections.Con
 def check_config(config: ml_collections.ConfigDict) -> None:
   """The checks the run's trainer makes before any work (pretraining or the RL trainers')."""
   kind = config.get("trainer", "pretrain")
-  if kind == "pretrain":
+  if kind in ("pretrain", "sft"):
     from glm_jax.train.trainer import check_config as check_pretrain
     check_pretrain(config)
   else:

@@ -4,7 +4,8 @@ r"""Prints text sampled from a training run's latest checkpoint.
       --prompt="In the beginning" --max_new_tokens=64 --temperature=0.8
 
 --config must be the run's config (with the same overrides), so the model matches; the text is encoded and
-decoded with the tokenizer recorded in the checkpoint (the one the model was trained with). Decoding
+decoded with the tokenizer recorded in the checkpoint (the one the model was trained with). --packed samples from
+a quantized model written by launch/quantize.py instead of the run's checkpoint. Decoding
 uses the KV-cache sampler (glm_jax/inference/sampler.py): one prefill, then one compiled decode step a token.
 """
 
@@ -16,7 +17,9 @@ from absl import flags, logging
 from ml_collections import config_flags
 
 from glm_jax import cli
+from glm_jax.data import Tokenizer
 from glm_jax.inference import Sampler, SamplingParams
+from glm_jax.train.packed_checkpoint import load_packed
 from glm_jax.train.trainer import restore_run
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "The run's configs/*.py file.", lock_config=True)
@@ -26,6 +29,7 @@ _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "Tokens to generate.")
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.8, "Sampling temperature; 0 = greedy.")
 _TOP_P = flags.DEFINE_float("top_p", 1.0, "Nucleus sampling: the smallest set of tokens with this much probability.")
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
+_PACKED = flags.DEFINE_string("packed", None, "A packed (quantized) model's directory (launch/quantize.py).")
 
 
 def main(argv):
@@ -40,13 +44,19 @@ def main(argv):
     raise ValueError(f"--{e}") from e
   config = _CONFIG.value
   workdir = _WORKDIR.value or f"workdirs/{config.get('name', 'run')}"
-  run = restore_run(config, workdir)
-  tokenizer, step = run.tokenizer, run.step
+  if _PACKED.value:
+    packed = load_packed(_PACKED.value, config)
+    tokenizer = Tokenizer.from_record(packed.tokenizer)
+    graphdef, model_cfg, params, rest = packed.graphdef, packed.model_cfg, packed.params, packed.rest
+    tag = f"step {packed.meta['source']['step']}, {packed.meta['quant']['scheme']}"
+  else:
+    run = restore_run(config, workdir)
+    tokenizer, tag = run.tokenizer, f"step {run.step}"
+    graphdef, model_cfg, params, rest = run.graphdef, run.model_cfg, run.state.params, run.state.rest
   prompt = tokenizer.encode(_PROMPT.value) or [tokenizer.eos_id]
   sampling = dataclasses.replace(sampling, stop_ids=(tokenizer.eos_id,), pad_id=tokenizer.pad_id)
-  out = Sampler(run.graphdef, run.model_cfg, sampling)(run.state.params, run.state.rest, [prompt],
-                                                       jax.random.key(_SEED.value))
-  print(f"[step {step}] " + tokenizer.decode(np.asarray(out.tokens[0, :int(out.lengths[0])]).tolist()))
+  out = Sampler(graphdef, model_cfg, sampling)(params, rest, [prompt], jax.random.key(_SEED.value))
+  print(f"[{tag}] " + tokenizer.decode(np.asarray(out.tokens[0, :int(out.lengths[0])]).tolist()))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,10 @@
 r"""Trains GLM-5 from a config; resumes from --workdir's latest checkpoint. config.trainer picks the loop:
-"pretrain" (the default; glm_jax/train/trainer.py), "grpo" or "distill" (post-training, glm_jax/rl/trainer.py).
+"pretrain" (the default; glm_jax/train/trainer.py), "sft" (the same loop on prompt/response data, the loss on the
+responses; with config.quant, INT4 quantization-aware training), "grpo" or "distill" (post-training,
+glm_jax/rl/trainer.py).
 
   python launch/train.py --config=configs/glm5_tiny.py                 # the embedded corpus, on CPU
+  python launch/train.py --config=configs/sft_tiny.py                  # SFT with INT4 QAT on the routed experts
   python launch/train.py --config=configs/grpo_tiny.py                 # GRPO + IcePop on 2-digit addition
   python launch/train.py --config=configs/distill_tiny.py              # on-policy distillation, two teachers
   python launch/train.py --config=configs/glm5_tiny.py --workdir=/tmp/run1 \
@@ -64,7 +67,7 @@ def main(argv):
   config = _CONFIG.value
   workdir = _WORKDIR.value or f"workdirs/{config.get('name', 'run')}"
   kind = config.get("trainer", "pretrain")
-  if kind == "pretrain":
+  if kind in ("pretrain", "sft"):  # SFT is the pretraining loop on prompt/response data, loss on the responses
     summary = train_and_evaluate(config, workdir)
   elif kind in ("grpo", "distill"):
     summary = rl_trainer.run(config, workdir)

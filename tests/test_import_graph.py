@@ -14,7 +14,7 @@ SCANNED = ("pallas_kernels", "glm_jax", "configs", "launch", "experiments")
 RANKS = {
     "pallas_kernels": 0,
     "glm_jax": 1, "glm_jax.tree_paths": 1, "glm_jax.mesh_axes": 1, "glm_jax.strict_json": 1,  # leaf modules, by name
-    "glm_jax.plots": 1,
+    "glm_jax.plots": 1, "glm_jax.quant": 1,  # the quantizer: the model's matmuls take its packed weights
     "glm_jax.model": 2, "glm_jax.data": 2, "glm_jax.sharding": 2,
     "glm_jax.convert": 3, "glm_jax.inference": 3, "glm_jax.train": 3,
     "glm_jax.rl": 4, "glm_jax.cli": 4,  # the launch scripts' error handling (reads train.guards)
@@ -24,7 +24,7 @@ RANKS = {
 EXACT = {"glm_jax"}  # groups of one module: a new glm_jax subpackage or leaf module must be ranked here
 CONFIGS = "configs"  # experiment files: only entry points import them, and they import each other and these:
 CONFIG_IMPORTS = {"glm_jax.data.config", "glm_jax.sharding.mesh", "glm_jax.train.config",
-                  "glm_jax.train.optimizer_config"}  # the library's default sections (configs/common.py)
+                  "glm_jax.train.optimizer_config", "glm_jax.model.quantization"}  # the library's default sections (configs/common.py)
 
 
 def module_files(root: str = ROOT) -> dict[str, str]:

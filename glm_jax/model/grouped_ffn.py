@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from glm_jax.model.grouped_matmul import grouped_matmul
 from glm_jax.model.platform import current_platform
 from glm_jax.model.tiled_swiglu import tiled_swiglu
+from glm_jax.quant.packed import PackedWeight, dequantize_weight, int_grouped_matmul
 
 
 def expert_swiglu(xs: jax.Array, group_sizes: jax.Array, gate_EDI: jax.Array, up_EDI: jax.Array,
@@ -28,6 +29,11 @@ def expert_swiglu(xs: jax.Array, group_sizes: jax.Array, gate_EDI: jax.Array, up
   grouped matmul per projection, matmuls in `dtype` accumulated in fp32; the result in out_dtype (fp32 by default;
   `dtype` when the rows travel on in `dtype` anyway, which also keeps their gradient in `dtype`). When traced for
   the CPU the three projections run tile by tile in one loop (tiled_swiglu.py), the same products."""
+  if isinstance(gate_EDI, PackedWeight):
+    if gate_EDI.act_bits is not None:
+      return _int_expert_swiglu(xs, group_sizes, gate_EDI, up_EDI, down_EID, dtype, out_dtype)
+    # weight-only: the fake-quantized weights of training, then the same grouped matmuls
+    gate_EDI, up_EDI, down_EID = (dequantize_weight(w) for w in (gate_EDI, up_EDI, down_EID))
   if current_platform() == "cpu":
     return tiled_swiglu(xs, group_sizes, gate_EDI, up_EDI, down_EID, jnp.dtype(dtype), jnp.dtype(out_dtype))
 
@@ -36,6 +42,15 @@ def expert_swiglu(xs: jax.Array, group_sizes: jax.Array, gate_EDI: jax.Array, up
 
   h = (jax.nn.silu(gmm(xs, gate_EDI)) * gmm(xs, up_EDI)).astype(dtype)
   return gmm(h, down_EID, out_dtype)
+
+
+def _int_expert_swiglu(xs, group_sizes, gate: PackedWeight, up: PackedWeight, down: PackedWeight, dtype,
+                       out_dtype) -> jax.Array:
+  """W8A8 / W4A8 experts: each projection's input quantized per row (int8), integer grouped matmuls."""
+  platform = current_platform()
+  h = jax.nn.silu(int_grouped_matmul(xs, gate, group_sizes, platform)) * int_grouped_matmul(
+      xs, up, group_sizes, platform)
+  return int_grouped_matmul(h.astype(dtype), down, group_sizes, platform).astype(out_dtype)
 
 
 def expert_capacity(capacity_factor: float, group_tokens: int, k: int, n_experts: int) -> int | None:

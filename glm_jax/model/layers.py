@@ -17,6 +17,7 @@ from flax import nnx
 
 from glm_jax.model.config import ModelConfig
 from glm_jax.model.platform import current_platform
+from glm_jax.quant.packed import PackedWeight, dequantize_weight, int_matmul
 
 
 def dtype_of(name: str) -> jnp.dtype:
@@ -60,7 +61,12 @@ def dense_fp32(x: jax.Array, w: nnx.Param, dtype: jnp.dtype, spec: str = "...d,d
   transposed copies in the backward (a dot contracting two or more axes, as the weight gradient of a 3D einsum
   does, gets a physical transpose of its operands: 29% of a glm5-shaped step's time). Elsewhere the einsum, whose
   sharded axes XLA's partitioner sees as they are."""
-  w = w[...].astype(dtype)
+  w = w[...]
+  if isinstance(w, PackedWeight):
+    if w.act_bits is not None:
+      return _int_dense(x, w, spec)
+    w = dequantize_weight(w)  # weight-only: the fake-quantized weight of training, then the same matmul
+  w = w.astype(dtype)
   x = x.astype(dtype)
   k = _contracted(spec) if current_platform() == "cpu" else None
   if k is None:
@@ -68,6 +74,22 @@ def dense_fp32(x: jax.Array, w: nnx.Param, dtype: jnp.dtype, spec: str = "...d,d
   lead, free = x.shape[:x.ndim - k], w.shape[k:]
   y = jnp.dot(x.reshape(math.prod(lead), -1), w.reshape(-1, math.prod(free)), preferred_element_type=jnp.float32)
   return y.reshape(lead + free)
+
+
+def _int_dense(x: jax.Array, w: PackedWeight, spec: str) -> jax.Array:
+  """W8A8 / W4A8 (glm_jax/quant/packed.py): per-token int8 activations, an integer dot, fp32 out."""
+  k = _contracted(spec)
+  if k != w.contracted_axes:
+    raise ValueError(f"spec {spec!r} contracts {k} axes of a packed weight quantized over {w.contracted_axes}")
+  lead = x.shape[:x.ndim - k]
+  y = int_matmul(x.reshape(math.prod(lead), -1), w, current_platform())
+  return y.reshape(lead + w.shape[k:])
+
+
+def float_weight(w: nnx.Param | jax.Array | PackedWeight) -> jax.Array:
+  """A weight's values as a float array: a packed weight dequantized (for uses other than `dense`'s matmul)."""
+  w = w[...] if isinstance(w, nnx.Variable) else w
+  return dequantize_weight(w) if isinstance(w, PackedWeight) else w
 
 
 class RMSNorm(nnx.Module):

@@ -20,7 +20,7 @@ from glm_jax.model import dsa, splash
 from glm_jax.model.config import ModelConfig
 from glm_jax.model.indexer import Indexer
 from glm_jax.model.kv_cache import LayerCache
-from glm_jax.model.layers import RMSNorm, apply_rope, dense, dtype_of, param
+from glm_jax.model.layers import RMSNorm, apply_rope, dense, dtype_of, float_weight, param
 from pallas_kernels.lightning_indexer_reference import lightning_indexer_scores
 
 
@@ -96,14 +96,14 @@ class MLA(nnx.Module):
 
   def absorbed_q_kv(self, q_nope, q_rope, ckv_BSC, k_rope_BSR) -> tuple[jax.Array, jax.Array]:
     """The absorbed query [B, T, H, A] and the shared key [B, S, A] (A = kv_lora_rank + rope)."""
-    w_uk = self.kv_b_proj[...][..., :self.cfg.qk_nope_head_dim]  # [R, H, dn]
+    w_uk = float_weight(self.kv_b_proj)[..., :self.cfg.qk_nope_head_dim]  # [R, H, dn]
     q_lat = jnp.einsum("bthn,rhn->bthr", q_nope, w_uk.astype(self.dtype),
                        preferred_element_type=jnp.float32).astype(self.dtype)
     return (jnp.concatenate([q_lat, q_rope], axis=-1), jnp.concatenate([ckv_BSC, k_rope_BSR], axis=-1))
 
   def absorbed_out(self, o_lat_BTHC: jax.Array) -> jax.Array:
     """o_h = o_lat_h W_UV_h: [B, T, H, O]."""
-    w_uv = self.kv_b_proj[...][..., self.cfg.qk_nope_head_dim:]  # [R, H, dv]
+    w_uv = float_weight(self.kv_b_proj)[..., self.cfg.qk_nope_head_dim:]  # [R, H, dv]
     return jnp.einsum("bthr,rhv->bthv", o_lat_BTHC, w_uv.astype(self.dtype),
                       preferred_element_type=jnp.float32).astype(self.dtype)
 

@@ -22,6 +22,7 @@ from glm_jax.model.config import ModelConfig
 from glm_jax.model.grouped_ffn import grouped_ffn
 from glm_jax.model.layers import MLP, dtype_of, param
 from glm_jax.model.moe_parallel import expert_parallel_ffn, token_shards
+from glm_jax.quant.packed import PackedWeight, dequantize_weight
 
 
 class ExpertBias(nnx.Variable):
@@ -46,6 +47,16 @@ def route(logits_NE: jax.Array, bias_E: jax.Array, cfg: ModelConfig
   if cfg.norm_topk_prob:
     w_NX = w_NX / (jnp.sum(w_NX, axis=-1, keepdims=True) + 1e-20)
   return w_NX * cfg.routed_scaling_factor, idx_NX.astype(jnp.int32), s_NE
+
+
+def _unpacked_for_mesh(w):
+  """Packed expert weights under a mesh: weight-only ones dequantized (the same values); integer-dot ones refused."""
+  if not isinstance(w, PackedWeight):
+    return w
+  if w.act_bits is not None:
+    raise ValueError(f"routed experts packed with {w.bits}-bit weights and {w.act_bits}-bit activations run on one "
+                     "device (the sampler's path); under a mesh use a weight-only scheme")
+  return dequantize_weight(w)
 
 
 class MoE(nnx.Module):
@@ -74,6 +85,7 @@ class MoE(nnx.Module):
     experts = (x_ND, w_NX, idx_NX, self.gate_proj[...], self.up_proj[...], self.down_proj[...], self.dtype)
     mesh = jax.sharding.get_abstract_mesh()
     if not mesh.empty and mesh.size > 1 and (b * t) % token_shards(mesh) == 0:
+      experts = experts[:3] + tuple(_unpacked_for_mesh(w) for w in experts[3:6]) + experts[6:]
       # Under a mesh the experts run in a shard_map: by ragged all-to-all over an expert axis, else each device on
       # its own tokens. (A Mosaic kernel, TPU's grouped matmul, cannot be partitioned by XLA.)
       y_ND, dropped = expert_parallel_ffn(*experts, mesh=mesh, capacity_factor=cfg.moe_capacity_factor)

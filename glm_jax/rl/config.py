@@ -21,7 +21,7 @@ from glm_jax.inference.sampler import MIN_TEMPERATURE
 from glm_jax.rl import losses, step as rl_step, tasks as tasks_lib
 from glm_jax.train.config import invalid, require_sections, validate_step_config
 
-TRAINERS = ("pretrain", "grpo", "distill")  # config.trainer's values; launch/train.py dispatches on it
+TRAINERS = ("pretrain", "sft", "grpo", "distill")  # config.trainer's values; launch/train.py dispatches on it
 _RL_POSITIVE_INTS = ("steps", "prompts_per_step", "group_size", "max_new_tokens", "log_every", "eval_every",
                      "eval_prompts", "checkpoint_every", "keep_checkpoints", "max_pending")
 

@@ -45,8 +45,8 @@ RUNTIME_FIELDS = {
 INIT_FROM_FREE_FIELDS = {"model": {"index_topk"}}
 # Differences that train.allow_data_change permits (a new data mix is a real use).
 DATA_DIFFS = ("data.", "tokenizer:")
-# The sections a pretraining run resumes only under the same values (or with allow_data_change for "data").
-RESUME_SECTIONS = ("model", "optimizer", "data")
+# The sections a pretraining or SFT run resumes only under the same values (or with allow_data_change for "data").
+RESUME_SECTIONS = ("model", "optimizer", "data", "quant")
 # Config sections whose other fields must match the checkpoint's.
 COMPARED_SECTIONS = ("model", "optimizer")
 COMPARED_TRAIN_FIELDS = ("dsa_stage",)

@@ -14,14 +14,17 @@ import jax
 import jax.numpy as jnp
 
 
-def shifted_targets(input_ids_BT: jax.Array, segment_ids_BT: jax.Array, shift: int
-                    ) -> tuple[jax.Array, jax.Array]:
+def shifted_targets(input_ids_BT: jax.Array, segment_ids_BT: jax.Array, shift: int,
+                    loss_mask_BT: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """(targets [B, T], valid [B, T]): targets[t] = input_ids[t + shift], valid where t + shift is in the
-  row, in the same segment as t, and segment t is not padding."""
+  row, in the same segment as t, segment t is not padding and, given a loss mask (SFT: 1 on the response
+  tokens), loss_mask[t + shift] is 1."""
   pad = [(0, 0), (0, shift)]
   targets = jnp.pad(input_ids_BT[:, shift:], pad)
   seg_next = jnp.pad(segment_ids_BT[:, shift:], pad, constant_values=-1)
   valid = (seg_next == segment_ids_BT) & (segment_ids_BT != 0)
+  if loss_mask_BT is not None:
+    valid = valid & (jnp.pad(loss_mask_BT[:, shift:], pad) != 0)
   return targets, valid
 
 
@@ -36,15 +39,16 @@ def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array, valid_BT: jax.Ar
 
 
 def lm_and_mtp_losses(logits_BTV: jax.Array, mtp_logits_MBTV: jax.Array | None, input_ids_BT: jax.Array,
-                      segment_ids_BT: jax.Array) -> dict[str, jax.Array]:
-  """{"lm_loss", "mtp_loss", "tokens"}; mtp_loss is 0 without MTP logits."""
-  targets, valid = shifted_targets(input_ids_BT, segment_ids_BT, 1)
+                      segment_ids_BT: jax.Array, loss_mask_BT: jax.Array | None = None) -> dict[str, jax.Array]:
+  """{"lm_loss", "mtp_loss", "tokens"}; mtp_loss is 0 without MTP logits. loss_mask (SFT) keeps the targets
+  it marks."""
+  targets, valid = shifted_targets(input_ids_BT, segment_ids_BT, 1, loss_mask_BT)
   nll, count = cross_entropy(logits_BTV, targets, valid)
   out = {"lm_loss": nll / jnp.maximum(count, 1.0), "tokens": count, "mtp_loss": jnp.zeros((), jnp.float32)}
   if mtp_logits_MBTV is not None:
     losses = []
     for k in range(mtp_logits_MBTV.shape[0]):
-      targets, valid = shifted_targets(input_ids_BT, segment_ids_BT, k + 2)
+      targets, valid = shifted_targets(input_ids_BT, segment_ids_BT, k + 2, loss_mask_BT)
       nll_k, count_k = cross_entropy(mtp_logits_MBTV[k], targets, valid)
       losses.append(nll_k / jnp.maximum(count_k, 1.0))
     out["mtp_loss"] = jnp.mean(jnp.stack(losses))

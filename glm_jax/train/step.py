@@ -23,6 +23,7 @@ import optax
 from flax import nnx
 
 from glm_jax.model.moe import ExpertBias
+from glm_jax.model.quantization import fake_quant_params
 from glm_jax.model.transformer import GlmMoeDsa
 from glm_jax.train import losses
 from glm_jax.tree_paths import Names
@@ -63,11 +64,14 @@ def is_indexer_param(names: Names) -> bool:
   return "indexer" in names
 
 
-def _forward_losses(graphdef, params, rest, batch, stage: str, train_cfg) -> tuple[jax.Array, dict]:
+def _forward_losses(graphdef, params, rest, batch, stage: str, train_cfg, plan=None) -> tuple[jax.Array, dict]:
+  if plan:  # quantization-aware training: the forward sees the packed weights' values (straight-through grads)
+    params = fake_quant_params(params, plan)
   model = nnx.merge(graphdef, params, rest)
   out = model(batch["input_ids"], positions=batch["positions"], segment_ids=batch["segment_ids"],
               indexer_loss=stage in ("warmup", "sparse"))
-  m = losses.lm_and_mtp_losses(out.logits, out.mtp_logits, batch["input_ids"], batch["segment_ids"])
+  m = losses.lm_and_mtp_losses(out.logits, out.mtp_logits, batch["input_ids"], batch["segment_ids"],
+                               batch.get("loss_mask"))
   counts = {k: v for k, v in out.aux.items() if k.endswith("expert_counts")}
   if "expert_counts" in out.aux:
     m["balance_loss"] = losses.sequence_balance_loss(out.aux["expert_counts"], out.aux["expert_probs"],
@@ -135,11 +139,12 @@ def apply_gradients(state: TrainState, grads, loss: jax.Array, optimizer: optax.
 
 def make_train_step(graphdef, optimizer: optax.GradientTransformation, schedule: Callable, train_cfg, *,
                     state_shardings: Any = None, batch_sharding: Any = None,
-                    unroll_microbatches: bool = False) -> Callable:
-  """Returns jitted step(state, batch) -> (state, metrics). batch: input_ids, segment_ids, positions
-  [global_batch, seq_len] int32; the batch is split into train_cfg.microbatches equal parts. With shardings
-  (glm_jax.sharding), the state keeps its layout across steps and the batch is split over the mesh.
-  unroll_microbatches unrolls the accumulation loop (for XLA's cost analysis, which counts a loop body once)."""
+                    unroll_microbatches: bool = False, quant_plan: dict | None = None) -> Callable:
+  """Returns jitted step(state, batch) -> (state, metrics). batch: input_ids, segment_ids, positions (and, for
+  SFT, loss_mask) [global_batch, seq_len] int32; the batch is split into train_cfg.microbatches equal parts. With
+  shardings (glm_jax.sharding), the state keeps its layout across steps and the batch is split over the mesh.
+  unroll_microbatches unrolls the accumulation loop (for XLA's cost analysis, which counts a loop body once).
+  quant_plan (glm_jax.model.quantization.quant_plan): quantization-aware training of the planned weights."""
   stage = train_cfg.dsa_stage
   if stage not in STAGES:
     raise ValueError(f"train.dsa_stage={stage!r}; one of {STAGES}")
@@ -154,7 +159,7 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, schedule:
     micro = jax.tree.map(lambda x: x.reshape((n_micro, b // n_micro) + x.shape[1:]), batch)
 
     def micro_grads(mb):
-      (_, (m, counts)), g = grad_fn(graphdef, state.params, state.rest, mb, stage, train_cfg)
+      (_, (m, counts)), g = grad_fn(graphdef, state.params, state.rest, mb, stage, train_cfg, quant_plan)
       return g, m, counts
 
     def accumulate(carry, mb):
@@ -189,14 +194,18 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, schedule:
                  out_shardings=(state_shardings, None))
 
 
-def make_eval_step(graphdef) -> Callable:
-  """Returns jitted eval(params, rest, batch) -> (sum of next-token NLL, number of target tokens)."""
+def make_eval_step(graphdef, quant_plan: dict | None = None) -> Callable:
+  """Returns jitted eval(params, rest, batch) -> (sum of next-token NLL, number of target tokens): of the
+  fake-quantized model under a quant plan (which computes what its packed form computes), over the targets the
+  batch's loss_mask keeps when it has one."""
 
   def evaluate(params, rest, batch):
+    if quant_plan:
+      params = fake_quant_params(params, quant_plan)
     model = nnx.merge(graphdef, params, rest)
     out = model(batch["input_ids"], positions=batch["positions"], segment_ids=batch["segment_ids"],
                 compute_mtp=False)
-    targets, valid = losses.shifted_targets(batch["input_ids"], batch["segment_ids"], 1)
+    targets, valid = losses.shifted_targets(batch["input_ids"], batch["segment_ids"], 1, batch.get("loss_mask"))
     return losses.cross_entropy(out.logits, targets, valid)
 
   return jax.jit(evaluate)

@@ -25,6 +25,7 @@ from flax import nnx
 from glm_jax import data as data_lib
 from glm_jax.data.config import check_process_split
 from glm_jax.model import GlmMoeDsa, ModelConfig, param_counts
+from glm_jax.model.quantization import WEIGHT_ONLY, check_quant_config, quant_plan
 from glm_jax.sharding.mesh import batch_sharding, make_mesh
 from glm_jax.sharding.state import create_sharded
 from glm_jax.train import optimizers, step as step_lib
@@ -68,7 +69,7 @@ def create_sharded_train_state(config: ml_collections.ConfigDict, model_cfg: Mod
 
 def _global_batch(batch: dict[str, np.ndarray], sharding) -> dict[str, jax.Array]:
   """This process's rows -> the global batch: as is on one device, assembled across processes on a mesh."""
-  keys = ("input_ids", "segment_ids", "positions")
+  keys = [k for k in ("input_ids", "segment_ids", "positions", "loss_mask") if k in batch]
   if sharding is None:
     return {k: jnp.asarray(batch[k]) for k in keys}
   return {k: jax.make_array_from_process_local_data(sharding, batch[k]) for k in keys}
@@ -130,7 +131,21 @@ def check_config(config: ml_collections.ConfigDict) -> ModelConfig:
   data_lib.validate_data_config(config.data)
   if config.data.batch_size % train.microbatches:
     invalid("train.microbatches", train.microbatches, f"must divide data.batch_size={config.data.batch_size}")
+  kind = config.get("trainer", "pretrain")
+  data_format = "sft" if kind == "sft" else "lm"
+  if config.data.get("format", "lm") != data_format:
+    invalid("data.format", config.data.get("format", "lm"), f"config.trainer={kind!r} trains on {data_format!r} data")
+  if "quant" in config:
+    check_quant_config(config.quant)
+    if config.quant.scheme not in ("none",) + WEIGHT_ONLY:
+      invalid("quant.scheme", config.quant.scheme, f"quantization-aware training takes {list(WEIGHT_ONLY)} (or "
+              "'none'); W8A8 / W4A8 are post-training schemes (launch/quantize.py)")
   return model_cfg
+
+
+def training_quant_plan(config: ml_collections.ConfigDict, params) -> dict:
+  """The QAT plan of config.quant for these parameters ({} without a quant section or with scheme 'none')."""
+  return quant_plan(params, config.quant) if "quant" in config else {}
 
 
 StepHook = Callable[[int, step_lib.TrainState, dict[str, Any]], None]
@@ -176,9 +191,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, hooks
   else:
     graphdef, state, optimizer, schedule, shardings = create_sharded_train_state(config, model_cfg, mesh)
     data_sharding = batch_sharding(mesh)
+  plan = training_quant_plan(config, state.params)
   train_step = step_lib.make_train_step(graphdef, optimizer, schedule, train, state_shardings=shardings,
-                                        batch_sharding=data_sharding)
-  eval_step = step_lib.make_eval_step(graphdef)
+                                        batch_sharding=data_sharding, quant_plan=plan)
+  eval_step = step_lib.make_eval_step(graphdef, plan)
 
   data_iter = data_lib.make_train_iterator(config.data, tokenizer, process_index=jax.process_index(),
                                            process_count=jax.process_count())

@@ -1,0 +1,131 @@
+"""A post-training quantized model on disk, for the sampler and the RL rollouts.
+
+  <out>/weights/     Orbax: {"params": ..., "rest": ...}; a packed weight is stored as {"codes", "scales"}
+                     (int4 codes two to a byte), every other array as it was trained
+  <out>/packed.json  what the weights are: the quant section that made them and its plan (each packed
+                     parameter's bits, group size, activation bits and layout), the run's config and
+                     tokenizer record, the source checkpoint, the weight bytes
+
+`save_packed` writes everything under <out>.partial and renames it to <out> at the end, so a directory named
+<out> is always complete; it refuses an <out> that exists. `load_packed` rebuilds the model from the recorded
+config (the caller's config must have the same model), re-derives the plan from the recorded quant section
+and refuses a file whose plan differs, or a caller that asks for another scheme, naming both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import ml_collections
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from glm_jax.model import GlmMoeDsa, ModelConfig
+from glm_jax.model.quantization import Rule, pack_params, quant_plan, weight_bytes
+from glm_jax.quant.packed import PackedWeight
+from glm_jax.train.checkpoint import config_differences
+from glm_jax.train.config import model_config_for_stage
+from glm_jax.tree_paths import path_str
+
+FORMAT = 1
+META = "packed.json"
+
+
+@dataclasses.dataclass
+class PackedModel:
+  model_cfg: ModelConfig
+  graphdef: Any
+  params: Any  # nnx.State of Params, the planned ones holding PackedWeights
+  rest: Any
+  tokenizer: dict | None
+  meta: dict
+
+
+def _storage(pure: Any) -> Any:
+  """A pure dict with each PackedWeight as {"codes", "scales"} (plain arrays for Orbax)."""
+  return jax.tree.map(lambda x: {"codes": x.codes, "scales": x.scales} if isinstance(x, PackedWeight) else x, pure,
+                      is_leaf=lambda x: isinstance(x, PackedWeight))
+
+
+def _plan_json(plan: Mapping[tuple, Rule]) -> dict[str, dict]:
+  return {path_str(k): dataclasses.asdict(v) for k, v in sorted(plan.items(), key=lambda kv: path_str(kv[0]))}
+
+
+def save_packed(out_dir: str, params: Any, rest: Any, *, quant: ml_collections.ConfigDict, config: Mapping[str, Any],
+                tokenizer: Mapping[str, Any] | None, source: Mapping[str, Any]) -> dict:
+  """Packs `params` (an nnx.State of Params) under `quant` and writes <out_dir>; returns the metadata written."""
+  out_dir = os.path.abspath(out_dir)
+  if os.path.exists(out_dir):
+    raise FileExistsError(f"--out={out_dir} exists; a packed model is written to a new directory")
+  plan = quant_plan(params, quant)
+  packed = pack_params(params, plan)
+  partial = out_dir + ".partial"
+  if os.path.exists(partial):
+    shutil.rmtree(partial)  # a save that died before its rename: ours, never complete
+  os.makedirs(partial)
+  tree = {"params": _storage(nnx.to_pure_dict(packed)), "rest": nnx.to_pure_dict(rest)}
+  with ocp.StandardCheckpointer() as ckptr:
+    ckptr.save(os.path.join(partial, "weights"), tree)
+  meta = {"format": FORMAT, "quant": quant.to_dict(), "plan": _plan_json(plan), "config": json.loads(json.dumps(
+      dict(config))), "tokenizer": dict(tokenizer) if tokenizer else None, "source": dict(source),
+      "weight_bytes": weight_bytes(packed), "unpacked_weight_bytes": weight_bytes(params)}
+  with open(os.path.join(partial, META), "w") as f:
+    json.dump(meta, f, indent=1)
+  os.rename(partial, out_dir)
+  return meta
+
+
+def read_meta(out_dir: str) -> dict:
+  path = os.path.join(os.path.abspath(out_dir), META)
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"{out_dir}: not a packed model (no {META}); launch/quantize.py writes one")
+  with open(path) as f:
+    meta = json.load(f)
+  if meta.get("format") != FORMAT:
+    raise ValueError(f"{path}: format {meta.get('format')!r}; this code reads format {FORMAT}")
+  return meta
+
+
+def load_packed(out_dir: str, config: ml_collections.ConfigDict, *, scheme: str | None = None) -> PackedModel:
+  """The packed model of <out_dir> on this process's first device. `config` must describe the same model as the
+  one recorded; `scheme`, when given, must be the recorded one (a packed model is not re-quantized on load)."""
+  meta = read_meta(out_dir)
+  recorded = ml_collections.ConfigDict(meta["quant"])
+  if scheme is not None and scheme != recorded.scheme:
+    raise ValueError(f"{out_dir} holds a model packed with scheme {recorded.scheme!r}, not {scheme!r}; pack the "
+                     f"run again with --scheme={scheme} or load it as {recorded.scheme!r}")
+  diffs = config_differences(meta["config"], config.to_dict(), sections=("model",), train_fields=())
+  if diffs:
+    raise ValueError(f"{out_dir} was packed from another model: " + "; ".join(diffs))
+  model_cfg = model_config_for_stage(config)
+  model = nnx.eval_shape(lambda: GlmMoeDsa(model_cfg, nnx.Rngs(0)))
+  graphdef, abstract_params, abstract_rest = nnx.split(model, nnx.Param, ...)
+  plan = quant_plan(abstract_params, recorded)
+  if _plan_json(plan) != meta["plan"]:
+    raise ValueError(f"{out_dir}: its recorded plan does not match what scheme {recorded.scheme!r} makes of this "
+                     "model (written by another version?); pack it again")
+  abstract_packed = jax.eval_shape(lambda p: pack_params(p, plan), abstract_params)
+  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  target = {"params": _storage(nnx.to_pure_dict(abstract_packed)), "rest": nnx.to_pure_dict(abstract_rest)}
+  target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device), target)
+  with ocp.StandardCheckpointer() as ckptr:
+    saved = ckptr.restore(os.path.join(os.path.abspath(out_dir), "weights"), target)
+
+  def rebuild(abstract, stored):
+    if isinstance(abstract, PackedWeight):
+      return dataclasses.replace(abstract, codes=stored["codes"], scales=stored["scales"])
+    return stored
+
+  pure = jax.tree.map(rebuild, nnx.to_pure_dict(abstract_packed), saved["params"],
+                      is_leaf=lambda x: isinstance(x, PackedWeight))
+  params = abstract_packed
+  nnx.replace_by_pure_dict(params, pure)
+  rest = abstract_rest
+  nnx.replace_by_pure_dict(rest, saved["rest"])
+  return PackedModel(model_cfg, graphdef, params, rest, meta["tokenizer"], meta)

@@ -1,0 +1,67 @@
+r"""Post-training quantization: packs a run's latest checkpoint into a quantized model for the sampler and rollouts.
+
+  python launch/quantize.py --config=configs/glm5_tiny.py --workdir=workdirs/glm5_tiny --scheme=w4a8 \
+      --out=workdirs/glm5_tiny_w4a8
+  python launch/sample.py --config=configs/glm5_tiny.py --packed=workdirs/glm5_tiny_w4a8 --prompt="In the beginning"
+
+Schemes (glm_jax/model/quantization.py): int4 (weight-only, groups of --group_size along the input; GLM-5's QAT
+format, by default on the routed experts), int4_row (GLM-130B's per-row INT4 weight-only on the attention and
+feed-forward weights), w8a8, w4a8 (the Ascend mix: W8A8 attention and dense MLPs, W4A8 MoE experts).
+--scope overrides the scheme's default scope: groups ("routed_experts,attention") or "re:<regex on paths>".
+--config must be the run's config; the packed model records it, its tokenizer and the quant section. Prints
+one JSON line: the scheme, the packed parameters, the weight bytes before and after.
+"""
+
+import json
+
+import ml_collections
+from absl import flags, logging
+from ml_collections import config_flags
+
+from glm_jax import cli
+from glm_jax.model.quantization import SCHEMES, check_quant_config, default_quant_config
+from glm_jax.train.packed_checkpoint import save_packed
+from glm_jax.train.trainer import restore_run
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "The run's configs/*.py file.", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "The run's directory (default: workdirs/<config name>).")
+_OUT = flags.DEFINE_string("out", None, "The packed model's directory (must not exist).")
+_SCHEME = flags.DEFINE_enum("scheme", None, [s for s in SCHEMES if s != "none"], "The quantization scheme.")
+_GROUP = flags.DEFINE_integer("group_size", None, "int4's group along a weight's input (0: per output channel); "
+                              "default: the config's quant.group_size, else 128.")
+_SCOPE = flags.DEFINE_string("scope", None, "Which weights: groups or re:<regex>; default: the scheme's scope.")
+
+
+def quant_section(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """The config's quant section (or the defaults) with the flags over it, checked."""
+  q = default_quant_config()
+  if "quant" in config:
+    q.update(config.quant.to_dict())
+  q.scheme = _SCHEME.value
+  if _GROUP.value is not None:
+    q.group_size = _GROUP.value
+  if _SCOPE.value is not None:
+    q.scope = _SCOPE.value
+  check_quant_config(q)
+  return q
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise ValueError(f"unexpected arguments: {argv[1:]}")
+  if not flags.FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)
+  config = _CONFIG.value
+  q = quant_section(config)
+  workdir = _WORKDIR.value or f"workdirs/{config.get('name', 'run')}"
+  run = restore_run(config, workdir)
+  meta = save_packed(_OUT.value, run.state.params, run.state.rest, quant=q, config=config.to_dict(),
+                     tokenizer=run.tokenizer.record(), source={"workdir": workdir, "step": run.step})
+  print(json.dumps({"scheme": q.scheme, "group_size": q.group_size, "scope": q.scope, "out": _OUT.value,
+                    "packed_params": len(meta["plan"]), "weight_bytes": meta["weight_bytes"],
+                    "unpacked_weight_bytes": meta["unpacked_weight_bytes"], "source_step": run.step}), flush=True)
+
+
+if __name__ == "__main__":
+  flags.mark_flags_as_required(["config", "out", "scheme"])
+  cli.run(main)
