@@ -8,6 +8,8 @@ A post-training config (configs/grpo_tiny.py, configs/distill_tiny.py) has the s
              train_step, the pretraining step's settings (glm_jax/train/step.py) it runs with
   tasks      (trainer "grpo") {task name: {weight, the task's arguments}}
   teachers   (trainer "distill") {name: {task, task_kwargs, weight, init_from, sft_steps, seed, model}}
+  quant      (optional) INT4 quantization-aware RL (glm_jax/model/quantization.py, slime's recipe): the updates
+             fake-quantize the planned weights and the rollouts sample from them packed by the same quantizer
 `validate_rl_config` checks them, naming the field, its value and what is valid; `task_mix` is the run's
 [(task, weight)].
 """
@@ -18,6 +20,7 @@ import ml_collections
 import numpy as np
 
 from glm_jax.inference.sampler import MIN_TEMPERATURE
+from glm_jax.model.quantization import WEIGHT_ONLY, check_quant_config
 from glm_jax.rl import losses, step as rl_step, tasks as tasks_lib
 from glm_jax.train.config import invalid, require_sections, validate_step_config
 
@@ -42,6 +45,10 @@ def validate_rl_config(config: ml_collections.ConfigDict) -> None:
   if config.trainer == "distill":
     _validate_distill(config)
   _validate_sft_train_step(config.sft)
+  if "quant" in config:  # QAT of the policy, its rollouts sampled from the packed weights
+    check_quant_config(config.quant)
+    if config.quant.scheme not in ("none",) + WEIGHT_ONLY:
+      invalid("quant.scheme", config.quant.scheme, f"quantization-aware RL takes {list(WEIGHT_ONLY)} (or 'none')")
 
 
 def _validate_rl_section(rl: ml_collections.ConfigDict) -> None:

@@ -12,11 +12,13 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import ml_collections
 import optax
 
 from glm_jax.inference.sampler import Sampler
 from glm_jax.model import ModelConfig
+from glm_jax.model.quantization import pack_params
 from glm_jax.rl.rewards import RewardFn
 from glm_jax.rl.tasks import CharVocab, Problem, Task
 from glm_jax.train.checkpoint import Checkpointer
@@ -39,6 +41,18 @@ class RunSetup:
   # The compiled fine-tuning steps (glm_jax/rl/warm_start.py's sft_step), owned by the run: the student and the
   # teachers of one architecture share one compilation.
   sft_steps: dict = dataclasses.field(default_factory=dict)
+  # config.quant's plan for the policy ({} without QAT): the updates fake-quantize these weights and the rollouts
+  # sample from them packed, by the one quantizer, so both see the same weights.
+  quant_plan: dict = dataclasses.field(default_factory=dict)
+  _pack: dict = dataclasses.field(default_factory=dict, repr=False)  # the compiled packing, made on first use
+
+  def served(self, params: Any) -> Any:
+    """The policy's weights as the rollouts and evaluations sample from them: packed under the quant plan."""
+    if not self.quant_plan:
+      return params
+    if "fn" not in self._pack:
+      self._pack["fn"] = jax.jit(lambda p: pack_params(p, self.quant_plan))
+    return self._pack["fn"](params)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from glm_jax.model.quantization import fake_quant_params
 from glm_jax.inference.sampler import tempered_log_softmax
 from glm_jax.rl import losses
 from glm_jax.train.step import TrainState, apply_gradients
@@ -48,11 +49,15 @@ def make_score_fn(graphdef, temperature: float = 1.0) -> Callable:
 
 
 def _make_step(graphdef, optimizer: optax.GradientTransformation, schedule: Callable, rl_cfg,
-               objective_fn: Callable) -> Callable:
+               objective_fn: Callable, quant_plan: dict | None = None) -> Callable:
   """The shared update: logp of the batch's tokens, objective_fn(logp, batch) -> (loss, metrics), gradient,
-  clip, optimizer; a non-finite loss or gradient skips the update (the state stays, `skipped` is 1)."""
+  clip, optimizer; a non-finite loss or gradient skips the update (the state stays, `skipped` is 1). With a
+  quant plan (config.quant), quantization-aware: the policy's forward sees its planned weights fake-quantized,
+  the values the rollouts' packed weights hold, with the straight-through gradient."""
 
   def loss_fn(params, rest, batch):
+    if quant_plan:
+      params = fake_quant_params(params, quant_plan)
     logp = token_logprobs(nnx.merge(graphdef, params, rest), batch["tokens"], rl_cfg.temperature)
     return objective_fn(logp, batch)
 
@@ -79,7 +84,8 @@ def _grpo_kwargs(rl_cfg) -> dict:
               is_correction=rl_cfg.is_correction, tis_cap=rl_cfg.tis_cap, kl_coef=rl_cfg.kl_coef)
 
 
-def make_grpo_step(graphdef, optimizer: optax.GradientTransformation, schedule: Callable, rl_cfg) -> Callable:
+def make_grpo_step(graphdef, optimizer: optax.GradientTransformation, schedule: Callable, rl_cfg,
+                   quant_plan: dict | None = None) -> Callable:
   """Returns jit step(state, batch) -> (state, metrics); batch: tokens, response_mask, rollout_logp, advantages
   [N] (group-normalized rewards), optionally old_logp and ref_logp. rl_cfg.objective: "grpo" (Eq. 1) or
   "async" (Eq. 3-5)."""
@@ -93,10 +99,11 @@ def make_grpo_step(graphdef, optimizer: optax.GradientTransformation, schedule: 
     return losses.grpo_loss(logp, _old_logp(logp, batch), batch["rollout_logp"], batch["advantages"],
                             batch["response_mask"], ref_logp=batch.get("ref_logp"), **_grpo_kwargs(rl_cfg))
 
-  return _make_step(graphdef, optimizer, schedule, rl_cfg, objective)
+  return _make_step(graphdef, optimizer, schedule, rl_cfg, objective, quant_plan)
 
 
-def make_distill_step(graphdef, optimizer: optax.GradientTransformation, schedule: Callable, rl_cfg) -> Callable:
+def make_distill_step(graphdef, optimizer: optax.GradientTransformation, schedule: Callable, rl_cfg,
+                      quant_plan: dict | None = None) -> Callable:
   """Returns jit step(state, batch) -> (state, metrics); batch: tokens, response_mask, rollout_logp and
   teacher_logp [N, S] (each row scored by its own teacher). Metrics add teacher_kl: the mean over response
   tokens of log p_student - log p_teacher, a per-token estimate of KL(student || teacher) on the student's
@@ -111,4 +118,4 @@ def make_distill_step(graphdef, optimizer: optax.GradientTransformation, schedul
     n = jnp.maximum(jnp.sum(mask), 1).astype(jnp.float32)
     return loss, dict(m, teacher_kl=jnp.sum(gap) / n)
 
-  return _make_step(graphdef, optimizer, schedule, rl_cfg, objective)
+  return _make_step(graphdef, optimizer, schedule, rl_cfg, objective, quant_plan)

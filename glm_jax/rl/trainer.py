@@ -32,6 +32,7 @@ import numpy as np
 from absl import logging
 
 from glm_jax.model import ModelConfig
+from glm_jax.model.quantization import quant_plan
 from glm_jax.rl import losses, rewards as rewards_lib, step as rl_step, tasks as tasks_lib
 from glm_jax.rl.config import task_mix, validate_rl_config
 from glm_jax.rl.context import RunContext, RunSetup
@@ -74,12 +75,13 @@ def _setup(config: ml_collections.ConfigDict, workdir: str):
   tasks_and_weights = task_mix(config)
   checkpointer = Checkpointer(workdir, save_every=rl.checkpoint_every, keep=rl.keep_checkpoints,
                               async_save=False)
-  checkpointer.check_compatible(config.to_dict(), sections=("model", "optimizer", "tasks", "teachers"),
+  checkpointer.check_compatible(config.to_dict(), sections=("model", "optimizer", "tasks", "teachers", "quant"),
                                 train_fields=(), tokenizer=vocab.record())
   graphdef, state, optimizer, schedule = make_policy(model_cfg, config.optimizer, rl.seed, rl.freeze_indexer)
+  plan = quant_plan(state.params, config.quant) if "quant" in config else {}
   setup = RunSetup(config=config, workdir=workdir, model_cfg=model_cfg, vocab=vocab,
                    tasks_and_weights=tasks_and_weights, graphdef=graphdef, optimizer=optimizer, schedule=schedule,
-                   checkpointer=checkpointer)
+                   checkpointer=checkpointer, quant_plan=plan)
   return setup, state
 
 
@@ -100,7 +102,7 @@ def _context(setup: RunSetup, start: int) -> RunContext:
 
 
 def _eval_accuracy(ctx: RunContext, state) -> float:
-  return greedy_accuracy(ctx.greedy, state.params, state.rest, ctx.eval_problems, ctx.reward_fn)
+  return greedy_accuracy(ctx.greedy, ctx.served(state.params), state.rest, ctx.eval_problems, ctx.reward_fn)
 
 
 def _prompts(ctx: RunContext, step: int):
@@ -112,8 +114,8 @@ def _prompts(ctx: RunContext, step: int):
 def _step_rollout(ctx: RunContext, params, rest, version: int, index: int, group_size: int):
   """The rollout of step `index`: its prompts, group_size answers each, with a key that depends on (seed, index)."""
   key = jax.random.fold_in(jax.random.key(ctx.config.rl.seed), index)
-  return make_rollout(ctx.sampler, params, rest, _prompts(ctx, index), group_size, key, ctx.reward_fn, version,
-                      f"step{index}")
+  return make_rollout(ctx.sampler, ctx.served(params), rest, _prompts(ctx, index), group_size, key, ctx.reward_fn,
+                      version, f"step{index}")
 
 
 def _log_and_eval(ctx: RunContext, done: int, metrics: dict, state) -> dict:
@@ -137,7 +139,7 @@ def _host_metrics(m) -> dict:
 def _grpo_loop(ctx: RunContext, state, start: int):
   """GRPO updates from step `start` to rl.steps: (state, the summary's reward_mean and dropped_stale)."""
   rl = ctx.config.rl
-  step_fn = rl_step.make_grpo_step(ctx.graphdef, ctx.optimizer, ctx.schedule, rl)
+  step_fn = rl_step.make_grpo_step(ctx.graphdef, ctx.optimizer, ctx.schedule, rl, ctx.quant_plan)
   ref = None
   if rl.kl_coef > 0:  # the reference policy: the warm-started weights
     ref = (rl_step.make_score_fn(ctx.graphdef, rl.temperature), *reference_policy(ctx.workdir, state))
@@ -198,7 +200,7 @@ def _distill_loop(ctx: RunContext, state, start: int):
   names = list(ctx.config.teachers.keys())
   teachers = _teachers(ctx)
   task_of = {ctx.tasks_and_weights[i][0].name: i for i in range(len(names))}
-  step_fn = rl_step.make_distill_step(ctx.graphdef, ctx.optimizer, ctx.schedule, rl)
+  step_fn = rl_step.make_distill_step(ctx.graphdef, ctx.optimizer, ctx.schedule, rl, ctx.quant_plan)
   last = {}
   for done in range(start, rl.steps):
     t0 = time.perf_counter()

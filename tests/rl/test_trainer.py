@@ -180,3 +180,28 @@ def test_bad_configs(tmp_path):
   config = configs.distill_tiny.get_config()
   with pytest.raises(ValueError, match="rl.group_size=8 is invalid; on-policy distillation samples one answer"):
     rl_trainer.run(quiet(config, group_size=8), str(tmp_path / "d"))
+
+
+def test_quantization_aware_grpo_samples_from_the_packed_weights(tmp_path):
+  """GRPO with config.quant (per-row INT4 on the routed experts and the attention): the rollouts sample from the
+  packed weights and the updates fake-quantize the same weights, so the rollout log-probs are the training
+  forward's: the logged mismatch KL stays at fp32 rounding, where the unquantized weights' log-probs differ from
+  the packed ones' by far more. The final weights stay unquantized (fp32) in the checkpoint."""
+  from glm_jax.model import quantization as Q
+  config = configs.grpo_tiny.get_config()
+  config.sft.steps = 0
+  config.quant = Q.default_quant_config()
+  config.quant.update(scheme="int4_row", scope="routed_experts,attention")
+  quiet(config, steps=3, prompts_per_step=8, group_size=4, eval_prompts=8, eval_every=1000, checkpoint_every=1000)
+  rl_trainer.run(config, str(tmp_path))
+  rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl") if "mismatch_kl" in line]
+  assert len(rows) == 3 and max(abs(r["mismatch_kl"]) for r in rows) < 1e-6, [r["mismatch_kl"] for r in rows]
+  params, rest = policy_weights(str(tmp_path), config, "final")
+  plan = Q.quant_plan(params, config.quant)
+  cfg = ModelConfig.from_dict(config.model)
+  tokens, _ = demonstrations(ALL_SUMS[:16], tasks_lib.AdditionTask(digits=1))
+  _, logp_fp32 = answer_logprobs(cfg, params, rest, tokens)
+  _, logp_packed = answer_logprobs(cfg, Q.pack_params(params, plan), rest, tokens)
+  kl = float(jnp.mean(jnp.sum(jnp.exp(logp_packed) * (logp_packed - logp_fp32), -1)))
+  assert kl > 1e-4, kl  # without the packing the rollouts would be off by this much
+  assert all(np.asarray(x).dtype == np.float32 for x in jax.tree.leaves(params))
