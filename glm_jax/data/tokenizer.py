@@ -82,14 +82,15 @@ class Tokenizer:
 
 def load_tokenizer(data_cfg: ml_collections.ConfigDict) -> Tokenizer:
   """data.tokenizer's tokenizer.json, or (when "") the BPE trained on the corpus's training split, cached
-  under data.cache_dir by corpus identity, vocabulary size and special tokens."""
+  under data.cache_dir by corpus identity, vocabulary size and special tokens. What it learns from:
+  sources.bpe_training_documents (for format "sft" from jsonl, the training examples' prompt + response; the
+  embedded source's chapters in both formats)."""
   config_lib.validate_data_config(data_cfg)
   if data_cfg.tokenizer:
     return _from_file(data_cfg.tokenizer)
-  corpus = sources.load_corpus(data_cfg)
-  train_docs = [corpus.docs[i] for i in corpus.train_idx]
+  train_docs, train_hashes = sources.bpe_training_documents(data_cfg)
   key = hashlib.sha256(json.dumps({
-      "corpus": sources.corpus_hash(corpus.hashes[corpus.train_idx]),
+      "corpus": sources.corpus_hash(train_hashes),
       "vocab_size": data_cfg.bpe_vocab_size, "special_tokens": SPECIAL_TOKENS, "format": _BPE_FORMAT,
   }).encode()).hexdigest()[:24]
   path = os.path.join(cache_dir(data_cfg), "tokenizers", f"bpe{data_cfg.bpe_vocab_size}-{key}.json")

@@ -78,9 +78,10 @@ def compile_train_step(config: ml_collections.ConfigDict, devices: Sequence[Any]
   abstract_state, shardings = abstract_sharded(make_state, lambda s: s.params, mesh)
   train_step = step_lib.make_train_step(built["graphdef"], built["optimizer"], built["schedule"], config.train,
                                         state_shardings=shardings, batch_sharding=data_sharding,
-                                        unroll_microbatches=unrolled)
+                                        unroll_microbatches=unrolled,
+                                        quant_plan=trainer.training_quant_plan(config, abstract_state.params))
   batch = {k: jax.ShapeDtypeStruct((b, t), jnp.int32, sharding=data_sharding)
-           for k in ("input_ids", "segment_ids", "positions")}
+           for k in ("input_ids", "segment_ids", "positions", "loss_mask")}  # the data pipeline's batch
   t0 = time.perf_counter()
   with jax.set_mesh(mesh), target_platform(devices[0].platform):  # the DSA kernels compiled, not interpreted
     lowered = train_step.lower(abstract_state, batch)

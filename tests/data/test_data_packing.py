@@ -32,7 +32,13 @@ def test_pack_hand_computed_rows_split_documents_and_padding():
       [0, 1, 2, 3, 4, 5, 6, 7],
       [0, 0, 1, 0, 0, 0, 0, 0],           # the piece of a split document restarts at position 0
       [0] * 8])
+  np.testing.assert_array_equal(np.concatenate([b["loss_mask"] for b in batches]), [
+      [1] * 8,                            # format "lm": every real token counts ...
+      [1] * 8,
+      [1, 1, 1, 0, 0, 0, 0, 0],           # ... the padding does not
+      [0] * 8])
   for b in batches:
+    assert b.keys() == {"input_ids", "segment_ids", "positions", "loss_mask"}
     assert all(v.dtype == np.int32 and v.shape == (2, 8) for v in b.values())
 
 
