@@ -60,6 +60,19 @@ def test_shifted_targets_shift_2():
                                         [1, 1, 1, 1, 1, 1, 0, 0]])
 
 
+def test_shifted_targets_keep_only_the_masked_targets():
+  """SFT: row 0's documents are prompt [10] + response [11, 12] and prompt [13, 14] + response [15]; row 1 is
+  prompt [20, 21, 22] + response [23..27]. A prediction counts when its target is a response token."""
+  mask = np.array([[0, 1, 1, 0, 0, 1, 0, 0],
+                   [0, 0, 0, 1, 1, 1, 1, 1]], np.int32)
+  _, valid = losses.shifted_targets(jnp.asarray(IDS), jnp.asarray(SEG), 1, jnp.asarray(mask))
+  np.testing.assert_array_equal(valid, [[1, 1, 0, 0, 1, 0, 0, 0],
+                                        [0, 0, 1, 1, 1, 1, 1, 0]])
+  _, valid = losses.shifted_targets(jnp.asarray(IDS), jnp.asarray(SEG), 2, jnp.asarray(mask))
+  np.testing.assert_array_equal(valid, [[1, 0, 0, 1, 0, 0, 0, 0],
+                                        [0, 1, 1, 1, 1, 1, 0, 0]])
+
+
 # ---- cross entropy, LM and MTP losses -------------------------------------------------------------------------
 
 

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from configs import common
 from glm_jax import data as data_lib
 from glm_jax.train.checkpoint import Checkpointer
 from glm_jax.train.config import model_config_for_stage
@@ -144,6 +145,23 @@ def test_bad_input_stops_before_work(tmp_path, data_cache_dir, changes, message)
   with pytest.raises((ValueError, FileNotFoundError), match=message):
     train_and_evaluate(make_config(data_cache_dir, **changes), str(tmp_path / "run"))
   assert not os.path.exists(tmp_path / "run")  # nothing was created
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda c: c.data.update(format="sft"), r"data\.format='sft' is invalid; config\.trainer='pretrain' trains on 'lm'"),
+    (lambda c: setattr(c, "trainer", "sft"), r"data\.format='lm' is invalid; config\.trainer='sft' trains on 'sft'"),
+    (lambda c: setattr(c, "quant", common.quant(scheme="w8a8")), r"quant\.scheme='w8a8' is invalid; quantization-aware "
+     r"training takes \['int4', 'int4_row'\]"),
+    (lambda c: setattr(c, "quant", common.quant(scheme="int4", group_size=48)),
+     r"quant\.group_size=48 does not divide moe_layers/mlp/down_proj's input of 32"),
+    (lambda c: setattr(c, "quant", common.quant(scheme="int4", scope="re:no_such_weight")), r"matches no parameter"),
+])
+def test_bad_sft_and_quant_sections_stop_before_work(tmp_path, data_cache_dir, change, message):
+  config = make_config(data_cache_dir)
+  change(config)
+  with pytest.raises(ValueError, match=message):
+    train_and_evaluate(config, str(tmp_path / "run"))
+  assert not os.path.exists(tmp_path / "run")
 
 
 def test_init_from_starts_the_warmup_stage_from_a_dense_run(straight_run, data_cache_dir, tmp_path):
