@@ -12,6 +12,10 @@ cannot drift: the fake-quantized weight is, bit for bit, the packed weight dequa
 public INT4 QAT (groups of 128, scale = max|x| / 7, clamp to [-7, 7]) and GLM-130B's INT4 weight-only
 quantization (per row, scale = max|w| / (2^(b-1) - 1)); codes never use -2^(bits-1), so the range is symmetric.
 
+Bit-for-bit holds for one backend: XLA's fp32 division is not correctly rounded (CPU and TPU multiply by a
+reciprocal), so a scale computed on another backend, or by numpy, may differ in its last bit. Training packs its
+rollout weights on its own devices; an offline pack (launch/quantize.py) matches a run trained on the same backend.
+
 int4 codes are held in int8 arrays (values in [-7, 7]); `pack_int4` stores them two to a byte (the even entry
 of each pair along the last axis in the low nibble) and `unpack_int4` restores them.
 """
