@@ -19,6 +19,7 @@ from ml_collections import config_flags
 from glm_jax import cli
 from glm_jax.data import Tokenizer
 from glm_jax.inference import Sampler, SamplingParams
+from glm_jax.train.config import model_config_for_stage
 from glm_jax.train.packed_checkpoint import load_packed
 from glm_jax.train.trainer import restore_run
 
@@ -45,7 +46,7 @@ def main(argv):
   config = _CONFIG.value
   workdir = _WORKDIR.value or f"workdirs/{config.get('name', 'run')}"
   if _PACKED.value:
-    packed = load_packed(_PACKED.value, config)
+    packed = load_packed(_PACKED.value, model_config_for_stage(config))
     tokenizer = Tokenizer.from_record(packed.tokenizer)
     graphdef, model_cfg, params, rest = packed.graphdef, packed.model_cfg, packed.params, packed.rest
     tag = f"step {packed.meta['source']['step']}, {packed.meta['quant']['scheme']}"

@@ -30,7 +30,8 @@ from glm_jax.model import GlmMoeDsa, ModelConfig
 from glm_jax.rl import tasks as tasks_lib
 from glm_jax.rl.context import RunSetup
 from glm_jax.train import optimizers, step as train_step_lib
-from glm_jax.train.checkpoint import Checkpointer
+from glm_jax.train.checkpoint import Checkpointer, describe_tokenizer
+from glm_jax.train.packed_checkpoint import is_packed, load_packed
 
 
 def make_policy(model_cfg: ModelConfig, opt_cfg: ml_collections.ConfigDict, seed: int, freeze_indexer: bool):
@@ -113,10 +114,18 @@ def reference_policy(workdir: str, state):
 
 
 def load_teacher(setup: RunSetup, name: str):
-  """(graphdef, params, rest) of config.teachers[name]: its init_from checkpoint, or fine-tuned here on its task
-  (cached in <workdir>/teachers/<name>)."""
+  """(graphdef, params, rest) of config.teachers[name]: its init_from checkpoint (a training run's, or a packed
+  model's from launch/quantize.py, whose params hold packed weights), or fine-tuned here on its task (cached in
+  <workdir>/teachers/<name>)."""
   config, spec = setup.config, setup.config.teachers[name]
   cfg = ModelConfig.from_dict({**config.model.to_dict(), **spec.model.to_dict()})
+  if spec.init_from and is_packed(spec.init_from):  # a quantized teacher (launch/quantize.py): it scores as served
+    packed = load_packed(spec.init_from, cfg)
+    field = f"teachers.{name}.init_from={spec.init_from!r}"
+    if packed.tokenizer is not None and packed.tokenizer["sha256"] != setup.vocab.record()["sha256"]:
+      raise ValueError(f"{field}: the packed model was trained with the tokenizer "
+                       f"{describe_tokenizer(packed.tokenizer)}, not this run's {describe_tokenizer(setup.vocab.record())}")
+    return packed.graphdef, packed.params, packed.rest
   graphdef, state, _, _ = make_policy(cfg, config.optimizer, spec.seed, freeze_indexer=False)
   source = spec.init_from or os.path.join(setup.workdir, "teachers", name)
   cache = Checkpointer(source, save_every=1, keep=1, async_save=False, read_only=bool(spec.init_from))

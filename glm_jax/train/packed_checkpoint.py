@@ -3,13 +3,14 @@
   <out>/weights/     Orbax: {"params": ..., "rest": ...}; a packed weight is stored as {"codes", "scales"}
                      (int4 codes two to a byte), every other array as it was trained
   <out>/packed.json  what the weights are: the quant section that made them and its plan (each packed
-                     parameter's bits, group size, activation bits and layout), the run's config and
-                     tokenizer record, the source checkpoint, the weight bytes
+                     parameter's bits, group size, activation bits and layout), the model config (every field),
+                     the run's config and tokenizer record, the source checkpoint, the weight bytes
 
 `save_packed` writes everything under <out>.partial and renames it to <out> at the end, so a directory named
-<out> is always complete; it refuses an <out> that exists. `load_packed` rebuilds the model from the recorded
-config (the caller's config must have the same model), re-derives the plan from the recorded quant section
-and refuses a file whose plan differs, or a caller that asks for another scheme, naming both.
+<out> is always complete; it refuses an <out> that exists. `load_packed` rebuilds the model the caller names (it
+must be the recorded one), re-derives the plan from the recorded quant section and refuses a file whose plan
+differs, or a caller that asks for another scheme, naming both. A distillation teacher's init_from may name one
+(glm_jax/rl/warm_start.py): the teacher then scores in its quantized form.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ from glm_jax.model import GlmMoeDsa, ModelConfig
 from glm_jax.model.quantization import Rule, pack_params, quant_plan, weight_bytes
 from glm_jax.quant.packed import PackedWeight
 from glm_jax.train.checkpoint import config_differences
-from glm_jax.train.config import model_config_for_stage
 from glm_jax.tree_paths import path_str
 
 FORMAT = 1
@@ -72,8 +72,10 @@ def save_packed(out_dir: str, params: Any, rest: Any, *, quant: ml_collections.C
   tree = {"params": _storage(nnx.to_pure_dict(packed)), "rest": nnx.to_pure_dict(rest)}
   with ocp.StandardCheckpointer() as ckptr:
     ckptr.save(os.path.join(partial, "weights"), tree)
-  meta = {"format": FORMAT, "quant": quant.to_dict(), "plan": _plan_json(plan), "config": json.loads(json.dumps(
-      dict(config))), "tokenizer": dict(tokenizer) if tokenizer else None, "source": dict(source),
+  model = ModelConfig.from_dict(config["model"]).to_dict()  # every field, defaults included
+  meta = {"format": FORMAT, "quant": quant.to_dict(), "plan": _plan_json(plan), "model": json.loads(json.dumps(model)),
+          "config": json.loads(json.dumps(dict(config))), "tokenizer": dict(tokenizer) if tokenizer else None,
+          "source": dict(source),
       "weight_bytes": weight_bytes(packed), "unpacked_weight_bytes": weight_bytes(params)}
   with open(os.path.join(partial, META), "w") as f:
     json.dump(meta, f, indent=1)
@@ -92,18 +94,24 @@ def read_meta(out_dir: str) -> dict:
   return meta
 
 
-def load_packed(out_dir: str, config: ml_collections.ConfigDict, *, scheme: str | None = None) -> PackedModel:
-  """The packed model of <out_dir> on this process's first device. `config` must describe the same model as the
-  one recorded; `scheme`, when given, must be the recorded one (a packed model is not re-quantized on load)."""
+def is_packed(directory: str) -> bool:
+  """Whether `directory` holds a packed model (launch/quantize.py's output)."""
+  return os.path.isfile(os.path.join(os.path.abspath(directory), META))
+
+
+def load_packed(out_dir: str, model_cfg: ModelConfig, *, scheme: str | None = None) -> PackedModel:
+  """The packed model of <out_dir> on this process's first device, built as `model_cfg` (which must be the recorded
+  model, up to the fields that do not change its parameters: the DSA switch, the attention implementation, ...);
+  `scheme`, when given, must be the recorded one (a packed model is not re-quantized on load)."""
   meta = read_meta(out_dir)
   recorded = ml_collections.ConfigDict(meta["quant"])
   if scheme is not None and scheme != recorded.scheme:
     raise ValueError(f"{out_dir} holds a model packed with scheme {recorded.scheme!r}, not {scheme!r}; pack the "
                      f"run again with --scheme={scheme} or load it as {recorded.scheme!r}")
-  diffs = config_differences(meta["config"], config.to_dict(), sections=("model",), train_fields=())
+  diffs = config_differences({"model": meta["model"]}, {"model": model_cfg.to_dict()}, sections=("model",),
+                             train_fields=())
   if diffs:
     raise ValueError(f"{out_dir} was packed from another model: " + "; ".join(diffs))
-  model_cfg = model_config_for_stage(config)
   model = nnx.eval_shape(lambda: GlmMoeDsa(model_cfg, nnx.Rngs(0)))
   graphdef, abstract_params, abstract_rest = nnx.split(model, nnx.Param, ...)
   plan = quant_plan(abstract_params, recorded)

@@ -175,7 +175,7 @@ def test_packed_checkpoint_round_trip_and_refusals(tiny_model, tmp_path):
   meta = save_packed(out, params, rest, quant=quant("w4a8"), config=config.to_dict(), tokenizer=None,
                      source={"workdir": "test", "step": 0})
   assert meta["weight_bytes"] < 0.5 * meta["unpacked_weight_bytes"]
-  loaded = load_packed(out, config)
+  loaded = load_packed(out, cfg)
   ids = jax.random.randint(jax.random.key(2), (2, 10), 0, 512)
   model_cfg = loaded.model_cfg
   want = jax.jit(lambda p: nnx.merge(graphdef, p, rest)(ids, compute_mtp=False).logits)(
@@ -185,15 +185,13 @@ def test_packed_checkpoint_round_trip_and_refusals(tiny_model, tmp_path):
   assert model_cfg.use_dsa is False
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
   with pytest.raises(ValueError, match=r"packed with scheme 'w4a8', not 'int4'"):
-    load_packed(out, config, scheme="int4")
-  other = configs.glm5_tiny.get_config()
-  other.model.hidden_size = 32
+    load_packed(out, cfg, scheme="int4")
   with pytest.raises(ValueError, match=r"packed from another model: model.hidden_size: checkpoint 64, config 32"):
-    load_packed(out, other)
+    load_packed(out, cfg.replace(hidden_size=32))
   with pytest.raises(FileExistsError, match=r"exists; a packed model is written to a new directory"):
     save_packed(out, params, rest, quant=quant("int4"), config=config.to_dict(), tokenizer=None, source={})
   with pytest.raises(FileNotFoundError, match=r"not a packed model"):
-    load_packed(str(tmp_path), config)
+    load_packed(str(tmp_path), cfg)
   with pytest.raises(ValueError, match=r"does not divide"):
     save_packed(str(tmp_path / "bad"), params, rest, quant=quant("int4", group_size=48), config=config.to_dict(),
                 tokenizer=None, source={})
@@ -238,3 +236,39 @@ def test_packed_744b_decode_step_compiles_to_integer_dots_for_tpu():
   assert len(ragged) == 3 and all(re.search(r"s8\[64,\d+\]\{1,0\}, s8\[256,\d+,\d+\]", c) for c in ragged), ragged
   float_dots = re.findall(r"= f32\[[^\]]*\]\S* (?:convolution|dot)\(%([\w.\-]+), %([\w.\-]+)\)", hlo)
   assert float_dots  # the absorbed attention, the indexer and the head stay floating point
+
+
+@pytest.mark.slow  # a save, a load and a scorer compile
+def test_a_packed_model_serves_as_a_distillation_teacher(tmp_path):
+  """teachers.<name>.init_from naming launch/quantize.py's output: load_teacher returns the packed weights, and the
+  teacher's scores of a batch of tokens are the packed model's own log-probabilities; a packed model of another
+  tokenizer is refused by name."""
+  import types
+
+  from configs import distill_tiny
+  from glm_jax.rl import step as rl_step, tasks as tasks_lib
+  from glm_jax.rl.warm_start import load_teacher
+  from glm_jax.train.packed_checkpoint import save_packed
+  config = distill_tiny.get_config()
+  cfg = ModelConfig.from_dict(config.model)
+  graphdef, params, rest = nnx.split(init_module(lambda: GlmMoeDsa(cfg, nnx.Rngs(0)), 1, 0.2), nnx.Param, ...)
+  vocab = tasks_lib.CharVocab()
+  out = str(tmp_path / "teacher_w8a8")
+  save_packed(out, params, rest, quant=quant("w8a8"), config=config.to_dict(), tokenizer=vocab.record(), source={})
+  config.teachers.addition.init_from = out
+  setup = types.SimpleNamespace(config=config, vocab=vocab, workdir=str(tmp_path))
+  t_graphdef, t_params, t_rest = load_teacher(setup, "addition")
+  assert isinstance(t_params["moe_layers"]["mlp"]["gate_proj"][...], PackedWeight)
+  tokens = jax.random.randint(jax.random.key(3), (4, 9), 0, cfg.vocab_size)
+  got = rl_step.make_score_fn(t_graphdef)(t_params, t_rest, tokens)
+  logits = nnx.merge(graphdef, Q.pack_params(params, Q.quant_plan(params, quant("w8a8"))), rest)(
+      tokens, compute_mtp=False).logits
+  logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), -1)
+  want = jnp.take_along_axis(logp, tokens[:, 1:, None], -1)[..., 0]
+  np.testing.assert_allclose(np.asarray(got)[:, 1:], np.asarray(want), rtol=0, atol=1e-5)
+  other = str(tmp_path / "other_tokenizer")
+  save_packed(other, params, rest, quant=quant("w8a8"), config=config.to_dict(), source={},
+              tokenizer={"name": "bpe", "sha256": "0" * 64, "vocab_size": cfg.vocab_size})
+  config.teachers.addition.init_from = other
+  with pytest.raises(ValueError, match=r"teachers\.addition\.init_from=.*trained with the tokenizer 'bpe'"):
+    load_teacher(setup, "addition")
