@@ -80,6 +80,7 @@ def test_bad_quant_sections_are_refused_by_name(tiny_model, q, message):
     Q.quant_plan(tiny_model[2], q)
 
 
+@pytest.mark.slow  # two gradient compiles of the whole model (tests/quant/test_quantizer.py has the fast one)
 def test_straight_through_gradient_of_the_whole_model(tiny_model):
   """d loss(fake_quant(p)) / dp is the gradient of the loss at the fake-quantized weights, for the quantized
   weights (the straight-through estimator) and the others alike, bit for bit."""
