@@ -9,17 +9,26 @@ zero sum (all terms +-0.0, e.g. every relu zero) depends on the accumulation ord
 (XLA:CPU's dot returns -0.0 at some elements of some shapes), so both this kernel and the reference canonicalise
 it, and the order among zero scores is by key index alone.
 
+Prefix-bidirectional visibility (GLM's blank infilling), as in the reference: with q_prefix_end [B, T], key s is
+visible to query t when s <= max(t + q_offset, q_prefix_end[t] - 1) (and in its segment); an end <= t + q_offset
++ 1 leaves query t causal, so None and all zeros are the causal mask. The mask reads the ends as a [1, Tb] lane
+block like the query segment ids; the wrapper reduces them to each (batch, query block)'s reach,
+max(t0 + Tb - 1 + q_offset, max over the block of q_prefix_end - 1), scalar-prefetched into SMEM after q_offset
+([1 + B * ceil(T / Tb)] int32 in all), and the tile skip and the key blocks' index maps use that reach in place
+of the causal diagonal.
+
 Algorithm. Mosaic has no lowering for lax.top_k, sort or a general gather, so the top-k is a bitonic sorting
 network built from loads/stores at static or 8-aligned offsets, sublane rolls, comparisons and selects.
 Grid (batch, query block, key block), the key axis sequential. Inside one query block queries lie on the 128
 lanes and keys on sublanes, so every comparison of the network is an elementwise vreg operation and each lane
 (query) sorts independently. Per (query block, key block):
   1. score tile [Sb, Tb] fp32: for each head, k_blk [Sb, D] @ q_h^T [D, Tb] on the MXU (fp32 accumulation),
-     acc += w_h * relu(.) on the VPU; then mask (causal / padding / segments) and map each fp32 score to an
+     acc += w_h * relu(.) on the VPU; then mask (causal / prefix / padding / segments) and map each fp32 score to an
      int32 key whose signed order is the float total order. (key, key index) pairs are compared
      lexicographically: higher key first, then lower index, a strict total order, hence determinism.
   2. skip the rest when no lane has a tile key >= its current k-th best (and skip the whole tile when the
-     causal mask hides it from every query of the block; its key block is then not even DMA'd).
+     causal mask, widened by any prefix, hides it from every query of the block; its key block is then not
+     even DMA'd).
   3. bitonic-sort the tile worst-first; elementwise "better of" the running top-Kp's worst m = min(Sb, Kp)
      (sorted best-first) and the tile's best m gives the top m of their union as a bitonic sequence (Batcher's
      half-cleaner); one or two bitonic merges make the running buffer [Kp, Tb] sorted best-first again.
@@ -210,14 +219,16 @@ def _bitonic_merge(k_ref, i_ref, base: int, n: int, best_first: bool, c: int) ->
 
 
 def _indexer_topk_kernel(*refs, num_heads: int, block_q: int, block_k: int, kp: int, s_len: int, causal: bool,
-                         has_segments: bool, chunk: int, score_chunk: int,
+                         has_segments: bool, has_prefix: bool, chunk: int, score_chunk: int,
                          precision: lax.Precision | None):
-  off_ref, refs = refs[0], refs[1:]  # scalar prefetch: q_offset, in SMEM
+  # scalar prefetch, in SMEM: [q_offset] or, with a prefix, [q_offset, reach of (batch 0, query block 0), ...]
+  off_ref, q_ref, k_ref, w_ref, *refs = refs
+  qseg_ref = kvseg_ref = pe_ref = None
   if has_segments:
-    q_ref, k_ref, w_ref, qseg_ref, kvseg_ref, oidx_ref, oval_ref, acc_ref, ck_ref, ci_ref, rk_ref, ri_ref = refs
-  else:
-    q_ref, k_ref, w_ref, oidx_ref, oval_ref, acc_ref, ck_ref, ci_ref, rk_ref, ri_ref = refs
-    qseg_ref = kvseg_ref = None
+    qseg_ref, kvseg_ref, *refs = refs
+  if has_prefix:
+    pe_ref, *refs = refs
+  oidx_ref, oval_ref, acc_ref, ck_ref, ci_ref, rk_ref, ri_ref = refs
   q_offset = off_ref[0]
   qi, kj = pl.program_id(1), pl.program_id(2)
   t0, s0 = qi * block_q, kj * block_k
@@ -227,8 +238,13 @@ def _indexer_topk_kernel(*refs, num_heads: int, block_q: int, block_k: int, kp: 
     rk_ref[...] = jnp.full(rk_ref.shape, _NEG_INF_KEY, jnp.int32)
     ri_ref[...] = jnp.full(ri_ref.shape, _INT32_MAX, jnp.int32)
 
-  # The tile is needed unless the causal mask hides all of it from every query of the block.
-  needed = (s0 <= t0 + (block_q - 1) + q_offset) if causal else (kj >= 0)
+  # The tile is needed unless the causal mask (widened by any prefix) hides all of it from every query of the block.
+  if not causal:
+    needed = kj >= 0
+  elif has_prefix:
+    needed = s0 <= off_ref[1 + pl.program_id(0) * pl.num_programs(1) + qi]
+  else:
+    needed = s0 <= t0 + (block_q - 1) + q_offset
 
   @pl.when(needed)
   def _tile():
@@ -256,7 +272,10 @@ def _indexer_topk_kernel(*refs, num_heads: int, block_q: int, block_k: int, kp: 
       s_idx = s0 + r * score_chunk + lax.broadcasted_iota(jnp.int32, shape, 0)
       visible = s_idx < s_len
       if causal:
-        visible &= s_idx <= t0 + q_offset + lax.broadcasted_iota(jnp.int32, shape, 1)
+        below = s_idx <= t0 + q_offset + lax.broadcasted_iota(jnp.int32, shape, 1)
+        if has_prefix:
+          below |= s_idx < pe_ref[0]  # [rows, Tb] < [1, Tb]: inside the query's bidirectional prefix
+        visible &= below
       if has_segments:
         visible &= kvseg_ref[0, rows, :] == qseg_ref[0]  # [rows, 1] == [1, Tb]
       key = _order_key(acc_ref[rows])
@@ -328,6 +347,7 @@ def lightning_indexer_topk(q_BTHD: jax.Array, k_BSD: jax.Array, w_BTH: jax.Array
                            causal: bool = True, q_offset: int = 0,
                            q_segment_ids: jax.Array | None = None,
                            kv_segment_ids: jax.Array | None = None,
+                           q_prefix_end: jax.Array | None = None,
                            block_sizes: IndexerBlockSizes | None = None,
                            interpret=None) -> tuple[jax.Array, jax.Array]:
   """Top-`topk` keys per query by lightning-indexer score: (indices [B, T, topk] int32, scores [B, T, topk] fp32),
@@ -336,8 +356,10 @@ def lightning_indexer_topk(q_BTHD: jax.Array, k_BSD: jax.Array, w_BTH: jax.Array
   q [B, T, H, D] and k [B, S, D] in bf16 or fp32 (products accumulated in fp32), w [B, T, H]. Key s is visible to
   query t when s <= t + q_offset (causal; q_offset an int or a traced int scalar, e.g. a decode position: it is
   a runtime argument of the kernel, so one compile serves every offset) and, with segment ids [B, T] / [B, S], when
-  both are in the same segment. interpret: None = compiled on TPU, Pallas interpret mode elsewhere; True,
-  False or a pltpu.InterpretParams to force.
+  both are in the same segment. q_prefix_end [B, T] integers (causal only): each query also sees the keys before
+  its prefix end, s <= max(t + q_offset, q_prefix_end[t] - 1) (GLM's bidirectional part A; module docstring).
+  interpret: None = compiled on TPU, Pallas interpret mode elsewhere; True, False or a pltpu.InterpretParams to
+  force.
   No gradient: the inputs pass through stop_gradient, so the scores are constants to autodiff; where a loss needs
   their gradient, recompute them on the selected indices with the reference formula.
   """
@@ -358,47 +380,63 @@ def lightning_indexer_topk(q_BTHD: jax.Array, k_BSD: jax.Array, w_BTH: jax.Array
   if q_segment_ids is not None and (q_segment_ids.shape != (b, t_len) or kv_segment_ids.shape != (b, s_len)):
     raise ValueError(f"lightning_indexer_topk: segment ids must be q [{b}, {t_len}] and kv [{b}, {s_len}]; got "
                      f"{q_segment_ids.shape}, {kv_segment_ids.shape}")
+  if q_prefix_end is not None:
+    q_prefix_end = jnp.asarray(q_prefix_end)
+    if not causal:
+      raise ValueError("lightning_indexer_topk: q_prefix_end given with causal=False; a prefix widens the causal "
+                       "mask only (a non-causal mask already shows every key): pass causal=True or q_prefix_end=None")
+    if q_prefix_end.shape != (b, t_len):
+      raise ValueError(f"lightning_indexer_topk: q_prefix_end shape {q_prefix_end.shape}; want [B, T] = [{b}, "
+                       f"{t_len}] (each query's prefix end)")
+    if not jnp.issubdtype(q_prefix_end.dtype, jnp.integer):
+      raise ValueError(f"lightning_indexer_topk: q_prefix_end dtype {q_prefix_end.dtype}; want an integer dtype "
+                       "(a key position)")
   interpret = resolve_interpret(interpret)
   q_BTHD, k_BSD, w_BTH = (lax.stop_gradient(x) for x in (q_BTHD, k_BSD, w_BTH))
   q_offset_1 = jnp.asarray(q_offset, jnp.int32).reshape(1)
-  return _indexer_topk(q_BTHD, k_BSD, w_BTH, q_segment_ids, kv_segment_ids, q_offset_1, topk=int(topk),
-                       causal=bool(causal), block_sizes=block_sizes, interpret=interpret)
+  return _indexer_topk(q_BTHD, k_BSD, w_BTH, q_segment_ids, kv_segment_ids, q_prefix_end, q_offset_1,
+                       topk=int(topk), causal=bool(causal), block_sizes=block_sizes, interpret=interpret)
 
 
 def _indexer_cost(*, b: int, t_pad: int, s_pad: int, num_heads: int, dim: int, kp: int, block_q: int, block_k: int,
-                  itemsize: int, has_segments: bool) -> pl.CostEstimate:
+                  itemsize: int, has_segments: bool, has_prefix: bool) -> pl.CostEstimate:
   """What the grid (b, n_q = t_pad / block_q, n_k = s_pad / block_k) statically runs, for XLA's cost model.
 
   flops: the MXU products only, 2 * H * D * block_q * block_k per tile (one [block_k, D] @ [D, block_q] a head),
     for every tile the grid visits, padded queries and keys included: 2 * b * H * D * t_pad * s_pad. The causal
-    skip (pl.when on s0 <= t0 + block_q - 1 + q_offset) depends on q_offset, a runtime scalar, so it is not
-    subtracted: an upper bound for causal calls (exact for non-causal ones). Not counted: the VPU's relu / scale /
-    add of the scores and the bitonic network's integer compare-exchanges (not FLOPs of a product; the network
-    is data-dependent too: it runs only for tiles with a key that enters the running top-k).
+    skip (pl.when on s0 <= t0 + block_q - 1 + q_offset, or on the block's reach with a prefix) depends on q_offset
+    and the prefix ends, runtime values, so it is not subtracted: an upper bound for causal calls (exact for
+    non-causal ones). Not counted: the VPU's relu / scale / add of the scores and the bitonic network's integer
+    compare-exchanges (not FLOPs of a product; the network is data-dependent too: it runs only for tiles with a
+    key that enters the running top-k).
   transcendentals: none.
   bytes_accessed (HBM): each input block once per grid step at which its block index changes, the key axis
-    innermost: q [H, D, block_q] (itemsize) and w [H, block_q] fp32 (and the query segment ids, int32) once per
-    (batch, query block), i.e. once in all; the key block [block_k, D] (and its segment ids, int32) at every step
-    when n_k > 1 (b * n_q * s_pad rows), once per batch element when n_k == 1 (its index never changes). Causal
-    index maps repeat the last needed key block past the diagonal, which skips those copies, but where the
-    diagonal lies depends on q_offset: counted as if every key block were needed (upper bound). The two outputs
-    [block_q, Kp] (int32 and fp32) written once per (batch, query block). Plus the 4-byte scalar q_offset.
+    innermost: q [H, D, block_q] (itemsize) and w [H, block_q] fp32 (and the query segment ids and prefix ends,
+    int32 each) once per (batch, query block), i.e. once in all; the key block [block_k, D] (and its segment ids,
+    int32) at every step when n_k > 1 (b * n_q * s_pad rows), once per batch element when n_k == 1 (its index
+    never changes). Causal index maps repeat the last needed key block past the diagonal, which skips those
+    copies, but where the diagonal (or a prefix's reach) lies depends on q_offset (and the prefix ends): counted
+    as if every key block were needed (upper bound). The two outputs [block_q, Kp] (int32 and fp32) written once
+    per (batch, query block). Plus the scalar prefetch: q_offset, 4 bytes, and with a prefix each (batch, query
+    block)'s reach, 4 * b * n_q bytes more.
   """
   n_q, n_k = t_pad // block_q, s_pad // block_k
   key_fetches = b * (n_q * n_k if n_k > 1 else 1)
   flops = 2 * b * num_heads * dim * t_pad * s_pad
-  q_w = b * t_pad * (num_heads * dim * itemsize + num_heads * 4 + (4 if has_segments else 0))
+  q_w = b * t_pad * (num_heads * dim * itemsize + num_heads * 4 + 4 * (int(has_segments) + int(has_prefix)))
   keys = key_fetches * block_k * (dim * itemsize + (4 if has_segments else 0))
   outputs = 2 * b * t_pad * kp * 4
-  return pl.CostEstimate(flops=int(flops), transcendentals=0, bytes_accessed=int(q_w + keys + outputs + 4))
+  scalars = 4 * (1 + (b * n_q if has_prefix else 0))
+  return pl.CostEstimate(flops=int(flops), transcendentals=0, bytes_accessed=int(q_w + keys + outputs + scalars))
 
 
 @functools.partial(jax.jit, static_argnames=("topk", "causal", "block_sizes", "interpret"))
-def _indexer_topk(q_BTHD, k_BSD, w_BTH, q_segment_ids, kv_segment_ids, q_offset_1, *, topk, causal, block_sizes,
-                  interpret):
+def _indexer_topk(q_BTHD, k_BSD, w_BTH, q_segment_ids, kv_segment_ids, q_prefix_end, q_offset_1, *, topk, causal,
+                  block_sizes, interpret):
   b, t_len, num_heads, dim = q_BTHD.shape
   s_len = k_BSD.shape[1]
   has_segments = q_segment_ids is not None
+  has_prefix = q_prefix_end is not None
   kp = max(8, _next_pow2(topk))
   block_q, block_k = _resolve_blocks(block_sizes, t_len, s_len)
   t_pad, s_pad = round_up(t_len, block_q), round_up(s_len, block_k)
@@ -414,33 +452,51 @@ def _indexer_topk(q_BTHD, k_BSD, w_BTH, q_segment_ids, kv_segment_ids, q_offset_
   k_BSD = jnp.pad(k_BSD.astype(dtype), ((0, 0), (0, s_pad - s_len), (0, 0)))
 
   n_q, n_k = t_pad // block_q, s_pad // block_k
-  # Index maps get the scalar-prefetched q_offset (an SMEM ref) as their last argument.
-  if causal:  # key blocks past the diagonal repeat the last needed block: Pallas skips the copy
-    def k_block(i, j, off_ref):  # lax.div: no floor_divide (it lowers through sign, which needs a TPU attached)
-      last = lax.div(jnp.maximum((i + 1) * block_q - 1 + off_ref[0], 0), block_k)
+  scalars = q_offset_1
+  if has_prefix:
+    # Ends clipped to [0, S] (before int32, so no unsigned end wraps): the same mask, keys lying in [0, S), and
+    # end - 1 cannot wrap around. Padded queries get 0 (causal). A query block's reach: its last query's causal
+    # limit or its widest prefix, - 1.
+    pe_BT = q_prefix_end
+    if jnp.iinfo(pe_BT.dtype).max > s_len:
+      pe_BT = jnp.minimum(pe_BT, s_len)
+    pe_BT = jnp.pad(jnp.maximum(pe_BT.astype(jnp.int32), 0), ((0, 0), (0, t_pad - t_len)))
+    diag_Q = jnp.arange(1, n_q + 1, dtype=jnp.int32) * block_q - 1 + q_offset_1[0]
+    reach_BQ = jnp.maximum(diag_Q[None, :], pe_BT.reshape(b, n_q, block_q).max(axis=-1) - 1)
+    scalars = jnp.concatenate([q_offset_1, reach_BQ.reshape(b * n_q)])  # SMEM [1 + B * n_q]
+
+  # Index maps get the program ids (bi, i, j) and the scalar-prefetched SMEM ref as their last argument.
+  if causal:  # key blocks past the reach repeat the last needed block: Pallas skips the copy
+    def k_block(bi, i, j, sc_ref):  # lax.div: no floor_divide (it lowers through sign, which needs a TPU attached)
+      reach = sc_ref[1 + bi * n_q + i] if has_prefix else (i + 1) * block_q - 1 + sc_ref[0]
+      last = lax.div(jnp.maximum(reach, 0), block_k)
       return jnp.minimum(jnp.minimum(j, last), n_k - 1)
   else:
-    def k_block(i, j, off_ref):
+    def k_block(bi, i, j, sc_ref):
       return j
 
-  in_specs = [pl.BlockSpec((1, num_heads, dim, block_q), lambda bi, i, j, off: (bi, 0, 0, i)),
-              pl.BlockSpec((1, block_k, dim), lambda bi, i, j, off: (bi, k_block(i, j, off), 0)),
-              pl.BlockSpec((1, num_heads, block_q), lambda bi, i, j, off: (bi, 0, i))]
+  in_specs = [pl.BlockSpec((1, num_heads, dim, block_q), lambda bi, i, j, sc: (bi, 0, 0, i)),
+              pl.BlockSpec((1, block_k, dim), lambda bi, i, j, sc: (bi, k_block(bi, i, j, sc), 0)),
+              pl.BlockSpec((1, num_heads, block_q), lambda bi, i, j, sc: (bi, 0, i))]
   args = [q_BHDT, k_BSD, w_BHT]
   if has_segments:
     qseg_B1T = jnp.pad(q_segment_ids.astype(jnp.int32), ((0, 0), (0, t_pad - t_len)))[:, None, :]
     kvseg_BS1 = jnp.pad(kv_segment_ids.astype(jnp.int32), ((0, 0), (0, s_pad - s_len)))[:, :, None]
-    in_specs += [pl.BlockSpec((1, 1, block_q), lambda bi, i, j, off: (bi, 0, i)),
-                 pl.BlockSpec((1, block_k, 1), lambda bi, i, j, off: (bi, k_block(i, j, off), 0))]
+    in_specs += [pl.BlockSpec((1, 1, block_q), lambda bi, i, j, sc: (bi, 0, i)),
+                 pl.BlockSpec((1, block_k, 1), lambda bi, i, j, sc: (bi, k_block(bi, i, j, sc), 0))]
     args += [qseg_B1T, kvseg_BS1]
-  out_spec = pl.BlockSpec((1, block_q, kp), lambda bi, i, j, off: (bi, i, 0))
+  if has_prefix:
+    in_specs.append(pl.BlockSpec((1, 1, block_q), lambda bi, i, j, sc: (bi, 0, i)))
+    args.append(pe_BT[:, None, :])
+  out_spec = pl.BlockSpec((1, block_q, kp), lambda bi, i, j, sc: (bi, i, 0))
 
   itemsize = jnp.dtype(dtype).itemsize
   vmem_bytes = (2 * (num_heads * dim * block_q + block_k * dim) * itemsize + 2 * num_heads * block_q * 4
                 + 2 * 2 * block_q * kp * 4 + 3 * block_k * block_q * 4 + 2 * kp * block_q * 4
-                + (2 * block_k * 128 * 4 if has_segments else 0))
+                + (2 * block_k * 128 * 4 if has_segments else 0)  # [block_k, 1] kv segment ids: 128 lanes wide
+                + 2 * 8 * block_q * 4 * (int(has_segments) + int(has_prefix)))  # [1, block_q] blocks: 8 sublanes
   kernel = functools.partial(_indexer_topk_kernel, num_heads=num_heads, block_q=block_q, block_k=block_k, kp=kp,
-                             s_len=s_len, causal=causal, has_segments=has_segments,
+                             s_len=s_len, causal=causal, has_segments=has_segments, has_prefix=has_prefix,
                              chunk=chunk, score_chunk=score_chunk, precision=precision)
   idx_BTK, val_BTK = pl.pallas_call(
       kernel,
@@ -458,7 +514,8 @@ def _indexer_topk(q_BTHD, k_BSD, w_BTH, q_segment_ids, kv_segment_ids, q_offset_
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"),
                                            vmem_limit_bytes=vmem_limit(vmem_bytes)),
       cost_estimate=_indexer_cost(b=b, t_pad=t_pad, s_pad=s_pad, num_heads=num_heads, dim=dim, kp=kp,
-                                  block_q=block_q, block_k=block_k, itemsize=itemsize, has_segments=has_segments),
+                                  block_q=block_q, block_k=block_k, itemsize=itemsize, has_segments=has_segments,
+                                  has_prefix=has_prefix),
       interpret=interpret,
-  )(q_offset_1, *args)
+  )(scalars, *args)
   return idx_BTK[:, :t_len, :topk], val_BTK[:, :t_len, :topk]

@@ -322,6 +322,7 @@ def save(cfg: ModelConfig, model: GlmMoeDsa, path: str, *, max_shard_bytes: int 
   leaves `path` as it was. An existing non-empty `path` is replaced only with overwrite=True."""
   if os.path.exists(path) and os.listdir(path) and not overwrite:
     raise FileExistsError(f"{path} exists and is not empty; pass overwrite=True to replace it")
+  cfg.to_hf_dict()  # refuses, before anything is written, a model glm_moe_dsa cannot express (DeepNorm, 2-D rope)
   out_dtype = jnp.dtype(dtype or cfg.param_dtype)
   leaves = {p: v[...] for p, v in nnx.to_flat_state(nnx.state(model))}
   parent = os.path.dirname(os.path.abspath(path))

@@ -11,6 +11,12 @@ step takes every row's own position (glm_jax/model/kv_cache.py). The whole gener
 prefill, then a lax.while_loop over the decode step that stops when every row has emitted a stop token or
 max_new_tokens are out; nothing is recompiled per token, and a new prompt width or batch size compiles once.
 
+GLM's blank infilling (glm_jax/inference/infill.py builds such prompts): a prompt may carry its own rope positions
+(and, with model.rope_2d, block positions) and a bidirectional prefix of prefix_len tokens, prefilled with
+attention both ways over it. A generated token's position continues the prompt's last one: inside a blank (last
+block position > 0) the position stays and the block position counts up, GLM's rule; otherwise the position
+counts up (plain prompts: position = slot).
+
 Log-probabilities are those of the distribution the token was drawn from before top-p truncation:
 log_softmax(logits / temperature) (temperature 1 for greedy decoding), computed by `tempered_log_softmax`, which
 stays finite for any temperature > 0 (a tiny one gives the greedy token with log-probability 0). A trainer that
@@ -95,12 +101,29 @@ def sample_token(logits_BV: jax.Array, key: jax.Array, temperature: float, top_p
   return tok, jnp.take_along_axis(logp_BV, tok[:, None], axis=-1)[:, 0]
 
 
-def _generate(graphdef, params, rest, prompts_BT, prompt_lens_B, key, *, sampling: SamplingParams, cache_len: int,
-              return_logits: bool) -> SampleOutput:
+def _generate(graphdef, params, rest, prompts_BT, prompt_lens_B, key, layout, *, sampling: SamplingParams,
+              cache_len: int, return_logits: bool) -> SampleOutput:
+  """layout: None (positions = slots, causal prompts) or (positions [B, T], block_positions [B, T] or None,
+  prefix_lens [B]) for GLM's blank infilling."""
   model = nnx.merge(graphdef, params, rest)
   b, p = prompts_BT.shape
-  logits_BTV, cache = model.prefill(prompts_BT, cache_len)
   rows = jnp.arange(b)
+  if layout is None:
+    logits_BTV, cache = model.prefill(prompts_BT, cache_len)
+    next_rope = None
+  else:
+    pos_BT, block_BT, prefix_B = layout
+    logits_BTV, cache = model.prefill(prompts_BT, cache_len, positions=pos_BT, block_positions=block_BT,
+                                      prefix_end=jnp.broadcast_to(prefix_B[:, None], (b, p)))
+    last = prompt_lens_B - 1
+    last_pos, last_block = pos_BT[rows, last], (None if block_BT is None else block_BT[rows, last])
+
+    def next_rope(slot_B):  # GLM's rule (module docstring)
+      ahead = slot_B - last
+      if last_block is None:
+        return last_pos + ahead, None
+      in_blank = last_block > 0
+      return (jnp.where(in_blank, last_pos, last_pos + ahead), jnp.where(in_blank, last_block + ahead, 0))
   first_BV = logits_BTV[rows, prompt_lens_B - 1]
   stop_ids = jnp.asarray(sampling.stop_ids or (-1,), jnp.int32)
   tokens = jnp.full((b, cache_len), sampling.pad_id, jnp.int32).at[:, :p].set(prompts_BT)
@@ -125,7 +148,12 @@ def _generate(graphdef, params, rest, prompts_BT, prompt_lens_B, key, *, samplin
                mask=st["mask"].at[rows, pos].set(live), done=st["done"] | jnp.isin(tok, stop_ids))
     if return_logits:
       new["logits"] = st["logits"].at[rows, pos].set(jnp.where(live[:, None], st["next_logits"], 0.0))
-    new["next_logits"], new["cache"] = model.decode(tok, pos, st["cache"])
+    if next_rope is None:
+      new["next_logits"], new["cache"] = model.decode(tok, pos, st["cache"])
+    else:
+      rope_pos, block_pos = next_rope(pos)
+      new["next_logits"], new["cache"] = model.decode(tok, pos, st["cache"], rope_pos_B=rope_pos,
+                                                      block_pos_B=block_pos)
     return new
 
   st = jax.lax.while_loop(cond, body, state)
@@ -184,13 +212,20 @@ class Sampler:
     self._graphdef, self._return_logits = graphdef, return_logits
     self._jitted: dict[int, object] = {}  # cache_len -> the jitted generation
 
-  def __call__(self, params, rest, prompts: Sequence[Sequence[int]], key: jax.Array) -> SampleOutput:
+  def __call__(self, params, rest, prompts: Sequence[Sequence[int]], key: jax.Array, *,
+               positions: Sequence[Sequence[int]] | None = None,
+               block_positions: Sequence[Sequence[int]] | None = None,
+               prefix_lens: Sequence[int] | None = None) -> SampleOutput:
+    """positions / block_positions (one list per prompt, as long as it) and prefix_lens (the bidirectional
+    prefix of each prompt): GLM's blank-infilling layout (glm_jax/inference/infill.py); none of them for plain
+    prompts."""
     cache_len = check_prompts(prompts, self.cfg, self.sampling, self.cache_len, self.width)
     prompts_BT, lens_B = pad_prompts(prompts, self.sampling.pad_id, self.width)
+    layout = self._layout(prompts, prompts_BT.shape[1], positions, block_positions, prefix_lens)
     if cache_len not in self._jitted:
       self._jitted[cache_len] = jax.jit(functools.partial(
           _generate, self._graphdef, sampling=self.sampling, cache_len=cache_len, return_logits=self._return_logits))
-    out = self._jitted[cache_len](params, rest, jnp.asarray(prompts_BT), jnp.asarray(lens_B), key)
+    out = self._jitted[cache_len](params, rest, jnp.asarray(prompts_BT), jnp.asarray(lens_B), key, layout)
     finite_B = np.asarray(jnp.all(jnp.isfinite(out.logp) | ~out.response_mask, axis=-1))
     if not finite_B.all():
       rows = np.flatnonzero(~finite_B).tolist()
@@ -198,3 +233,25 @@ class Sampler:
           f"sampling: rows {rows} drew tokens with a non-finite log-probability (temperature="
           f"{self.sampling.temperature}): the model's logits are NaN or infinite (non-finite weights?)")
     return out
+
+  def _layout(self, prompts, width: int, positions, block_positions, prefix_lens):
+    """The blank-infilling layout as arrays (see _generate), or None for plain prompts."""
+    if positions is None and block_positions is None and prefix_lens is None:
+      return None
+    if block_positions is not None and not self.cfg.rope_2d:
+      raise ValueError("block_positions given, but model.rope_2d is False (a 1-D rope has no block position)")
+    n = len(prompts)
+    if positions is None:
+      positions = [range(len(p)) for p in prompts]
+    for name, rows in (("positions", positions), ("block_positions", block_positions)):
+      if rows is not None and (len(rows) != n or any(len(r) != len(p) for r, p in zip(rows, prompts))):
+        raise ValueError(f"{name}: need one list per prompt, as long as the prompt ({[len(p) for p in prompts]} "
+                         f"tokens); got lengths {[len(r) for r in rows]}")
+    prefix = np.zeros(n, np.int32) if prefix_lens is None else np.asarray(prefix_lens, np.int32)
+    if prefix.shape != (n,) or (prefix < 0).any() or (prefix > [len(p) for p in prompts]).any():
+      raise ValueError(f"prefix_lens={list(prefix_lens)}: need one length per prompt, each in [0, its length]")
+    pos = jnp.asarray(pad_prompts(positions, 0, width)[0])
+    block = None
+    if self.cfg.rope_2d:
+      block = jnp.asarray(pad_prompts(block_positions or [[0] * len(p) for p in prompts], 0, width)[0])
+    return pos, block, jnp.asarray(prefix)

@@ -14,6 +14,7 @@ from typing import Any
 
 ATTENTION_IMPLS = ("reference", "pallas")
 REMAT_POLICIES = ("none", "full", "dots", "dots_with_no_batch_dims")
+NORM_STYLES = ("prenorm", "deepnorm")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -68,6 +69,11 @@ class ModelConfig:
   remat_policy: str = "none"  # per scanned layer: none | full | dots | dots_with_no_batch_dims
   scan_unroll: bool = False  # unroll the layer scans: compile time grows with depth, XLA's cost analysis
   #                            then counts every layer (it counts a loop body once)
+  # GLM-130B's options (glm_jax/model/deepnorm.py, docs/design.md "GLM-130B's ideas"):
+  norm_style: str = "prenorm"  # "prenorm" (GLM-5: x + f(norm(x))) or "deepnorm" (GLM-130B: Post-LN,
+  #                              norm(alpha x + f(x)), alpha = (2N)^1/2, Xavier init with beta = (2N)^-1/2)
+  rope_2d: bool = False  # GLM's two position ids: half the rope pairs rotate by the position, half by the
+  #                        block position (GLM-130B's 2-D rotary; glm_jax/model/layers.py rope_angles_2d)
 
   def __post_init__(self):
     _validate(self)
@@ -143,8 +149,13 @@ class ModelConfig:
 
   def to_hf_dict(self) -> dict[str, Any]:
     """The HF GlmMoeDsaConfig dict for this config (what `hf.save` writes as config.json)."""
+    for field, plain in (("norm_style", "prenorm"), ("rope_2d", False)):
+      if getattr(self, field) != plain:
+        raise ValueError(f"model config: {field}={getattr(self, field)!r} has no counterpart in transformers' "
+                         f"glm_moe_dsa (its layers are {plain!r}-only); such a model cannot be written as a HF "
+                         "checkpoint")
     ours = {
-        "rope_interleave", "indexer_rope_interleave", "mla_norm_eps", "index_norm_eps", "use_dsa",
+        "norm_style", "rope_2d", "rope_interleave", "indexer_rope_interleave", "mla_norm_eps", "index_norm_eps", "use_dsa",
         "attention_impl", "dtype", "param_dtype", "remat_policy", "scan_unroll", "moe_capacity_factor",
         "rope_theta",
     }
@@ -242,6 +253,12 @@ def _validate(c: ModelConfig) -> None:
   if isinstance(cf, bool) or not isinstance(cf, (int, float)) or not (cf == 0 or cf >= 1 / c.num_experts_per_tok):
     fail("moe_capacity_factor", f"0 (dropless) or a number >= 1 / num_experts_per_tok = "
          f"{1 / c.num_experts_per_tok:.4g} (below that an expert could not even take its share of one slot)")
+  if c.norm_style not in NORM_STYLES:
+    fail("norm_style", f"one of {NORM_STYLES}")
+  if not isinstance(c.rope_2d, bool):
+    fail("rope_2d", "True or False")
+  if c.rope_2d and c.qk_rope_head_dim % 4:
+    fail("qk_rope_head_dim", "must be a multiple of 4 with rope_2d (each position id rotates half of the pairs)")
   if c.remat_policy not in REMAT_POLICIES:
     fail("remat_policy", f"one of {REMAT_POLICIES}")
   for f in ("dtype", "param_dtype"):

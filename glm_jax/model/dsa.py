@@ -76,26 +76,30 @@ def _spec(batch: tuple[str, ...], *rest) -> P:
 
 
 def select_topk(impl: str, q_BTJZ: jax.Array, k_BSZ: jax.Array, w_BTJ: jax.Array, *, topk: int, q_offset: int = 0,
-                q_segment_ids: jax.Array | None = None, kv_segment_ids: jax.Array | None = None
-                ) -> tuple[jax.Array, jax.Array]:
+                q_segment_ids: jax.Array | None = None, kv_segment_ids: jax.Array | None = None,
+                q_prefix_end: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """The causal top-`topk` keys per query: (indices [B, T, topk] int32, scores [B, T, topk] fp32), -1 / -inf
-  where fewer are visible. The scores carry the indexer's gradient on the reference path only."""
+  where fewer are visible. The scores carry the indexer's gradient on the reference path only. q_prefix_end
+  [B, T] (GLM's blank infilling): query t also sees the keys s < q_prefix_end[t], bidirectionally; None is causal."""
   kw = dict(topk=topk, causal=True, q_offset=q_offset)
   mode = kernel_mode(impl)
   if mode == "reference":
     return lightning_indexer_reference.lightning_indexer_topk(q_BTJZ, k_BSZ, w_BTJ, q_segment_ids=q_segment_ids,
-                                                              kv_segment_ids=kv_segment_ids, **kw)
+                                                              kv_segment_ids=kv_segment_ids,
+                                                              q_prefix_end=q_prefix_end, **kw)
   kernel = functools.partial(lightning_indexer.lightning_indexer_topk, interpret=mode == "interpret", **kw)
   batch = _batch_axes(q_BTJZ.shape[0])
   if not batch:
-    return kernel(q_BTJZ, k_BSZ, w_BTJ, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
-  args, specs = [q_BTJZ, k_BSZ, w_BTJ], [_spec(batch, None, None, None), _spec(batch, None, None), _spec(batch)]
-  if q_segment_ids is not None:
-    args += [q_segment_ids, kv_segment_ids]
-    specs += [_spec(batch), _spec(batch)]
+    return kernel(q_BTJZ, k_BSZ, w_BTJ, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                  q_prefix_end=q_prefix_end)
+  # The optional [B, T] / [B, S] operands are split over the batch like q; None ones stay out of the shard_map.
+  optional = {name: x for name, x in (("q_segment_ids", q_segment_ids), ("kv_segment_ids", kv_segment_ids),
+                                      ("q_prefix_end", q_prefix_end)) if x is not None}
+  args = [q_BTJZ, k_BSZ, w_BTJ, *optional.values()]
+  specs = [_spec(batch, None, None, None), _spec(batch, None, None), _spec(batch)] + [_spec(batch)] * len(optional)
 
-  def local(q, k, w, q_seg=None, kv_seg=None):
-    return kernel(q, k, w, q_segment_ids=q_seg, kv_segment_ids=kv_seg)
+  def local(q, k, w, *rest):
+    return kernel(q, k, w, **dict(zip(optional, rest)))
 
   return jax.shard_map(local, in_specs=tuple(specs), out_specs=(_spec(batch), _spec(batch)), check_vma=False)(*args)
 

@@ -128,6 +128,17 @@ def rope_angles(positions_BT: jax.Array, dim: int, theta: float) -> tuple[jax.Ar
   return jnp.cos(angles), jnp.sin(angles)
 
 
+def rope_angles_2d(positions_BT: jax.Array, block_positions_BT: jax.Array, dim: int, theta: float
+                   ) -> tuple[jax.Array, jax.Array]:
+  """GLM-130B's 2-D rotary: cos, sin [B, T, dim/2] whose first dim/4 pairs rotate by the position and whose last
+  dim/4 pairs by the block position, each set a rotary of width dim/2 (inv_freq_i = theta^(-4i/dim)). With
+  interleaved pairs (GLM-5's layout) that is the first and the second half of the rotated dims, as GLM-130B splits
+  them; a block position of 0 leaves the second half unrotated."""
+  c1, s1 = rope_angles(positions_BT, dim // 2, theta)
+  c2, s2 = rope_angles(block_positions_BT, dim // 2, theta)
+  return jnp.concatenate([c1, c2], axis=-1), jnp.concatenate([s1, s2], axis=-1)
+
+
 def apply_rope(x: jax.Array, cos_BTF: jax.Array, sin_BTF: jax.Array, interleave: bool) -> jax.Array:
   """Rotates x [B, T, ..., dim] by position. interleave: pairs (x0, x1), (x2, x3), ... (GLM-5 / DeepSeek);
   otherwise the half split (x_i, x_{i + dim/2}). Computed in fp32, returned in x's dtype."""

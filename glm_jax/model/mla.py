@@ -31,7 +31,8 @@ class AttentionInputs:
   cos: jax.Array  # [B, T, qk_rope_head_dim / 2]
   sin: jax.Array
   segment_ids: jax.Array  # [B, T] int32; tokens attend only within their segment
-  mask: jax.Array  # [B, T, T] bool: causal and same segment
+  mask: jax.Array  # [B, T, T] bool: causal (bidirectional over a prefix) and same segment
+  prefix_end: jax.Array | None = None  # [B, T] int32: key s visible to query t when s <= max(t, prefix_end[t] - 1)
 
 
 class MLA(nnx.Module):
@@ -149,7 +150,8 @@ class MLA(nnx.Module):
     if sparse:
       impl = cfg.attention_impl
       idx_BTK, vals_BTK = dsa.select_topk(impl, q_i, k_i, w_i, topk=cfg.index_topk,
-                                          q_segment_ids=inp.segment_ids, kv_segment_ids=inp.segment_ids)
+                                          q_segment_ids=inp.segment_ids, kv_segment_ids=inp.segment_ids,
+                                          q_prefix_end=inp.prefix_end)
       aux["topk_indices"] = idx_BTK
       q_BTHA, kv_BSA = self.absorbed_q_kv(q_nope, q_rope, ckv_BTC, k_rope_BTR)
       o_lat, lse_BTH = dsa.attend(impl, q_BTHA, kv_BSA, idx_BTK, sm_scale=cfg.softmax_scale, v_dim=cfg.kv_lora_rank)
@@ -160,9 +162,10 @@ class MLA(nnx.Module):
         p_BTK = dsa.head_probs(impl, q_BTHA, kv_BSA, idx_BTK, lse_BTH, sm_scale=cfg.softmax_scale)
         aux["indexer_kl"] = indexer_kl(p_BTK, vals_BTK, idx_BTK >= 0)
     elif (form == "mha" and not indexer_loss and dsa.kernel_mode(cfg.attention_impl) != "reference"
-          and splash.fits(seq_len)):
+          and splash.fits(seq_len) and inp.prefix_end is None):
       # The dense stage on TPU (CPU: interpret mode): splash attention skips the blocks above the diagonal.
-      # Sequences no block size divides (short prompts, odd lengths) take the reference below: same values.
+      # Sequences no block size divides (short prompts, odd lengths) take the reference below: same values. So
+      # does a bidirectional prefix (GLM's blank infilling): splash's masks are static, the prefixes are data.
       o_BTHO = dsa.dense_causal_attend(*self.mha_qkv(q_nope, q_rope, ckv_BTC, k_rope_BTR), inp.segment_ids,
                                        sm_scale=cfg.softmax_scale,
                                        interpret=dsa.kernel_mode(cfg.attention_impl) == "interpret")

@@ -2,10 +2,14 @@
 
   h_0 = Emb(x);  h_{l+1} = h_l' + FFN_l(RMSNorm(h_l')),  h_l' = h_l + MLA_l(RMSNorm(h_l))
   logits = RMSNorm(h_L) W_head
+With model.norm_style "deepnorm" (GLM-130B) a layer is Post-LN instead, glm_jax/model/deepnorm.py:
+  x' = RMSNorm(x);  h = RMSNorm(alpha x' + MLA(x'));  out = alpha h + FFN(h)
 The first `first_k_dense_replace` layers use a dense SwiGLU MLP, the rest the MoE block; each group is one
 stack of layers (a leading layer axis on every parameter) applied with `jax.lax.scan`, so compile time
 does not grow with depth. Packed documents: `segment_ids` keep attention inside a document and
-`positions` restart its rope at 0.
+`positions` restart its rope at 0. GLM's blank infilling (glm_jax/data/blank_infilling.py): `prefix_end` makes
+attention bidirectional over each document's prefix (key s is visible to query t when s <= max(t,
+prefix_end[t] - 1)), and with model.rope_2d `block_positions` is GLM's second position id.
 """
 
 from __future__ import annotations
@@ -19,7 +23,9 @@ from flax import nnx
 
 from glm_jax.model.config import ModelConfig
 from glm_jax.model.kv_cache import KVCache, LayerCache
-from glm_jax.model.layers import MLP, Embed, RMSNorm, check_token_ids, dense, dense_fp32, dtype_of, param, rope_angles
+from glm_jax.model import deepnorm
+from glm_jax.model.layers import (MLP, Embed, RMSNorm, check_token_ids, dense, dense_fp32, dtype_of, param, rope_angles,
+                                  rope_angles_2d)
 from glm_jax.model.mla import MLA, AttentionInputs
 from glm_jax.model.moe import MoE
 from pallas_kernels.lightning_indexer_reference import visible_mask
@@ -52,26 +58,41 @@ class DecoderLayer(nnx.Module):
     self.self_attn = MLA(cfg, rngs)
     self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg, rngs)
     self.mlp = MoE(cfg, rngs) if moe else MLP(cfg, cfg.intermediate_size, rngs)
+    self.alpha = deepnorm.alpha(cfg) if cfg.norm_style == "deepnorm" else None  # None: Pre-LN
 
   def __call__(self, x_BTD: jax.Array, inp: AttentionInputs, *, form: str = "mha",
                return_index_scores: bool = False, indexer_loss: bool = False, return_cache: bool = False
                ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    a, aux = self.self_attn(self.input_layernorm(x_BTD), inp, form=form, return_index_scores=return_index_scores,
-                            indexer_loss=indexer_loss, return_cache=return_cache)
-    x_BTD = x_BTD + a
-    m, router_aux = self._ffn(x_BTD)
-    return x_BTD + m, {**aux, **router_aux}
+    return self._residuals(x_BTD, lambda xn: self.self_attn(
+        xn, inp, form=form, return_index_scores=return_index_scores, indexer_loss=indexer_loss,
+        return_cache=return_cache))
 
-  def _ffn(self, x_BTD: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-    m = self.mlp(self.post_attention_layernorm(x_BTD))
+  def _residuals(self, x, attention) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The two sublayers around `attention` (normed input -> (out, aux)): Pre-LN, or DeepNorm's Post-LN."""
+    if self.alpha is None:
+      a, aux = attention(self.input_layernorm(x))
+      x = x + a
+      m, router_aux = self._ffn(self.post_attention_layernorm(x))
+      return x + m, {**aux, **router_aux}
+    xn = self.input_layernorm(x)
+    a, aux = attention(xn)
+    h = self.post_attention_layernorm(self.alpha * xn + a)
+    m, router_aux = self._ffn(h)
+    return self.alpha * h + m, {**aux, **router_aux}
+
+  def _ffn(self, xn_BTD: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    m = self.mlp(xn_BTD)
     return m if isinstance(m, tuple) else (m, {})
 
   def decode(self, x_B1D: jax.Array, cos: jax.Array, sin: jax.Array, pos_B: jax.Array, cache: LayerCache
              ) -> tuple[jax.Array, LayerCache]:
     """One token a row against this layer's cache (MLA.decode)."""
-    a, cache = self.self_attn.decode(self.input_layernorm(x_B1D), cos, sin, pos_B, cache)
-    x_B1D = x_B1D + a
-    return x_B1D + self._ffn(x_B1D)[0], cache
+    def attention(xn):
+      a, new_cache = self.self_attn.decode(xn, cos, sin, pos_B, cache)
+      return a, {"cache": new_cache}
+
+    x_B1D, aux = self._residuals(x_B1D, attention)
+    return x_B1D, aux["cache"]
 
 
 def stacked_layers(cfg: ModelConfig, moe: bool, n: int, rngs: nnx.Rngs) -> DecoderLayer | None:
@@ -152,6 +173,8 @@ class GlmMoeDsa(nnx.Module):
                     else param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), cfg))
     self.mtp = nnx.List([MTPLayer(cfg, cfg.num_hidden_layers + k, rngs)
                          for k in range(cfg.num_nextn_predict_layers)])
+    if cfg.norm_style == "deepnorm":
+      deepnorm.init_weights(self, rngs)
 
   def head(self, x_BTD: jax.Array) -> jax.Array:
     """fp32 logits from normed hidden states."""
@@ -161,14 +184,20 @@ class GlmMoeDsa(nnx.Module):
     return dense_fp32(x_BTD, self.lm_head, self.dtype)
 
   def __call__(self, input_ids: jax.Array, *, positions: jax.Array | None = None,
-               segment_ids: jax.Array | None = None, form: str = "mha", return_index_scores: bool = False,
-               indexer_loss: bool = False, compute_mtp: bool = True) -> ModelOutput:
-    """input_ids [B, T] int; positions [B, T] (default 0..T-1); segment_ids [B, T] (default one segment).
+               segment_ids: jax.Array | None = None, block_positions: jax.Array | None = None,
+               prefix_end: jax.Array | None = None, form: str = "mha", return_index_scores: bool = False,
+               indexer_loss: bool = False, compute_mtp: bool = True, embedding_grad_shrink: float = 1.0
+               ) -> ModelOutput:
+    """input_ids [B, T] int; positions [B, T] (default 0..T-1); segment_ids [B, T] (default one segment);
+    block_positions [B, T] (GLM's second position id; model.rope_2d only; default 0); prefix_end [B, T] int
+    (default None: causal): the end of the bidirectional prefix each token's document has.
     form: "mha" or "absorbed" for the dense attention path (DSA always attends in the absorbed form).
-    indexer_loss: each layer reports aux["indexer_kl"] [L] (see MLA.__call__)."""
+    indexer_loss: each layer reports aux["indexer_kl"] [L] (see MLA.__call__).
+    embedding_grad_shrink: GLM-130B's EGS, a in emb = a emb + (1 - a) stop_gradient(emb): the forward is
+    unchanged, the gradient reaching the embedding table is a times the plain one (1.0: off)."""
     emb_BTD, inp, h, dense_aux, moe_aux = self._decoder(
-        input_ids, positions, segment_ids, form=form, return_index_scores=return_index_scores,
-        indexer_loss=indexer_loss)
+        input_ids, positions, segment_ids, block_positions, prefix_end, embedding_grad_shrink, form=form,
+        return_index_scores=return_index_scores, indexer_loss=indexer_loss)
     aux = {k: v for k, v in moe_aux.items() if k.startswith("expert_")}
     for key in ("topk_indices", "index_scores", "indexer_kl"):
       parts = [a[key] for a in (dense_aux, moe_aux) if key in a]
@@ -191,36 +220,60 @@ class GlmMoeDsa(nnx.Module):
       mtp_logits = jnp.stack(outs)
     return ModelOutput(logits=logits, mtp_logits=mtp_logits, aux=aux)
 
-  def _decoder(self, input_ids, positions, segment_ids, **kw):
+  def rope(self, positions_BT: jax.Array, block_positions_BT: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """cos, sin for the MLA and indexer rope: 1-D, or GLM-130B's 2-D with model.rope_2d."""
+    cfg = self.cfg
+    if not cfg.rope_2d:
+      if block_positions_BT is not None:
+        raise ValueError("block_positions given, but model.rope_2d is False: a 1-D rope has no block position "
+                         "(set model.rope_2d=True for GLM's 2-D positions)")
+      return rope_angles(positions_BT, cfg.qk_rope_head_dim, cfg.rope_theta)
+    if block_positions_BT is None:
+      block_positions_BT = jnp.zeros_like(positions_BT)
+    return rope_angles_2d(positions_BT, block_positions_BT, cfg.qk_rope_head_dim, cfg.rope_theta)
+
+  def _decoder(self, input_ids, positions, segment_ids, block_positions=None, prefix_end=None,
+               embedding_grad_shrink=1.0, **kw):
     """Embedding and the two stacks: (emb [B, T, D], attention inputs, h [B, T, D], dense aux, MoE aux)."""
     cfg = self.cfg
     if input_ids.ndim != 2:
       raise ValueError(f"input_ids: shape {input_ids.shape}; expected [batch, seq_len]")
     check_token_ids(input_ids, cfg.vocab_size)
     b, t = input_ids.shape
-    for name, arr in (("positions", positions), ("segment_ids", segment_ids)):
+    for name, arr in (("positions", positions), ("segment_ids", segment_ids), ("block_positions", block_positions),
+                      ("prefix_end", prefix_end)):
       if arr is not None and arr.shape != (b, t):
         raise ValueError(f"{name}: shape {arr.shape}; expected input_ids' shape {(b, t)}")
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     if segment_ids is None:
       segment_ids = jnp.zeros((b, t), jnp.int32)
-    cos, sin = rope_angles(positions, cfg.qk_rope_head_dim, cfg.rope_theta)
-    mask = visible_mask(t, t, causal=True, q_segment_ids=segment_ids, kv_segment_ids=segment_ids)
-    inp = AttentionInputs(cos=cos, sin=sin, segment_ids=segment_ids, mask=mask)
+    cos, sin = self.rope(positions, block_positions)
+    mask = visible_mask(t, t, causal=True, q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
+                        q_prefix_end=prefix_end)
+    inp = AttentionInputs(cos=cos, sin=sin, segment_ids=segment_ids, mask=mask, prefix_end=prefix_end)
     emb_BTD = self.embed_tokens(input_ids)
+    if not isinstance(embedding_grad_shrink, (int, float)) or embedding_grad_shrink != 1.0:  # GLM-130B's EGS:
+      # the same values, a times the gradient (a may be traced)
+      a = embedding_grad_shrink
+      emb_BTD = a * emb_BTD + (1.0 - a) * jax.lax.stop_gradient(emb_BTD)
     h, dense_aux = scan_layers(self.dense_layers, emb_BTD, inp, cfg.remat_policy, cfg.scan_unroll, **kw)
     h, moe_aux = scan_layers(self.moe_layers, h, inp, cfg.remat_policy, cfg.scan_unroll, **kw)
     return emb_BTD, inp, h, dense_aux, moe_aux
 
-  def prefill(self, input_ids: jax.Array, cache_len: int) -> tuple[jax.Array, KVCache]:
-    """The forward pass over prompts [B, T] (positions 0..T-1, one document a row; a row's padding after its
-    prompt changes nothing before it), returning (logits [B, T, V] fp32, a cache of cache_len slots holding
-    slots 0..T-1). The logits are the full forward's: this is __call__ without MTP."""
+  def prefill(self, input_ids: jax.Array, cache_len: int, *, positions: jax.Array | None = None,
+              block_positions: jax.Array | None = None, prefix_end: jax.Array | None = None
+              ) -> tuple[jax.Array, KVCache]:
+    """The forward pass over prompts [B, T] (one document a row, slot s holding token s; rope positions 0..T-1
+    unless given; a row's padding after its prompt changes nothing before it), returning (logits [B, T, V] fp32,
+    a cache of cache_len slots holding slots 0..T-1). The logits are the full forward's: this is __call__ without
+    MTP. GLM's blank infilling: prefix_end [B, T] (each row's context length on every slot) prefills the context
+    bidirectionally; block_positions with model.rope_2d."""
     t = input_ids.shape[-1]
     if cache_len < t:
       raise ValueError(f"cache_len={cache_len} is shorter than the prompts ({t} tokens)")
-    _, _, h, dense_aux, moe_aux = self._decoder(input_ids, None, None, return_cache=True)
+    _, _, h, dense_aux, moe_aux = self._decoder(input_ids, positions, None, block_positions, prefix_end,
+                                                return_cache=True)
 
     def stack_cache(aux):
       if "cache_kv" not in aux:
@@ -233,11 +286,14 @@ class GlmMoeDsa(nnx.Module):
 
     return self.head(self.norm(h)), KVCache(dense=stack_cache(dense_aux), moe=stack_cache(moe_aux))
 
-  def decode(self, token_B: jax.Array, pos_B: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
-    """Feeds token[b] at position pos[b] (its slot in the cache): (next-token logits [B, V] fp32, the cache
-    with the token's entries written). Positions may differ between rows (ragged prompts)."""
-    cfg = self.cfg
-    cos, sin = rope_angles(pos_B[:, None], cfg.qk_rope_head_dim, cfg.rope_theta)
+  def decode(self, token_B: jax.Array, pos_B: jax.Array, cache: KVCache, *, rope_pos_B: jax.Array | None = None,
+             block_pos_B: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+    """Feeds token[b] at slot pos[b] of the cache: (next-token logits [B, V] fp32, the cache with the token's
+    entries written); it attends to slots 0..pos[b]. Slots may differ between rows (ragged prompts). The rope
+    position is the slot unless rope_pos_B is given (GLM's blank infilling: the blank's mask position), with the
+    block position block_pos_B under model.rope_2d."""
+    cos, sin = self.rope((pos_B if rope_pos_B is None else rope_pos_B)[:, None],
+                         None if block_pos_B is None else block_pos_B[:, None])
     h = self.embed_tokens(token_B[:, None])
     h, dense_cache = scan_decode(self.dense_layers, h, cos, sin, pos_B, cache.dense)
     h, moe_cache = scan_decode(self.moe_layers, h, cos, sin, pos_B, cache.moe)

@@ -80,8 +80,8 @@ def compile_train_step(config: ml_collections.ConfigDict, devices: Sequence[Any]
                                         state_shardings=shardings, batch_sharding=data_sharding,
                                         unroll_microbatches=unrolled,
                                         quant_plan=trainer.training_quant_plan(config, abstract_state.params))
-  batch = {k: jax.ShapeDtypeStruct((b, t), jnp.int32, sharding=data_sharding)
-           for k in ("input_ids", "segment_ids", "positions", "loss_mask")}  # the data pipeline's batch
+  keys = trainer.BATCH_KEYS if config.data.get("objective", "lm") == "glm" else trainer.BATCH_KEYS[:4]
+  batch = {k: jax.ShapeDtypeStruct((b, t), jnp.int32, sharding=data_sharding) for k in keys}  # the pipeline's batch
   t0 = time.perf_counter()
   with jax.set_mesh(mesh), target_platform(devices[0].platform):  # the DSA kernels compiled, not interpreted
     lowered = train_step.lower(abstract_state, batch)

@@ -6,6 +6,12 @@
             P_i = mean_t s_i / sum_j s_j; averaged over sequences and MoE layers
 A target is valid when it lies in the same packed document as its input token and that token is not
 padding (segment id 0).
+
+GLM's blank infilling (data.objective "glm", glm_jax/data/blank_infilling.py) gives the targets explicitly: the
+prediction at t of targets[t] counts where loss_mask[t] is 1 (part B; a span's last token predicts <eop>, which is
+no input). MTP depth k at t predicts targets[t + k] when the k inputs in between are the targets before it
+(input_ids[t + j + 1] == targets[t + j], j < k: one span, not across the next span's <sop>) and every one of
+loss_mask[t..t + k] is 1.
 """
 
 from __future__ import annotations
@@ -28,6 +34,28 @@ def shifted_targets(input_ids_BT: jax.Array, segment_ids_BT: jax.Array, shift: i
   return targets, valid
 
 
+def explicit_targets(targets_BT: jax.Array, loss_mask_BT: jax.Array, input_ids_BT: jax.Array, segment_ids_BT,
+                     depth: int) -> tuple[jax.Array, jax.Array]:
+  """(targets [B, T], valid [B, T]) for prediction depth `depth` (0: the main head, k: MTP depth k) when the batch
+  carries its targets (see the module docstring)."""
+  t_len = targets_BT.shape[1]
+  on = (loss_mask_BT != 0) & (segment_ids_BT != 0)
+  valid, pad = on, [(0, 0), (0, depth)]
+  for j in range(depth):  # the chain of teacher-forced inputs between t and t + depth
+    follows = jnp.pad(input_ids_BT[:, j + 1:], [(0, 0), (0, j + 1)], constant_values=-1) == jnp.pad(
+        targets_BT[:, j:], [(0, 0), (0, j)], constant_values=-2)
+    valid = valid & follows & jnp.pad(on[:, j + 1:], [(0, 0), (0, j + 1)])
+  return jnp.pad(targets_BT[:, depth:], pad)[:, :t_len], valid
+
+
+def prediction_targets(batch: dict, depth: int) -> tuple[jax.Array, jax.Array]:
+  """(targets, valid) of a model batch at prediction depth `depth` (0: next token; k: MTP depth k): the shifted
+  inputs, or the batch's own "targets" when it has them (blank infilling)."""
+  if "targets" in batch:
+    return explicit_targets(batch["targets"], batch["loss_mask"], batch["input_ids"], batch["segment_ids"], depth)
+  return shifted_targets(batch["input_ids"], batch["segment_ids"], depth + 1, batch.get("loss_mask"))
+
+
 def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array, valid_BT: jax.Array
                   ) -> tuple[jax.Array, jax.Array]:
   """(sum of -log p(target) over valid tokens, number of valid tokens), fp32."""
@@ -38,21 +66,35 @@ def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array, valid_BT: jax.Ar
   return jnp.sum(nll), jnp.sum(valid_BT).astype(jnp.float32)
 
 
-def lm_and_mtp_losses(logits_BTV: jax.Array, mtp_logits_MBTV: jax.Array | None, input_ids_BT: jax.Array,
-                      segment_ids_BT: jax.Array, loss_mask_BT: jax.Array | None = None) -> dict[str, jax.Array]:
-  """{"lm_loss", "mtp_loss", "tokens"}; mtp_loss is 0 without MTP logits. loss_mask (SFT) keeps the targets
-  it marks."""
-  targets, valid = shifted_targets(input_ids_BT, segment_ids_BT, 1, loss_mask_BT)
+def lm_and_mtp_losses(logits_BTV: jax.Array, mtp_logits_MBTV: jax.Array | None, batch: dict) -> dict[str, jax.Array]:
+  """{"lm_loss", "mtp_loss", "tokens"} of a model batch (input_ids, segment_ids, optionally loss_mask and
+  targets: see prediction_targets); mtp_loss is 0 without MTP logits. loss_mask (SFT) keeps the targets it
+  marks."""
+  targets, valid = prediction_targets(batch, 0)
   nll, count = cross_entropy(logits_BTV, targets, valid)
   out = {"lm_loss": nll / jnp.maximum(count, 1.0), "tokens": count, "mtp_loss": jnp.zeros((), jnp.float32)}
   if mtp_logits_MBTV is not None:
     losses = []
     for k in range(mtp_logits_MBTV.shape[0]):
-      targets, valid = shifted_targets(input_ids_BT, segment_ids_BT, k + 2, loss_mask_BT)
+      targets, valid = prediction_targets(batch, k + 1)
       nll_k, count_k = cross_entropy(mtp_logits_MBTV[k], targets, valid)
       losses.append(nll_k / jnp.maximum(count_k, 1.0))
     out["mtp_loss"] = jnp.mean(jnp.stack(losses))
   return out
+
+
+def exact_spans(logits_BTV: jax.Array, targets_BT: jax.Array, valid_BT: jax.Array, block_positions_BT: jax.Array
+                ) -> dict[str, jax.Array]:
+  """{"spans": the blank-infilling spans of the batch, "spans_exact": those whose every valid target is the
+  argmax of its logits}. A span starts where block_positions is 1 (its <sop>) and runs to the next start."""
+  starts = (block_positions_BT == 1) & valid_BT
+  span_BT = jnp.cumsum(starts, axis=1)  # 1, 2, ... within a row; 0 before its first span
+  wrong = valid_BT & (jnp.argmax(logits_BTV, axis=-1) != targets_BT)
+  rows = jnp.arange(span_BT.shape[0])[:, None]
+  wrong_span = jnp.zeros((span_BT.shape[0], span_BT.shape[1] + 1), bool).at[rows, span_BT].max(wrong)
+  has_span = jnp.zeros_like(wrong_span).at[rows, span_BT].max(starts)
+  return {"spans": jnp.sum(has_span).astype(jnp.float32),
+          "spans_exact": jnp.sum(has_span & ~wrong_span).astype(jnp.float32)}
 
 
 def sequence_balance_loss(expert_counts_LBE: jax.Array, expert_probs_LBE: jax.Array, top_k: int

@@ -64,14 +64,19 @@ def is_indexer_param(names: Names) -> bool:
   return "indexer" in names
 
 
+def model_inputs(batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+  """The model's keyword inputs a data batch carries: positions and segment ids, plus GLM's block positions and
+  prefix ends under the blank-infilling objective (glm_jax/data/blank_infilling.py)."""
+  return {k: batch[k] for k in ("positions", "segment_ids", "block_positions", "prefix_end") if k in batch}
+
+
 def _forward_losses(graphdef, params, rest, batch, stage: str, train_cfg, plan=None) -> tuple[jax.Array, dict]:
   if plan:  # quantization-aware training: the forward sees the packed weights' values (straight-through grads)
     params = fake_quant_params(params, plan)
   model = nnx.merge(graphdef, params, rest)
-  out = model(batch["input_ids"], positions=batch["positions"], segment_ids=batch["segment_ids"],
-              indexer_loss=stage in ("warmup", "sparse"))
-  m = losses.lm_and_mtp_losses(out.logits, out.mtp_logits, batch["input_ids"], batch["segment_ids"],
-                               batch.get("loss_mask"))
+  out = model(batch["input_ids"], **model_inputs(batch), indexer_loss=stage in ("warmup", "sparse"),
+              embedding_grad_shrink=getattr(train_cfg, "embedding_grad_shrink", 1.0))
+  m = losses.lm_and_mtp_losses(out.logits, out.mtp_logits, batch)
   counts = {k: v for k, v in out.aux.items() if k.endswith("expert_counts")}
   if "expert_counts" in out.aux:
     m["balance_loss"] = losses.sequence_balance_loss(out.aux["expert_counts"], out.aux["expert_probs"],
@@ -195,17 +200,23 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, schedule:
 
 
 def make_eval_step(graphdef, quant_plan: dict | None = None) -> Callable:
-  """Returns jitted eval(params, rest, batch) -> (sum of next-token NLL, number of target tokens): of the
-  fake-quantized model under a quant plan (which computes what its packed form computes), over the targets the
-  batch's loss_mask keeps when it has one."""
+  """Returns jitted eval(params, rest, batch) -> {"nll": sum of the targets' NLL, "tokens": number of targets,
+  and, for a blank-infilling batch (with "targets"), "spans": its spans, "spans_exact": those whose every target
+  (the span's tokens and its <eop>) is the model's argmax}: of the fake-quantized model under a quant plan (which
+  computes what its packed form computes), over the targets the batch's loss_mask keeps when it has one. A span is
+  exact under teacher forcing exactly when greedy decoding of it reproduces it, so spans_exact / spans is the
+  exact-match rate of greedily filled blanks."""
 
   def evaluate(params, rest, batch):
     if quant_plan:
       params = fake_quant_params(params, quant_plan)
     model = nnx.merge(graphdef, params, rest)
-    out = model(batch["input_ids"], positions=batch["positions"], segment_ids=batch["segment_ids"],
-                compute_mtp=False)
-    targets, valid = losses.shifted_targets(batch["input_ids"], batch["segment_ids"], 1, batch.get("loss_mask"))
-    return losses.cross_entropy(out.logits, targets, valid)
+    out = model(batch["input_ids"], **model_inputs(batch), compute_mtp=False)
+    targets, valid = losses.prediction_targets(batch, 0)
+    nll, count = losses.cross_entropy(out.logits, targets, valid)
+    result = {"nll": nll, "tokens": count}
+    if "targets" in batch:
+      result.update(losses.exact_spans(out.logits, targets, valid, batch["block_positions"]))
+    return result
 
   return jax.jit(evaluate)

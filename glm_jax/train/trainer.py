@@ -67,9 +67,13 @@ def create_sharded_train_state(config: ml_collections.ConfigDict, model_cfg: Mod
   return built["graphdef"], state, built["optimizer"], built["schedule"], shardings
 
 
+BATCH_KEYS = ("input_ids", "segment_ids", "positions", "loss_mask",  # every batch
+              "targets", "block_positions", "prefix_end")  # the blank-infilling objective's (data.objective "glm")
+
+
 def _global_batch(batch: dict[str, np.ndarray], sharding) -> dict[str, jax.Array]:
   """This process's rows -> the global batch: as is on one device, assembled across processes on a mesh."""
-  keys = [k for k in ("input_ids", "segment_ids", "positions", "loss_mask") if k in batch]
+  keys = [k for k in BATCH_KEYS if k in batch]
   if sharding is None:
     return {k: jnp.asarray(batch[k]) for k in keys}
   return {k: jax.make_array_from_process_local_data(sharding, batch[k]) for k in keys}
@@ -77,13 +81,23 @@ def _global_batch(batch: dict[str, np.ndarray], sharding) -> dict[str, jax.Array
 
 def evaluate(eval_step, state: step_lib.TrainState, batches: list[dict[str, np.ndarray]],
              sharding=None) -> float | None:
-  """Held-out next-token loss in nats per token; None when there is no held-out data (eval_fraction 0)."""
-  total, count = 0.0, 0.0
+  """Held-out loss in nats per target token; None when there is no held-out data (eval_fraction 0)."""
+  return eval_metrics(eval_step, state, batches, sharding)["eval_loss"]
+
+
+def eval_metrics(eval_step, state: step_lib.TrainState, batches: list[dict[str, np.ndarray]],
+                 sharding=None) -> dict[str, float | None]:
+  """{"eval_loss"} (see evaluate) and, for blank-infilling batches, {"eval_spans": the held-out spans,
+  "eval_span_exact": the share of them greedy decoding fills exactly} (step.make_eval_step)."""
+  sums: dict[str, float] = {}
   for batch in batches:
-    nll, n = eval_step(state.params, state.rest, _global_batch(batch, sharding))
-    total += float(nll)
-    count += float(n)
-  return total / count if count else None
+    for k, v in eval_step(state.params, state.rest, _global_batch(batch, sharding)).items():
+      sums[k] = sums.get(k, 0.0) + float(v)
+  out = {"eval_loss": sums["nll"] / sums["tokens"] if sums.get("tokens") else None}
+  if "spans" in sums:
+    out["eval_spans"] = int(sums["spans"])
+    out["eval_span_exact"] = sums["spans_exact"] / sums["spans"] if sums["spans"] else None
+  return out
 
 
 @dataclasses.dataclass
@@ -135,6 +149,9 @@ def check_config(config: ml_collections.ConfigDict) -> ModelConfig:
   data_format = "sft" if kind == "sft" else "lm"
   if config.data.get("format", "lm") != data_format:
     invalid("data.format", config.data.get("format", "lm"), f"config.trainer={kind!r} trains on {data_format!r} data")
+  if config.data.get("objective", "lm") == "glm" and not model_cfg.rope_2d:
+    invalid("model.rope_2d", model_cfg.rope_2d, "data.objective='glm' gives GLM's 2-D positions (position, block "
+            "position): set model.rope_2d=True")
   if "quant" in config:
     check_quant_config(config.quant)
     if config.quant.scheme not in ("none",) + WEIGHT_ONLY:
@@ -222,7 +239,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, hooks
   skips = ConsecutiveSkips(train.max_consecutive_skips, "train.max_consecutive_skips")
   tokens_per_step = config.data.batch_size * config.data.seq_len
   last_loss = math.nan
-  eval_loss = None
+  eval_loss, evals = None, {}
   try:
     from tqdm import tqdm
     bar = tqdm(total=train.steps, initial=start, disable=None if jax.process_index() == 0 else True,
@@ -246,8 +263,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, hooks
         t_log, steps_since_log = time.perf_counter(), 0
       if (done % train.eval_every == 0 or done == train.steps) and eval_batches:
         with mesh_context():
-          eval_loss = evaluate(eval_step, state, eval_batches, data_sharding)
-        writer.write(done, {"eval_loss": eval_loss})
+          evals = eval_metrics(eval_step, state, eval_batches, data_sharding)
+        eval_loss = evals["eval_loss"]
+        writer.write(done, evals)
       checkpointer.save(done, state, data_iter, config_dict, tokenizer=tokenizer_record, force=done == train.steps)
       for hook in hooks:
         hook(done, state, metrics)
@@ -261,8 +279,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, hooks
 
   if eval_loss is None:  # nothing left to train (or no held-out data): report the model as it stands
     with mesh_context():
-      eval_loss = evaluate(eval_step, state, eval_batches, data_sharding)
-  return {"step": int(state.step), "eval_loss": eval_loss,
+      evals = eval_metrics(eval_step, state, eval_batches, data_sharding)
+    eval_loss = evals["eval_loss"]
+  return {"step": int(state.step), **evals, "eval_loss": eval_loss,
           "unigram_entropy": data_lib.unigram_entropy(config.data, tokenizer),
           "train_loss": last_loss, "skipped_steps": int(state.skipped), "params": counts["total"],
           "active_params": counts["active"], "workdir": os.path.abspath(workdir)}

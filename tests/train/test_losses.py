@@ -95,7 +95,8 @@ def test_lm_and_mtp_losses_vs_numpy(depths):
   ids = IDS % v
   logits = 2 * rng.standard_normal((2, 8, v)).astype(np.float32)
   mtp = 2 * rng.standard_normal((depths, 2, 8, v)).astype(np.float32)
-  out = losses.lm_and_mtp_losses(jnp.asarray(logits), jnp.asarray(mtp), jnp.asarray(ids), jnp.asarray(SEG))
+  out = losses.lm_and_mtp_losses(jnp.asarray(logits), jnp.asarray(mtp),
+                                 {"input_ids": jnp.asarray(ids), "segment_ids": jnp.asarray(SEG)})
   lm, n = np_mean_nll(logits, ids, SEG, 1)
   # MTP depth k (0-based) predicts the token k + 2 ahead; the loss is the mean over depths.
   mtp_want = np.mean([np_mean_nll(mtp[k], ids, SEG, k + 2)[0] for k in range(depths)])
@@ -107,7 +108,8 @@ def test_lm_and_mtp_losses_vs_numpy(depths):
 def test_lm_loss_without_mtp_logits():
   rng = np.random.default_rng(2)
   logits = rng.standard_normal((2, 8, 30)).astype(np.float32)
-  out = losses.lm_and_mtp_losses(jnp.asarray(logits), None, jnp.asarray(IDS % 30), jnp.asarray(SEG))
+  out = losses.lm_and_mtp_losses(jnp.asarray(logits), None,
+                                 {"input_ids": jnp.asarray(IDS % 30), "segment_ids": jnp.asarray(SEG)})
   np.testing.assert_allclose(float(out["lm_loss"]), np_mean_nll(logits, IDS % 30, SEG, 1)[0], rtol=1e-6)
   assert float(out["mtp_loss"]) == 0.0
 
@@ -226,3 +228,45 @@ def test_indexer_kl_gradients():
   # d/ds_j sum_i p_i (log p_i - log q_i) = q_j sum_i p_i - p_j = q_j - p_j (p sums to 1); mean over B*T rows.
   want = np.where(valid, (q - pn) / (b * t), 0.0)
   np.testing.assert_allclose(g_s, want, rtol=1e-5, atol=1e-7)
+
+
+# ---- explicit targets (GLM's blank infilling) -------------------------------------------------------------------
+# One document: part A = [10, [MASK], 13, [MASK]] (prefix 4), part B = <sop> 11 12 | <sop> 14 with targets
+# 11 12 <eop> | 14 <eop> ([MASK] = 2, <sop> = 4, <eop> = 5); row 1 is padding.
+GLM_IDS = np.array([[10, 2, 13, 2, 4, 11, 12, 4, 14], [0] * 9])
+GLM_TARGETS = np.array([[0, 0, 0, 0, 11, 12, 5, 14, 5], [0] * 9])
+GLM_MASK = np.array([[0, 0, 0, 0, 1, 1, 1, 1, 1], [0] * 9])
+GLM_SEG = np.array([[1] * 9, [0] * 9])
+GLM_BLOCKS = np.array([[0, 0, 0, 0, 1, 2, 3, 1, 2], [0] * 9])
+
+
+def _glm_batch():
+  return {"input_ids": jnp.asarray(GLM_IDS), "targets": jnp.asarray(GLM_TARGETS), "loss_mask": jnp.asarray(GLM_MASK),
+          "segment_ids": jnp.asarray(GLM_SEG), "block_positions": jnp.asarray(GLM_BLOCKS)}
+
+
+@pytest.mark.parametrize("depth, want_valid, want_targets", [
+    (0, [0, 0, 0, 0, 1, 1, 1, 1, 1], {4: 11, 5: 12, 6: 5, 7: 14, 8: 5}),
+    # depth 1 at t predicts targets[t + 1] when input t + 1 is targets[t]: not at 6 (the next input is a <sop>)
+    (1, [0, 0, 0, 0, 1, 1, 0, 1, 0], {4: 12, 5: 5, 7: 5}),
+    (2, [0, 0, 0, 0, 1, 0, 0, 0, 0], {4: 5}),
+])
+def test_explicit_targets_by_hand(depth, want_valid, want_targets):
+  targets, valid = losses.prediction_targets(_glm_batch(), depth)
+  np.testing.assert_array_equal(np.asarray(valid[0]), np.asarray(want_valid, bool))
+  assert not np.asarray(valid[1]).any()
+  assert {t: int(targets[0, t]) for t in np.flatnonzero(want_valid)} == want_targets
+
+
+def test_exact_spans_by_hand():
+  """Span 1 (positions 4-6) predicted right everywhere, span 2 (7-8) wrong at its <eop>: 2 spans, 1 exact."""
+  predicted = GLM_TARGETS.copy()
+  predicted[0, 8] = 7
+  predicted[0, :4] = 9  # predictions where nothing counts do not matter
+  logits = jax.nn.one_hot(jnp.asarray(predicted), 20)
+  targets, valid = losses.prediction_targets(_glm_batch(), 0)
+  out = losses.exact_spans(logits, targets, valid, jnp.asarray(GLM_BLOCKS))
+  assert (float(out["spans"]), float(out["spans_exact"])) == (2.0, 1.0)
+  predicted[0, 8] = 5
+  out = losses.exact_spans(jax.nn.one_hot(jnp.asarray(predicted), 20), targets, valid, jnp.asarray(GLM_BLOCKS))
+  assert (float(out["spans"]), float(out["spans_exact"])) == (2.0, 2.0)

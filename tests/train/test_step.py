@@ -351,7 +351,7 @@ def test_sparse_stage_gradients():
     def lm_loss(p):
       out = nnx.merge(graphdef, p, rest)(batch["input_ids"], positions=batch["positions"],
                                          segment_ids=batch["segment_ids"], compute_mtp=False)
-      lm = losses.lm_and_mtp_losses(out.logits, None, batch["input_ids"], batch["segment_ids"])["lm_loss"]
+      lm = losses.lm_and_mtp_losses(out.logits, None, {k: batch[k] for k in ("input_ids", "segment_ids")})["lm_loss"]
       return lm, out.aux["topk_indices"]
     return jax.grad(lm_loss, has_aux=True)(params)
 
