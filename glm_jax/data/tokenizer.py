@@ -1,9 +1,10 @@
 """The tokenizer: a byte-level BPE trained on the corpus (cached), or any Hugging Face tokenizer.json.
 
 Special tokens are reserved from the start, for the objectives that come later (GLM's blank infilling):
-  <|pad|> (id 0 in the trained BPE), <|endoftext|> (eos, ends every document), [MASK], [gMASK], <sop>, <eop>.
+  <|pad|> (id 0 in the trained BPE), <|endoftext|> (eos, ends every document), [MASK], [gMASK], <sop>, <eop>,
+  [sMASK] (ids 0..6).
 A tokenizer.json given by path keeps its own ids for the tokens it has (GLM's "<|endoftext|>", "[MASK]",
-"[gMASK]", "<sop>", "<eop>"; "</s>", "<eos>", "<pad>", "[PAD]", "[sop]", "[eop]" are accepted as the same
+"[gMASK]", "[sMASK]", "<sop>", "<eop>"; "</s>", "<eos>", "<pad>", "[PAD]", "[sop]", "[eop]" are accepted as the same
 roles); those it lacks are ADDED as new special tokens at the end of its vocabulary (logged), so the ids are
 always distinct. Text is always encoded as text: a literal "[MASK]" inside a document is spelled out, never
 turned into the special token, so decode(encode(s)) == s for every string.
@@ -42,6 +43,7 @@ class Tokenizer:
            for role, (_, names) in ROLES.items()}
     self.pad_id, self.eos_id = ids["pad"], ids["eos"]
     self.mask_id, self.gmask_id, self.sop_id, self.eop_id = ids["mask"], ids["gmask"], ids["sop"], ids["eop"]
+    self.smask_id = ids["smask"]
     if len(set(ids.values())) != len(ids):
       raise ValueError(f"data.tokenizer={name!r}: special tokens share ids {ids}; each role needs its own token")
     backend.encode_special_tokens = True  # text is text (see the module docstring)
@@ -51,7 +53,7 @@ class Tokenizer:
   @property
   def special_ids(self) -> dict[str, int]:
     return {"pad": self.pad_id, "eos": self.eos_id, "mask": self.mask_id, "gmask": self.gmask_id,
-            "sop": self.sop_id, "eop": self.eop_id}
+            "sop": self.sop_id, "eop": self.eop_id, "smask": self.smask_id}
 
   def encode(self, text: str) -> list[int]:
     return self.backend.encode(text, add_special_tokens=False).ids
@@ -110,7 +112,7 @@ def load_tokenizer(data_cfg: ml_collections.ConfigDict) -> Tokenizer:
 
 def train_bpe(docs: Sequence[str], vocab_size: int) -> tokenizers.Tokenizer:
   """A byte-level BPE (GPT-2 style pre-tokenization, all 256 bytes in the alphabet, no unknown token) with
-  SPECIAL_TOKENS as ids 0..5."""
+  SPECIAL_TOKENS as ids 0..6."""
   backend = tokenizers.Tokenizer(tokenizers.models.BPE())
   backend.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
   backend.decoder = tokenizers.decoders.ByteLevel()

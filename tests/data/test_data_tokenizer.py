@@ -22,14 +22,14 @@ def test_round_trip_on_the_whole_corpus_and_odd_strings(kjv):
   for s in ["", " leading space", "tabs\tand\r\nCRLF", "naïve — 日本語 😀", "[MASK] <|endoftext|> <sop>"]:
     assert tok.decode(tok.encode(s)) == s
   # Special tokens written in a document are text, not control tokens.
-  assert not set(tok.encode("[MASK] [gMASK] <sop> <eop> <|endoftext|> <|pad|>")) & set(tok.special_ids.values())
+  assert not set(tok.encode("[MASK] [gMASK] [sMASK] <sop> <eop> <|endoftext|> <|pad|>")) & set(tok.special_ids.values())
 
 
 def test_trained_bpe_reserves_the_special_tokens(kjv):
   _, tok = kjv
   assert tok.vocab_size == 512
-  assert list(tok.special_ids.values()) == [0, 1, 2, 3, 4, 5]  # pad, eos, mask, gmask, sop, eop
-  assert [tok.backend.id_to_token(i) for i in range(6)] == list(SPECIAL_TOKENS)
+  assert list(tok.special_ids.values()) == [0, 1, 2, 3, 4, 5, 6]  # pad, eos, mask, gmask, sop, eop, smask
+  assert [tok.backend.id_to_token(i) for i in range(7)] == list(SPECIAL_TOKENS)
   assert tok.decode([tok.gmask_id, tok.sop_id]) == "[gMASK]<sop>"
 
 
@@ -55,7 +55,7 @@ def test_trained_tokenizer_is_cached_by_corpus_and_vocab(make_cfg, write_jsonl, 
 
 
 def test_user_tokenizer_json_keeps_its_ids_and_gains_missing_specials(make_cfg, tmp_path):
-  # GLM-style names at ids 3..7 and no pad token: the pad token is added after the last id.
+  # GLM-style names at ids 3..7, no pad token and no [sMASK]: both are added after the last id, in role order.
   vocab = {"hello": 0, "world": 1, "<unk>": 2}
   backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
   backend.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
@@ -66,7 +66,8 @@ def test_user_tokenizer_json_keeps_its_ids_and_gains_missing_specials(make_cfg, 
   tok = load_tokenizer(make_cfg(tokenizer=str(path)))
   assert (tok.eos_id, tok.mask_id, tok.gmask_id, tok.sop_id, tok.eop_id) == (3, 4, 5, 6, 7)
   assert tok.pad_id == 8 and tok.backend.id_to_token(8) == "<|pad|>"
-  assert tok.vocab_size == 9
+  assert tok.smask_id == 9 and tok.backend.id_to_token(9) == "[sMASK]"
+  assert tok.vocab_size == 10
   assert tok.encode("hello world hello") == [0, 1, 0]
 
 

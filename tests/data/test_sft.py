@@ -15,9 +15,9 @@ from glm_jax.data import tokenizer as tokenizer_lib
 from glm_jax.data.pipeline import packed_examples_dataset
 
 KEYS = {"input_ids", "segment_ids", "positions", "loss_mask"}
-# The word tokenizer's ids: 0..5 are the special tokens (pad 0, eos 1), then these words from 6 on.
+# The word tokenizer's ids: 0..6 are the special tokens (pad 0, eos 1), then these words from 7 on.
 WORDS = ["what", "is", "one", "two", "three", "four", "five", "six", "seven", "eight"]
-ID = {w: 6 + i for i, w in enumerate(WORDS)}
+ID = {w: 7 + i for i, w in enumerate(WORDS)}  # after the 7 special tokens
 EOS, PAD = 1, 0
 
 
