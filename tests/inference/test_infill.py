@@ -72,3 +72,21 @@ def test_fill_blanks_fills_left_to_right():
     assert span == [t for t in want if t != 5]
   with pytest.raises(ValueError, match="no \\[MASK\\], \\[sMASK\\] or \\[gMASK\\]"):
     fill_blanks(sampler, params, rest, [7, 8], SPECIAL, jax.random.key(0))
+
+
+def test_sample_py_encodes_the_literal_blanks_as_special_tokens():
+  """launch/sample.py --infill: "[MASK]", "[sMASK]", "[gMASK]" in the prompt become the special tokens (text
+  elsewhere stays text); a prompt without one gets [gMASK] appended."""
+  import tokenizers
+
+  from glm_jax.data import SPECIAL_TOKENS, Tokenizer
+  from launch.sample import encode_with_blanks
+  words = ["a", "b", "c"]
+  vocab = {t: i for i, t in enumerate(list(SPECIAL_TOKENS) + words)}
+  backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token=SPECIAL_TOKENS[0]))
+  backend.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+  tok = Tokenizer(backend, "words")
+  a, b, c = (vocab[w] for w in words)
+  assert encode_with_blanks(tok, "a [MASK] b [sMASK] c") == [a, tok.mask_id, b, tok.smask_id, c]
+  assert encode_with_blanks(tok, "a b [gMASK]") == [a, b, tok.gmask_id]
+  assert encode_with_blanks(tok, "a b") == [a, b, tok.gmask_id]
