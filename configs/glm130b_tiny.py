@@ -39,6 +39,8 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   m.use_dsa = False
   m.norm_style = "deepnorm"
   m.rope_2d = True
+  m.qk_rope_head_dim = 32  # GLM-130B rotates the whole head; 2-D halves it: 8 frequencies for each position id
+  m.index_head_dim = 32  # (no DSA here; the config check wants the indexer head to hold the rope)
   config.data = common.data(seq_len=256, batch_size=16, objective="glm")
   config.train = common.train(steps=600, embedding_grad_shrink=0.1)
   config.optimizer = common.optimizer(lr=3e-3, lr_end=3e-4, warmup_steps=50, decay_steps=550)

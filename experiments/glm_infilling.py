@@ -8,8 +8,9 @@ pipeline's held-out batches, whose corruption is fixed): for every blank, the NL
 them are the model's argmax (teacher-forced argmax everywhere == greedy decoding reproduces the span).
   glm     the blank given the context on both sides (its layout: part A bidirectional, the span after <sop>)
   causal  the blank given the text before it only (the original document, read left to right)
-The <eop> that ends a GLM span is not scored (the causal model has no such token), so the two losses count the
-same tokens. Rows go to --results (JSON lines) and the table is printed.
+The <eop> that ends a GLM span is not scored (the causal model has no such token), nor a blank at a document's
+start (nothing precedes it for the causal model), so the two losses count the same tokens. Rows go to --results
+(JSON lines); the table is printed, overall and by mask kind and span length.
 """
 
 import json
@@ -36,7 +37,8 @@ _RESULTS = flags.DEFINE_string("results", "experiments/results/glm_infilling.jso
 def blanks_of(batch: dict[str, np.ndarray]) -> list[dict]:
   """Every blank of a glm batch: {"row", "doc": the original text's tokens (part A with each mask replaced by its
   span), "start": where the blank starts in doc, "span": its tokens, "b": the indices of its <sop> s_1 .. s_L in the
-  row}. Read from the layout alone (positions of part B = the mask's position in A)."""
+  row, "mask": the id of the mask token it replaces}. Read from the layout alone (positions of part B = the mask's
+  position in A)."""
   out = []
   for r in range(batch["input_ids"].shape[0]):
     seg = batch["segment_ids"][r]
@@ -59,26 +61,28 @@ def blanks_of(batch: dict[str, np.ndarray]) -> list[dict]:
         last = mask_pos + 1
       doc += a[last:].tolist()
       for (mask_pos, b), st in zip(groups, starts):
-        out.append({"row": r, "doc": doc, "start": st, "span": batch["input_ids"][r, b[1:]].tolist(), "b": b})
+        out.append({"row": r, "doc": doc, "start": st, "span": batch["input_ids"][r, b[1:]].tolist(), "b": b,
+                    "mask": int(a[mask_pos])})
   return out
 
 
-def score_glm(run, batches) -> dict:
+def _blank_row(blank: dict, lp: np.ndarray, names: dict[int, str]) -> dict:
+  """One scored blank: lp [L, V] the log-probs that predict its L tokens."""
+  span = np.asarray(blank["span"])
+  return {"kind": names[blank["mask"]], "len": len(span), "nll": -float(lp[np.arange(len(span)), span].sum()),
+          "exact": bool((lp.argmax(-1) == span).all())}
+
+
+def score_glm(run, batches) -> list[dict]:
   forward = jax.jit(lambda params, rest, batch: jax.nn.log_softmax(_logits(run, params, rest, batch)))
-  nll, tokens, exact, blanks = 0.0, 0, 0, 0
+  names = _mask_names(run.tokenizer)
+  rows = []
   for batch in batches:
     logp = np.asarray(forward(run.state.params, run.state.rest, {k: jnp.asarray(v) for k, v in batch.items()}))
     for blank in blanks_of(batch):
-      b, span = blank["b"], blank["span"]
-      if not span:
-        continue
-      lp = logp[blank["row"], b[:-1] if len(b) > 1 else []]  # <sop> .. s_{L-1} predict s_1 .. s_L
-      picked = lp[np.arange(len(span)), span]
-      nll -= float(picked.sum())
-      tokens += len(span)
-      exact += int((lp.argmax(-1) == np.asarray(span)).all())
-      blanks += 1
-  return {"span_nll": nll / tokens, "span_tokens": tokens, "exact": exact / blanks, "blanks": blanks}
+      if blank["span"] and blank["start"] > 0:  # the causal model's blanks; <sop> .. s_{L-1} predict s_1 .. s_L
+        rows.append(_blank_row(blank, logp[blank["row"], blank["b"][:-1]], names))
+  return rows
 
 
 def _logits(run, params, rest, batch):
@@ -86,9 +90,14 @@ def _logits(run, params, rest, batch):
   return model(batch["input_ids"], **step_lib.model_inputs(batch), compute_mtp=False).logits
 
 
-def score_causal(run, batches, seq_len: int) -> dict:
+def _mask_names(tokenizer) -> dict[int, str]:
+  return {tokenizer.mask_id: "[MASK]", tokenizer.smask_id: "[sMASK]", tokenizer.gmask_id: "[gMASK]"}
+
+
+def score_causal(run, batches, seq_len: int, names: dict[int, str]) -> list[dict]:
+  """The same blanks (those not at a document's start: nothing before them to condition on) read left to right."""
   forward = jax.jit(lambda params, rest, ids: jax.nn.log_softmax(_logits(run, params, rest, {"input_ids": ids})))
-  nll, tokens, exact, blanks = 0.0, 0, 0, 0
+  rows = []
   for batch in batches:
     items = [b for b in blanks_of(batch) if b["span"]]
     ids = np.zeros((len(items), seq_len), np.int32)
@@ -96,16 +105,23 @@ def score_causal(run, batches, seq_len: int) -> dict:
       ids[i, :len(blank["doc"])] = blank["doc"]
     logp = np.asarray(forward(run.state.params, run.state.rest, jnp.asarray(ids)))
     for i, blank in enumerate(items):
-      st, span = blank["start"], blank["span"]
-      if st == 0:  # nothing before the blank to condition on: the causal model cannot predict its first token
-        continue
-      lp = logp[i, st - 1:st - 1 + len(span)]
-      picked = lp[np.arange(len(span)), span]
-      nll -= float(picked.sum())
-      tokens += len(span)
-      exact += int((lp.argmax(-1) == np.asarray(span)).all())
-      blanks += 1
-  return {"span_nll": nll / tokens, "span_tokens": tokens, "exact": exact / blanks, "blanks": blanks}
+      st = blank["start"]
+      if st > 0:
+        rows.append(_blank_row(blank, logp[i, st - 1:st - 1 + len(blank["span"])], names))
+  return rows
+
+
+def summarize(rows: list[dict]) -> dict:
+  """span NLL per token, exact-match rate, counts: over all blanks and by mask kind and length."""
+  def stats(sel):
+    tokens = sum(r["len"] for r in sel)
+    return {"span_nll": sum(r["nll"] for r in sel) / tokens, "exact": sum(r["exact"] for r in sel) / len(sel),
+            "blanks": len(sel), "span_tokens": tokens}
+  groups = {}
+  for r in rows:
+    bucket = "1" if r["len"] == 1 else "2-3" if r["len"] <= 3 else "4+"
+    groups.setdefault(f"{r['kind']} len {bucket}", []).append(r)
+  return {**stats(rows), "by_kind": {k: stats(v) for k, v in sorted(groups.items())}}
 
 
 def main(argv):
@@ -124,9 +140,11 @@ def main(argv):
   glm_cfg = configs["glm"]
   glm_run = restore_run(glm_cfg, os.path.join(_WORKDIR.value, "glm"))
   batches = data_lib.make_eval_batches(glm_cfg.data, glm_run.tokenizer)
-  rows[0].update(score_glm(glm_run, batches))
+  glm_rows = score_glm(glm_run, batches)
   causal_run = restore_run(configs["causal"], os.path.join(_WORKDIR.value, "causal"))
-  rows[1].update(score_causal(causal_run, batches, glm_cfg.data.seq_len))
+  causal_rows = score_causal(causal_run, batches, glm_cfg.data.seq_len, _mask_names(glm_run.tokenizer))
+  rows[0].update(summarize(glm_rows))
+  rows[1].update(summarize(causal_rows))
   os.makedirs(os.path.dirname(_RESULTS.value) or ".", exist_ok=True)
   with open(_RESULTS.value, "w") as f:
     for row in rows:
@@ -135,6 +153,11 @@ def main(argv):
   for row in rows:
     print(f"{row['model']:8s} {row['span_nll']:9.4f} {row['exact']:7.3f} {row['blanks']:7d} {row['span_tokens']:7d} "
           f"{row['summary']['eval_loss']:9.4f}")
+  print(f"\n{'blanks':18s} {'count':>6s} " + " ".join(f"{m + ' NLL':>11s} {m + ' exact':>12s}" for m in configs))
+  for kind in rows[0]["by_kind"]:
+    cells = [row["by_kind"].get(kind) for row in rows]
+    print(f"{kind:18s} {cells[0]['blanks']:6d} " + " ".join(
+        f"{c['span_nll']:11.3f} {c['exact']:12.3f}" if c else f"{'-':>11s} {'-':>12s}" for c in cells))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The small-scale reproductions of the README's results table, one after another, each a sweep or run plus its
 # figures (experiments/figures/*.png) and final numbers (experiments/results/*.jsonl). On a 2-core CPU:
-# about 32 minutes for all but the DSA run, which takes an hour or more. Rerunning skips what has finished.
+# about 50 minutes for all but the DSA run, which takes an hour or more. Rerunning skips what has finished.
 #   bash scripts/with_env.sh bash experiments/reproduce_small.sh [runs dir, default runs/repro]
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -43,6 +43,13 @@ python experiments/summarize.py --workdirs="$R/grpo_tiny" --metrics=reward_mean,
     > "$S/grpo_tiny_summary.jsonl"
 python experiments/summarize.py --workdirs="$R/distill_tiny" \
     --metrics=teacher_kl,teacher_kl/addition,teacher_kl/sort,eval_accuracy > "$S/distill_tiny_summary.jsonl"
+
+# GLM-130B's blank infilling against a same-size causal model, and DeepNorm / EGS at a learning rate that spikes.
+stamp glm_infilling
+python experiments/glm_infilling.py --workdir="$R/glm_infilling" --results="$S/glm_infilling.jsonl"
+stamp glm_stability
+python experiments/glm_stability.py --workdir="$R/glm_stability" --lr=1e-2 --results="$S/glm_stability.jsonl" \
+    --figure="$F/glm_stability.png"
 
 # DSA keeps quality: dense vs warm-up + sparse at 2,048-token rows, top-k 64 / 128 / 256.
 stamp dsa_quality
