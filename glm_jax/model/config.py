@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 ATTENTION_IMPLS = ("reference", "pallas")
-REMAT_POLICIES = ("none", "full", "dots", "dots_with_no_batch_dims")
+REMAT_POLICIES = ("none", "full", "dots", "dots_with_no_batch_dims", "offload_layer_inputs")
 NORM_STYLES = ("prenorm", "deepnorm")
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -66,7 +66,8 @@ class ModelConfig:
   param_dtype: str = "float32"
   moe_capacity_factor: float = 0.0  # 0: dropless (GLM-5); c > 0: each expert takes at most ceil(c * G * K / E)
   #                                   of the (token, slot) pairs of a dispatch group of G tokens, the rest dropped
-  remat_policy: str = "none"  # per scanned layer: none | full | dots | dots_with_no_batch_dims
+  remat_policy: str = "none"  # per scanned layer: none | full | dots | dots_with_no_batch_dims |
+  #                             offload_layer_inputs (full, with each layer's input kept in host memory)
   scan_unroll: bool = False  # unroll the layer scans: compile time grows with depth, XLA's cost analysis
   #                            then counts every layer (it counts a loop body once)
   # GLM-130B's options (glm_jax/model/deepnorm.py, docs/design.md "GLM-130B's ideas"):

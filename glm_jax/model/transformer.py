@@ -20,6 +20,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from glm_jax.model.config import ModelConfig
 from glm_jax.model.kv_cache import KVCache, LayerCache
@@ -34,6 +35,10 @@ REMAT_POLICIES: dict[str, Callable | None] = {
     "full": None,  # save nothing: recompute the whole layer in the backward pass
     "dots": jax.checkpoint_policies.checkpoint_dots,
     "dots_with_no_batch_dims": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+    # recompute the layer, and keep its input (the layer-boundary residual, [B, T, D] a layer) in host memory
+    "offload_layer_inputs": jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=["layer_input"], offload_src="device",
+        offload_dst="pinned_host"),
 }
 
 
@@ -45,10 +50,14 @@ class ModelOutput:
   leading layer axis: "expert_counts", "expert_probs" [L_moe, B, E] (MoE layers), "expert_dropped" [L_moe]
   (with model.moe_capacity_factor), "topk_indices"
   [L, B, T, K] when DSA is active, "index_scores" [L, B, T, T] when asked for, "indexer_kl" [L + n_mtp]
-  (the MTP layers last) when asked for; "mtp{k}_expert_*" [B, E] for MoE MTP layers."""
-  logits: jax.Array
+  (the MTP layers last) when asked for; "mtp{k}_expert_*" [B, E] for MoE MTP layers. With return_hidden, logits
+  and mtp_logits are None and hidden [B, T, D] / mtp_hidden [n_mtp, B, T, D] are the normed states the head
+  reads (GlmMoeDsa.head maps them to logits: a loss can then take them a chunk at a time)."""
+  logits: jax.Array | None
   mtp_logits: jax.Array | None
   aux: dict[str, jax.Array]
+  hidden: jax.Array | None = None
+  mtp_hidden: jax.Array | None = None
 
 
 class DecoderLayer(nnx.Module):
@@ -116,6 +125,7 @@ def scan_layers(stack: DecoderLayer | None, x_BTD: jax.Array, inp: AttentionInpu
   graphdef, state = nnx.split(stack)
 
   def body(x, layer_state):
+    x = checkpoint_name(x, "layer_input")  # what remat_policy "offload_layer_inputs" moves to the host
     return nnx.merge(graphdef, layer_state)(x, inp, **kwargs)
 
   if remat_policy != "none":
@@ -186,15 +196,16 @@ class GlmMoeDsa(nnx.Module):
   def __call__(self, input_ids: jax.Array, *, positions: jax.Array | None = None,
                segment_ids: jax.Array | None = None, block_positions: jax.Array | None = None,
                prefix_end: jax.Array | None = None, form: str = "mha", return_index_scores: bool = False,
-               indexer_loss: bool = False, compute_mtp: bool = True, embedding_grad_shrink: float = 1.0
-               ) -> ModelOutput:
+               indexer_loss: bool = False, compute_mtp: bool = True, embedding_grad_shrink: float = 1.0,
+               return_hidden: bool = False) -> ModelOutput:
     """input_ids [B, T] int; positions [B, T] (default 0..T-1); segment_ids [B, T] (default one segment);
     block_positions [B, T] (GLM's second position id; model.rope_2d only; default 0); prefix_end [B, T] int
     (default None: causal): the end of the bidirectional prefix each token's document has.
     form: "mha" or "absorbed" for the dense attention path (DSA always attends in the absorbed form).
     indexer_loss: each layer reports aux["indexer_kl"] [L] (see MLA.__call__).
     embedding_grad_shrink: GLM-130B's EGS, a in emb = a emb + (1 - a) stop_gradient(emb): the forward is
-    unchanged, the gradient reaching the embedding table is a times the plain one (1.0: off)."""
+    unchanged, the gradient reaching the embedding table is a times the plain one (1.0: off).
+    return_hidden: return the normed hidden states instead of the logits (ModelOutput)."""
     emb_BTD, inp, h, dense_aux, moe_aux = self._decoder(
         input_ids, positions, segment_ids, block_positions, prefix_end, embedding_grad_shrink, form=form,
         return_index_scores=return_index_scores, indexer_loss=indexer_loss)
@@ -203,7 +214,8 @@ class GlmMoeDsa(nnx.Module):
       parts = [a[key] for a in (dense_aux, moe_aux) if key in a]
       if parts:
         aux[key] = jnp.concatenate(parts, axis=0)
-    logits = self.head(self.norm(h))
+    head = (lambda x: x) if return_hidden else self.head  # noqa: E731
+    logits = head(self.norm(h))
 
     mtp_logits = None
     if compute_mtp and len(self.mtp):
@@ -213,11 +225,13 @@ class GlmMoeDsa(nnx.Module):
         # embedding (their targets do not exist, the loss masks them).
         emb_next = jnp.concatenate([emb_BTD[:, k + 1:], jnp.zeros_like(emb_BTD[:, :k + 1])], axis=1)
         h, normed, mtp_aux = layer(h, emb_next, inp, form=form, indexer_loss=indexer_loss)
-        outs.append(self.head(normed))
+        outs.append(head(normed))
         aux.update({f"mtp{k}_{name}": v for name, v in mtp_aux.items() if name.startswith("expert_")})
         if indexer_loss:  # the MTP layer's own indexer learns the same KL
           aux["indexer_kl"] = jnp.concatenate([aux["indexer_kl"], mtp_aux["indexer_kl"][None]])
       mtp_logits = jnp.stack(outs)
+    if return_hidden:
+      return ModelOutput(logits=None, mtp_logits=None, aux=aux, hidden=logits, mtp_hidden=mtp_logits)
     return ModelOutput(logits=logits, mtp_logits=mtp_logits, aux=aux)
 
   def rope(self, positions_BT: jax.Array, block_positions_BT: jax.Array | None) -> tuple[jax.Array, jax.Array]:

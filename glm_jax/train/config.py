@@ -28,6 +28,7 @@ def default_train_config() -> ml_collections.ConfigDict:
   c.balance_loss_weight = 1e-4  # sequence-wise balance loss alpha
   c.indexer_loss_weight = 1.0  # the indexer KL in the sparse stage
   c.expert_bias_rate = 1e-3  # aux-loss-free bias update gamma (0 = off)
+  c.loss_chunk = 0  # tokens of a row the LM / MTP head and loss take at a time (0 = all: [B, T, V] logits)
   c.embedding_grad_shrink = 1.0  # GLM-130B's EGS alpha (0.1 there): the embedding gets alpha x its gradient; 1 = off
   c.spike_factor = 3.0  # skip a step whose loss exceeds this x its running mean (0 = off)
   c.spike_min_steps = 50  # ... once this many steps have passed
@@ -73,6 +74,9 @@ def validate_train_config(train: ml_collections.ConfigDict) -> None:
     invalid("train.allow_data_change", train.allow_data_change, "True or False")
   if not isinstance(train.init_from, str):
     invalid("train.init_from", train.init_from, "a workdir path or ''")
+  chunk = train.get("loss_chunk", 0)
+  if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
+    invalid("train.loss_chunk", chunk, "an integer >= 0 that divides data.seq_len (0 = the whole sequence at once)")
   egs = train.get("embedding_grad_shrink", 1.0)
   if isinstance(egs, bool) or not isinstance(egs, (int, float)) or not 0 < egs <= 1:
     invalid("train.embedding_grad_shrink", egs, "a number in (0, 1] (GLM-130B's 0.1; 1 = off)")

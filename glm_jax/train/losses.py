@@ -16,6 +16,8 @@ loss_mask[t..t + k] is 1.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 
@@ -66,30 +68,70 @@ def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array, valid_BT: jax.Ar
   return jnp.sum(nll), jnp.sum(valid_BT).astype(jnp.float32)
 
 
-def lm_and_mtp_losses(logits_BTV: jax.Array, mtp_logits_MBTV: jax.Array | None, batch: dict) -> dict[str, jax.Array]:
+def chunked_cross_entropy(head: Callable[[jax.Array], jax.Array], x_BTD: jax.Array, targets_BT: jax.Array,
+                          valid_BT: jax.Array, chunk: int, with_argmax: bool = False):
+  """cross_entropy(head(x), targets, valid) without the [B, T, V] logits: (nll sum, count), plus the argmax
+  [B, T] with with_argmax. head maps normed hidden states [B, c, D] to fp32 logits [B, c, V]; it runs on `chunk`
+  tokens of each row at a time in a scan whose steps are rematerialized, so the forward and the backward hold one
+  chunk's logits. The chunks are strided (chunk i holds tokens i, i + T/chunk, i + 2 T/chunk, ...): a sequence
+  sharded in contiguous pieces (a context mesh axis) gives every chunk the same number of tokens on each shard.
+  chunk 0 or >= T: one chunk (plain cross_entropy)."""
+  b, t_len, d = x_BTD.shape
+  if chunk <= 0 or chunk >= t_len:
+    logits = head(x_BTD)
+    out = cross_entropy(logits, targets_BT, valid_BT)
+    return (*out, jnp.argmax(logits, axis=-1).astype(jnp.int32)) if with_argmax else out
+  if t_len % chunk:
+    raise ValueError(f"train.loss_chunk={chunk} does not divide the sequence length {t_len}; use a divisor of it "
+                     "(or 0: the whole sequence at once)")
+  n = t_len // chunk
+  strided = lambda a: jnp.moveaxis(a.reshape(b, chunk, n, *a.shape[2:]), 2, 0)  # noqa: E731  [n, B, chunk, ...]
+
+  @jax.checkpoint
+  def one(carry, xs):
+    x, targets, valid = xs
+    logits = head(x)
+    nll, count = cross_entropy(logits, targets, valid)
+    return (carry[0] + nll, carry[1] + count), jnp.argmax(logits, axis=-1).astype(jnp.int32) if with_argmax else None
+
+  zero = jnp.zeros((), jnp.float32)
+  (nll, count), pred = jax.lax.scan(one, (zero, zero), (strided(x_BTD), strided(targets_BT), strided(valid_BT)))
+  if with_argmax:
+    return nll, count, jnp.moveaxis(pred, 0, 2).reshape(b, t_len)
+  return nll, count
+
+
+def lm_and_mtp_losses(logits_BTV: jax.Array, mtp_logits_MBTV: jax.Array | None, batch: dict, *,
+                      head: Callable[[jax.Array], jax.Array] | None = None, chunk: int = 0) -> dict[str, jax.Array]:
   """{"lm_loss", "mtp_loss", "tokens"} of a model batch (input_ids, segment_ids, optionally loss_mask and
   targets: see prediction_targets); mtp_loss is 0 without MTP logits. loss_mask (SFT) keeps the targets it
-  marks."""
+  marks. With `head` (normed hidden states -> fp32 logits), the first two arguments are the normed hidden states
+  [B, T, D] and [n_mtp, B, T, D] and every loss is computed `chunk` tokens of a row at a time
+  (chunked_cross_entropy): no [B, T, V] array."""
+  def nll(x, targets, valid):
+    return cross_entropy(x, targets, valid) if head is None else chunked_cross_entropy(head, x, targets, valid, chunk)
+
   targets, valid = prediction_targets(batch, 0)
-  nll, count = cross_entropy(logits_BTV, targets, valid)
-  out = {"lm_loss": nll / jnp.maximum(count, 1.0), "tokens": count, "mtp_loss": jnp.zeros((), jnp.float32)}
+  total, count = nll(logits_BTV, targets, valid)
+  out = {"lm_loss": total / jnp.maximum(count, 1.0), "tokens": count, "mtp_loss": jnp.zeros((), jnp.float32)}
   if mtp_logits_MBTV is not None:
     losses = []
     for k in range(mtp_logits_MBTV.shape[0]):
       targets, valid = prediction_targets(batch, k + 1)
-      nll_k, count_k = cross_entropy(mtp_logits_MBTV[k], targets, valid)
+      nll_k, count_k = nll(mtp_logits_MBTV[k], targets, valid)
       losses.append(nll_k / jnp.maximum(count_k, 1.0))
     out["mtp_loss"] = jnp.mean(jnp.stack(losses))
   return out
 
 
-def exact_spans(logits_BTV: jax.Array, targets_BT: jax.Array, valid_BT: jax.Array, block_positions_BT: jax.Array
+def exact_spans(predicted_BT: jax.Array, targets_BT: jax.Array, valid_BT: jax.Array, block_positions_BT: jax.Array
                 ) -> dict[str, jax.Array]:
   """{"spans": the blank-infilling spans of the batch, "spans_exact": those whose every valid target is the
-  argmax of its logits}. A span starts where block_positions is 1 (its <sop>) and runs to the next start."""
+  model's prediction there (predicted: the argmax of the logits [B, T])}. A span starts where block_positions is
+  1 (its <sop>) and runs to the next start."""
   starts = (block_positions_BT == 1) & valid_BT
   span_BT = jnp.cumsum(starts, axis=1)  # 1, 2, ... within a row; 0 before its first span
-  wrong = valid_BT & (jnp.argmax(logits_BTV, axis=-1) != targets_BT)
+  wrong = valid_BT & (predicted_BT != targets_BT)
   rows = jnp.arange(span_BT.shape[0])[:, None]
   wrong_span = jnp.zeros((span_BT.shape[0], span_BT.shape[1] + 1), bool).at[rows, span_BT].max(wrong)
   has_span = jnp.zeros_like(wrong_span).at[rows, span_BT].max(starts)

@@ -74,9 +74,13 @@ def _forward_losses(graphdef, params, rest, batch, stage: str, train_cfg, plan=N
   if plan:  # quantization-aware training: the forward sees the packed weights' values (straight-through grads)
     params = fake_quant_params(params, plan)
   model = nnx.merge(graphdef, params, rest)
+  chunk = getattr(train_cfg, "loss_chunk", 0)
   out = model(batch["input_ids"], **model_inputs(batch), indexer_loss=stage in ("warmup", "sparse"),
-              embedding_grad_shrink=getattr(train_cfg, "embedding_grad_shrink", 1.0))
-  m = losses.lm_and_mtp_losses(out.logits, out.mtp_logits, batch)
+              embedding_grad_shrink=getattr(train_cfg, "embedding_grad_shrink", 1.0), return_hidden=chunk > 0)
+  if chunk > 0:  # the head and cross-entropy a chunk of tokens at a time: no [B, T, V] logits
+    m = losses.lm_and_mtp_losses(out.hidden, out.mtp_hidden, batch, head=model.head, chunk=chunk)
+  else:
+    m = losses.lm_and_mtp_losses(out.logits, out.mtp_logits, batch)
   counts = {k: v for k, v in out.aux.items() if k.endswith("expert_counts")}
   if "expert_counts" in out.aux:
     m["balance_loss"] = losses.sequence_balance_loss(out.aux["expert_counts"], out.aux["expert_probs"],
@@ -199,24 +203,26 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, schedule:
                  out_shardings=(state_shardings, None))
 
 
-def make_eval_step(graphdef, quant_plan: dict | None = None) -> Callable:
+def make_eval_step(graphdef, quant_plan: dict | None = None, loss_chunk: int = 0) -> Callable:
   """Returns jitted eval(params, rest, batch) -> {"nll": sum of the targets' NLL, "tokens": number of targets,
   and, for a blank-infilling batch (with "targets"), "spans": its spans, "spans_exact": those whose every target
   (the span's tokens and its <eop>) is the model's argmax}: of the fake-quantized model under a quant plan (which
   computes what its packed form computes), over the targets the batch's loss_mask keeps when it has one. A span is
   exact under teacher forcing exactly when greedy decoding of it reproduces it, so spans_exact / spans is the
-  exact-match rate of greedily filled blanks."""
+  exact-match rate of greedily filled blanks. loss_chunk > 0: the head a chunk of tokens at a time
+  (losses.chunked_cross_entropy)."""
 
   def evaluate(params, rest, batch):
     if quant_plan:
       params = fake_quant_params(params, quant_plan)
     model = nnx.merge(graphdef, params, rest)
-    out = model(batch["input_ids"], **model_inputs(batch), compute_mtp=False)
+    out = model(batch["input_ids"], **model_inputs(batch), compute_mtp=False, return_hidden=True)
     targets, valid = losses.prediction_targets(batch, 0)
-    nll, count = losses.cross_entropy(out.logits, targets, valid)
+    nll, count, predicted = losses.chunked_cross_entropy(model.head, out.hidden, targets, valid, loss_chunk,
+                                                         with_argmax=True)
     result = {"nll": nll, "tokens": count}
     if "targets" in batch:
-      result.update(losses.exact_spans(out.logits, targets, valid, batch["block_positions"]))
+      result.update(losses.exact_spans(predicted, targets, valid, batch["block_positions"]))
     return result
 
   return jax.jit(evaluate)

@@ -145,6 +145,8 @@ def check_config(config: ml_collections.ConfigDict) -> ModelConfig:
   data_lib.validate_data_config(config.data)
   if config.data.batch_size % train.microbatches:
     invalid("train.microbatches", train.microbatches, f"must divide data.batch_size={config.data.batch_size}")
+  if train.get("loss_chunk", 0) and config.data.seq_len % train.loss_chunk:
+    invalid("train.loss_chunk", train.loss_chunk, f"must divide data.seq_len={config.data.seq_len} (or be 0)")
   kind = config.get("trainer", "pretrain")
   data_format = "sft" if kind == "sft" else "lm"
   if config.data.get("format", "lm") != data_format:
@@ -211,7 +213,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, hooks
   plan = training_quant_plan(config, state.params)
   train_step = step_lib.make_train_step(graphdef, optimizer, schedule, train, state_shardings=shardings,
                                         batch_sharding=data_sharding, quant_plan=plan)
-  eval_step = step_lib.make_eval_step(graphdef, plan)
+  eval_step = step_lib.make_eval_step(graphdef, plan, loss_chunk=config.train.get("loss_chunk", 0))
 
   data_iter = data_lib.make_train_iterator(config.data, tokenizer, process_index=jax.process_index(),
                                            process_count=jax.process_count())

@@ -263,10 +263,9 @@ def test_exact_spans_by_hand():
   predicted = GLM_TARGETS.copy()
   predicted[0, 8] = 7
   predicted[0, :4] = 9  # predictions where nothing counts do not matter
-  logits = jax.nn.one_hot(jnp.asarray(predicted), 20)
   targets, valid = losses.prediction_targets(_glm_batch(), 0)
-  out = losses.exact_spans(logits, targets, valid, jnp.asarray(GLM_BLOCKS))
+  out = losses.exact_spans(jnp.asarray(predicted), targets, valid, jnp.asarray(GLM_BLOCKS))
   assert (float(out["spans"]), float(out["spans_exact"])) == (2.0, 1.0)
   predicted[0, 8] = 5
-  out = losses.exact_spans(jax.nn.one_hot(jnp.asarray(predicted), 20), targets, valid, jnp.asarray(GLM_BLOCKS))
+  out = losses.exact_spans(jnp.asarray(predicted), targets, valid, jnp.asarray(GLM_BLOCKS))
   assert (float(out["spans"]), float(out["spans_exact"])) == (2.0, 2.0)
