@@ -31,6 +31,7 @@ def loss_fn(graphdef, rest):
   return loss
 
 
+@pytest.mark.slow  # two compiles of the gradient
 def test_offloaded_remat_gives_the_gradient_without_remat_and_puts_the_layer_inputs_on_the_host():
   cfg = config("offload_layer_inputs")
   ids = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (B, T)), jnp.int32)

@@ -74,6 +74,7 @@ def loss_and_grads(tiny, chunk):
   return compile_fast(jax.jit(fn), tiny.params, tiny.batch)
 
 
+@pytest.mark.slow  # two compiles of the tiny model's gradient
 def test_the_step_loss_and_gradient_with_chunks_equal_the_whole_logits(tiny):
   """The dense stage's loss (LM + MTP + balance) and its gradient of every parameter, chunked (4 tokens of the
   16 at a time) and not; and the chunked program holds no [B, T, V] fp32 array while the plain one does."""
@@ -90,6 +91,7 @@ def test_the_step_loss_and_gradient_with_chunks_equal_the_whole_logits(tiny):
   assert whole not in chunked.as_text() and "f32[4,4,512]" in chunked.as_text()
 
 
+@pytest.mark.slow  # three compiles of the tiny model
 def test_the_eval_step_with_chunks_equals_the_whole_logits():
   """make_eval_step's NLL, token count and span exact-match (a blank-infilling batch) with loss_chunk 4 and 0."""
   graphdef, params, rest = build(model_config(use_dsa=False, rope_2d=True))

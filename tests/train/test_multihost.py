@@ -24,7 +24,9 @@ from tests.helpers import ROOT
 
 OVERRIDES = {"train.steps": 2, "train.log_every": 1, "train.eval_every": 2, "train.checkpoint_every": 2,
              "train.async_checkpoints": False, "train.tensorboard": False, "data.batch_size": 8,
-             "data.seq_len": 64, "data.eval_batches": 1, "mesh.fsdp": -1}
+             "data.seq_len": 64, "data.eval_batches": 1, "mesh.fsdp": -1,
+             # one dense and one MoE layer, no MTP: what is tested is the processes, not the depth
+             "model.num_hidden_layers": 2, "model.num_nextn_predict_layers": 0}
 
 
 def free_port() -> int:
