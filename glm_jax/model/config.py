@@ -66,6 +66,8 @@ class ModelConfig:
   param_dtype: str = "float32"
   moe_capacity_factor: float = 0.0  # 0: dropless (GLM-5); c > 0: each expert takes at most ceil(c * G * K / E)
   #                                   of the (token, slot) pairs of a dispatch group of G tokens, the rest dropped
+  attention_chunk: int = 0  # dense attention (and the DSA warm-up's KL) this many query rows at a time when the
+  #                           sequence is longer, never [B, H, T, S] (glm_jax/model/blockwise.py); 0 = all at once
   remat_policy: str = "none"  # per scanned layer: none | full | dots | dots_with_no_batch_dims |
   #                             offload_layer_inputs (full, with each layer's input kept in host memory)
   scan_unroll: bool = False  # unroll the layer scans: compile time grows with depth, XLA's cost analysis
@@ -158,7 +160,7 @@ class ModelConfig:
     ours = {
         "norm_style", "rope_2d", "rope_interleave", "indexer_rope_interleave", "mla_norm_eps", "index_norm_eps", "use_dsa",
         "attention_impl", "dtype", "param_dtype", "remat_policy", "scan_unroll", "moe_capacity_factor",
-        "rope_theta",
+        "rope_theta", "attention_chunk",
     }
     d = {k: v for k, v in self.to_dict().items() if k not in ours}
     d.update(
@@ -217,7 +219,7 @@ def _validate(c: ModelConfig) -> None:
     v = getattr(c, f)
     if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
       fail(f, "must be a positive integer")
-  for f in ("n_shared_experts", "first_k_dense_replace", "num_nextn_predict_layers"):
+  for f in ("n_shared_experts", "first_k_dense_replace", "num_nextn_predict_layers", "attention_chunk"):
     v = getattr(c, f)
     if not isinstance(v, int) or isinstance(v, bool) or v < 0:
       fail(f, "must be a non-negative integer")

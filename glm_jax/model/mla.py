@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from glm_jax.model import dsa, splash
+from glm_jax.model import blockwise, dsa, splash
 from glm_jax.model.config import ModelConfig
 from glm_jax.model.indexer import Indexer
 from glm_jax.model.kv_cache import LayerCache
@@ -84,7 +84,7 @@ class MLA(nnx.Module):
     # shared rope key's gradient), which XLA:CPU computes through transposed copies of [B, H, T, S] arrays.
     s_BHTS = jnp.einsum("bthk,bshk->bhts", q_BTHP, k_BSHP, preferred_element_type=jnp.float32)
     s_BHTS = jnp.where(mask_BTS[:, None], s_BHTS * cfg.softmax_scale, -jnp.inf)
-    return _safe_softmax(s_BHTS), v_BSHO
+    return blockwise.safe_softmax(s_BHTS), v_BSHO
 
   def mha(self, q_nope, q_rope, ckv_BSC, k_rope_BSR, mask_BTS) -> jax.Array:
     """MHA form: per-head keys and values expanded from the latent. Returns o [B, T, H, O]."""
@@ -117,7 +117,7 @@ class MLA(nnx.Module):
     """Dense attention against the shared 576-wide key; the value is the key's latent part: [B, T, H, R]."""
     s_BHTS = jnp.einsum("bthl,bsl->bhts", q_BTHA, kv_BSA, preferred_element_type=jnp.float32)
     s_BHTS = jnp.where(mask_BTS[:, None], s_BHTS * self.cfg.softmax_scale, -jnp.inf)
-    p_BHTS = _safe_softmax(s_BHTS)
+    p_BHTS = blockwise.safe_softmax(s_BHTS)
     return jnp.einsum("bhts,bsr->bthr", p_BHTS.astype(self.dtype), kv_BSA[..., :self.cfg.kv_lora_rank],
                       preferred_element_type=jnp.float32).astype(self.dtype)
 
@@ -143,7 +143,8 @@ class MLA(nnx.Module):
                                    inp.cos, inp.sin)
       if return_cache:
         aux["cache_index_k"] = k_i
-      if return_index_scores or (indexer_loss and not sparse):
+      if return_index_scores or (indexer_loss and not sparse and not (cfg.attention_chunk
+                                                                      and seq_len > cfg.attention_chunk)):
         scores_BTS = jnp.where(inp.mask, lightning_indexer_scores(q_i, k_i, w_i), -jnp.inf)
       if return_index_scores:
         aux["index_scores"] = scores_BTS
@@ -169,6 +170,17 @@ class MLA(nnx.Module):
       o_BTHO = dsa.dense_causal_attend(*self.mha_qkv(q_nope, q_rope, ckv_BTC, k_rope_BTR), inp.segment_ids,
                                        sm_scale=cfg.softmax_scale,
                                        interpret=dsa.kernel_mode(cfg.attention_impl) == "interpret")
+    elif form == "mha" and cfg.attention_chunk and seq_len > cfg.attention_chunk:
+      # Long sequences: dense attention (and the warm-up's KL) a block of queries at a time, in the absorbed
+      # form, never a [B, H, T, S] array (glm_jax/model/blockwise.py).
+      q_BTHA, kv_BSA = self.absorbed_q_kv(q_nope, q_rope, ckv_BTC, k_rope_BTR)
+      o_lat, kl = blockwise.latent_attention_and_kl(
+          q_BTHA, kv_BSA, (q_i, k_i, w_i) if indexer_loss else None, sm_scale=cfg.softmax_scale,
+          v_dim=cfg.kv_lora_rank, chunk=cfg.attention_chunk, segment_ids_BT=inp.segment_ids,
+          prefix_end_BT=inp.prefix_end, out_dtype=self.dtype)
+      o_BTHO = self.absorbed_out(o_lat)
+      if indexer_loss:
+        aux["indexer_kl"] = kl
     elif form == "mha":
       p_BHTS, v_BSHO = self.mha_probs(q_nope, q_rope, ckv_BTC, k_rope_BTR, inp.mask)
       o_BTHO = self._mha_out(p_BHTS, v_BSHO)
@@ -218,20 +230,4 @@ class MLA(nnx.Module):
 def indexer_kl(p_target_BTS: jax.Array, scores_BTS: jax.Array, valid_BTS: jax.Array) -> jax.Array:
   """mean_t KL(p[t] || softmax(I[t])) over the valid keys, p = the head-summed attention, L1-normalized
   and treated as a constant (DS32's indexer loss, averaged over query tokens instead of summed)."""
-  p = jax.lax.stop_gradient(p_target_BTS.astype(jnp.float32))
-  p = jnp.where(valid_BTS, p, 0.0)
-  p = p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
-  log_q = jax.nn.log_softmax(jnp.where(valid_BTS, scores_BTS, -jnp.inf), axis=-1)
-  terms = jnp.where(valid_BTS & (p > 0), p * (jnp.log(jnp.where(p > 0, p, 1.0)) - log_q), 0.0)
-  return jnp.mean(jnp.sum(terms, axis=-1))
-
-
-def _safe_softmax(s: jax.Array) -> jax.Array:
-  """Softmax over the last axis in fp32; a row with nothing visible gives zeros, not NaN."""
-  # The shift m cancels in p, so its gradient is zero: stopped (as jax.nn.softmax does) rather than autodiff
-  # building the max's argmax-mask gradient, a second [.., T, S] pass that sums to zero.
-  m = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
-  m = jnp.where(jnp.isneginf(m), 0.0, m)
-  p = jnp.exp(s - m)
-  l = jnp.sum(p, axis=-1, keepdims=True)
-  return p / jnp.where(l == 0, 1.0, l)
+  return jnp.mean(blockwise.kl_rows(p_target_BTS, scores_BTS, valid_BTS))
