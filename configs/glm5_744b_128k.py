@@ -1,31 +1,50 @@
-"""glm5_744b's long-context stage: 128K-token sequences in DSA's sparse stage (index_topk 2048 keys a query).
+"""glm5_744b's 128K stage (131,072-token sequences) on v5p-1024, in DSA's sparse stage or, with the `warmup`
+variant, the indexer's dense warm-up:
 
-GLM-5 extends the context 32K -> 128K -> 200K in mid-training, with DSA adapted first (dense warm-up of the
-indexer, then the sparse stage); see docs/glm5_facts.md sections 1 and 3. This config is that step's shape:
+  python launch/compile.py --config=configs/glm5_744b_128k.py --topology=v5p:8x8x8           # sparse (top-2048)
+  python launch/compile.py --config=configs/glm5_744b_128k.py:warmup --topology=v5p:8x8x8    # dense + indexer KL
 
-  python launch/compile.py --config=configs/glm5_744b_128k.py --topology=v5p:8x8x8
-
-It does NOT fit yet, and compile.py says so (fits: false, with XLA's figure). With the DSA kernels
-(attention_impl="pallas", inherited from glm5_744b) XLA asks for 976.6 GiB of temporaries a v5p chip (of 95.7);
-with the pure-jnp reference, which materializes the indexer's [T, S] scores (T = S = 131072, fp32: 64 GiB per
-head-summed score matrix and more per indexer head) and a [T, S] mask, it asked for 3.71 TiB. What is left:
-  1. Context parallelism: a `context` mesh axis splitting each sequence's tokens (and its all-gathered latent
-     KV cache, 576 numbers a token) over chips. With one 128K sequence per chip, the per-layer residual that
-     full remat keeps is 131072 x 6144 bf16 = 1.5 GiB, x 78 layers = 117 GiB, more than a v5p chip's HBM, before
-     any attention. Splitting tokens 8 ways brings that to 15 GiB and n (tokens a chip routes to experts) back
-     to glm5_744b's 16384-token scale.
-  2. Or, without context parallelism, remat offload of those residuals to host memory (jax's
-     save_and_offload_only_these_names) and microbatches.
+GLM-5 extends the context 32K -> 128K -> 200K in mid-training, with DSA adapted first (a dense warm-up of the
+indexer, then the sparse stage); docs/glm5_facts.md sections 1 and 3. The layout:
+  - mesh context=32 x expert=8 x fsdp=2 (512 chips). Context parallelism (glm_jax/model/context_parallel.py)
+    splits each sequence 32 ways, so a chip holds 4,096 of a sequence's tokens, glm5_744b's 4K per-chip scale:
+    the layer-boundary residuals (4,096 x 6,144 bf16 a layer, 3.7 GiB over 78 layers under full remat) and the
+    MoE's routed tokens are the 4K config's. Attention gathers the whole sequence's 576-wide latent key and
+    128-wide indexer key a layer (151 + 34 MB in bf16) and runs the kernels on the chip's two zig-zag chunks.
+    Parameters and optimizer state are split over context as over fsdp (the model dimension over fsdp x context),
+    so the train state stays 1/512 of the model a chip, as in glm5_744b.
+  - batch 16 sequences (the batch axes fsdp x expert = 16): 2.1M tokens a step, glm5_744b's 4K step size.
+  - train.loss_chunk 8,192: the head and cross-entropy a strided chunk of tokens at a time, never the
+    [4,096 x 154,880] fp32 logits a chip whole (2.4 GiB, and as much again for their gradient).
+  - warm-up: dense attention (and the indexer's KL to it) model.attention_chunk=256 query rows at a time, in MLA's
+    absorbed form against the gathered keys ([64 heads, 256, 131,072] fp32 scores a block, 8 GiB), never [T, T].
+Measured figures are in the README ("Long context").
 """
 
 from configs import glm5_744b
 
+VARIANTS = ("warmup",)
 
-def get_config():
+
+def get_config(variant: str = ""):
+  if variant not in ("", *VARIANTS):
+    raise ValueError(f"configs/glm5_744b_128k.py has no variant {variant!r}; its variants: {list(VARIANTS)}")
   config = glm5_744b.get_config()
-  config.name = "glm5_744b_128k"
-  config.data.seq_len = 131072
-  config.data.batch_size = 512  # one sequence per batch shard: 67M tokens a step (GLM-5: 14 x 202752 in warm-up)
-  config.train.dsa_stage = "sparse"
-  config.optimizer.lr = 1e-5  # GLM-5's sparse-stage rate (G5: 20B tokens at 1e-5)
+  config.name = "glm5_744b_128k" + (f"_{variant}" if variant else "")
+  long_context(config, seq_len=131072, batch_size=16, context=32, attention_chunk=256, loss_chunk=8192,
+               warmup=variant == "warmup")
   return config
+
+
+def long_context(config, *, seq_len: int, batch_size: int, context: int, attention_chunk: int, loss_chunk: int,
+                 warmup: bool):
+  """glm5_744b's config for a long-context stage on the same v5p-1024: the sequence, the mesh's context axis, the
+  chunked loss and, for the DSA warm-up, blockwise dense attention."""
+  config.data.seq_len = seq_len
+  config.data.batch_size = batch_size
+  config.mesh.context = context
+  config.mesh.fsdp = -1  # the rest of the slice
+  config.train.loss_chunk = loss_chunk
+  config.model.attention_chunk = attention_chunk
+  config.train.dsa_stage = "warmup" if warmup else "sparse"
+  config.optimizer.lr = 1e-5  # GLM-5's sparse-stage rate (G5: 20B tokens at 1e-5); the warm-up's is not published

@@ -5,9 +5,12 @@ the sharding package.
   data    pure data parallelism
   fsdp    data parallelism that also shards parameters and optimizer state
   expert  MoE experts (tokens are split over it too)
+  context the sequence: each device holds a share of every sequence's tokens (context parallelism,
+          glm_jax/model/context_parallel.py); parameters are split over it as over fsdp
   tensor  attention heads, MLP and expert width, vocabulary
 """
 
-DATA, FSDP, EXPERT, TENSOR = "data", "fsdp", "expert", "tensor"
-MESH_AXES = (DATA, FSDP, EXPERT, TENSOR)
+DATA, FSDP, EXPERT, CONTEXT, TENSOR = "data", "fsdp", "expert", "context", "tensor"
+MESH_AXES = (DATA, FSDP, EXPERT, CONTEXT, TENSOR)
 BATCH_AXES = (DATA, FSDP, EXPERT)  # the axes a batch's leading dimension is split over
+TOKEN_AXES = BATCH_AXES + (CONTEXT,)  # the axes a flattened [B * T] token dimension is split over

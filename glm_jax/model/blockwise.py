@@ -41,18 +41,31 @@ def safe_softmax(s: jax.Array) -> jax.Array:
 
 def latent_attention_and_kl(q_BTHA: jax.Array, kv_BSA: jax.Array, indexer: tuple | None, *, sm_scale: float,
                             v_dim: int, chunk: int, segment_ids_BT: jax.Array, prefix_end_BT: jax.Array | None,
-                            out_dtype) -> tuple[jax.Array, jax.Array | None]:
+                            out_dtype, piece_offsets=(0,), kv_segment_ids_BS: jax.Array | None = None,
+                            head_axis: str | None = None) -> tuple[jax.Array, jax.Array | None]:
   """Causal (prefix-bidirectional with prefix_end) dense attention of the absorbed queries q [B, T, H, A] against
-  the shared keys kv [B, T, A] (T == S: self-attention), `chunk` query rows at a time. Returns (the latent output
-  [B, T, H, v_dim] in out_dtype, and with indexer = (q_i [B, T, Hi, Di], k_i [B, T, Di], w_i [B, T, Hi]) the mean
-  over query rows of the indexer's KL to the head-summed attention, else None)."""
+  the shared keys kv [B, S, A], `chunk` query rows at a time. Returns (the latent output [B, T, H, v_dim] in
+  out_dtype, and with indexer = (q_i [B, T, Hi, Di], k_i [B, S, Di], w_i [B, T, Hi]) each query's KL of the
+  indexer to the head-summed attention [B, T] fp32 (kl_rows), else None).
+
+  Self-attention (the default) has S == T and the queries at positions 0..T-1. Under context parallelism
+  (glm_jax/model/context_parallel.py) q holds a device's queries: len(piece_offsets) equal consecutive pieces of
+  T, piece j's rows at positions piece_offsets[j] + 0, 1, ... (ints or traced scalars) among the S keys, whose
+  segment ids are kv_segment_ids_BS; with the heads split over `head_axis` (a mesh axis, inside a shard_map) the
+  KL's head sum is completed over it."""
   b, t_len, h, a = q_BTHA.shape
-  if t_len % chunk:
-    raise ValueError(f"model.attention_chunk={chunk} does not divide the sequence length {t_len}; use a divisor "
-                     "of it (or 0: every query at once)")
+  s_len = kv_BSA.shape[1]
+  pieces = len(piece_offsets)
+  if t_len % (pieces * chunk):
+    raise ValueError(f"model.attention_chunk={chunk} does not divide the {t_len // pieces} query rows of a "
+                     f"piece (sequence length {t_len} in {pieces} piece(s)); use a divisor of it (or 0: every "
+                     "query at once)")
   n = t_len // chunk
+  per_piece = n // pieces
+  kv_segment_ids_BS = segment_ids_BT if kv_segment_ids_BS is None else kv_segment_ids_BS
   blocks = lambda x: jnp.moveaxis(x.reshape(b, n, chunk, *x.shape[2:]), 1, 0)  # noqa: E731  [n, B, chunk, ...]
-  xs = {"q": blocks(q_BTHA), "seg": blocks(segment_ids_BT), "offset": jnp.arange(n) * chunk}
+  offsets = jnp.concatenate([off + jnp.arange(per_piece, dtype=jnp.int32) * chunk for off in piece_offsets])
+  xs = {"q": blocks(q_BTHA), "seg": blocks(segment_ids_BT), "offset": offsets}
   if prefix_end_BT is not None:
     xs["prefix_end"] = blocks(prefix_end_BT)
   if indexer is not None:
@@ -60,18 +73,21 @@ def latent_attention_and_kl(q_BTHA: jax.Array, kv_BSA: jax.Array, indexer: tuple
     xs["q_i"], xs["w_i"] = blocks(q_i), blocks(w_i)
 
   @jax.checkpoint
-  def one(kl_sum, x):
-    mask_BCS = visible_mask(chunk, t_len, q_offset=x["offset"], q_segment_ids=x["seg"],
-                            kv_segment_ids=segment_ids_BT, q_prefix_end=x.get("prefix_end"))
+  def one(carry, x):
+    mask_BCS = visible_mask(chunk, s_len, q_offset=x["offset"], q_segment_ids=x["seg"],
+                            kv_segment_ids=kv_segment_ids_BS, q_prefix_end=x.get("prefix_end"))
     s_BHCS = jnp.einsum("bchl,bsl->bhcs", x["q"], kv_BSA, preferred_element_type=jnp.float32)
     p_BHCS = safe_softmax(jnp.where(mask_BCS[:, None], s_BHCS * sm_scale, -jnp.inf))
     o_BCHR = jnp.einsum("bhcs,bsr->bchr", p_BHCS.astype(kv_BSA.dtype), kv_BSA[..., :v_dim],
                         preferred_element_type=jnp.float32).astype(out_dtype)
-    if indexer is not None:
-      scores_BCS = jnp.where(mask_BCS, lightning_indexer_scores(x["q_i"], k_i, x["w_i"]), -jnp.inf)
-      kl_sum = kl_sum + jnp.sum(kl_rows(jnp.sum(p_BHCS, axis=1), scores_BCS, mask_BCS))
-    return kl_sum, o_BCHR
+    if indexer is None:
+      return carry, (o_BCHR, None)
+    p_BCS = jnp.sum(p_BHCS, axis=1)
+    if head_axis is not None:
+      p_BCS = jax.lax.psum(jax.lax.stop_gradient(p_BCS), head_axis)  # a constant of the KL (kl_rows)
+    scores_BCS = jnp.where(mask_BCS, lightning_indexer_scores(x["q_i"], k_i, x["w_i"]), -jnp.inf)
+    return carry, (o_BCHR, kl_rows(p_BCS, scores_BCS, mask_BCS))
 
-  kl_sum, o = jax.lax.scan(one, jnp.zeros((), jnp.float32), xs)
+  _, (o, kl) = jax.lax.scan(one, (), xs)
   o_BTHR = jnp.moveaxis(o, 0, 1).reshape(b, t_len, h, v_dim)
-  return o_BTHR, (kl_sum / (b * t_len) if indexer is not None else None)
+  return o_BTHR, (None if kl is None else jnp.moveaxis(kl, 0, 1).reshape(b, t_len))

@@ -63,7 +63,9 @@ def _split_axes(size: int, axes: tuple[str, ...]) -> tuple[str, ...]:
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
     return ()
-  names = tuple(a for a in axes if mesh.shape.get(a, 1) > 1)
+  # Axes already manual (inside a shard_map: context parallelism's, glm_jax/model/context_parallel.py) are
+  # local here: the caller has split over them.
+  names = tuple(a for a in axes if mesh.shape.get(a, 1) > 1 and a not in mesh.manual_axes)
   return names if names and size % math.prod(mesh.shape[a] for a in names) == 0 else ()
 
 

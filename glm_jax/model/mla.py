@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from glm_jax.model import blockwise, dsa, splash
+from glm_jax.model import blockwise, context_parallel, dsa, splash
 from glm_jax.model.config import ModelConfig
 from glm_jax.model.indexer import Indexer
 from glm_jax.model.kv_cache import LayerCache
@@ -31,7 +31,8 @@ class AttentionInputs:
   cos: jax.Array  # [B, T, qk_rope_head_dim / 2]
   sin: jax.Array
   segment_ids: jax.Array  # [B, T] int32; tokens attend only within their segment
-  mask: jax.Array  # [B, T, T] bool: causal (bidirectional over a prefix) and same segment
+  mask: jax.Array | None  # [B, T, T] bool: causal (bidirectional over a prefix) and same segment; None under
+  # context parallelism (glm_jax/model/context_parallel.py), whose attention builds no [T, T] mask
   prefix_end: jax.Array | None = None  # [B, T] int32: key s visible to query t when s <= max(t, prefix_end[t] - 1)
 
 
@@ -136,6 +137,10 @@ class MLA(nnx.Module):
     cq_BTQ, q_nope, q_rope, ckv_BTC, k_rope_BTR = self.project(x_BTD, inp)
     aux: dict[str, jax.Array] = {}
     sparse = self.dsa_active(seq_len)
+    if context_parallel.context_size() > 1:
+      return self._context_parallel(x_BTD, inp, cq_BTQ, q_nope, q_rope, ckv_BTC, k_rope_BTR, sparse=sparse,
+                                    indexer_loss=indexer_loss, unsupported=dict(
+                                        return_index_scores=return_index_scores, return_cache=return_cache))
     if return_cache:
       aux["cache_kv"] = jnp.concatenate([ckv_BTC, k_rope_BTR], axis=-1)
     if sparse or return_index_scores or indexer_loss or (return_cache and cfg.use_dsa):
@@ -180,7 +185,7 @@ class MLA(nnx.Module):
           prefix_end_BT=inp.prefix_end, out_dtype=self.dtype)
       o_BTHO = self.absorbed_out(o_lat)
       if indexer_loss:
-        aux["indexer_kl"] = kl
+        aux["indexer_kl"] = jnp.mean(kl)
     elif form == "mha":
       p_BHTS, v_BSHO = self.mha_probs(q_nope, q_rope, ckv_BTC, k_rope_BTR, inp.mask)
       o_BTHO = self._mha_out(p_BHTS, v_BSHO)
@@ -194,6 +199,31 @@ class MLA(nnx.Module):
       raise ValueError(f"MLA form={form!r}; one of 'mha', 'absorbed'")
     return dense(o_BTHO, self.o_proj, self.dtype, "bthv,hvd->btd"), aux
 
+
+  def _context_parallel(self, x_BTD, inp, cq_BTQ, q_nope, q_rope, ckv_BTC, k_rope_BTR, *, sparse: bool,
+                        indexer_loss: bool, unsupported: dict[str, bool]) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """__call__ under a mesh with a context axis (glm_jax/model/context_parallel.py): every [B, T] operand in the
+    zig-zag layout, attention in the absorbed form (dense: blockwise; DSA: the indexer's top-k and sparse
+    attention), each device's queries against the whole sequence's gathered keys."""
+    cfg = self.cfg
+    for name, asked in unsupported.items():
+      if asked:
+        raise ValueError(f"MLA: {name}=True under context parallelism (mesh.context > 1): it needs whole-sequence "
+                         "[T, S] scores or a whole-sequence cache on one device; run it with mesh.context=1")
+    indexer = None
+    if sparse or indexer_loss:
+      indexer = self.indexer(jax.lax.stop_gradient(x_BTD), jax.lax.stop_gradient(cq_BTQ), inp.cos, inp.sin)
+    q_BTHA, kv_BTA = self.absorbed_q_kv(q_nope, q_rope, ckv_BTC, k_rope_BTR)
+    o_lat, idx_BTK, kl_BT = context_parallel.attention(
+        cfg.attention_impl, q_BTHA, kv_BTA, indexer, segment_ids=inp.segment_ids, prefix_end=inp.prefix_end,
+        sparse=sparse, indexer_loss=indexer_loss, sm_scale=cfg.softmax_scale, v_dim=cfg.kv_lora_rank,
+        topk=cfg.index_topk, chunk=cfg.attention_chunk, out_dtype=self.dtype)
+    aux = {}
+    if sparse:
+      aux["topk_indices"] = idx_BTK
+    if indexer_loss:
+      aux["indexer_kl"] = jnp.mean(kl_BT)
+    return dense(self.absorbed_out(o_lat), self.o_proj, self.dtype, "bthv,hvd->btd"), aux
 
   def decode(self, x_B1D: jax.Array, cos: jax.Array, sin: jax.Array, pos_B: jax.Array, cache: LayerCache
              ) -> tuple[jax.Array, LayerCache]:

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from glm_jax.mesh_axes import TOKEN_AXES
 from glm_jax.model.config import ModelConfig
 from glm_jax.model.grouped_ffn import grouped_ffn
 from glm_jax.model.layers import MLP, dtype_of, param
@@ -84,11 +85,13 @@ class MoE(nnx.Module):
     w_NX, idx_NX, s_NE = route(logits_NE, self.e_score_correction_bias[...], cfg)
     experts = (x_ND, w_NX, idx_NX, self.gate_proj[...], self.up_proj[...], self.down_proj[...], self.dtype)
     mesh = jax.sharding.get_abstract_mesh()
-    if not mesh.empty and mesh.size > 1 and (b * t) % token_shards(mesh) == 0:
+    # B * T flattened: B split over the batch axes, T over context (context parallelism), in that order.
+    if not mesh.empty and mesh.size > 1 and (b * t) % token_shards(mesh, token_axes=TOKEN_AXES) == 0:
       experts = experts[:3] + tuple(_unpacked_for_mesh(w) for w in experts[3:6]) + experts[6:]
       # Under a mesh the experts run in a shard_map: by ragged all-to-all over an expert axis, else each device on
       # its own tokens. (A Mosaic kernel, TPU's grouped matmul, cannot be partitioned by XLA.)
-      y_ND, dropped = expert_parallel_ffn(*experts, mesh=mesh, capacity_factor=cfg.moe_capacity_factor)
+      y_ND, dropped = expert_parallel_ffn(*experts, mesh=mesh, capacity_factor=cfg.moe_capacity_factor,
+                                          token_axes=TOKEN_AXES)
     else:
       y_ND, dropped = grouped_ffn(*experts, capacity_factor=cfg.moe_capacity_factor)
     y_BTD = y_ND.reshape(b, t, d)

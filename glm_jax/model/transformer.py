@@ -24,7 +24,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from glm_jax.model.config import ModelConfig
 from glm_jax.model.kv_cache import KVCache, LayerCache
-from glm_jax.model import deepnorm
+from glm_jax.model import context_parallel, deepnorm
 from glm_jax.model.layers import (MLP, Embed, RMSNorm, check_token_ids, dense, dense_fp32, dtype_of, param, rope_angles,
                                   rope_angles_2d)
 from glm_jax.model.mla import MLA, AttentionInputs
@@ -209,23 +209,30 @@ class GlmMoeDsa(nnx.Module):
     emb_BTD, inp, h, dense_aux, moe_aux = self._decoder(
         input_ids, positions, segment_ids, block_positions, prefix_end, embedding_grad_shrink, form=form,
         return_index_scores=return_index_scores, indexer_loss=indexer_loss)
+    # Under context parallelism the tokens are in the zig-zag layout inside the model (context_parallel.py); every
+    # per-token output goes back to natural order here. (c = 1: both maps are the identity.)
+    c = context_parallel.context_size()
     aux = {k: v for k, v in moe_aux.items() if k.startswith("expert_")}
     for key in ("topk_indices", "index_scores", "indexer_kl"):
       parts = [a[key] for a in (dense_aux, moe_aux) if key in a]
       if parts:
         aux[key] = jnp.concatenate(parts, axis=0)
+    if "topk_indices" in aux:
+      aux["topk_indices"] = context_parallel.from_zigzag(aux["topk_indices"], c, axis=2)
     head = (lambda x: x) if return_hidden else self.head  # noqa: E731
-    logits = head(self.norm(h))
+    logits = context_parallel.from_zigzag(head(self.norm(h)), c)
 
     mtp_logits = None
     if compute_mtp and len(self.mtp):
       outs = []
+      emb_natural = context_parallel.from_zigzag(emb_BTD, c)
       for k, layer in enumerate(self.mtp):
         # Depth k+1 at position i reads the embedding of token i+k+1; positions past the end get a zero
         # embedding (their targets do not exist, the loss masks them).
-        emb_next = jnp.concatenate([emb_BTD[:, k + 1:], jnp.zeros_like(emb_BTD[:, :k + 1])], axis=1)
-        h, normed, mtp_aux = layer(h, emb_next, inp, form=form, indexer_loss=indexer_loss)
-        outs.append(head(normed))
+        emb_next = jnp.concatenate([emb_natural[:, k + 1:], jnp.zeros_like(emb_natural[:, :k + 1])], axis=1)
+        h, normed, mtp_aux = layer(h, context_parallel.to_zigzag(emb_next, c), inp, form=form,
+                                   indexer_loss=indexer_loss)
+        outs.append(context_parallel.from_zigzag(head(normed), c))
         aux.update({f"mtp{k}_{name}": v for name, v in mtp_aux.items() if name.startswith("expert_")})
         if indexer_loss:  # the MTP layer's own indexer learns the same KL
           aux["indexer_kl"] = jnp.concatenate([aux["indexer_kl"], mtp_aux["indexer_kl"][None]])
@@ -262,9 +269,18 @@ class GlmMoeDsa(nnx.Module):
       positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     if segment_ids is None:
       segment_ids = jnp.zeros((b, t), jnp.int32)
+    c = context_parallel.context_size()
+    if c > 1:  # context parallelism: the tokens in the zig-zag layout, attention without a [T, T] mask
+      context_parallel.check(t, c, attention_chunk=cfg.attention_chunk, attention_impl=cfg.attention_impl,
+                             use_dsa=cfg.use_dsa, index_topk=cfg.index_topk)
+      input_ids, positions, segment_ids, block_positions, prefix_end = (
+          None if x is None else context_parallel.to_zigzag(x, c)
+          for x in (input_ids, positions, segment_ids, block_positions, prefix_end))
+      mask = None
+    else:
+      mask = visible_mask(t, t, causal=True, q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
+                          q_prefix_end=prefix_end)
     cos, sin = self.rope(positions, block_positions)
-    mask = visible_mask(t, t, causal=True, q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
-                        q_prefix_end=prefix_end)
     inp = AttentionInputs(cos=cos, sin=sin, segment_ids=segment_ids, mask=mask, prefix_end=prefix_end)
     emb_BTD = self.embed_tokens(input_ids)
     if not isinstance(embedding_grad_shrink, (int, float)) or embedding_grad_shrink != 1.0:  # GLM-130B's EGS:

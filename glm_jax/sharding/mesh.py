@@ -1,8 +1,9 @@
 """The device mesh and the one table that maps the model's logical axis names onto it.
 
 Mesh axes (config.mesh): data (pure data parallelism), fsdp (data parallelism that also shards parameters
-and optimizer state), expert (MoE experts; tokens are split over it too), tensor (attention heads, MLP and
-expert width, vocabulary). A size of -1 takes the remaining devices.
+and optimizer state), expert (MoE experts; tokens are split over it too), context (the sequence: context
+parallelism, glm_jax/model/context_parallel.py; parameters and optimizer state are split over it too, as over
+fsdp), tensor (attention heads, MLP and expert width, vocabulary). A size of -1 takes the remaining devices.
 
 Axis types are Auto: shardings are given for the state and the batch and GSPMD propagates them through the
 step. Explicit axes (jax 0.10's make_mesh default) would type every intermediate's sharding and require
@@ -21,14 +22,17 @@ import ml_collections
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from glm_jax.mesh_axes import BATCH_AXES, MESH_AXES
+from glm_jax.mesh_axes import BATCH_AXES, CONTEXT, MESH_AXES
 
 
-# Logical axis name (the model's parameter metadata) -> mesh axis, or None for replicated.
-LOGICAL_AXIS_RULES: dict[str, str | None] = {
+# Logical axis name (the model's parameter metadata) -> mesh axis (or axes, major first), or None for replicated.
+# The model dimension is split over context as well as fsdp: a context axis holds whole sequences' worth of
+# devices that would otherwise each keep a full replica of the fsdp shard (the 128K configs' context=8 would
+# multiply parameter and optimizer memory by 8).
+LOGICAL_AXIS_RULES: dict[str, str | tuple[str, ...] | None] = {
     "layers": None,
     "vocab": "tensor",
-    "embed": "fsdp",
+    "embed": ("fsdp", CONTEXT),
     "mlp": "tensor",
     "heads": "tensor",
     "index_heads": "tensor",
@@ -36,8 +40,8 @@ LOGICAL_AXIS_RULES: dict[str, str | None] = {
     "kv_head_dim": None,
     "v_head_dim": None,
     "index_head_dim": None,
-    "q_lora": "fsdp",  # q_b_proj, kv_b_proj and the indexer's wq_b have no embed axis: without these their
-    "kv_lora": "fsdp",  # stacks (9.4 GiB fp32 each for glm5_744b) would sit whole on every chip under tensor=1
+    "q_lora": ("fsdp", CONTEXT),  # q_b_proj, kv_b_proj and the indexer's wq_b have no embed axis: without these their
+    "kv_lora": ("fsdp", CONTEXT),  # stacks (9.4 GiB fp32 each for glm5_744b) would sit whole on every chip under tensor=1
     "experts": "expert",
     "expert_mlp": "tensor",
     "experts_router": None,
@@ -49,7 +53,7 @@ LOGICAL_AXIS_RULES: dict[str, str | None] = {
 def default_mesh_config() -> ml_collections.ConfigDict:
   """Fully sharded data parallelism over whatever devices there are (-1 = the remaining devices); one device
   trains unsharded."""
-  return ml_collections.ConfigDict(dict(data=1, fsdp=-1, expert=1, tensor=1))
+  return ml_collections.ConfigDict(dict(data=1, fsdp=-1, expert=1, context=1, tensor=1))
 
 
 def mesh_shape(mesh_cfg: Mapping[str, int], n_devices: int) -> tuple[int, ...]:
@@ -84,30 +88,62 @@ def make_mesh(mesh_cfg: Mapping[str, int], devices: Sequence[Any] | None = None)
   return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
-def logical_to_spec(axes: Sequence[str | None], rules: Mapping[str, str | None] = LOGICAL_AXIS_RULES) -> P:
+def entry_axes(entry: str | tuple[str, ...] | None) -> tuple[str, ...]:
+  """The mesh axes of one PartitionSpec entry, as a tuple (() for a replicated dimension)."""
+  if entry is None:
+    return ()
+  return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def logical_to_spec(axes: Sequence[str | None],
+                    rules: Mapping[str, str | tuple[str, ...] | None] = LOGICAL_AXIS_RULES) -> P:
   """A PartitionSpec for logical axes; a mesh axis used twice keeps only its first use."""
   used, out = set(), []
   for name in axes:
     if name is not None and name not in rules:
       raise ValueError(f"logical axis {name!r} has no rule; add it to LOGICAL_AXIS_RULES ({sorted(rules)})")
-    mesh_axis = rules.get(name) if name is not None else None
-    if mesh_axis in used:
-      mesh_axis = None
-    if mesh_axis is not None:
-      used.add(mesh_axis)
-    out.append(mesh_axis)
+    mesh_axes = tuple(a for a in entry_axes(rules.get(name) if name is not None else None) if a not in used)
+    used.update(mesh_axes)
+    out.append(None if not mesh_axes else mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes)
   return P(*out)
 
 
+def spec_for_mesh(spec: P, mesh) -> P:
+  """`spec` with each multi-axis entry reduced to the axes of size > 1 in `mesh` (a bare name when one is left,
+  the first name when none is): the same layout, written as for a mesh without those axes (so a mesh whose context
+  axis has size 1 gives the specs of one without a context axis)."""
+  out = []
+  for entry in spec:
+    axes = entry_axes(entry)
+    if len(axes) > 1:
+      kept = tuple(a for a in axes if mesh.shape.get(a, 1) > 1) or axes[:1]
+      entry = kept[0] if len(kept) == 1 else kept
+    out.append(entry)
+  return P(*out)
+
+
+def divisible_spec(spec: P, shape: Sequence[int], mesh) -> P:
+  """`spec` for `mesh` (spec_for_mesh) with the entries whose mesh axes do not divide their dimension replicated
+  (an optimizer-state leaf shaped unlike its parameter; a matrix whose row count no axis product divides)."""
+  spec = spec_for_mesh(spec, mesh)
+  return P(*(e if all(a in mesh.shape for a in entry_axes(e))
+             and d % math.prod(mesh.shape[a] for a in entry_axes(e)) == 0 else None for e, d in zip(spec, shape)))
+
+
 def checked_spec(spec: P, shape: Sequence[int], mesh: Mesh, what: str) -> P:
-  """`spec`, after checking every sharded dimension divides by its mesh axis size (else a clear error)."""
-  for dim, axis in zip(shape, spec):
-    if axis is not None and dim % mesh.shape[axis]:
-      raise ValueError(f"{what}: dimension of size {dim} is sharded over mesh axis {axis!r} of size "
-                       f"{mesh.shape[axis]}, which does not divide it; change config.mesh.{axis} or the model size")
+  """`spec` for `mesh` (spec_for_mesh), after checking every sharded dimension divides by its mesh axes' size
+  (else a clear error)."""
+  spec = spec_for_mesh(spec, mesh)
+  for dim, entry in zip(shape, spec):
+    axes = entry_axes(entry)
+    size = math.prod(mesh.shape[a] for a in axes)
+    if axes and dim % size:
+      over = f"mesh axis {axes[0]!r}" if len(axes) == 1 else f"mesh axes {axes}"
+      raise ValueError(f"{what}: dimension of size {dim} is sharded over {over} of size {size}, which does not "
+                       f"divide it; change config.mesh.{' / config.mesh.'.join(axes)} or the model size")
   return spec
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-  """Batches [B, T]: B split over every batch-like axis."""
-  return NamedSharding(mesh, P(BATCH_AXES, None))
+  """Batches [B, T]: B split over every batch-like axis, T over the context axis."""
+  return NamedSharding(mesh, P(BATCH_AXES, CONTEXT))

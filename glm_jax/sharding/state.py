@@ -16,7 +16,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from glm_jax.sharding.mesh import checked_spec, logical_to_spec
+from glm_jax.sharding.mesh import checked_spec, divisible_spec, logical_to_spec
 from glm_jax.tree_paths import path_names, path_str
 
 
@@ -36,7 +36,7 @@ def _spec_for_leaf(names: tuple, shape: tuple, specs: dict[tuple, P], mesh: Mesh
   for start in range(len(names)):
     spec = specs.get(names[start:])
     if spec is not None and len(spec) == len(shape):
-      return P(*(a if a is None or d % mesh.shape[a] == 0 else None for a, d in zip(spec, shape)))
+      return divisible_spec(spec, shape, mesh)
   return P()
 
 

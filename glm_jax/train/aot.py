@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from glm_jax.model import param_counts
-from glm_jax.model import splash
+from glm_jax.mesh_axes import CONTEXT
+from glm_jax.model import context_parallel, param_counts, splash
 from glm_jax.model.grouped_matmul import megablox_grid_cost
 from glm_jax.model.platform import target_platform
 from glm_jax.sharding import hlo_cost
@@ -67,6 +67,9 @@ def compile_train_step(config: ml_collections.ConfigDict, devices: Sequence[Any]
   if unrolled:
     model_cfg = model_cfg.replace(scan_unroll=True)
   mesh = make_mesh(config.mesh, devices)
+  context_parallel.check(config.data.seq_len, mesh.shape[CONTEXT], attention_chunk=model_cfg.attention_chunk,
+                         attention_impl=model_cfg.attention_impl, use_dsa=model_cfg.use_dsa,
+                         index_topk=model_cfg.index_topk)
   data_sharding = batch_sharding(mesh)
   b, t = config.data.batch_size, config.data.seq_len
   batch_shards = math.prod(mesh.shape[a] for a in data_sharding.spec[0])

@@ -25,10 +25,9 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import PartitionSpec as P
 from optax.contrib import MuonState
 
-from glm_jax.sharding.mesh import logical_to_spec
+from glm_jax.sharding.mesh import divisible_spec, entry_axes, logical_to_spec
 from glm_jax.train.param_plan import MuonLayout, matrix_axes
 
 
@@ -111,24 +110,29 @@ def orthogonalize(x: jax.Array, layout: MuonLayout, ns_coeffs: jax.Array, ns_ste
     xl = xl.reshape((b,) + xl.shape[len(batch_axes):])
     group = math.prod(mesh.shape[a] for _, axes in matrix_sharding for a in axes)
     xl = jnp.pad(xl, ((0, -b % group),) + ((0, 0),) * (xl.ndim - 1))
-    for pos, axes in matrix_sharding:  # batch split, matrix dimension gathered
-      xl = jax.lax.all_to_all(xl, axes, 0, pos, tiled=True)
+    # Batch split, matrix dimension gathered: one all-to-all per mesh axis, the minor axis of a dimension split
+    # over several (the model dimension over fsdp x context) first, so the gathered blocks come in major-to-minor
+    # order. (One all-to-all over an axis tuple is the same exchange, but XLA:CPU's verifier rejects the tuple
+    # all-to-all it lowers to at optimization level 0.) The way back undoes each exchange in reverse.
+    exchanges = [(pos, a) for pos, axes in matrix_sharding for a in reversed(axes)]
+    for pos, a in exchanges:
+      xl = jax.lax.all_to_all(xl, a, 0, pos, tiled=True)
     if replicas:
       y = _split_over_replicas(xl, replicas, lambda part: _newton_schulz(part, n_in, ns_coeffs, ns_steps, eps))
     else:
       y = _newton_schulz(xl, n_in, ns_coeffs, ns_steps, eps)
-    for pos, axes in reversed(matrix_sharding):
-      y = jax.lax.all_to_all(y, axes, pos, 0, tiled=True)
+    for pos, a in reversed(exchanges):
+      y = jax.lax.all_to_all(y, a, pos, 0, tiled=True)
     return y[:b].reshape(batch_shape + y.shape[1:]).transpose(inverse)
 
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or mesh.size == 1 or layout.logical_axes is None or len(layout.logical_axes) != ndim:
     return local_orthogonalize(x)
-  spec = logical_to_spec(layout.logical_axes)
-  spec = P(*(a if a in mesh.axis_names and d % mesh.shape[a] == 0 else None for a, d in zip(spec, x.shape)))
-  used = {a for a in spec if a is not None}
-  matrix_sharding = tuple((1 + order[len(batch_axes):].index(i), (spec[i],))
-                          for i in matrix_in + matrix_out if spec[i] is not None and mesh.shape[spec[i]] > 1)
+  spec = divisible_spec(logical_to_spec(layout.logical_axes), x.shape, mesh)
+  used = {a for e in spec for a in entry_axes(e)}
+  matrix_sharding = tuple((1 + order[len(batch_axes):].index(i), entry_axes(spec[i]))
+                          for i in matrix_in + matrix_out
+                          if math.prod(mesh.shape[a] for a in entry_axes(spec[i])) > 1)
   replicas = tuple(a for a in mesh.axis_names if a not in used and mesh.shape[a] > 1)
   fn = functools.partial(local_orthogonalize, matrix_sharding=matrix_sharding, replicas=replicas)
   return jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)(x)

@@ -24,7 +24,7 @@ from flax import nnx
 
 from glm_jax import data as data_lib
 from glm_jax.data.config import check_process_split
-from glm_jax.model import GlmMoeDsa, ModelConfig, param_counts
+from glm_jax.model import GlmMoeDsa, ModelConfig, context_parallel, param_counts
 from glm_jax.model.quantization import WEIGHT_ONLY, check_quant_config, quant_plan
 from glm_jax.sharding.mesh import batch_sharding, make_mesh
 from glm_jax.sharding.state import create_sharded
@@ -147,6 +147,11 @@ def check_config(config: ml_collections.ConfigDict) -> ModelConfig:
     invalid("train.microbatches", train.microbatches, f"must divide data.batch_size={config.data.batch_size}")
   if train.get("loss_chunk", 0) and config.data.seq_len % train.loss_chunk:
     invalid("train.loss_chunk", train.loss_chunk, f"must divide data.seq_len={config.data.seq_len} (or be 0)")
+  context = config.mesh.get("context", 1) if "mesh" in config else 1
+  if context > 1:  # context parallelism's sizes, named before any compile
+    context_parallel.check(config.data.seq_len, context, attention_chunk=model_cfg.attention_chunk,
+                           attention_impl=model_cfg.attention_impl, use_dsa=model_cfg.use_dsa,
+                           index_topk=model_cfg.index_topk)
   kind = config.get("trainer", "pretrain")
   data_format = "sft" if kind == "sft" else "lm"
   if config.data.get("format", "lm") != data_format:

@@ -42,7 +42,7 @@ def inputs():
       prefix_end
 
 
-@pytest.mark.parametrize("chunk", [1, 3, 4, 12])
+@pytest.mark.parametrize("chunk", [1, 4])  # one row a block (the most steps), and a block of several
 def test_blocks_equal_the_whole_matrix_values_and_gradients(chunk):
   arrays, seg, prefix_end = inputs()
   probe = jnp.asarray(np.random.default_rng(1).standard_normal((B, T, H, R)), jnp.float32)
@@ -51,6 +51,7 @@ def test_blocks_equal_the_whole_matrix_values_and_gradients(chunk):
     out, kl = blockwise.latent_attention_and_kl(
         q, kv, (q_i, k_i, w_i), sm_scale=SCALE, v_dim=R, chunk=chunk, segment_ids_BT=jnp.asarray(seg),
         prefix_end_BT=jnp.asarray(prefix_end), out_dtype=jnp.float32)
+    kl = jnp.mean(kl)  # per query row -> the loss's mean
     return jnp.sum(out * probe) + kl, (out, kl)
 
   def plain(*arrays):
@@ -67,7 +68,7 @@ def test_blocks_equal_the_whole_matrix_values_and_gradients(chunk):
 
 def test_a_chunk_that_does_not_divide_is_named():
   (q, kv, *_), seg, _ = inputs()
-  with pytest.raises(ValueError, match=r"model.attention_chunk=5 does not divide the sequence length 12"):
+  with pytest.raises(ValueError, match=r"model.attention_chunk=5 does not divide the 12 query rows"):
     blockwise.latent_attention_and_kl(q, kv, None, sm_scale=SCALE, v_dim=R, chunk=5,
                                       segment_ids_BT=jnp.asarray(seg), prefix_end_BT=None, out_dtype=jnp.float32)
 

@@ -74,6 +74,7 @@ def test_prefix_is_bidirectional_and_the_rest_causal(changes):
     assert (moved[start:end] == 0).all() and (moved[:after] == 0).all() and moved[after] > 1e-6
 
 
+@pytest.mark.slow  # four model compiles (the fast tier checks the prefix in test_prefix_is_bidirectional_...)
 def test_no_prefix_equals_causal_and_rope_2d_with_zero_blocks_equals_half_rotated():
   """prefix_end all 0 is the causal model exactly; without block positions the 2-D rope uses 0 for them."""
   model = make_model(CFG)

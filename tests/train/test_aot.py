@@ -69,7 +69,7 @@ def test_compile_prints_one_json_line_that_fits():
   assert out.returncode == 0, out.stderr[-3000:]
   report = json.loads(out.stdout.strip().splitlines()[-1])
   assert report["chips"] == 4 and report["device_kind"] == "TPU v5" and report["fits"] is True
-  assert report["mesh"] == {"data": 1, "fsdp": 2, "expert": 2, "tensor": 1}
+  assert report["mesh"] == {"data": 1, "fsdp": 2, "expert": 2, "context": 1, "tensor": 1}
   assert report["tokens_per_step"] == 8 * 64
   b = report["per_chip_bytes"]
   assert b["total"] == b["arguments"] + b["outputs"] + b["temporaries"] + b["generated_code"] - b["aliased"]

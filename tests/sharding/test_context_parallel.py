@@ -1,0 +1,218 @@
+"""Context parallelism (glm_jax/model/context_parallel.py): the zig-zag layout, the size checks, and, on 8 simulated
+CPU devices, one train step with the sequence split over the context axis equal to one device in the dense, warm-up
+and sparse stages (loss, updated parameters, the indexer's selected keys), and glm5_tiny's training loop with
+mesh.context=2 logging the one-device losses.
+
+As in test_mesh.py, a normal run (one device) collects a single slow test that reruns this file with 8 simulated
+devices in a subprocess, where the multi-device tests run."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+from flax import nnx
+
+from configs import glm5_tiny
+from glm_jax.model import context_parallel
+from glm_jax.sharding.mesh import batch_sharding, make_mesh
+from glm_jax.sharding.topology import install_hint, libtpu_installed, tpu_topology_devices
+from glm_jax.train import step as step_lib
+from glm_jax.train.config import model_config_for_stage
+from glm_jax.train.trainer import check_config, create_train_state
+from tests.helpers import ROOT
+from tests.sharding.test_mesh import FAST_COMPILE, STEP_TOLERANCE, sharded_step
+
+MULTI_DEVICE = jax.device_count() >= 8
+multi_device = pytest.mark.skipif(not MULTI_DEVICE, reason="runs inside test_on_8_simulated_devices")
+
+
+@pytest.mark.slow  # 8 simulated devices in a subprocess: ~5 minutes here
+@pytest.mark.skipif(MULTI_DEVICE, reason="already on 8 devices")
+def test_on_8_simulated_devices(tmp_path):
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
+         "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax_cache"), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+  proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__)],
+                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+  print(proc.stdout[-3000:])
+  assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+  assert " passed" in proc.stdout.splitlines()[-1]
+
+
+def test_zigzag_gives_each_device_an_early_and_a_late_chunk():
+  # c = 2, T = 8: chunks of 2 tokens [0 1] [2 3] [4 5] [6 7]; device 0 holds chunks 0 and 3, device 1 chunks 1 and 2.
+  x = jnp.arange(8)[None]
+  np.testing.assert_array_equal(context_parallel.to_zigzag(x, 2), [[0, 1, 6, 7, 2, 3, 4, 5]])
+  # c = 4, T = 8, along another axis: device i holds tokens i and 7 - i.
+  y = jnp.arange(16).reshape(2, 8).T[None]  # [1, 8, 2]
+  np.testing.assert_array_equal(context_parallel.to_zigzag(y, 4, axis=1)[0, :, 0], [0, 7, 1, 6, 2, 5, 3, 4])
+  for c, t in ((2, 8), (4, 8), (4, 24), (3, 12)):
+    z = jax.random.normal(jax.random.key(c), (2, t, 3))
+    np.testing.assert_array_equal(context_parallel.from_zigzag(context_parallel.to_zigzag(z, c), c), z)
+  np.testing.assert_array_equal(context_parallel.to_zigzag(x, 1), x)  # no context axis: the identity
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(seq_len=36, c=4), r"seq_len=36 must divide into 2 x mesh.context = 8 equal chunks"),
+    (dict(seq_len=64, c=4, attention_chunk=3),
+     r"model.attention_chunk=3 must divide each device's chunk of seq_len / \(2 x mesh.context\) = 64 / 8 = 8"),
+    (dict(seq_len=131072, c=8, attention_impl="reference", use_dsa=True, index_topk=2048),
+     r"attention_impl='reference' builds the indexer's \[T / c, T\] fp32 scores, 16384 x 131072 x 4 B = 8.0 GiB"),
+])
+def test_sizes_context_parallelism_cannot_serve_are_named(kwargs, message):
+  seq_len, c = kwargs.pop("seq_len"), kwargs.pop("c")
+  with pytest.raises(ValueError, match=message):
+    context_parallel.check(seq_len, c, **kwargs)
+  context_parallel.check(seq_len, 1, **kwargs)  # no context axis: nothing to check
+
+
+def test_the_trainer_names_context_sizes_before_any_work():
+  config = glm5_tiny.get_config()
+  config.mesh = ml_collections.ConfigDict(dict(fsdp=1, context=3))
+  with pytest.raises(ValueError, match=r"seq_len=128 must divide into 2 x mesh.context = 6"):
+    check_config(config)
+
+
+def stage_config(stage: str):
+  config = glm5_tiny.get_config()
+  config.data.seq_len = 64
+  config.train.dsa_stage = stage
+  # Dense attention a block of 8 queries at a time (glm_jax/model/blockwise.py) on one device as on the mesh, whose
+  # dense attention always runs that way; the sparse stage through the DSA kernels (interpret mode), as on TPU.
+  config.model.attention_chunk = 8
+  config.model.attention_impl = "pallas" if stage == "sparse" else "reference"
+  config.optimizer.warmup_steps = 0  # the first step at the full learning rate: the update is not zero
+  return config
+
+
+def two_documents(b: int, t: int) -> dict:
+  """Random tokens, two packed documents a row (the boundary inside a zig-zag chunk), positions restarting."""
+  rng = np.random.default_rng(0)
+  cut = 5 * t // 8 - 3
+  return {"input_ids": jnp.asarray(rng.integers(0, 512, (b, t)), jnp.int32),
+          "segment_ids": jnp.asarray(np.repeat([[1] * cut + [2] * (t - cut)], b, axis=0), jnp.int32),
+          "positions": jnp.asarray(np.repeat([list(range(cut)) + list(range(t - cut))], b, axis=0), jnp.int32)}
+
+
+@pytest.fixture(scope="module")
+def one_device():
+  """{stage: namespace of one train step on one device} (test_mesh's single_device_step for each stage)."""
+  import types
+  out = {}
+  for stage in ("dense", "warmup", "sparse"):
+    config = stage_config(stage)
+    batch = two_documents(4, config.data.seq_len)
+    graphdef, state, optimizer, schedule = create_train_state(config, model_config_for_stage(config))
+    init = jax.device_get(state)
+    step = step_lib.make_train_step(graphdef, optimizer, schedule, config.train)
+    new, metrics = step.lower(state, batch).compile(compiler_options=FAST_COMPILE)(state, batch)
+    out[stage] = types.SimpleNamespace(config=config, graphdef=graphdef, optimizer=optimizer, schedule=schedule,
+                                       batch=batch, init=init, loss=float(metrics["loss"]),
+                                       metrics=jax.device_get(metrics), params=jax.device_get(new.params))
+  return out
+
+
+MESHES = [{"fsdp": 2, "context": 4}, {"fsdp": 2, "expert": 2, "context": 2}]
+
+
+@multi_device
+@pytest.mark.parametrize("mesh_cfg", MESHES, ids=lambda m: "x".join(f"{k}{v}" for k, v in m.items()))
+@pytest.mark.parametrize("stage", ["dense", "warmup", "sparse"])
+def test_context_parallel_step_equals_one_device(one_device, stage, mesh_cfg):
+  """One train step from the same state with each sequence split over the context axis (zig-zag chunks, keys
+  gathered, kernels on each device's queries) gives the one-device loss, indexer KL and updated parameters (to 1% of
+  one step, as in test_mesh.py: the first Adam step divides each gradient entry by its own size)."""
+  ref = one_device[stage]
+  mesh = make_mesh(mesh_cfg)
+  state, step = sharded_step(ref, mesh)
+  batch = jax.device_put(ref.batch, batch_sharding(mesh))
+  assert batch["input_ids"].sharding.spec[1] == "context"
+  with jax.set_mesh(mesh):
+    compiled = step.lower(state, batch).compile(compiler_options=FAST_COMPILE)
+    new, metrics = compiled(state, batch)
+  assert "all-gather" in compiled.as_text()  # the keys, gathered over the context axis
+  # (The warm-up's loss is the indexer KL alone, ~6e-5 here: a sum of O(1) terms that cancel, so to 1e-8 absolute.)
+  assert float(metrics["loss"]) == pytest.approx(ref.loss, rel=2e-6, abs=1e-8)
+  if stage != "dense":
+    assert float(metrics["indexer_kl"]) == pytest.approx(float(ref.metrics["indexer_kl"]), rel=2e-6, abs=1e-8)
+  for a, b in zip(jax.tree.leaves(jax.device_get(new.params)), jax.tree.leaves(ref.params)):
+    np.testing.assert_allclose(a, b, atol=STEP_TOLERANCE * ref.config.optimizer.lr, rtol=1e-5)
+
+
+@multi_device
+def test_selected_keys_equal_one_device(one_device):
+  """The sparse stage's forward: every layer's top-k keys (natural-order positions) on the context-parallel mesh are
+  the one-device indices, and the logits agree."""
+  ref = one_device["sparse"]
+  model = nnx.merge(ref.graphdef, ref.init.params, ref.init.rest)
+
+  @jax.jit
+  def forward(batch):
+    out = model(batch["input_ids"], positions=batch["positions"], segment_ids=batch["segment_ids"])
+    return out.logits, out.aux["topk_indices"]
+
+  logits, idx = forward(ref.batch)
+  mesh = make_mesh(MESHES[0])
+  with jax.set_mesh(mesh):
+    got_logits, got_idx = forward(jax.device_put(ref.batch, batch_sharding(mesh)))
+  assert idx.shape[-1] == ref.config.model.index_topk and bool(jnp.any(idx[..., -1] >= 0))  # top-k did select
+  np.testing.assert_array_equal(np.asarray(got_idx), np.asarray(idx))
+  np.testing.assert_allclose(np.asarray(got_logits), np.asarray(logits), atol=1e-5, rtol=1e-5)
+
+
+@multi_device
+def test_glm5_tiny_trains_with_context_2(tmp_path):
+  """glm5_tiny's training loop (global batches, eval, checkpoint) with --config.mesh.context=2 over fsdp x context
+  logs the one-device losses."""
+  from glm_jax.train.trainer import train_and_evaluate
+
+  def run(workdir, mesh=None):
+    config = glm5_tiny.get_config()
+    config.data.batch_size, config.data.eval_batches, config.data.cache_dir = 8, 1, str(tmp_path / "cache")
+    for k, v in dict(steps=3, log_every=1, eval_every=100, checkpoint_every=3, tensorboard=False).items():
+      config.train[k] = v
+    if mesh:
+      config.mesh = ml_collections.ConfigDict(mesh)
+    else:
+      del config["mesh"]
+    summary = train_and_evaluate(config, str(workdir))
+    with open(workdir / "metrics.jsonl") as f:
+      return summary, [r["loss"] for r in map(json.loads, f) if "loss" in r]
+
+  single, losses_1 = run(tmp_path / "one")
+  meshed, losses_8 = run(tmp_path / "mesh", {"fsdp": 4, "context": 2})
+  np.testing.assert_allclose(losses_8, losses_1, rtol=1e-5)
+  assert meshed["eval_loss"] == pytest.approx(single["eval_loss"], rel=1e-5)
+
+
+@pytest.mark.skipif(not libtpu_installed(), reason=f"libtpu is not installed: {install_hint()}")
+@pytest.mark.slow  # two TPU compiles of a 16K-token train step
+@pytest.mark.parametrize("stage", ["warmup", "sparse"])
+def test_the_long_context_tpu_step_holds_no_sequence_by_sequence_array(stage):
+  """glm5_tiny's train step at 16,384 tokens, compiled for v5p:2x2x1 with the sequence over a context axis of 4 (the
+  128K configs' recipe: the DSA kernels, blockwise warm-up attention and KL, the chunked loss, offloaded layer
+  inputs): no array in the TPU program has two dimensions as long as a device's chunk of the sequence (2,048
+  tokens; every model dimension is shorter), where one device's [T, S] mask, scores or KL target would have two,
+  and the layer inputs sit in host memory (S(5) buffers)."""
+  from glm_jax.train import aot
+  t, c = 16384, 4
+  config = glm5_tiny.get_config()
+  config.data.seq_len, config.data.batch_size = t, 1
+  config.mesh = ml_collections.ConfigDict(dict(fsdp=1, context=c))
+  config.train.dsa_stage, config.train.loss_chunk = stage, 2048
+  config.model.update(attention_impl="pallas", attention_chunk=256, remat_policy="offload_layer_inputs")
+  step = aot.compile_train_step(config, tpu_topology_devices("v5p:2x2x1"))
+  assert step.error is None, step.error
+  hlo = step.compiled.as_text()
+  piece = t // (2 * c)
+  shapes = {s for s in re.findall(r"\b[a-z]+[0-9]*\[([0-9,]+)\]", hlo)}
+  long_dims = {s for s in shapes if sum(int(d) >= piece for d in s.split(",") if d) >= 2}
+  assert not long_dims, sorted(long_dims)[:10]
+  assert any(int(d) >= piece for s in shapes for d in s.split(",") if d)  # the sequence is there, in one dimension
+  assert re.search(r"\{[^}]*S\(5\)\}", hlo)  # host-memory buffers: the offloaded layer inputs
