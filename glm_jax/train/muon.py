@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import optax
 from optax.contrib import MuonState
 
+from glm_jax.model.platform import current_platform
 from glm_jax.sharding.mesh import divisible_spec, entry_axes, logical_to_spec
 from glm_jax.train.param_plan import MuonLayout, matrix_axes
 
@@ -58,6 +59,18 @@ def _newton_schulz(x: jax.Array, n_matrix_in: int, ns_coeffs: jax.Array, ns_step
   shape = x.shape
   m = math.prod(shape[1:1 + n_matrix_in])
   return newton_schulz(x.reshape(shape[0], m, -1), ns_coeffs, ns_steps, eps).reshape(shape)
+
+
+def _exchange(x: jax.Array, axes: tuple[str, ...], split: int, concat: int) -> jax.Array:
+  """jax.lax.all_to_all(x, axes, split, concat, tiled=True) inside a shard_map. For a dimension split over several
+  mesh axes (the model dimension over fsdp x context) on XLA:CPU, the same result by an all-gather and a slice:
+  XLA:CPU's HLO verifier rejects the tuple all-to-all it lowers such an exchange to (one over an axis tuple, or
+  one per axis). Other backends, TPU among them, take the all-to-all."""
+  if len(axes) == 1 or current_platform() != "cpu":
+    return jax.lax.all_to_all(x, axes, split, concat, tiled=True)
+  whole = jax.lax.all_gather(x, axes, axis=concat, tiled=True)
+  size = x.shape[split] // math.prod(jax.lax.axis_size(a) for a in axes)
+  return jax.lax.dynamic_slice_in_dim(whole, jax.lax.axis_index(axes) * size, size, axis=split)
 
 
 def _split_over_replicas(x: jax.Array, replicas: tuple[str, ...], fn: Callable) -> jax.Array:
@@ -110,19 +123,15 @@ def orthogonalize(x: jax.Array, layout: MuonLayout, ns_coeffs: jax.Array, ns_ste
     xl = xl.reshape((b,) + xl.shape[len(batch_axes):])
     group = math.prod(mesh.shape[a] for _, axes in matrix_sharding for a in axes)
     xl = jnp.pad(xl, ((0, -b % group),) + ((0, 0),) * (xl.ndim - 1))
-    # Batch split, matrix dimension gathered: one all-to-all per mesh axis, the minor axis of a dimension split
-    # over several (the model dimension over fsdp x context) first, so the gathered blocks come in major-to-minor
-    # order. (One all-to-all over an axis tuple is the same exchange, but XLA:CPU's verifier rejects the tuple
-    # all-to-all it lowers to at optimization level 0.) The way back undoes each exchange in reverse.
-    exchanges = [(pos, a) for pos, axes in matrix_sharding for a in reversed(axes)]
-    for pos, a in exchanges:
-      xl = jax.lax.all_to_all(xl, a, 0, pos, tiled=True)
+    # Batch split, matrix dimension gathered; the way back undoes it.
+    for pos, axes in matrix_sharding:
+      xl = _exchange(xl, axes, 0, pos)
     if replicas:
       y = _split_over_replicas(xl, replicas, lambda part: _newton_schulz(part, n_in, ns_coeffs, ns_steps, eps))
     else:
       y = _newton_schulz(xl, n_in, ns_coeffs, ns_steps, eps)
-    for pos, a in reversed(exchanges):
-      y = jax.lax.all_to_all(y, a, pos, 0, tiled=True)
+    for pos, axes in reversed(matrix_sharding):
+      y = _exchange(y, axes, pos, 0)
     return y[:b].reshape(batch_shape + y.shape[1:]).transpose(inverse)
 
   mesh = jax.sharding.get_abstract_mesh()
