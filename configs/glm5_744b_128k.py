@@ -27,24 +27,25 @@ VARIANTS = ("warmup",)
 
 
 def get_config(variant: str = ""):
+  return long_context("glm5_744b_128k", variant, seq_len=131072, batch_size=16, context=32, attention_chunk=256,
+                      loss_chunk=8192)
+
+
+def long_context(name: str, variant: str, *, seq_len: int, batch_size: int, context: int, attention_chunk: int,
+                 loss_chunk: int):
+  """glm5_744b's config for a long-context stage on the same v5p-1024 (configs/{name}.py; variant "" is
+  the sparse stage, "warmup" the DSA warm-up): the sequence, the mesh's context axis, the chunked loss and, for the
+  warm-up, blockwise dense attention."""
   if variant not in ("", *VARIANTS):
-    raise ValueError(f"configs/glm5_744b_128k.py has no variant {variant!r}; its variants: {list(VARIANTS)}")
+    raise ValueError(f"configs/{name}.py has no variant {variant!r}; its variants: {list(VARIANTS)}")
   config = glm5_744b.get_config()
-  config.name = "glm5_744b_128k" + (f"_{variant}" if variant else "")
-  long_context(config, seq_len=131072, batch_size=16, context=32, attention_chunk=256, loss_chunk=8192,
-               warmup=variant == "warmup")
-  return config
-
-
-def long_context(config, *, seq_len: int, batch_size: int, context: int, attention_chunk: int, loss_chunk: int,
-                 warmup: bool):
-  """glm5_744b's config for a long-context stage on the same v5p-1024: the sequence, the mesh's context axis, the
-  chunked loss and, for the DSA warm-up, blockwise dense attention."""
+  config.name = name + (f"_{variant}" if variant else "")
   config.data.seq_len = seq_len
   config.data.batch_size = batch_size
   config.mesh.context = context
   config.mesh.fsdp = -1  # the rest of the slice
   config.train.loss_chunk = loss_chunk
   config.model.attention_chunk = attention_chunk
-  config.train.dsa_stage = "warmup" if warmup else "sparse"
+  config.train.dsa_stage = "warmup" if variant == "warmup" else "sparse"
   config.optimizer.lr = 1e-5  # GLM-5's sparse-stage rate (G5: 20B tokens at 1e-5); the warm-up's is not published
+  return config

@@ -13,15 +13,9 @@ time (1,584 = 11 x 144): [64 heads, 144, 202,752] fp32 scores a block, 7.0 GiB. 
 row at a time (8,192 does not divide 202,752).
 """
 
-from configs import glm5_744b
-from configs.glm5_744b_128k import VARIANTS, long_context
+from configs.glm5_744b_128k import long_context
 
 
 def get_config(variant: str = ""):
-  if variant not in ("", *VARIANTS):
-    raise ValueError(f"configs/glm5_744b_200k.py has no variant {variant!r}; its variants: {list(VARIANTS)}")
-  config = glm5_744b.get_config()
-  config.name = "glm5_744b_200k" + (f"_{variant}" if variant else "")
-  long_context(config, seq_len=202752, batch_size=8, context=64, attention_chunk=144, loss_chunk=6336,
-               warmup=variant == "warmup")
-  return config
+  return long_context("glm5_744b_200k", variant, seq_len=202752, batch_size=8, context=64, attention_chunk=144,
+                      loss_chunk=6336)

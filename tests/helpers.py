@@ -72,6 +72,24 @@ def persistent_compilation_cache(path: str):
         os.environ[key] = value
 
 
+def rerun_on_simulated_devices(test_file: str, devices: int, cache_dir=None, *, select: str | None = None,
+                               timeout: int = 1800) -> str:
+  """Runs the pytest module `test_file` (its tests selected by `-k select`, or all) in a process with `devices`
+  simulated CPU devices, where its multi-device tests run, and asserts it passed; returns pytest's summary line.
+  cache_dir: a persistent compilation cache, so a program two tests compile is compiled once."""
+  env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu"}
+  if cache_dir is not None:
+    env.update(JAX_COMPILATION_CACHE_DIR=str(cache_dir), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+  args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(test_file)]
+  proc = subprocess.run(args + (["-k", select] if select else []), cwd=ROOT, env=env, capture_output=True,
+                        text=True, timeout=timeout)
+  print(proc.stdout[-3000:])
+  assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+  summary = proc.stdout.splitlines()[-1]
+  assert " passed" in summary
+  return summary
+
+
 def run_on_simulated_devices(script: str, *args: str, devices: int = 8, timeout: int = 300) -> dict:
   """Runs the test module `script` as a script (`python script args...`) in a process with `devices` simulated CPU
   devices and returns the JSON object its last line of output prints: for checks that need more devices than

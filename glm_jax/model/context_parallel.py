@@ -18,8 +18,6 @@ the result is the one-device result, and nothing outside the model sees the orde
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
@@ -40,12 +38,14 @@ def context_size() -> int:
   return mesh.shape.get(CONTEXT, 1)
 
 
-def check(seq_len: int, c: int, *, attention_chunk: int = 0, attention_impl: str = "pallas", use_dsa: bool = False,
-          index_topk: int = 0) -> None:
-  """The sizes context parallelism over c devices needs, or a ValueError naming them: 2c chunks of the sequence,
-  each a whole number of attention_chunk blocks; the reference path only where its [T / c, T] scores fit."""
+def check(seq_len: int, c: int, cfg) -> None:
+  """The sizes context parallelism over c devices needs for a model config (ModelConfig, or anything with its
+  attention_chunk, attention_impl, use_dsa and index_topk), or a ValueError naming them: 2c chunks of the
+  sequence, each a whole number of attention_chunk blocks; the reference path only where its [T / c, T] scores
+  fit."""
   if c <= 1:
     return
+  attention_chunk, attention_impl = cfg.attention_chunk, cfg.attention_impl
   if seq_len % (2 * c):
     raise ValueError(f"context parallelism: seq_len={seq_len} must divide into 2 x mesh.context = {2 * c} equal "
                      "chunks (each device holds an early and a late chunk); use a multiple of it")
@@ -54,7 +54,7 @@ def check(seq_len: int, c: int, *, attention_chunk: int = 0, attention_impl: str
     raise ValueError(f"context parallelism: model.attention_chunk={attention_chunk} must divide each device's "
                      f"chunk of seq_len / (2 x mesh.context) = {seq_len} / {2 * c} = {piece} tokens")
   scores = seq_len // c * seq_len * 4
-  if attention_impl == "reference" and use_dsa and seq_len > index_topk and scores > REFERENCE_LIMIT_BYTES:
+  if attention_impl == "reference" and cfg.use_dsa and seq_len > cfg.index_topk and scores > REFERENCE_LIMIT_BYTES:
     raise ValueError(f"context parallelism: attention_impl='reference' builds the indexer's [T / c, T] fp32 scores, "
                      f"{seq_len // c} x {seq_len} x 4 B = {scores / 2**30:.1f} GiB a sequence at seq_len={seq_len}, "
                      f"mesh.context={c} (limit {REFERENCE_LIMIT_BYTES / 2**30:.0f} GiB); use attention_impl='pallas'")
@@ -82,12 +82,6 @@ def from_zigzag(x: jax.Array, c: int, axis: int = 1) -> jax.Array:
   return jnp.moveaxis(y.reshape(x.shape), 0, axis)
 
 
-def _split(size: int, axes: tuple[str, ...]) -> tuple[str, ...]:
-  mesh = jax.sharding.get_abstract_mesh()
-  names = tuple(a for a in axes if mesh.shape.get(a, 1) > 1)
-  return names if names and size % math.prod(mesh.shape[a] for a in names) == 0 else ()
-
-
 def attention(impl: str, q_BTHA: jax.Array, kv_BTA: jax.Array, indexer: tuple | None, *, segment_ids: jax.Array,
               prefix_end: jax.Array | None, sparse: bool, indexer_loss: bool, sm_scale: float, v_dim: int,
               topk: int, chunk: int, out_dtype) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
@@ -98,10 +92,10 @@ def attention(impl: str, q_BTHA: jax.Array, kv_BTA: jax.Array, indexer: tuple | 
   time (0: a device's chunk at once). Returns (latent output [B, T, H, v_dim], the selected keys [B, T, topk] as
   natural-order positions or None, each query's indexer KL [B, T] when indexer_loss or None), in the layout."""
   mode = dsa.kernel_mode(impl)
-  b, t_len, h, _ = q_BTHA.shape
+  b, _, h, _ = q_BTHA.shape
   c = context_size()
-  batch = _split(b, BATCH_AXES) or None
-  heads = _split(h, (TENSOR,)) or None
+  batch = dsa.split_axes(b, BATCH_AXES) or None
+  heads = dsa.split_axes(h, (TENSOR,)) or None
   tok = P(batch, CONTEXT)
 
   def gather(x):  # this device's rows -> the whole sequence's, in natural order

@@ -57,7 +57,7 @@ def kernel_mode(impl: str) -> str:
   return mode
 
 
-def _split_axes(size: int, axes: tuple[str, ...]) -> tuple[str, ...]:
+def split_axes(size: int, axes: tuple[str, ...]) -> tuple[str, ...]:
   """The axes of the current mesh (of size > 1) among `axes` to split a dimension of `size` over, or () when
   there is no mesh or their product does not divide it."""
   mesh = jax.sharding.get_abstract_mesh()
@@ -70,7 +70,7 @@ def _split_axes(size: int, axes: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def _batch_axes(b: int) -> tuple[str, ...]:
-  return _split_axes(b, BATCH_AXES)
+  return split_axes(b, BATCH_AXES)
 
 
 def _spec(batch: tuple[str, ...], *rest) -> P:
@@ -116,7 +116,7 @@ def attend(impl: str, q_BTHA: jax.Array, kv_BSA: jax.Array, idx_BTK: jax.Array, 
   kernel = functools.partial(sparse_mla_attention.sparse_mla_attention, sm_scale=sm_scale, v_dim=v_dim,
                              interpret=mode == "interpret")
   batch = _batch_axes(q_BTHA.shape[0])
-  heads = _split_axes(q_BTHA.shape[2], (TENSOR,)) or None
+  heads = split_axes(q_BTHA.shape[2], (TENSOR,)) or None
   if not batch and not heads:
     return kernel(q_BTHA, kv_BSA, idx_BTK)
   return jax.shard_map(kernel, in_specs=(_spec(batch, None, heads, None), _spec(batch), _spec(batch)),
@@ -130,7 +130,7 @@ def dense_causal_attend(q_BTHP: jax.Array, k_BTHP: jax.Array, v_BTHO: jax.Array,
   split over the mesh as for `attend`. For attention_impl "pallas" where kernel_mode is not "reference"."""
   kernel = functools.partial(splash.causal_attention, sm_scale=sm_scale, interpret=interpret)
   batch = _batch_axes(q_BTHP.shape[0])
-  heads = _split_axes(q_BTHP.shape[2], (TENSOR,)) or None
+  heads = split_axes(q_BTHP.shape[2], (TENSOR,)) or None
   seg = jnp.zeros(q_BTHP.shape[:2], jnp.int32) if segment_ids_BT is None else segment_ids_BT
   if not batch and not heads:
     return kernel(q_BTHP, k_BTHP, v_BTHO, seg)
@@ -150,7 +150,7 @@ def head_probs(impl: str, q_BTHA: jax.Array, kv_BSA: jax.Array, idx_BTK: jax.Arr
   kernel = functools.partial(sparse_mla_attention.sparse_attention_head_probs, sm_scale=sm_scale,
                              interpret=mode == "interpret")
   batch = _batch_axes(q_BTHA.shape[0])
-  heads = _split_axes(q_BTHA.shape[2], (TENSOR,))
+  heads = split_axes(q_BTHA.shape[2], (TENSOR,))
   if not batch and not heads:
     return kernel(q_BTHA, kv_BSA, idx_BTK, lse_BTH)
 

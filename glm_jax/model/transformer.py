@@ -271,8 +271,7 @@ class GlmMoeDsa(nnx.Module):
       segment_ids = jnp.zeros((b, t), jnp.int32)
     c = context_parallel.context_size()
     if c > 1:  # context parallelism: the tokens in the zig-zag layout, attention without a [T, T] mask
-      context_parallel.check(t, c, attention_chunk=cfg.attention_chunk, attention_impl=cfg.attention_impl,
-                             use_dsa=cfg.use_dsa, index_topk=cfg.index_topk)
+      context_parallel.check(t, c, cfg)
       input_ids, positions, segment_ids, block_positions, prefix_end = (
           None if x is None else context_parallel.to_zigzag(x, c)
           for x in (input_ids, positions, segment_ids, block_positions, prefix_end))

@@ -67,9 +67,7 @@ def compile_train_step(config: ml_collections.ConfigDict, devices: Sequence[Any]
   if unrolled:
     model_cfg = model_cfg.replace(scan_unroll=True)
   mesh = make_mesh(config.mesh, devices)
-  context_parallel.check(config.data.seq_len, mesh.shape[CONTEXT], attention_chunk=model_cfg.attention_chunk,
-                         attention_impl=model_cfg.attention_impl, use_dsa=model_cfg.use_dsa,
-                         index_topk=model_cfg.index_topk)
+  context_parallel.check(config.data.seq_len, mesh.shape[CONTEXT], model_cfg)
   data_sharding = batch_sharding(mesh)
   b, t = config.data.batch_size, config.data.seq_len
   batch_shards = math.prod(mesh.shape[a] for a in data_sharding.spec[0])

@@ -149,9 +149,7 @@ def check_config(config: ml_collections.ConfigDict) -> ModelConfig:
     invalid("train.loss_chunk", train.loss_chunk, f"must divide data.seq_len={config.data.seq_len} (or be 0)")
   context = config.mesh.get("context", 1) if "mesh" in config else 1
   if context > 1:  # context parallelism's sizes, named before any compile
-    context_parallel.check(config.data.seq_len, context, attention_chunk=model_cfg.attention_chunk,
-                           attention_impl=model_cfg.attention_impl, use_dsa=model_cfg.use_dsa,
-                           index_topk=model_cfg.index_topk)
+    context_parallel.check(config.data.seq_len, context, model_cfg)
   kind = config.get("trainer", "pretrain")
   data_format = "sft" if kind == "sft" else "lm"
   if config.data.get("format", "lm") != data_format:

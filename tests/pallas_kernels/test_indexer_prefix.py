@@ -10,9 +10,6 @@ so indices and scores must be equal exactly. Interpret mode on CPU; the TPU test
 topology descriptions (skipped without libtpu).
 """
 
-import os
-import subprocess
-import sys
 import time
 
 import jax
@@ -26,7 +23,7 @@ from glm_jax.sharding.mesh import make_mesh
 from glm_jax.sharding.topology import tpu_topology_devices
 from pallas_kernels import lightning_indexer_reference as reference
 from pallas_kernels.lightning_indexer import IndexerBlockSizes, lightning_indexer_topk
-from tests.helpers import ROOT
+from tests.helpers import rerun_on_simulated_devices
 from tests.pallas_kernels.test_lightning_indexer import _assert_same, _int_inputs, needs_libtpu
 
 MULTI_DEVICE = jax.device_count() >= 4
@@ -183,11 +180,7 @@ def test_select_topk_with_a_prefix_under_a_mesh():
 @pytest.mark.slow  # a subprocess with 4 simulated CPU devices
 @pytest.mark.skipif(MULTI_DEVICE, reason="already on 4 or more devices")
 def test_select_topk_on_4_simulated_devices():
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
-  proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "under_a_mesh",
-                         os.path.abspath(__file__)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-  assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-  assert "1 passed" in proc.stdout.splitlines()[-1]
+  assert "1 passed" in rerun_on_simulated_devices(__file__, 4, select="under_a_mesh", timeout=600)
 
 
 @needs_libtpu

@@ -7,10 +7,8 @@ As in test_mesh.py, a normal run (one device) collects a single slow test that r
 devices in a subprocess, where the multi-device tests run."""
 
 import json
-import os
 import re
-import subprocess
-import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +24,7 @@ from glm_jax.sharding.topology import install_hint, libtpu_installed, tpu_topolo
 from glm_jax.train import step as step_lib
 from glm_jax.train.config import model_config_for_stage
 from glm_jax.train.trainer import check_config, create_train_state
-from tests.helpers import ROOT
+from tests.helpers import rerun_on_simulated_devices
 from tests.sharding.test_mesh import FAST_COMPILE, STEP_TOLERANCE, sharded_step
 
 MULTI_DEVICE = jax.device_count() >= 8
@@ -36,13 +34,7 @@ multi_device = pytest.mark.skipif(not MULTI_DEVICE, reason="runs inside test_on_
 @pytest.mark.slow  # 8 simulated devices in a subprocess: ~5 minutes here
 @pytest.mark.skipif(MULTI_DEVICE, reason="already on 8 devices")
 def test_on_8_simulated_devices(tmp_path):
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
-         "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax_cache"), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
-  proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__)],
-                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
-  print(proc.stdout[-3000:])
-  assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-  assert " passed" in proc.stdout.splitlines()[-1]
+  rerun_on_simulated_devices(__file__, 8, tmp_path / "jax_cache")
 
 
 def test_zigzag_gives_each_device_an_early_and_a_late_chunk():
@@ -67,9 +59,11 @@ def test_zigzag_gives_each_device_an_early_and_a_late_chunk():
 ])
 def test_sizes_context_parallelism_cannot_serve_are_named(kwargs, message):
   seq_len, c = kwargs.pop("seq_len"), kwargs.pop("c")
+  cfg = types.SimpleNamespace(**{**dict(attention_chunk=0, attention_impl="pallas", use_dsa=False, index_topk=0),
+                                 **kwargs})
   with pytest.raises(ValueError, match=message):
-    context_parallel.check(seq_len, c, **kwargs)
-  context_parallel.check(seq_len, 1, **kwargs)  # no context axis: nothing to check
+    context_parallel.check(seq_len, c, cfg)
+  context_parallel.check(seq_len, 1, cfg)  # no context axis: nothing to check
 
 
 def test_the_trainer_names_context_sizes_before_any_work():
@@ -103,7 +97,6 @@ def two_documents(b: int, t: int) -> dict:
 @pytest.fixture(scope="module")
 def one_device():
   """{stage: namespace of one train step on one device} (test_mesh's single_device_step for each stage)."""
-  import types
   out = {}
   for stage in ("dense", "warmup", "sparse"):
     config = stage_config(stage)

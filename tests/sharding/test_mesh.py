@@ -8,9 +8,6 @@ compilation cache so that a program two tests both compile (the train step on on
 created in place on a mesh: in a test's own code and again inside train_and_evaluate) is compiled once."""
 
 import functools
-import os
-import subprocess
-import sys
 import types
 
 import jax
@@ -28,7 +25,7 @@ from glm_jax.train import step as step_lib
 from glm_jax.train.checkpoint import Checkpointer
 from glm_jax.train.config import model_config_for_stage
 from glm_jax.train.trainer import create_sharded_train_state, create_train_state, train_state_factory
-from tests.helpers import NS_COEFFS, ROOT, newton_schulz
+from tests.helpers import NS_COEFFS, newton_schulz, rerun_on_simulated_devices
 
 MULTI_DEVICE = jax.device_count() >= 8
 multi_device = pytest.mark.skipif(not MULTI_DEVICE, reason="runs inside test_on_8_simulated_devices")
@@ -37,13 +34,7 @@ multi_device = pytest.mark.skipif(not MULTI_DEVICE, reason="runs inside test_on_
 @pytest.mark.slow  # 8 simulated devices in a subprocess: ~4 minutes here
 @pytest.mark.skipif(MULTI_DEVICE, reason="already on 8 devices")
 def test_on_8_simulated_devices(tmp_path):
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
-         "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax_cache"), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
-  proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__)],
-                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
-  print(proc.stdout[-3000:])
-  assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-  assert " passed" in proc.stdout.splitlines()[-1]
+  rerun_on_simulated_devices(__file__, 8, tmp_path / "jax_cache")
 
 
 def test_mesh_shape_resolves_the_remaining_devices():
