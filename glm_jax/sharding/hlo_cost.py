@@ -3,7 +3,8 @@
 XLA's `cost_analysis()` gives totals only, and its TPU `optimal_seconds` comes out negative for large programs:
 some fusions carry `"estimated_cycles":"9223372036854775807"` (2^63 - 1, no estimate) in their backend config and
 the sum overflows. So each instruction the program runs at the top level (a fusion, a Pallas kernel, a collective,
-a copy, ...; the body of a while loop counted once, as XLA counts it) becomes one `Op`:
+a copy, ...) becomes one `Op`, counted as many times as it runs: a while loop's body times its known trip count
+(XLA's own cost_analysis counts a loop body once, which undercounts chunked attention and losses):
   flops    matmul FLOPs: 2 x result elements x contracted size for every dot and convolution it holds. A Pallas
            kernel (tpu_custom_call) has no HLO inside: its `cost_estimate` as its pallas_call declared it, unless
            a kernel model passed to `program_ops` replaces it (grouped_matmul.megablox_grid_cost: the tiles its
@@ -208,18 +209,66 @@ def called_computations(ins: _Instr) -> list[str]:
   return [n.lstrip("%") for n in names if n]
 
 
-def _executed(comps, entry) -> list[str]:
-  """The computations that run as control flow (the entry, while bodies and conditions, called computations,
-  conditional branches), not fused or reducer computations; each once."""
-  order, seen = [entry], {entry}
+def _scalar_constant(name: str, by_name: dict[str, _Instr]) -> int | None:
+  """The integer value of a scalar constant, through copies; None for anything else."""
+  ins = by_name.get(name)
+  while ins is not None and ins.opcode == "copy" and ins.operands:
+    ins = by_name.get(ins.operands[0])
+  if ins is None or ins.opcode != "constant":
+    return None
+  m = re.search(r"\bconstant\((-?\d+)\)", ins.line)
+  return int(m.group(1)) if m else None
+
+
+def _root(comp: list[_Instr]) -> _Instr | None:
+  return next((i for i in comp if i.line.lstrip().startswith("ROOT")), None)
+
+
+def trip_count(ins: _Instr, comps: dict[str, list[_Instr]], by_name: dict[str, _Instr]) -> int | None:
+  """A while loop's iteration count: XLA's known_trip_count when its backend config has one (XLA:CPU's), else
+  read from the loop as jax's scan and fori_loop write it (XLA:TPU's optimized HLO drops the field): the condition
+  is `counter < limit` on a tuple element that starts at a constant and to which the body adds a constant step.
+  None for any other loop."""
+  m = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', ins.attrs)
+  if m:
+    return int(m.group(1))
+  cond = _root(comps.get((_attr(ins.attrs, "condition") or "").lstrip("%"), []))
+  body = _root(comps.get((_attr(ins.attrs, "body") or "").lstrip("%"), []))
+  init = by_name.get(ins.operands[0]) if ins.operands else None
+  if (cond is None or body is None or init is None or cond.opcode != "compare" or "direction=LT" not in cond.attrs
+      or len(cond.operands) != 2 or body.opcode != "tuple" or init.opcode != "tuple"):
+    return None
+  counter, limit = by_name.get(cond.operands[0]), _scalar_constant(cond.operands[1], by_name)
+  if counter is None or counter.opcode != "get-tuple-element" or limit is None:
+    return None
+  k = int(_attr(counter.attrs, "index") or -1)
+  if not 0 <= k < min(len(init.operands), len(body.operands)):
+    return None
+  start, update = _scalar_constant(init.operands[k], by_name), by_name.get(body.operands[k])
+  if start is None or update is None or update.opcode != "add":
+    return None
+  steps = [_scalar_constant(o, by_name) for o in update.operands]
+  step = next((v for v in steps if v is not None), None)
+  if step is None or step <= 0:
+    return None
+  return max(0, -(-(limit - start) // step))
+
+
+def _executed(comps, entry, by_name) -> dict[str, int]:
+  """{computation: how many times it runs in one run of the program} for the computations that run as control
+  flow (the entry, while bodies and conditions, called computations, conditional branches), not fused or reducer
+  computations. A while loop's body runs its known trip count times its caller's count (once when XLA does not
+  know the count)."""
+  times, order = {entry: 1}, [entry]
   for comp in order:
     for ins in comps.get(comp, ()):
       if ins.opcode != "fusion":
+        k = (trip_count(ins, comps, by_name) or 1) if ins.opcode == "while" else 1
         for n in called_computations(ins):
-          if n not in seen:
-            seen.add(n)
+          if n not in times:
+            times[n] = times[comp] * k
             order.append(n)
-  return order
+  return times
 
 
 def op_name(ins: _Instr) -> str:
@@ -241,7 +290,7 @@ def program_ops(text: str, *, kernel_model: KernelModel | None = None, ragged_ro
   ragged_rows(instruction) -> the real rows a ragged all-to-all moves (None: its whole result)."""
   comps, entry, by_name = parse_module(text)
   ops = []
-  for comp in _executed(comps, entry):
+  for comp, times in _executed(comps, entry, by_name).items():
     for ins in comps[comp]:
       if ins.opcode in _NO_TRAFFIC or ins.opcode.endswith("-done"):
         continue
@@ -276,6 +325,8 @@ def program_ops(text: str, *, kernel_model: KernelModel | None = None, ragged_ro
           note = "real rows only" if rows is not None else "whole buffer"
         wire = size * (g - 1) / g * (2 if kind == "all-reduce" else 1)
         moved = 2 * size
+      if times > 1:
+        flops, moved, wire, note = flops * times, moved * times, wire * times, f"{note} x{times} (loop)".strip()
       ops.append(Op(ins.name, ins.opcode, kind, source, flops, moved, wire, note))
   return ops
 

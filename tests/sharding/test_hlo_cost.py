@@ -78,6 +78,26 @@ def test_megablox_grid_cost_by_hand():
     megablox_grid_cost("x", 40, 64, 200, sizes, tiling=tiling)
 
 
+@pytest.mark.parametrize("platform", ["cpu", pytest.param("tpu", marks=needs_libtpu)])
+def test_loop_bodies_count_once_per_iteration(platform):
+  """A scan of 3 inside a scan of 5 and a fori_loop from 2 to 6 run the matmul 5 x 3 + 4 = 19 times. XLA:CPU's
+  HLO states each loop's trip count; XLA:TPU's does not, and the count is read from the loop's counter."""
+  n, d = 256, 512
+
+  def f(x, w):
+    inner = lambda c, _: (jnp.tanh(c @ w), None)
+    y = jax.lax.scan(lambda c, _: (jax.lax.scan(inner, c, None, length=3)[0], None), x, None, length=5)[0]
+    return jax.lax.fori_loop(2, 6, lambda i, c: jnp.tanh(c @ w), y)
+
+  device = jax.devices("cpu")[0] if platform == "cpu" else tpu_topology_devices("v5p:2x2x1")[0]
+  s = SingleDeviceSharding(device)
+  args = [jax.ShapeDtypeStruct(shape, jnp.float32, sharding=s) for shape in ((n, d), (d, d))]
+  text = jax.jit(f).lower(*args).compile().as_text()
+  ops = hlo_cost.program_ops(text)
+  assert sum(o.flops for o in ops) == 19 * 2 * n * d * d
+  assert any("x15 (loop)" in o.note for o in ops) and any("x4 (loop)" in o.note for o in ops)
+
+
 @needs_libtpu
 @pytest.mark.slow  # four unrolled TPU compiles of the tiny train step and a scanned one
 def test_cost_report_of_the_expert_parallel_step():
