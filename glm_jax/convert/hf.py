@@ -9,7 +9,11 @@ fused (`mlp.experts.gate_up_proj` [E, 2I, D], `mlp.experts.down_proj` [E, D, I],
 layout); `save` writes per expert. MTP layers live at `model.layers.{num_hidden_layers + k}` in the
 DeepSeek-V3 layout (enorm, hnorm, eh_proj, shared_head.norm, plus that layer's attention and MoE);
 transformers ignores them. A checkpoint without them (anything transformers saved) loads with freshly
-initialized MTP layers and a warning.
+initialized MTP layers and a warning. An FP8 checkpoint (block-wise e4m3 with `weight_scale_inv`, DeepSeek-V3's
+and GLM-5's FP8 release format; glm_jax/convert/fp8.py) is dequantized as it is read.
+
+`load` builds the whole model in host memory: for the tests and small models. The release goes through
+glm_jax/convert/stream.py (launch/convert.py), which never holds more than a tensor at a time.
 """
 
 from __future__ import annotations
@@ -28,9 +32,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from safetensors import SafetensorError, safe_open
 from safetensors.flax import save_file
 
+from glm_jax.convert import fp8, safetensors_io
+from glm_jax.convert.safetensors_io import SafetensorsFile
 from glm_jax.model.config import ModelConfig
 from glm_jax.model.transformer import GlmMoeDsa, MTPLayer
 
@@ -113,7 +118,7 @@ def tensor_specs(cfg: ModelConfig, *, fused_experts: bool = False) -> list[Tenso
   return specs
 
 
-def _shared_copies(cfg: ModelConfig) -> dict[str, str]:
+def shared_copies(cfg: ModelConfig) -> dict[str, str]:
   """MTP tensors that the DeepSeek-V3 layout stores as copies of shared ones: {copy: original}."""
   head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
   out = {}
@@ -124,7 +129,7 @@ def _shared_copies(cfg: ModelConfig) -> dict[str, str]:
   return out
 
 
-def _slice_shape(spec: TensorSpec, leaves: dict[tuple, jax.ShapeDtypeStruct]) -> tuple[int, ...]:
+def slice_shape(spec: TensorSpec, leaves: dict[tuple, jax.ShapeDtypeStruct]) -> tuple[int, ...]:
   if spec.kind == "fused_gate_up":
     return leaves[spec.path + ("gate_proj",)].shape[len(spec.index):]
   return leaves[spec.path].shape[len(spec.index):]
@@ -158,6 +163,13 @@ def to_ours(spec: TensorSpec, t: np.ndarray, ours: tuple[int, ...]) -> dict[tupl
   raise ValueError(f"unknown tensor kind {spec.kind!r}")
 
 
+def to_ours_paths(spec: TensorSpec) -> tuple[tuple, ...]:
+  """The leaves one HF tensor writes (to_ours' keys)."""
+  if spec.kind == "fused_gate_up":
+    return (spec.path + ("gate_proj",), spec.path + ("up_proj",))
+  return (spec.path,)
+
+
 def to_hf(spec: TensorSpec, ours: np.ndarray) -> np.ndarray:
   """The HF tensor for one of our slices (plain and linear kinds; `save` writes per-expert tensors)."""
   if spec.kind == "plain":
@@ -165,10 +177,6 @@ def to_hf(spec: TensorSpec, ours: np.ndarray) -> np.ndarray:
   if spec.kind == "linear":
     return ours.reshape(math.prod(ours.shape[:spec.n_in]), -1).T
   raise ValueError(f"to_hf: kind {spec.kind!r} is read-only")
-
-
-def _first_line(e: BaseException) -> str:
-  return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 def _read_json(path: str) -> Any:
@@ -181,13 +189,14 @@ def _read_json(path: str) -> Any:
     raise ValueError(f"{path}: not valid JSON (not UTF-8 text: {e.reason} at byte {e.start})") from e
 
 
-class _Reader:
+class Reader:
   """Tensor-by-tensor access to a single or sharded safetensors checkpoint. Every file's header is read on
-  construction, so a truncated or corrupt file is named before any tensor is."""
+  construction, so a truncated or corrupt file is named before any tensor is. fp8_block: the (rows, cols) block
+  of an FP8 checkpoint's scales (fp8.block_size); its e4m3 weights are dequantized on reading."""
 
-  def __init__(self, path: str):
+  def __init__(self, path: str, fp8_block: tuple[int, int] | None = None):
     index_path, single = os.path.join(path, INDEX_FILE), os.path.join(path, SINGLE_FILE)
-    self._open: dict[str, Any] = {}
+    self.fp8_block = fp8_block
     if os.path.exists(index_path):
       index = _read_json(index_path)
       weight_map = index.get("weight_map") if isinstance(index, dict) else None
@@ -197,55 +206,64 @@ class _Reader:
       for fname in sorted(set(self.file_of.values())):
         if not os.path.exists(fname):
           raise FileNotFoundError(f"{index_path} names shard {os.path.basename(fname)}, which is not in {path}")
+      self._files = {fname: SafetensorsFile(fname) for fname in sorted(set(self.file_of.values()))}
+      for name, fname in self.file_of.items():
+        if name not in self._files[fname].names():
+          raise ValueError(f"{index_path} places tensor {name} in {os.path.basename(fname)}, which does not hold it")
     elif os.path.exists(single):
-      self.file_of = {name: single for name in self._handle(single).keys()}
+      self._files = {single: SafetensorsFile(single)}
+      self.file_of = {name: single for name in self._files[single].names()}
     else:
       raise FileNotFoundError(f"{path}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
-    try:
-      for fname in sorted(set(self.file_of.values())):
-        self._handle(fname)
-    except BaseException:
-      self.close()
-      raise
 
   def names(self) -> set[str]:
-    return set(self.file_of)
-
-  def _handle(self, fname: str):
-    if fname not in self._open:
-      try:
-        self._open[fname] = safe_open(fname, framework="flax").__enter__()
-      except SafetensorError as e:
-        raise ValueError(f"{fname}: cannot be read as safetensors (truncated or corrupt: {_first_line(e)})") from e
-    return self._open[fname]
-
-  def _slice(self, name: str):
-    fname = self.file_of[name]
-    try:
-      return self._handle(fname).get_slice(name)
-    except SafetensorError as e:
-      raise ValueError(f"{fname}: tensor {name} cannot be read ({_first_line(e)})") from e
+    """The tensors, without the FP8 scales (read with their weights)."""
+    return {n for n in self.file_of
+            if not (n.endswith(fp8.SCALE_SUFFIX) and n.removesuffix(fp8.SCALE_SUFFIX) in self.file_of)}
 
   def shape(self, name: str) -> tuple[int, ...]:
-    return tuple(self._slice(name).get_shape())
+    return self._files[self.file_of[name]].shape(name)
+
+  def offset(self, name: str) -> tuple[str, int]:
+    """(file, byte offset) of a tensor: the order that reads the checkpoint front to back."""
+    fname = self.file_of[name]
+    return fname, self._files[fname].offset(name)
+
+  def nbytes(self, name: str) -> int:
+    """The tensor's stored bytes (an FP8 weight's scales included)."""
+    f = self._files[self.file_of[name]]
+    n = math.prod(f.shape(name)) * safetensors_io.DTYPES[f.dtype(name)].itemsize
+    scale = name + fp8.SCALE_SUFFIX
+    return n + (self.nbytes(scale) if f.dtype(name) in fp8.FP8_DTYPES and scale in self.file_of else 0)
 
   def get(self, name: str, dtype) -> np.ndarray:
-    fname, found = self.file_of[name], self._slice(name).get_dtype()
+    """The tensor as a new array of `dtype`; an FP8 weight is dequantized with its block scales."""
+    fname = self.file_of[name]
+    f = self._files[fname]
+    found = f.dtype(name)
+    if found in fp8.FP8_DTYPES:
+      scale = name + fp8.SCALE_SUFFIX
+      if self.fp8_block is None:
+        raise ValueError(f"{fname}: tensor {name} has dtype {found}, but config.json has no quantization_config "
+                         "(an FP8 checkpoint's config names its block size)")
+      if scale not in self.file_of:
+        raise ValueError(f"{fname}: tensor {name} has dtype {found} but no {scale} (its block scales)")
+      scale_file = self._files[self.file_of[scale]]
+      if scale_file.dtype(scale) not in _FLOAT_DTYPES:
+        raise ValueError(f"{self.file_of[scale]}: tensor {scale} has dtype {scale_file.dtype(scale)}; expected one "
+                         f"of {', '.join(_FLOAT_DTYPES)}")
+      return fp8.dequantize(f.read(name), scale_file.read(scale), self.fp8_block, name).astype(dtype, copy=False)
     if found not in _FLOAT_DTYPES:
       raise ValueError(f"{fname}: tensor {name} has dtype {found}; expected one of {', '.join(_FLOAT_DTYPES)}")
-    try:
-      return np.asarray(self._handle(fname).get_tensor(name).astype(dtype))
-    except (SafetensorError, ValueError, TypeError) as e:
-      raise ValueError(f"{fname}: tensor {name} cannot be read ({_first_line(e)})") from e
+    return np.array(f.read(name), dtype)
 
   def close(self):
-    for h in self._open.values():
-      h.__exit__(None, None, None)
-    self._open.clear()
+    self._files.clear()
 
 
-def load_config(path: str, **overrides: Any) -> ModelConfig:
-  """The ModelConfig of a HF directory's config.json; one that is not GLM-5's (model_type) is refused."""
+def read_config(path: str, **overrides: Any) -> tuple[ModelConfig, tuple[int, int] | None]:
+  """(ModelConfig, FP8 block or None) of a HF directory's config.json; one that is not GLM-5's (model_type), or
+  quantized otherwise than block-wise FP8, is refused by name."""
   cfg_path = os.path.join(path, "config.json")
   if not os.path.exists(cfg_path):
     raise FileNotFoundError(f"{path}: no config.json (expected a Hugging Face model directory)")
@@ -256,53 +274,72 @@ def load_config(path: str, **overrides: Any) -> ModelConfig:
   if model_type != MODEL_TYPE:
     found = "model_type is missing" if model_type is None else f"model_type={model_type!r}"
     raise ValueError(f"{cfg_path}: {found}; expected {MODEL_TYPE!r} (a GLM-5 checkpoint)")
+  block = fp8.block_size(hf_dict.pop("quantization_config", None), cfg_path)
   try:
-    return ModelConfig.from_hf_dict(hf_dict, **overrides)
+    return ModelConfig.from_hf_dict(hf_dict, **overrides), block
   except (ValueError, TypeError) as e:
     raise ValueError(f"{cfg_path}: {str(e).removeprefix('config.json: ')}") from e
 
 
+def load_config(path: str, **overrides: Any) -> ModelConfig:
+  """The ModelConfig of a HF directory's config.json (see read_config)."""
+  return read_config(path, **overrides)[0]
+
+
+def checked_specs(path: str, cfg: ModelConfig, reader: Reader, seed: int = 0
+                  ) -> tuple[list[TensorSpec], dict[tuple, Any], dict[int, bool]]:
+  """(the specs of the tensors present, the model's abstract leaves {path: variable}, {MTP layer: present}) for a
+  HF directory, after checking its tensors against `cfg` without reading any: an unexpected, missing or wrongly
+  shaped tensor raises ValueError naming it (with both shapes). MTP layers may be absent as a whole."""
+  names = reader.names()
+  fused = any(n.endswith("mlp.experts.gate_up_proj") for n in names)
+  specs = tensor_specs(cfg, fused_experts=fused)
+  abstract = nnx.state(nnx.eval_shape(lambda: GlmMoeDsa(cfg, nnx.Rngs(seed))))
+  leaves = {p: v for p, v in nnx.to_flat_state(abstract)}
+  expected = {s.hf_name for s in specs} | set(shared_copies(cfg))
+  unexpected = sorted(n for n in names - expected if not n.endswith(_IGNORED_SUFFIXES))
+  if unexpected:
+    raise ValueError(f"{path}: unexpected tensor(s) {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''} "
+                     f"for this config ({len(unexpected)} in all)")
+  mtp_present = {k: any(s.hf_name in names for s in specs if s.mtp == k)
+                 for k in range(cfg.num_nextn_predict_layers)}
+  missing = [s for s in specs if s.hf_name not in names and (s.mtp is None or mtp_present[s.mtp])]
+  if missing:
+    s = missing[0]
+    raise ValueError(f"{path}: missing tensor {s.hf_name} (expected shape "
+                     f"{list(hf_shape(s, slice_shape(s, leaves)))}); {len(missing)} missing in all")
+  present = [s for s in specs if s.hf_name in names]
+  for s in present:
+    want, found = hf_shape(s, slice_shape(s, leaves)), reader.shape(s.hf_name)
+    if tuple(found) != tuple(want):
+      raise ValueError(f"{path}: tensor {s.hf_name} has shape {list(found)}, expected {list(want)}")
+  return present, leaves, mtp_present
+
+
+def fresh_mtp_layer(cfg: ModelConfig, k: int, seed: int) -> MTPLayer:
+  """MTP layer k as initialized when a checkpoint lacks it (transformers does not save MTP layers)."""
+  return MTPLayer(cfg, cfg.num_hidden_layers + k, nnx.Rngs(seed + 1 + k))
+
+
 def load(path: str, *, seed: int = 0, **overrides: Any) -> tuple[ModelConfig, GlmMoeDsa]:
-  """Reads a HF GlmMoeDsaForCausalLM directory. `overrides` replace ModelConfig fields (dtype, use_dsa, ...).
-  A missing, unexpected or wrongly shaped tensor raises ValueError naming it with both shapes; a truncated or
-  corrupt file, a tensor that cannot be read and a config.json that is not GLM-5's raise ValueError naming the file
-  (and the tensor). Nothing in `path` is written."""
-  cfg = load_config(path, **overrides)
-  reader = _Reader(path)
+  """Reads a HF GlmMoeDsaForCausalLM directory (BF16, FP32 or block-wise FP8). `overrides` replace ModelConfig
+  fields (dtype, use_dsa, ...). A missing, unexpected or wrongly shaped tensor raises ValueError naming it with
+  both shapes; a truncated or corrupt file, a tensor that cannot be read and a config.json that is not GLM-5's
+  raise ValueError naming the file (and the tensor). Nothing in `path` is written."""
+  cfg, block = read_config(path, **overrides)
+  reader = Reader(path, block)
   try:
-    names = reader.names()
-    fused = any(n.endswith("mlp.experts.gate_up_proj") for n in names)
-    specs = tensor_specs(cfg, fused_experts=fused)
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: GlmMoeDsa(cfg, nnx.Rngs(seed))))
-    leaves = {path: v for path, v in nnx.to_flat_state(abstract)}
-
-    expected = {s.hf_name for s in specs} | set(_shared_copies(cfg))
-    unexpected = sorted(n for n in names - expected if not n.endswith(_IGNORED_SUFFIXES))
-    if unexpected:
-      raise ValueError(f"{path}: unexpected tensor(s) {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''} "
-                       f"for this config ({len(unexpected)} in all)")
-    mtp_present = {k: any(s.hf_name in names for s in specs if s.mtp == k)
-                   for k in range(cfg.num_nextn_predict_layers)}
-    missing = [s for s in specs if s.hf_name not in names and (s.mtp is None or mtp_present[s.mtp])]
-    if missing:
-      s = missing[0]
-      raise ValueError(f"{path}: missing tensor {s.hf_name} (expected shape "
-                       f"{list(hf_shape(s, _slice_shape(s, leaves)))}); {len(missing)} missing in all")
-
+    specs, leaves, mtp_present = checked_specs(path, cfg, reader, seed)
     arrays = {p: np.zeros(v.shape, v.dtype) for p, v in leaves.items()
               if p[0] != "mtp" or mtp_present[p[1]]}
     for s in specs:
-      if s.hf_name not in names:
-        continue
-      ours = _slice_shape(s, leaves)
-      want, found = hf_shape(s, ours), reader.shape(s.hf_name)
-      if tuple(found) != tuple(want):
-        raise ValueError(f"{path}: tensor {s.hf_name} has shape {list(found)}, expected {list(want)}")
+      ours = slice_shape(s, leaves)
       for leaf_path, value in to_ours(s, reader.get(s.hf_name, np.float32), ours).items():
         arrays[leaf_path][s.index] = value
   finally:
     reader.close()
 
+  graphdef = nnx.graphdef(nnx.eval_shape(lambda: GlmMoeDsa(cfg, nnx.Rngs(seed))))
   for p, v in leaves.items():
     if p in arrays:
       v.set_value(jnp.asarray(arrays[p], v.dtype))
@@ -311,7 +348,7 @@ def load(path: str, *, seed: int = 0, **overrides: Any) -> tuple[ModelConfig, Gl
     if not present:
       log.warning("%s: no MTP tensors for model.layers.%d; MTP layer %d is freshly initialized",
                   path, cfg.num_hidden_layers + k, k)
-      model.mtp[k] = MTPLayer(cfg, cfg.num_hidden_layers + k, nnx.Rngs(seed + 1 + k))
+      model.mtp[k] = fresh_mtp_layer(cfg, k, seed)
   return cfg, model
 
 
@@ -334,7 +371,7 @@ def save(cfg: ModelConfig, model: GlmMoeDsa, path: str, *, max_shard_bytes: int 
       value = leaves[s.path][s.index] if s.index else leaves[s.path]
       keep = jnp.float32 if s.hf_name.endswith("e_score_correction_bias") else out_dtype
       tensors[s.hf_name] = jnp.asarray(to_hf(s, np.asarray(value)), keep)
-    for copy, original in _shared_copies(cfg).items():
+    for copy, original in shared_copies(cfg).items():
       tensors[copy] = tensors[original]
     _write_shards(tensors, tmp, max_shard_bytes)
     with open(os.path.join(tmp, "config.json"), "w") as f:

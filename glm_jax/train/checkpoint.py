@@ -26,13 +26,11 @@ from typing import Any
 
 import grain
 import jax
-import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from absl import logging
-from flax import nnx
 
+from glm_jax.sharding.checkpoint_arrays import is_weights_only, read_weights
 from glm_jax.train.guards import Diverged, first_nonfinite
-from glm_jax.tree_paths import path_str
 
 # Config fields that may change between a run and its resumption (they do not change the saved state or data).
 RUNTIME_FIELDS = {
@@ -243,30 +241,20 @@ class Checkpointer:
     return target
 
   def restore_weights(self, step: int, params: Any, rest: Any) -> tuple[Any, Any]:
-    """(params, rest) with every array taken from the checkpoint at `step`, whatever optimizer state or
-    stage it was saved with; a missing or differently shaped array is an error that names it. The arrays are
-    read onto this process's first device whatever mesh (or number of processes) wrote them; the caller puts
-    them in their sharded layout."""
-    meta = ocp.StandardCheckpointer().metadata(os.path.join(self.directory, str(step), "state")).item_metadata
-    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), meta)
-    saved = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))["state"]
+    """(params, rest) with every array taken from the checkpoint at `step` (a training run's, whatever optimizer
+    state or stage it was saved with, or a weights-only one from launch/convert.py); a missing or differently
+    shaped array is an error that names it. Each array is read onto the sharding of the one it replaces (one
+    device when that is not a jax.Array), each process reading only its own devices' slices
+    (glm_jax/sharding/checkpoint_arrays.py), whatever mesh or number of processes wrote it; the optimizer state is
+    never read."""
+    return read_weights(self.state_dir(step), params, rest, where=f"{self.directory}/{step}")
 
-    def fill(state, tree, name):
-      out = []
-      for path, var in nnx.to_flat_state(state):
-        node = tree
-        for key in [str(p) for p in path] + ["value"]:
-          if not isinstance(node, Mapping) or key not in node:
-            raise ValueError(f"{self.directory}/{step}: no {name} array at {path_str(path)}")
-          node = node[key]
-        if tuple(node.shape) != tuple(var.shape):
-          raise ValueError(f"{self.directory}/{step}: {name} {path_str(path)} has shape "
-                           f"{list(node.shape)}, the model expects {list(var.shape)}")
-        out.append((path, var.replace(value=jnp.asarray(node, var.dtype))))
-      return nnx.from_flat_state(out)
+  def state_dir(self, step: int) -> str:
+    return os.path.join(self.directory, str(step), "state")
 
-    return fill(params, saved["params"], "parameter"), fill(rest, saved["rest"], "variable")
+  def weights_only(self, step: int) -> bool:
+    """Whether `step` holds only weights (launch/convert.py's checkpoints), not a whole train state."""
+    return is_weights_only(self.state_dir(step))
 
   def wait(self) -> None:
     self.manager.wait_until_finished()

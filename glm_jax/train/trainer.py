@@ -112,13 +112,19 @@ class RestoredRun:
 
 def restore_run(config: ml_collections.ConfigDict, workdir: str) -> RestoredRun:
   """The latest checkpoint of `workdir` (trained under `config`: a checkpoint of another model is refused by
-  name), with the tokenizer it was trained with (whatever config.data says), on one device.
+  name; or a weights-only one from launch/convert.py, of the same model), with the tokenizer it was trained with
+  (whatever config.data says), on one device.
   launch/sample.py and the notebooks sample from it."""
   model_cfg = model_config_for_stage(config)
   checkpointer = Checkpointer(workdir, read_only=True)
   if not checkpointer.steps():
     raise FileNotFoundError(f"--workdir={workdir}: no checkpoint in {checkpointer.directory}")
-  checkpointer.check_compatible(config.to_dict())
+  weights_only = checkpointer.weights_only(checkpointer.steps()[0])
+  if weights_only:  # a converted checkpoint (launch/convert.py): the model must match; it has no optimizer state
+    checkpointer.check_compatible(config.to_dict(), sections=("model",), train_fields=(),
+                                  free=INIT_FROM_FREE_FIELDS)
+  else:
+    checkpointer.check_compatible(config.to_dict())
   record = checkpointer.recorded_tokenizer(checkpointer.steps()[0])
   if record is not None:  # the tokenizer the model was trained with, whatever config.data says
     tokenizer = data_lib.Tokenizer.from_record(record)
@@ -128,7 +134,10 @@ def restore_run(config: ml_collections.ConfigDict, workdir: str) -> RestoredRun:
     tokenizer = data_lib.load_tokenizer(config.data)
   data_lib.check_vocab(tokenizer, model_cfg.vocab_size)
   graphdef, state, _, _ = create_train_state(config, model_cfg)
-  step, state = checkpointer.restore_latest(state)
+  if weights_only:
+    step, (state.params, state.rest) = checkpointer.restore_latest_weights(state.params, state.rest)
+  else:
+    step, state = checkpointer.restore_latest(state)
   checkpointer.close()
   return RestoredRun(step, model_cfg, graphdef, state, tokenizer)
 
@@ -226,9 +235,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, hooks
   if start is not None:
     logging.info("resumed from %s at step %d", checkpointer.directory, start)
   elif init_source is not None:
+    # read onto the state's own shardings, each process reading only its devices' slices
     source_step, (state.params, state.rest) = init_source.restore_latest_weights(state.params, state.rest)
-    if shardings is not None:
-      state = jax.device_put(state, shardings)
     init_source.close()
     logging.info("initialized from %s step %d", init_source.directory, source_step)
   start = start or 0
