@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import ml_collections
 import ml_dtypes
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 import torch
 from flax import nnx
@@ -86,6 +87,14 @@ def test_bf16_sharded_checkpoint_converts_and_samples_as_transformers(bf16, conv
   assert report["tensors"] == len([n for n in all_tensors(path)])
   run = restore_run(config, out)  # launch/sample.py's loading path
   assert run.step == stream.STEP
+  # It is Orbax's format: Orbax's own restore reads the same arrays.
+  state_dir = os.path.join(out, "checkpoints", "0", "state")
+  restored = ocp.StandardCheckpointer().restore(state_dir)
+  for p, var in nnx.to_flat_state(run.state.params):
+    node = restored["params"]
+    for key in [*map(str, p), "value"]:
+      node = node[key]
+    np.testing.assert_array_equal(np.asarray(node), np.asarray(var.get_value()), err_msg=str(p))
   model = nnx.merge(run.graphdef, run.state.params, run.state.rest)
   ids = token_ids(11, 2, 24, VOCAB)  # 24 > index_topk = 8: the indexer selects
   diff = max_diff(model(jnp.asarray(ids)).logits, hf_logits(reference, ids))
