@@ -26,7 +26,7 @@ from glm_jax.model import context_parallel, param_counts, splash
 from glm_jax.model.grouped_matmul import megablox_grid_cost
 from glm_jax.model.platform import target_platform
 from glm_jax.sharding import hlo_cost
-from glm_jax.sharding.mesh import MESH_AXES, batch_sharding, make_mesh
+from glm_jax.sharding.mesh import MESH_AXES, batch_sharding, entry_axes, make_mesh
 from glm_jax.sharding.state import abstract_sharded
 from glm_jax.sharding.topology import GENERATIONS, compiled_flops
 from glm_jax.train import step as step_lib, trainer
@@ -170,7 +170,8 @@ def moe_real_rows(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, ro
   n*K for the n tokens a device holds; "hot", every pair of an expert group's P devices sent to one shard,
   P*n*K on that device (the dropless worst case; the step waits for it)."""
   model_cfg = model_config_for_stage(config)
-  shards = math.prod(mesh.shape[a] for a in batch_sharding(mesh).spec[0])
+  spec = batch_sharding(mesh).spec  # rows over the batch axes, the sequence over context: both split the tokens
+  shards = math.prod(mesh.shape[a] for entry in spec for a in entry_axes(entry))
   n = config.data.batch_size * config.data.seq_len // (shards * config.train.microbatches)
   rows = n * model_cfg.num_experts_per_tok
   if routing == "balanced":

@@ -149,3 +149,20 @@ def test_tpu_tiling_and_splash_grid_by_hand():
   assert flops == 128 * 36 * 2 * 512 * 512 * (256 + 256)
   flops, _ = splash.grid_cost("dkv", 128, 4096, 256, 256, 2)
   assert flops == 128 * 36 * 2 * 512 * 512 * (3 * 256 + 2 * 256)
+
+
+@needs_libtpu
+def test_moe_rows_count_the_tokens_a_device_holds_under_context():
+  """4 chips as expert 2 x context 2, 8 rows of 64 tokens: a device holds 8 x 64 / 4 = 128 tokens, so its experts
+  get 128 x K rows with balanced routing (the context axis splits the tokens as the batch axes do)."""
+  from configs import glm5_tiny
+  from glm_jax.sharding.mesh import make_mesh
+  from glm_jax.train import aot
+
+  config = glm5_tiny.get_config()
+  config.data.batch_size, config.data.seq_len = 8, 64
+  config.mesh.fsdp, config.mesh.expert, config.mesh.context = 1, 2, 2
+  mesh = make_mesh(config.mesh, tpu_topology_devices("v5p:2x2x1"))
+  k = config.model.num_experts_per_tok
+  assert aot.moe_real_rows(config, mesh, "balanced") == 128 * k
+  assert aot.moe_real_rows(config, mesh, "hot") == 2 * 128 * k
