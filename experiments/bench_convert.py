@@ -54,14 +54,8 @@ def write_checkpoint(path: str, cfg: ModelConfig) -> dict:
   os.makedirs(path)
   tensors = tensor_list(cfg)
   rng = np.random.default_rng(0)
-  shards, size = [[]], 0
-  for name, shape in tensors:
-    nbytes = math.prod(shape) * 2
-    if shards[-1] and size + nbytes > GiB:
-      shards.append([])
-      size = 0
-    shards[-1].append((name, np.dtype(safetensors_io.DTYPES["BF16"]), shape))
-    size += nbytes
+  bf16 = np.dtype(safetensors_io.DTYPES["BF16"])
+  shards = hf.shard_groups([(name, bf16, shape) for name, shape in tensors], lambda e: math.prod(e[2]) * 2, GiB)
   shape_of = dict(tensors)
 
   def produce(name):

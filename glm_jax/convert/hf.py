@@ -25,7 +25,7 @@ import math
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -384,15 +384,22 @@ def save(cfg: ModelConfig, model: GlmMoeDsa, path: str, *, max_shard_bytes: int 
     raise
 
 
-def _write_shards(tensors: dict[str, jax.Array], out_dir: str, max_shard_bytes: int) -> None:
-  shards: list[dict[str, jax.Array]] = [{}]
-  size = 0
-  for name, t in tensors.items():
-    if shards[-1] and size + t.nbytes > max_shard_bytes:
-      shards.append({})
+def shard_groups(items: list, nbytes: Callable[[Any], int], max_shard_bytes: int) -> list[list]:
+  """`items` in order, cut into files of at most max_shard_bytes (a larger item gets a file of its own)."""
+  groups, size = [[]], 0
+  for item in items:
+    n = nbytes(item)
+    if groups[-1] and size + n > max_shard_bytes:
+      groups.append([])
       size = 0
-    shards[-1][name] = t
-    size += t.nbytes
+    groups[-1].append(item)
+    size += n
+  return groups
+
+
+def _write_shards(tensors: dict[str, jax.Array], out_dir: str, max_shard_bytes: int) -> None:
+  shards = [{name: tensors[name] for name in group}
+            for group in shard_groups(list(tensors), lambda name: tensors[name].nbytes, max_shard_bytes)]
   if len(shards) == 1:
     save_file(shards[0], os.path.join(out_dir, SINGLE_FILE), metadata={"format": "pt"})
     return

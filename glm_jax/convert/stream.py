@@ -36,7 +36,7 @@ from flax import nnx
 from glm_jax.convert import hf, safetensors_io
 from glm_jax.model.config import ModelConfig
 from glm_jax.model.transformer import GlmMoeDsa
-from glm_jax.sharding.checkpoint_arrays import METADATA, StateArrays, orbax_name, read_slice
+from glm_jax.sharding.checkpoint_arrays import METADATA, StateArrays, leaf_kind, orbax_name, read_slice, tree_keys
 from glm_jax.sharding.mesh import MESH_AXES, checked_spec, entry_axes, logical_to_spec, mesh_shape
 from glm_jax.tree_paths import path_str
 
@@ -175,7 +175,7 @@ def hf_to_orbax(hf_dir: str, out_dir: str, config: ml_collections.ConfigDict | N
   out_dir = _check_out_dir(out_dir, overwrite)
   reader = hf.Reader(hf_dir, block)
   specs, leaves, mtp_present = hf.checked_specs(hf_dir, cfg, reader, seed)
-  kind_of = {p: "params" if isinstance(v, nnx.Param) else "rest" for p, v in leaves.items()}
+  kind_of = {p: leaf_kind(v) for p, v in leaves.items()}
   stacked = {}  # leaf -> how many leading (layer, expert) dims one HF tensor indexes
   for s in specs:
     for p in hf.to_ours_paths(s):
@@ -194,7 +194,7 @@ def hf_to_orbax(hf_dir: str, out_dir: str, config: ml_collections.ConfigDict | N
       name = orbax_name(kind_of[p], p)
       stores[p] = ts.open(_zarr3_spec(os.path.join(state_dir, name), tuple(v.shape), v.dtype, shard, chunk)).result()
       covered[p] = np.zeros(v.shape[:n], bool)
-      keys = (kind_of[p], *map(str, p), "value")
+      keys = tree_keys(kind_of[p], p)
       tree_metadata[str(keys)] = {"key_metadata": [{"key": k, "key_type": 2} for k in keys],
                                   "value_metadata": {"value_type": "jax.Array", "skip_deserialize": False,
                                                      "write_shape": list(shard)}}
@@ -217,7 +217,7 @@ def hf_to_orbax(hf_dir: str, out_dir: str, config: ml_collections.ConfigDict | N
       if not present:  # transformers does not save MTP layers
         progress and progress(f"no MTP tensors for model.layers.{cfg.num_hidden_layers + k}: initialized")
         for p, v in nnx.to_flat_state(nnx.state(hf.fresh_mtp_layer(cfg, k, seed))):
-          put(("mtp", k, *p), (), v.get_value() if hasattr(v, "get_value") else v.value)
+          put(("mtp", k, *p), (), v.get_value())
     for p, done in covered.items():  # slices no HF tensor holds: the unused indexers of shared-indexer layers
       for index in zip(*np.nonzero(~done)) if done.ndim else ([()] if not done else []):
         put(p, tuple(int(i) for i in index), np.zeros(leaves[p].shape[len(index):], np.float32))
@@ -274,7 +274,7 @@ def orbax_to_hf(workdir: str, out_dir: str, *, step: int | None = None, dtype: s
   out_dir = _check_out_dir(out_dir, overwrite)
   arrays = StateArrays(os.path.join(step_dir, "state"))
   leaves = {p: v for p, v in nnx.to_flat_state(nnx.state(nnx.eval_shape(lambda: GlmMoeDsa(cfg, nnx.Rngs(0)))))}
-  kind_of = {p: "params" if isinstance(v, nnx.Param) else "rest" for p, v in leaves.items()}
+  kind_of = {p: leaf_kind(v) for p, v in leaves.items()}
   opened: dict[tuple, ts.TensorStore] = {}
 
   def stored(p):
@@ -298,14 +298,7 @@ def orbax_to_hf(workdir: str, out_dir: str, *, step: int | None = None, dtype: s
     s = specs[copies.get(name, name)]
     return hf.to_hf(s, read_slice(stored(s.path), s.index, np.float32))
 
-  shards, size = [[]], 0
-  for e in entries:
-    nbytes = int(np.prod(e[2])) * e[1].itemsize
-    if shards[-1] and size + nbytes > max_shard_bytes:
-      shards.append([])
-      size = 0
-    shards[-1].append(e)
-    size += nbytes
+  shards = hf.shard_groups(entries, lambda e: int(np.prod(e[2])) * e[1].itemsize, max_shard_bytes)
   tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.exporting-", dir=os.path.dirname(out_dir))
   try:
     weight_map, total, done = {}, 0, 0

@@ -23,18 +23,22 @@ from flax import nnx
 
 from glm_jax.tree_paths import path_str
 
-KINDS = ("params", "rest")  # the TrainState fields a weights-only checkpoint holds
 METADATA = "_METADATA"
 
 
 def orbax_name(kind: str, path: tuple) -> str:
   """The array's name in an Orbax TrainState item: "params.moe_layers.mlp.gate_proj.value"."""
-  return ".".join([kind, *map(str, path), "value"])
+  return ".".join(tree_keys(kind, path))
 
 
-def _tree_key(kind: str, path: tuple) -> str:
-  return str((kind, *map(str, path), "value"))
+def tree_keys(kind: str, path: tuple) -> tuple[str, ...]:
+  """The array's keys in the item's `_METADATA` tree (its tree_metadata is keyed by their tuple's str)."""
+  return (kind, *map(str, path), "value")
 
+
+def leaf_kind(variable) -> str:
+  """The TrainState field a model variable is saved under: "params" for an nnx.Param, else "rest"."""
+  return "params" if isinstance(variable, nnx.Param) else "rest"
 
 
 def state_metadata(state_dir: str) -> dict[str, Any]:
@@ -70,7 +74,7 @@ class StateArrays:
     self._context = ocp.type_handlers.get_ts_context(use_ocdbt=self._ocdbt)
 
   def has(self, kind: str, path: tuple) -> bool:
-    return _tree_key(kind, path) in self.keys
+    return str(tree_keys(kind, path)) in self.keys
 
   def open(self, kind: str, path: tuple) -> ts.TensorStore:
     info = ocp.type_handlers.ParamInfo(name=orbax_name(kind, path), parent_dir=epath.Path(self.state_dir),
@@ -111,7 +115,7 @@ def read_weights(state_dir: str, params: nnx.State, rest: nnx.State, *, where: s
       if tuple(stored.shape) != tuple(var.shape):
         raise ValueError(f"{where}: {noun} {path_str(path)} has shape {list(stored.shape)}, the model expects "
                          f"{list(var.shape)}")
-      value = var.get_value() if hasattr(var, "get_value") else var.value
+      value = var.get_value()
       sharding = value.sharding if isinstance(value, jax.Array) else device
       cache: dict[tuple, np.ndarray] = {}  # devices holding the same slice (replicas) share one read
 
