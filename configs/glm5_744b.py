@@ -46,6 +46,8 @@ def get_config() -> ml_collections.ConfigDict:
   m.tie_word_embeddings = False
   m.initializer_range = 0.02
   m.use_dsa = True
+  # GLM-5.2's IndexShare, e.g. --config.model.indexer_types=FSF: "S" layers reuse the previous "F" layer's top-k
+  m.indexer_types = ml_collections.config_dict.placeholder(str)
   m.attention_impl = "pallas"  # DSA's kernels (compiled on TPU; the reference on a GPU, interpret mode on CPU)
   m.dtype = "bfloat16"  # matmuls in bf16 with fp32 accumulation; softmax, router, losses in fp32
   m.param_dtype = "float32"

@@ -64,7 +64,7 @@ class TensorSpec:
 
 
 def _layer_specs(cfg: ModelConfig, prefix: str, path: tuple, index: tuple, moe: bool, mtp: int | None,
-                 fused_experts: bool) -> Iterator[TensorSpec]:
+                 fused_experts: bool, indexer: bool = True) -> Iterator[TensorSpec]:
   def spec(hf_suffix, sub, kind="plain", n_in=1, expert=()):
     return TensorSpec(f"{prefix}.{hf_suffix}", path + sub, index + expert, kind, n_in, mtp)
 
@@ -75,10 +75,11 @@ def _layer_specs(cfg: ModelConfig, prefix: str, path: tuple, index: tuple, moe: 
   yield spec("self_attn.o_proj.weight", ("self_attn", "o_proj"), "linear", n_in=2)  # ours [H, dv, D]
   for name in ("q_a_layernorm", "kv_a_layernorm"):
     yield spec(f"self_attn.{name}.weight", ("self_attn", name, "weight"))
-  for name in ("wq_b", "wk", "weights_proj"):
-    yield spec(f"self_attn.indexer.{name}.weight", ("self_attn", "indexer", name), "linear")
-  for name in ("weight", "bias"):
-    yield spec(f"self_attn.indexer.k_norm.{name}", ("self_attn", "indexer", "k_norm", name))
+  if indexer:  # an IndexShare "shared" layer has none in HF; its (unused) slice of our stack stays as it is
+    for name in ("wq_b", "wk", "weights_proj"):
+      yield spec(f"self_attn.indexer.{name}.weight", ("self_attn", "indexer", name), "linear")
+    for name in ("weight", "bias"):
+      yield spec(f"self_attn.indexer.k_norm.{name}", ("self_attn", "indexer", "k_norm", name))
   if not moe:
     for name in ("gate_proj", "up_proj", "down_proj"):
       yield spec(f"mlp.{name}.weight", ("mlp", name), "linear")
@@ -103,10 +104,10 @@ def tensor_specs(cfg: ModelConfig, *, fused_experts: bool = False) -> list[Tenso
            TensorSpec("model.norm.weight", ("norm", "weight"))]
   if not cfg.tie_word_embeddings:
     specs.append(TensorSpec("lm_head.weight", ("lm_head",), kind="linear"))
-  for i in range(cfg.num_hidden_layers):
+  for i, shared in enumerate(cfg.shared_indexer_layers):
     moe = i >= cfg.num_dense_layers
     stack, j = ("moe_layers", i - cfg.num_dense_layers) if moe else ("dense_layers", i)
-    specs += _layer_specs(cfg, f"model.layers.{i}", (stack,), (j,), moe, None, fused_experts)
+    specs += _layer_specs(cfg, f"model.layers.{i}", (stack,), (j,), moe, None, fused_experts, not shared)
   for k in range(cfg.num_nextn_predict_layers):
     i = cfg.num_hidden_layers + k
     p, base = f"model.layers.{i}", ("mtp", k)

@@ -55,6 +55,9 @@ class ModelConfig:
   bos_token_id: int | None = 0
   eos_token_id: int | None = 1
   pad_token_id: int | None = None
+  indexer_types: tuple[str, ...] | None = None  # per layer, "full" (runs its indexer) or "shared" (GLM-5.2's
+  #   IndexShare: reuses the previous full layer's top-k; its indexer's weights are unused); None: all "full".
+  #   Also taken as a pattern string, "FSS" = ("full", "shared", "shared") (a flag: --config.model.indexer_types=FSS)
   # --- ours (no HF field) ---
   rope_interleave: bool = True  # MLA rope on interleaved pairs (GLM-5, DeepSeek); False = half split
   indexer_rope_interleave: bool = True  # GLM-5 True; DeepSeek-V3.2's indexer uses the half split
@@ -90,6 +93,20 @@ class ModelConfig:
   def kv_latent_dim(self) -> int:
     """Width of the absorbed (MQA-form) key: the kv latent plus the shared rope key (576 for GLM-5)."""
     return self.kv_lora_rank + self.qk_rope_head_dim
+
+  def dsa_selects(self, seq_len: int) -> bool:
+    """DSA's top-k changes anything only when a query can see more than index_topk keys."""
+    return self.use_dsa and seq_len > self.index_topk
+
+  @property
+  def shared_indexer_layers(self) -> tuple[bool, ...]:
+    """Per decoder layer: True where it reuses the previous full layer's top-k (IndexShare)."""
+    return tuple(t == "shared" for t in self.indexer_types or ("full",) * self.num_hidden_layers)
+
+  @property
+  def index_share(self) -> bool:
+    """Some layer reuses another's top-k selection (model.indexer_types has a "shared" layer)."""
+    return any(self.shared_indexer_layers)
 
   @property
   def num_dense_layers(self) -> int:
@@ -144,6 +161,7 @@ class ModelConfig:
         )
       if "rope_theta" in rope:
         kwargs["rope_theta"] = rope["rope_theta"]
+    kwargs["indexer_types"] = _hf_indexer_types(hf, kwargs.get("num_hidden_layers", cls.num_hidden_layers))
     if isinstance(kwargs.get("eos_token_id"), list):
       kwargs["eos_token_id"] = kwargs["eos_token_id"][0]
     _check_hf_supported(hf, kwargs)
@@ -168,7 +186,7 @@ class ModelConfig:
         architectures=["GlmMoeDsaForCausalLM"],
         rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
         mlp_layer_types=["dense"] * self.num_dense_layers + ["sparse"] * self.num_moe_layers,
-        indexer_types=["full"] * self.num_hidden_layers,
+        indexer_types=[("shared" if s else "full") for s in self.shared_indexer_layers],
         head_dim=self.qk_rope_head_dim,
         dtype=self.param_dtype,
     )
@@ -190,22 +208,28 @@ def _check_hf_supported(hf: Mapping[str, Any], kwargs: dict[str, Any]) -> None:
         f"config.json: mlp_layer_types={mlp_types}; only first_k_dense_replace={k} dense layers followed by "
         "MoE layers is implemented"
     )
-  indexer_types = hf.get("indexer_types")
-  if indexer_types is None:  # transformers derives it from these two when absent
-    pattern = hf.get("index_topk_pattern")
-    if pattern is not None and any(t not in ("F", "full") for t in pattern):
-      raise ValueError(f"config.json: index_topk_pattern={pattern!r}; only all-'F' (every layer runs its own "
-                       "indexer) is implemented, not GLM-5.2's shared top-k")
-    if pattern is None and hf.get("index_topk_freq", 1) > 1:
-      raise ValueError(f"config.json: index_topk_freq={hf['index_topk_freq']!r}; only 1 (every layer runs its "
-                       "own indexer) is implemented, not GLM-5.2's shared top-k")
-  if indexer_types is not None and any(t != "full" for t in indexer_types):
-    raise ValueError(
-        f"config.json: indexer_types={indexer_types}; only 'full' (every layer runs its own indexer) is "
-        "implemented, not GLM-5.2's shared top-k"
-    )
   if hf.get("hidden_act", "silu") != "silu":
     raise ValueError(f"config.json: hidden_act={hf['hidden_act']!r}; only 'silu' is implemented")
+
+
+def _hf_indexer_types(hf: Mapping[str, Any], n_layers: int) -> tuple[str, ...] | None:
+  """config.json's per-layer indexer modes as transformers' GlmMoeDsaConfig reads them: `indexer_types`, else the
+  pattern `index_topk_pattern` ("F" full, "S" shared), else every `index_topk_freq`-th layer from
+  `index_skip_topk_offset` runs its indexer. None (all full) when the file says nothing."""
+  if hf.get("indexer_types") is not None:
+    return tuple(hf["indexer_types"])
+  pattern = hf.get("index_topk_pattern")
+  if pattern is not None:
+    codes = {"F": "full", "S": "shared"}
+    if any(p not in codes for p in pattern):
+      raise ValueError(f"config.json: index_topk_pattern={pattern!r}; each entry is 'F' (full) or 'S' (shared)")
+    return tuple(codes[p] for p in pattern)
+  freq, offset = hf.get("index_topk_freq", 1), hf.get("index_skip_topk_offset", 2)
+  if not isinstance(freq, int) or not isinstance(offset, int):
+    raise ValueError(f"config.json: index_topk_freq={freq!r}, index_skip_topk_offset={offset!r}; integers")
+  if max(freq, 1) == 1:
+    return None
+  return tuple("full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n_layers))
 
 
 def _validate(c: ModelConfig) -> None:
@@ -267,6 +291,27 @@ def _validate(c: ModelConfig) -> None:
   for f in ("dtype", "param_dtype"):
     if getattr(c, f) not in DTYPES:
       fail(f, f"one of {DTYPES}")
+  if c.indexer_types is not None:
+    types = c.indexer_types
+    if isinstance(types, str):  # the pattern form of transformers' index_topk_pattern: "FSSF..."
+      if set(types) - {"F", "S"}:
+        fail("indexer_types", "None, a pattern of 'F' (full) and 'S' (shared) such as 'FSS', or a sequence of "
+             "'full' / 'shared', one per decoder layer")
+      types = ["full" if t == "F" else "shared" for t in types]
+    if not all(isinstance(t, str) for t in types):
+      fail("indexer_types", "None, a pattern such as 'FSS', or a sequence of 'full' / 'shared', one per layer")
+    object.__setattr__(c, "indexer_types", tuple(types))  # hashable, whatever form it came in
+    if len(c.indexer_types) != c.num_hidden_layers:
+      fail("indexer_types", f"one entry per decoder layer: {len(c.indexer_types)} given, num_hidden_layers="
+           f"{c.num_hidden_layers}")
+    bad = sorted({t for t in c.indexer_types if t not in ("full", "shared")})
+    if bad:
+      fail("indexer_types", f"each entry 'full' or 'shared', not {bad}")
+    if c.indexer_types[0] != "full":
+      fail("indexer_types", "the first layer must be 'full': a 'shared' layer reuses the previous full layer's "
+           "top-k, and layer 0 has none before it")
+    if "shared" not in c.indexer_types:  # every layer full: the same model as None, and equal to it
+      object.__setattr__(c, "indexer_types", None)
   for f in ("bos_token_id", "eos_token_id", "pad_token_id"):
     v = getattr(c, f)
     if v is not None and not 0 <= v < c.vocab_size:

@@ -84,13 +84,16 @@ def from_zigzag(x: jax.Array, c: int, axis: int = 1) -> jax.Array:
 
 def attention(impl: str, q_BTHA: jax.Array, kv_BTA: jax.Array, indexer: tuple | None, *, segment_ids: jax.Array,
               prefix_end: jax.Array | None, sparse: bool, indexer_loss: bool, sm_scale: float, v_dim: int,
-              topk: int, chunk: int, out_dtype) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
+              topk: int, chunk: int, out_dtype, share: dsa.IndexShare | None = None
+              ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
   """MLA's attention in the absorbed form under the context axis. Every [B, T, ...] operand is in the zig-zag
   layout: q [B, T, H, A] (absorbed queries), kv [B, T, A] (the shared key; its first v_dim numbers are the value),
   indexer = (q_i [B, T, Hi, Di], k_i [B, T, Di], w_i [B, T, Hi]) or None, segment_ids and prefix_end [B, T].
   sparse: DSA (the indexer's top-`topk`, sparse attention); else dense causal attention, `chunk` query rows at a
   time (0: a device's chunk at once). Returns (latent output [B, T, H, v_dim], the selected keys [B, T, topk] as
-  natural-order positions or None, each query's indexer KL [B, T] when indexer_loss or None), in the layout."""
+  natural-order positions or None, each query's indexer KL [B, T] when indexer_loss or None), in the layout.
+  share: dsa.IndexShare (sparse only): prev_topk [B, T, topk] in the layout, reused when
+  share.shared is true instead of this layer's own selection."""
   mode = dsa.kernel_mode(impl)
   b, _, h, _ = q_BTHA.shape
   c = context_size()
@@ -101,7 +104,7 @@ def attention(impl: str, q_BTHA: jax.Array, kv_BTA: jax.Array, indexer: tuple | 
   def gather(x):  # this device's rows -> the whole sequence's, in natural order
     return from_zigzag(jax.lax.all_gather(x, CONTEXT, axis=1, tiled=True), c)
 
-  def local(q, kv, seg, pe, q_i, k_i, w_i):
+  def local(q, kv, seg, pe, q_i, k_i, w_i, shared, prev):
     i = jax.lax.axis_index(CONTEXT)
     piece = q.shape[1] // 2
     offsets = (i * piece, (2 * c - 1 - i) * piece)  # the positions of this device's two chunks
@@ -117,25 +120,29 @@ def attention(impl: str, q_BTHA: jax.Array, kv_BTA: jax.Array, indexer: tuple | 
     def rows(x, j):
       return None if x is None else x[:, j * piece:(j + 1) * piece]
 
-    picks = [dsa.select_topk(impl, rows(q_i, j), k_i_all, rows(w_i, j), topk=topk, q_offset=offsets[j],
-                             q_segment_ids=rows(seg, j), kv_segment_ids=seg_all, q_prefix_end=rows(pe, j))
-             for j in (0, 1)]
-    idx = jnp.concatenate([p[0] for p in picks], axis=1)
+    def select():
+      picks = [dsa.select_topk(impl, rows(q_i, j), k_i_all, rows(w_i, j), topk=topk, q_offset=offsets[j],
+                               q_segment_ids=rows(seg, j), kv_segment_ids=seg_all, q_prefix_end=rows(pe, j))
+               for j in (0, 1)]
+      idx = jnp.concatenate([p[0] for p in picks], axis=1)
+      if mode == "reference":
+        return idx, jnp.concatenate([p[1] for p in picks], axis=1)
+      # the kernel's top-k scores carry no gradient
+      return idx, dsa.selected_index_scores(q_i, k_i_all, w_i, idx) if indexer_loss else jnp.zeros(idx.shape)
+
+    idx, vals = select() if share is None else dsa.IndexShare(shared, prev).select(select)
     o, lse = dsa.attend(impl, q, kv_all, idx, sm_scale=sm_scale, v_dim=v_dim)
     if not indexer_loss:
       return o, idx, None
-    if mode == "reference":
-      vals = jnp.concatenate([p[1] for p in picks], axis=1)
-    else:  # the kernel's top-k scores carry no gradient
-      vals = dsa.selected_index_scores(q_i, k_i_all, w_i, idx)
     p_sel = dsa.head_probs(impl, q, kv_all, idx, lse, sm_scale=sm_scale)
     if heads:
       p_sel = jax.lax.psum(jax.lax.stop_gradient(p_sel), heads)  # a constant of the KL (kl_rows)
     return o, idx, blockwise.kl_rows(p_sel, vals, idx >= 0)
 
   q_i, k_i, w_i = indexer if indexer is not None else (None, None, None)
-  operands = [q_BTHA, kv_BTA, segment_ids, prefix_end, q_i, k_i, w_i]
-  specs = [P(batch, CONTEXT, heads, None), tok, tok, tok, P(batch, CONTEXT, None, None), tok, tok]
+  shared, prev = (share.shared, share.prev_topk) if share is not None else (None, None)
+  operands = [q_BTHA, kv_BTA, segment_ids, prefix_end, q_i, k_i, w_i, shared, prev]
+  specs = [P(batch, CONTEXT, heads, None), tok, tok, tok, P(batch, CONTEXT, None, None), tok, tok, P(), tok]
   present = [x is not None for x in operands]
   returned = (True, sparse, indexer_loss)  # which of (o, idx, kl) the body returns
 

@@ -22,6 +22,7 @@ with the reference formula on the selected keys only.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -75,6 +76,22 @@ def _batch_axes(b: int) -> tuple[str, ...]:
 
 def _spec(batch: tuple[str, ...], *rest) -> P:
   return P(batch or None, *rest)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class IndexShare:
+  """A layer's part in GLM-5.2's IndexShare (model.indexer_types): `shared` (a traced bool scalar: the layers of a
+  stack share one compiled body) and `prev_topk` [B, T, K], the previous full layer's selection."""
+  shared: jax.Array
+  prev_topk: jax.Array
+
+  def select(self, own):
+    """(indices, scores) of this layer: prev_topk and zero scores when shared, else own()'s; only one branch
+    runs (lax.cond), so a shared layer's indexer does no scoring."""
+    return jax.lax.cond(self.shared,
+                        lambda: (self.prev_topk, jnp.zeros(self.prev_topk.shape, jnp.float32)),
+                        lambda: tuple(x.astype(d) for x, d in zip(own(), (self.prev_topk.dtype, jnp.float32))))
 
 
 def select_topk(impl: str, q_BTJZ: jax.Array, k_BSZ: jax.Array, w_BTJ: jax.Array, *, topk: int, q_offset: int = 0,

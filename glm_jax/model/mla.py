@@ -53,8 +53,7 @@ class MLA(nnx.Module):
     self.indexer = Indexer(cfg, rngs)
 
   def dsa_active(self, seq_len: int) -> bool:
-    """Top-k selection changes anything only when a query can see more than index_topk keys."""
-    return self.cfg.use_dsa and seq_len > self.cfg.index_topk
+    return self.cfg.dsa_selects(seq_len)
 
   def project(self, x_BTD: jax.Array, inp: AttentionInputs):
     """The low-rank paths: (c_q, q_nope, q_rope, c_kv, k_rope)."""
@@ -123,15 +122,18 @@ class MLA(nnx.Module):
                       preferred_element_type=jnp.float32).astype(self.dtype)
 
   def __call__(self, x_BTD: jax.Array, inp: AttentionInputs, *, form: str = "mha",
-               return_index_scores: bool = False, indexer_loss: bool = False, return_cache: bool = False
-               ) -> tuple[jax.Array, dict[str, jax.Array]]:
+               return_index_scores: bool = False, indexer_loss: bool = False, return_cache: bool = False,
+               share: dsa.IndexShare | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Returns (out [B, T, D], aux). With DSA active, aux["topk_indices"] [B, T, index_topk]; with
     return_index_scores, aux["index_scores"] [B, T, T] (fp32, -inf where not visible); with indexer_loss,
     aux["indexer_kl"]: the indexer's KL to the main attention, over the visible keys when attention is
     dense (DSA warm-up) and over the selected keys when it is sparse. The indexer reads a detached copy
     of its inputs, so its only gradient is this KL and the KL trains nothing else. With return_cache (a
     prefill), aux["cache_kv"] [B, T, A] and, with DSA, aux["cache_index_k"] [B, T, Z]:
-    the entries of the decode cache (glm_jax/model/kv_cache.py)."""
+    the entries of the decode cache (glm_jax/model/kv_cache.py). share (IndexShare, model.indexer_types): when
+    share.shared is true and DSA selects, the layer attends over share.prev_topk (the previous full layer's
+    selection) and its own indexer does not score; aux["indexer_kl"] of such a layer is computed on zero scores
+    and means nothing (GlmMoeDsa drops it)."""
     cfg = self.cfg
     seq_len = x_BTD.shape[1]
     cq_BTQ, q_nope, q_rope, ckv_BTC, k_rope_BTR = self.project(x_BTD, inp)
@@ -139,13 +141,18 @@ class MLA(nnx.Module):
     sparse = self.dsa_active(seq_len)
     if context_parallel.context_size() > 1:
       return self._context_parallel(x_BTD, inp, cq_BTQ, q_nope, q_rope, ckv_BTC, k_rope_BTR, sparse=sparse,
-                                    indexer_loss=indexer_loss, unsupported=dict(
+                                    indexer_loss=indexer_loss, share=share, unsupported=dict(
                                         return_index_scores=return_index_scores, return_cache=return_cache))
     if return_cache:
       aux["cache_kv"] = jnp.concatenate([ckv_BTC, k_rope_BTR], axis=-1)
-    if sparse or return_index_scores or indexer_loss or (return_cache and cfg.use_dsa):
-      q_i, k_i, w_i = self.indexer(jax.lax.stop_gradient(x_BTD), jax.lax.stop_gradient(cq_BTQ),
-                                   inp.cos, inp.sin)
+
+    def own_indexer():
+      return self.indexer(jax.lax.stop_gradient(x_BTD), jax.lax.stop_gradient(cq_BTQ), inp.cos, inp.sin)
+
+    # With IndexShare in the sparse stage the indexer runs inside its own branch (below), skipped by shared layers.
+    indexer_outside = return_index_scores or return_cache or (not sparse and indexer_loss) or share is None
+    if indexer_outside and (sparse or return_index_scores or indexer_loss or (return_cache and cfg.use_dsa)):
+      q_i, k_i, w_i = own_indexer()
       if return_cache:
         aux["cache_index_k"] = k_i
       if return_index_scores or (indexer_loss and not sparse and not (cfg.attention_chunk
@@ -155,16 +162,23 @@ class MLA(nnx.Module):
         aux["index_scores"] = scores_BTS
     if sparse:
       impl = cfg.attention_impl
-      idx_BTK, vals_BTK = dsa.select_topk(impl, q_i, k_i, w_i, topk=cfg.index_topk,
-                                          q_segment_ids=inp.segment_ids, kv_segment_ids=inp.segment_ids,
-                                          q_prefix_end=inp.prefix_end)
+
+      def select(q_i, k_i, w_i):
+        idx, vals = dsa.select_topk(impl, q_i, k_i, w_i, topk=cfg.index_topk, q_segment_ids=inp.segment_ids,
+                                    kv_segment_ids=inp.segment_ids, q_prefix_end=inp.prefix_end)
+        if indexer_loss and dsa.kernel_mode(impl) != "reference":  # the kernel's top-k scores carry no gradient
+          vals = dsa.selected_index_scores(q_i, k_i, w_i, idx)
+        return idx, vals
+
+      if share is None:
+        idx_BTK, vals_BTK = select(q_i, k_i, w_i)
+      else:
+        idx_BTK, vals_BTK = share.select(lambda: select(*(own_indexer() if not indexer_outside else (q_i, k_i, w_i))))
       aux["topk_indices"] = idx_BTK
       q_BTHA, kv_BSA = self.absorbed_q_kv(q_nope, q_rope, ckv_BTC, k_rope_BTR)
       o_lat, lse_BTH = dsa.attend(impl, q_BTHA, kv_BSA, idx_BTK, sm_scale=cfg.softmax_scale, v_dim=cfg.kv_lora_rank)
       o_BTHO = self.absorbed_out(o_lat)
       if indexer_loss:
-        if dsa.kernel_mode(impl) != "reference":  # the kernel's top-k scores carry no gradient
-          vals_BTK = dsa.selected_index_scores(q_i, k_i, w_i, idx_BTK)
         p_BTK = dsa.head_probs(impl, q_BTHA, kv_BSA, idx_BTK, lse_BTH, sm_scale=cfg.softmax_scale)
         aux["indexer_kl"] = indexer_kl(p_BTK, vals_BTK, idx_BTK >= 0)
     elif (form == "mha" and not indexer_loss and dsa.kernel_mode(cfg.attention_impl) != "reference"
@@ -201,7 +215,8 @@ class MLA(nnx.Module):
 
 
   def _context_parallel(self, x_BTD, inp, cq_BTQ, q_nope, q_rope, ckv_BTC, k_rope_BTR, *, sparse: bool,
-                        indexer_loss: bool, unsupported: dict[str, bool]) -> tuple[jax.Array, dict[str, jax.Array]]:
+                        indexer_loss: bool, share: dsa.IndexShare | None, unsupported: dict[str, bool]
+                        ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """__call__ under a mesh with a context axis (glm_jax/model/context_parallel.py): every [B, T] operand in the
     zig-zag layout, attention in the absorbed form (dense: blockwise; DSA: the indexer's top-k and sparse
     attention), each device's queries against the whole sequence's gathered keys."""
@@ -217,7 +232,7 @@ class MLA(nnx.Module):
     o_lat, idx_BTK, kl_BT = context_parallel.attention(
         cfg.attention_impl, q_BTHA, kv_BTA, indexer, segment_ids=inp.segment_ids, prefix_end=inp.prefix_end,
         sparse=sparse, indexer_loss=indexer_loss, sm_scale=cfg.softmax_scale, v_dim=cfg.kv_lora_rank,
-        topk=cfg.index_topk, chunk=cfg.attention_chunk, out_dtype=self.dtype)
+        topk=cfg.index_topk, chunk=cfg.attention_chunk, out_dtype=self.dtype, share=share if sparse else None)
     aux = {}
     if sparse:
       aux["topk_indices"] = idx_BTK
@@ -225,12 +240,13 @@ class MLA(nnx.Module):
       aux["indexer_kl"] = jnp.mean(kl_BT)
     return dense(self.absorbed_out(o_lat), self.o_proj, self.dtype, "bthv,hvd->btd"), aux
 
-  def decode(self, x_B1D: jax.Array, cos: jax.Array, sin: jax.Array, pos_B: jax.Array, cache: LayerCache
-             ) -> tuple[jax.Array, LayerCache]:
+  def decode(self, x_B1D: jax.Array, cos: jax.Array, sin: jax.Array, pos_B: jax.Array, cache: LayerCache,
+             share: dsa.IndexShare | None = None) -> tuple[jax.Array, LayerCache, jax.Array | None]:
     """One new token a row against the cache, in the absorbed MQA form: writes the token's entries at slot
     pos[b], then attends to slots 0..pos[b]; with DSA, to the indexer's top index_topk of them when the cache
     is longer than index_topk (the same keys the full forward's causal top-k picks: stale slots past pos[b]
-    are out of every query's reach). Returns (out [B, 1, D], the updated cache)."""
+    are out of every query's reach), or to share.prev_topk on an IndexShare layer whose share.shared is true.
+    Returns (out [B, 1, D], the updated cache, the selected slots [B, 1, K] or None when DSA does not select)."""
     cfg = self.cfg
     b, s_len = x_B1D.shape[0], cache.length
     beyond_BS = jnp.arange(s_len)[None, :] > pos_B[:, None]  # slots no query of the row may see yet
@@ -243,18 +259,21 @@ class MLA(nnx.Module):
     cache = cache.write(pos_B, jnp.concatenate([ckv_B1C, k_rope_B1R], axis=-1)[:, 0], index_k_new)
     q_B1HA = self.absorbed_q_kv(q_nope, q_rope, ckv_B1C, k_rope_B1R)[0]
     kv_BSA = cache.kv.astype(self.dtype)
+    idx_B1K = None
     if self.dsa_active(s_len):
       # Causal visibility as segments: with q_offset = S - 1 the causal rule admits every slot, and the
       # segment ids (0 for the query, 1 for slots past pos) exclude the row's unseen ones.
-      idx_B1K, _ = dsa.select_topk(cfg.attention_impl, q_i, cache.index_k, w_i, topk=cfg.index_topk,
-                                   q_offset=s_len - 1, q_segment_ids=jnp.zeros((b, 1), jnp.int32),
-                                   kv_segment_ids=beyond_BS.astype(jnp.int32))
+      def select():
+        return dsa.select_topk(cfg.attention_impl, q_i, cache.index_k, w_i, topk=cfg.index_topk,
+                               q_offset=s_len - 1, q_segment_ids=jnp.zeros((b, 1), jnp.int32),
+                               kv_segment_ids=beyond_BS.astype(jnp.int32))
+      idx_B1K, _ = select() if share is None else share.select(select)
       o_lat, _ = dsa.attend(cfg.attention_impl, q_B1HA, kv_BSA, idx_B1K, sm_scale=cfg.softmax_scale,
                             v_dim=cfg.kv_lora_rank)
     else:
       o_lat = self._latent_attention(q_B1HA, kv_BSA, inp.mask)
     o_B1HO = self.absorbed_out(o_lat)
-    return dense(o_B1HO, self.o_proj, self.dtype, "bthv,hvd->btd"), cache
+    return dense(o_B1HO, self.o_proj, self.dtype, "bthv,hvd->btd"), cache, idx_B1K
 
 
 def indexer_kl(p_target_BTS: jax.Array, scores_BTS: jax.Array, valid_BTS: jax.Array) -> jax.Array:

@@ -19,12 +19,14 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from glm_jax.model.config import ModelConfig
 from glm_jax.model.kv_cache import KVCache, LayerCache
 from glm_jax.model import context_parallel, deepnorm
+from glm_jax.model.dsa import IndexShare
 from glm_jax.model.layers import (MLP, Embed, RMSNorm, check_token_ids, dense, dense_fp32, dtype_of, param, rope_angles,
                                   rope_angles_2d)
 from glm_jax.model.mla import MLA, AttentionInputs
@@ -48,10 +50,10 @@ class ModelOutput:
   """logits [B, T, V] fp32 (position t predicts token t+1); mtp_logits [n_mtp, B, T, V] (depth k at t
   predicts token t+1+k; the last k positions have no target) or None; aux: per-layer statistics stacked on a
   leading layer axis: "expert_counts", "expert_probs" [L_moe, B, E] (MoE layers), "expert_dropped" [L_moe]
-  (with model.moe_capacity_factor), "topk_indices"
-  [L, B, T, K] when DSA is active, "index_scores" [L, B, T, T] when asked for, "indexer_kl" [L + n_mtp]
-  (the MTP layers last) when asked for; "mtp{k}_expert_*" [B, E] for MoE MTP layers. With return_hidden, logits
-  and mtp_logits are None and hidden [B, T, D] / mtp_hidden [n_mtp, B, T, D] are the normed states the head
+  (with model.moe_capacity_factor), "topk_indices" [L, B, T, K] when DSA is active (an IndexShare layer's: the
+  selection it reused), "index_scores" [L, B, T, T] when asked for, "indexer_kl" [L_full + n_mtp] when asked for:
+  the layers that run their own indexer (all of them unless model.indexer_types has "shared" ones), the MTP layers
+  last; "mtp{k}_expert_*" [B, E] for MoE MTP layers. With return_hidden, logits and mtp_logits are None and hidden [B, T, D] / mtp_hidden [n_mtp, B, T, D] are the normed states the head
   reads (GlmMoeDsa.head maps them to logits: a loss can then take them a chunk at a time)."""
   logits: jax.Array | None
   mtp_logits: jax.Array | None
@@ -70,11 +72,11 @@ class DecoderLayer(nnx.Module):
     self.alpha = deepnorm.alpha(cfg) if cfg.norm_style == "deepnorm" else None  # None: Pre-LN
 
   def __call__(self, x_BTD: jax.Array, inp: AttentionInputs, *, form: str = "mha",
-               return_index_scores: bool = False, indexer_loss: bool = False, return_cache: bool = False
-               ) -> tuple[jax.Array, dict[str, jax.Array]]:
+               return_index_scores: bool = False, indexer_loss: bool = False, return_cache: bool = False,
+               share: IndexShare | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
     return self._residuals(x_BTD, lambda xn: self.self_attn(
         xn, inp, form=form, return_index_scores=return_index_scores, indexer_loss=indexer_loss,
-        return_cache=return_cache))
+        return_cache=return_cache, share=share))
 
   def _residuals(self, x, attention) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The two sublayers around `attention` (normed input -> (out, aux)): Pre-LN, or DeepNorm's Post-LN."""
@@ -93,15 +95,15 @@ class DecoderLayer(nnx.Module):
     m = self.mlp(xn_BTD)
     return m if isinstance(m, tuple) else (m, {})
 
-  def decode(self, x_B1D: jax.Array, cos: jax.Array, sin: jax.Array, pos_B: jax.Array, cache: LayerCache
-             ) -> tuple[jax.Array, LayerCache]:
-    """One token a row against this layer's cache (MLA.decode)."""
+  def decode(self, x_B1D: jax.Array, cos: jax.Array, sin: jax.Array, pos_B: jax.Array, cache: LayerCache,
+             share: IndexShare | None = None) -> tuple[jax.Array, LayerCache, jax.Array | None]:
+    """One token a row against this layer's cache (MLA.decode): (x, the cache, the selected slots or None)."""
     def attention(xn):
-      a, new_cache = self.self_attn.decode(xn, cos, sin, pos_B, cache)
-      return a, {"cache": new_cache}
+      a, new_cache, idx = self.self_attn.decode(xn, cos, sin, pos_B, cache, share)
+      return a, {"cache": new_cache, "topk": idx}
 
     x_B1D, aux = self._residuals(x_B1D, attention)
-    return x_B1D, aux["cache"]
+    return x_B1D, aux["cache"], aux["topk"]
 
 
 def stacked_layers(cfg: ModelConfig, moe: bool, n: int, rngs: nnx.Rngs) -> DecoderLayer | None:
@@ -118,33 +120,48 @@ def stacked_layers(cfg: ModelConfig, moe: bool, n: int, rngs: nnx.Rngs) -> Decod
 
 
 def scan_layers(stack: DecoderLayer | None, x_BTD: jax.Array, inp: AttentionInputs, remat_policy: str,
-                unroll: bool = False, **kwargs) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """Applies a stack layer by layer with jax.lax.scan; per-layer aux comes back stacked [L, ...]."""
+                unroll: bool = False, shared: jax.Array | None = None, topk: jax.Array | None = None, **kwargs
+                ) -> tuple[jax.Array, dict[str, jax.Array], jax.Array | None]:
+  """Applies a stack layer by layer with jax.lax.scan; per-layer aux comes back stacked [L, ...]. IndexShare
+  (model.indexer_types, DSA selecting): shared [L] bool says which layers reuse the selection before them, topk
+  [B, T, K] is the last selection before the stack; each layer's goes on to the next. Returns (x, aux, the
+  stack's last selection or None)."""
   if stack is None:
-    return x_BTD, {}
+    return x_BTD, {}, topk
   graphdef, state = nnx.split(stack)
 
-  def body(x, layer_state):
+  def body(carry, layer):
+    x, prev = carry
+    layer_state, is_shared = layer
     x = checkpoint_name(x, "layer_input")  # what remat_policy "offload_layer_inputs" moves to the host
-    return nnx.merge(graphdef, layer_state)(x, inp, **kwargs)
+    share = None if is_shared is None else IndexShare(is_shared, prev)
+    x, aux = nnx.merge(graphdef, layer_state)(x, inp, share=share, **kwargs)
+    return (x, None if prev is None else aux["topk_indices"]), aux
 
   if remat_policy != "none":
     body = jax.checkpoint(body, policy=REMAT_POLICIES[remat_policy], prevent_cse=False)
-  return jax.lax.scan(body, x_BTD, state, unroll=unroll)
+  (x, topk), aux = jax.lax.scan(body, (x_BTD, topk), (state, shared), unroll=unroll)
+  return x, aux, topk
 
 
 def scan_decode(stack: DecoderLayer | None, x_B1D: jax.Array, cos: jax.Array, sin: jax.Array, pos_B: jax.Array,
-                cache: LayerCache | None) -> tuple[jax.Array, LayerCache | None]:
-  """DecoderLayer.decode through a stack, each layer with its slice of the stacked cache."""
+                cache: LayerCache | None, shared: jax.Array | None = None, topk: jax.Array | None = None
+                ) -> tuple[jax.Array, LayerCache | None, jax.Array | None]:
+  """DecoderLayer.decode through a stack, each layer with its slice of the stacked cache; IndexShare's shared and
+  topk [B, 1, K] as in scan_layers. Returns (x, the cache, the stack's last selection or None)."""
   if stack is None:
-    return x_B1D, cache
+    return x_B1D, cache, topk
   graphdef, state = nnx.split(stack)
 
-  def body(x, layer):
-    layer_state, layer_cache = layer
-    return nnx.merge(graphdef, layer_state).decode(x, cos, sin, pos_B, layer_cache)
+  def body(carry, layer):
+    x, prev = carry
+    layer_state, layer_cache, is_shared = layer
+    share = None if is_shared is None else IndexShare(is_shared, prev)
+    x, layer_cache, idx = nnx.merge(graphdef, layer_state).decode(x, cos, sin, pos_B, layer_cache, share)
+    return (x, None if prev is None else idx), layer_cache
 
-  return jax.lax.scan(body, x_B1D, (state, cache))
+  (x, topk), cache = jax.lax.scan(body, (x_B1D, topk), (state, cache, shared))
+  return x, cache, topk
 
 
 class MTPLayer(nnx.Module):
@@ -217,6 +234,8 @@ class GlmMoeDsa(nnx.Module):
       parts = [a[key] for a in (dense_aux, moe_aux) if key in a]
       if parts:
         aux[key] = jnp.concatenate(parts, axis=0)
+    if "indexer_kl" in aux and self.cfg.index_share:  # a shared layer's indexer selects nothing: no loss
+      aux["indexer_kl"] = aux["indexer_kl"][np.flatnonzero(~np.asarray(self.cfg.shared_indexer_layers))]
     if "topk_indices" in aux:
       aux["topk_indices"] = context_parallel.from_zigzag(aux["topk_indices"], c, axis=2)
     head = (lambda x: x) if return_hidden else self.head  # noqa: E731
@@ -286,9 +305,23 @@ class GlmMoeDsa(nnx.Module):
       # the same values, a times the gradient (a may be traced)
       a = embedding_grad_shrink
       emb_BTD = a * emb_BTD + (1.0 - a) * jax.lax.stop_gradient(emb_BTD)
-    h, dense_aux = scan_layers(self.dense_layers, emb_BTD, inp, cfg.remat_policy, cfg.scan_unroll, **kw)
-    h, moe_aux = scan_layers(self.moe_layers, h, inp, cfg.remat_policy, cfg.scan_unroll, **kw)
+    shared_dense, shared_moe, topk = self._index_share(b, t, t)
+    h, dense_aux, topk = scan_layers(self.dense_layers, emb_BTD, inp, cfg.remat_policy, cfg.scan_unroll,
+                                     shared=shared_dense, topk=topk, **kw)
+    h, moe_aux, _ = scan_layers(self.moe_layers, h, inp, cfg.remat_policy, cfg.scan_unroll, shared=shared_moe,
+                                topk=topk, **kw)
     return emb_BTD, inp, h, dense_aux, moe_aux
+
+  def _index_share(self, batch: int, rows: int, seq_len: int):
+    """IndexShare's operands of the two stacks: (dense layers' shared flags, MoE layers', the selection carried
+    into the first layer [batch, rows, index_topk], never read: layer 0 is full); Nones when no layer shares or
+    DSA does not select at seq_len keys."""
+    cfg = self.cfg
+    if not (cfg.index_share and cfg.dsa_selects(seq_len)):
+      return None, None, None
+    flags = jnp.asarray(cfg.shared_indexer_layers)
+    n = cfg.num_dense_layers
+    return flags[:n], flags[n:], jnp.zeros((batch, rows, cfg.index_topk), jnp.int32)
 
   def prefill(self, input_ids: jax.Array, cache_len: int, *, positions: jax.Array | None = None,
               block_positions: jax.Array | None = None, prefix_end: jax.Array | None = None
@@ -324,6 +357,7 @@ class GlmMoeDsa(nnx.Module):
     cos, sin = self.rope((pos_B if rope_pos_B is None else rope_pos_B)[:, None],
                          None if block_pos_B is None else block_pos_B[:, None])
     h = self.embed_tokens(token_B[:, None])
-    h, dense_cache = scan_decode(self.dense_layers, h, cos, sin, pos_B, cache.dense)
-    h, moe_cache = scan_decode(self.moe_layers, h, cos, sin, pos_B, cache.moe)
+    shared_dense, shared_moe, topk = self._index_share(token_B.shape[0], 1, cache.length)
+    h, dense_cache, topk = scan_decode(self.dense_layers, h, cos, sin, pos_B, cache.dense, shared_dense, topk)
+    h, moe_cache, _ = scan_decode(self.moe_layers, h, cos, sin, pos_B, cache.moe, shared_moe, topk)
     return self.head(self.norm(h))[:, 0], KVCache(dense=dense_cache, moe=moe_cache)

@@ -66,13 +66,12 @@ def test_from_hf_dict_rejects_yarn():
     ModelConfig.from_hf_dict(hf)
 
 
-def test_from_hf_dict_rejects_shared_indexer_types():
-  hf = {**SMALL, "indexer_types": ["full", "shared"]}
-  with pytest.raises(ValueError, match=re.escape("indexer_types=['full', 'shared']")):
-    ModelConfig.from_hf_dict(hf)
-
-
-@pytest.mark.parametrize("extra", [{"index_topk_freq": 2}, {"index_topk_pattern": "FS"}])
-def test_from_hf_dict_rejects_shared_indexer_schedules(extra):
-  with pytest.raises(ValueError, match="index_topk"):
-    ModelConfig.from_hf_dict({**SMALL, **extra})
+def test_from_hf_dict_reads_shared_indexer_types_and_names_bad_ones():
+  """GLM-5.2's IndexShare (tests/model/test_index_share.py has the model and the schedules transformers derives)."""
+  assert ModelConfig.from_hf_dict({**SMALL, "indexer_types": ["full", "shared"]}).shared_indexer_layers == (False, True)
+  assert ModelConfig.from_hf_dict({**SMALL, "index_topk_pattern": "FS"}).indexer_types == ("full", "shared")
+  assert ModelConfig.from_hf_dict({**SMALL, "indexer_types": ["full", "full"]}).indexer_types is None  # = no sharing
+  with pytest.raises(ValueError, match="indexer_types=.*the first layer must be 'full'"):
+    ModelConfig.from_hf_dict({**SMALL, "indexer_types": ["shared", "full"]})
+  with pytest.raises(ValueError, match=re.escape("config.json: index_topk_pattern='FX'; each entry is 'F'")):
+    ModelConfig.from_hf_dict({**SMALL, "index_topk_pattern": "FX"})

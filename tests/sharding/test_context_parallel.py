@@ -18,7 +18,7 @@ import pytest
 from flax import nnx
 
 from configs import glm5_tiny
-from glm_jax.model import context_parallel
+from glm_jax.model import GlmMoeDsa, context_parallel
 from glm_jax.sharding.mesh import batch_sharding, make_mesh
 from glm_jax.sharding.topology import install_hint, libtpu_installed, tpu_topology_devices
 from glm_jax.train import step as step_lib
@@ -155,6 +155,29 @@ def test_selected_keys_equal_one_device(one_device):
   with jax.set_mesh(mesh):
     got_logits, got_idx = forward(jax.device_put(ref.batch, batch_sharding(mesh)))
   assert idx.shape[-1] == ref.config.model.index_topk and bool(jnp.any(idx[..., -1] >= 0))  # top-k did select
+  np.testing.assert_array_equal(np.asarray(got_idx), np.asarray(idx))
+  np.testing.assert_allclose(np.asarray(got_logits), np.asarray(logits), atol=1e-5, rtol=1e-5)
+
+
+@multi_device
+def test_index_share_selection_equals_one_device(one_device):
+  """IndexShare under the context axis: with layer 1 of 3 reusing layer 0's selection (indexer_types FSF), every
+  layer's top-k keys and the logits on the context-parallel mesh are the one-device ones."""
+  ref = one_device["sparse"]
+  cfg = model_config_for_stage(ref.config).replace(indexer_types="FSF")
+  model = nnx.merge(nnx.graphdef(nnx.eval_shape(lambda: GlmMoeDsa(cfg, nnx.Rngs(0)))), ref.init.params, ref.init.rest)
+
+  @jax.jit
+  def forward(batch):
+    out = model(batch["input_ids"], positions=batch["positions"], segment_ids=batch["segment_ids"])
+    return out.logits, out.aux["topk_indices"]
+
+  logits, idx = forward(ref.batch)
+  np.testing.assert_array_equal(np.asarray(idx[1]), np.asarray(idx[0]))  # layer 1 attends over layer 0's keys
+  assert not np.array_equal(np.asarray(idx[2]), np.asarray(idx[0]))
+  mesh = make_mesh(MESHES[0])
+  with jax.set_mesh(mesh):
+    got_logits, got_idx = forward(jax.device_put(ref.batch, batch_sharding(mesh)))
   np.testing.assert_array_equal(np.asarray(got_idx), np.asarray(idx))
   np.testing.assert_allclose(np.asarray(got_logits), np.asarray(logits), atol=1e-5, rtol=1e-5)
 
