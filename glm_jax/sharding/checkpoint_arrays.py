@@ -99,9 +99,9 @@ def _index_key(index: tuple) -> tuple:
 def read_weights(state_dir: str, params: nnx.State, rest: nnx.State, *, where: str | None = None
                  ) -> tuple[nnx.State, nnx.State]:
   """(params, rest) with every array read from the Orbax state item `state_dir` (any TrainState checkpoint, or a
-  converted one) onto the sharding of the array it replaces (one device when that is not a jax.Array), one
-  device's slice at a time: a process reads only its devices' slices. A missing or differently shaped array is a
-  ValueError naming it and `where` (default: the directory)."""
+  converted one) onto the sharding of the array it replaces, or of the ShapeDtypeStruct standing for it (one
+  device when it has none), one device's slice at a time: a process reads only its devices' slices. A missing or
+  differently shaped array is a ValueError naming it and `where` (default: the directory)."""
   where = where or state_dir
   arrays = StateArrays(state_dir)
   device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
@@ -115,8 +115,7 @@ def read_weights(state_dir: str, params: nnx.State, rest: nnx.State, *, where: s
       if tuple(stored.shape) != tuple(var.shape):
         raise ValueError(f"{where}: {noun} {path_str(path)} has shape {list(stored.shape)}, the model expects "
                          f"{list(var.shape)}")
-      value = var.get_value()
-      sharding = value.sharding if isinstance(value, jax.Array) else device
+      sharding = getattr(var.get_value(), "sharding", None) or device  # an array's, or an abstract target's
       cache: dict[tuple, np.ndarray] = {}  # devices holding the same slice (replicas) share one read
 
       def slice_of(index, stored=stored, cache=cache, dtype=var.dtype):

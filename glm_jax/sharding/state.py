@@ -1,10 +1,10 @@
-"""Shardings for the whole train state from the parameters' logical axes, and sharded creation.
+"""Shardings for the whole train state from the parameters' logical axes, and abstract states that carry them.
 
 A parameter's spec comes from its `out_sharding` metadata through LOGICAL_AXIS_RULES. Optimizer-state
 leaves (Adam moments, Muon momentum) are matched to the parameter whose path ends their own and take its
 spec when the shapes agree (dimension by dimension where Muon split a leaf); everything else (step
-counters, scalars) is replicated. `create_sharded` runs a state constructor under jit with these
-out_shardings, so no host ever holds the whole model.
+counters, scalars) is replicated. The trainer creates a state under jit with these out_shardings
+(glm_jax/train/trainer.py AbstractTrainState), so no host ever holds the whole model.
 """
 
 from __future__ import annotations
@@ -56,13 +56,3 @@ def abstract_sharded(make_state: Callable[[], Any], params_of: Callable[[Any], n
   shardings = tree_shardings(abstract, specs, mesh)
   abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)
   return abstract, shardings
-
-
-def create_sharded(make_state: Callable[[], Any], params_of: Callable[[Any], nnx.State], mesh: Mesh
-                   ) -> tuple[Any, Any]:
-  """(state, shardings): the shardings as abstract_sharded finds them, then `make_state()` run under jit with
-  them as out_shardings, so no host ever holds the whole state."""
-  _, shardings = abstract_sharded(make_state, params_of, mesh)
-  with jax.set_mesh(mesh):
-    state = jax.jit(make_state, out_shardings=shardings)()
-  return state, shardings

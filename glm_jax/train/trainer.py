@@ -27,7 +27,7 @@ from glm_jax.data.config import check_process_split
 from glm_jax.model import GlmMoeDsa, ModelConfig, context_parallel, param_counts
 from glm_jax.model.quantization import WEIGHT_ONLY, check_quant_config, quant_plan
 from glm_jax.sharding.mesh import batch_sharding, make_mesh
-from glm_jax.sharding.state import create_sharded
+from glm_jax.sharding.state import abstract_sharded
 from glm_jax.train import optimizers, step as step_lib
 from glm_jax.train.checkpoint import INIT_FROM_FREE_FIELDS, RESUME_SECTIONS, Checkpointer
 from glm_jax.train.config import invalid, model_config_for_stage, require_sections, validate_train_config
@@ -62,9 +62,50 @@ def train_state_factory(config: ml_collections.ConfigDict, model_cfg: ModelConfi
 def create_sharded_train_state(config: ml_collections.ConfigDict, model_cfg: ModelConfig, mesh):
   """create_train_state's (graphdef, state, optimizer, schedule) with the state created directly in its
   sharded layout on `mesh` (no host holds it whole), and the state's shardings."""
+  target = abstract_train_state(config, model_cfg, mesh)
+  return target.graphdef, target.fresh(), target.optimizer, target.schedule, target.shardings
+
+
+@dataclasses.dataclass
+class AbstractTrainState:
+  """A run's train state before anything is allocated: `state` has a ShapeDtypeStruct with its sharding for every
+  leaf (the mesh's, from the logical axes, or the first local device's without a mesh), the target a checkpoint is
+  restored onto. `fresh()` makes the random initialization, `from_weights(params, rest)` step 0 of given weights;
+  each is created in place on its devices (jit with the state's out_shardings), never on one host."""
+  graphdef: Any
+  state: step_lib.TrainState
+  optimizer: Any
+  schedule: Any
+  shardings: Any  # the state's NamedShardings under a mesh, else None
+  make_state: Callable[[], step_lib.TrainState]
+  mesh: Any
+
+  def fresh(self) -> step_lib.TrainState:
+    return self._create(self.make_state)
+
+  def from_weights(self, params, rest) -> step_lib.TrainState:
+    """Step 0 of these weights (a fresh optimizer state), their buffers donated to the state."""
+    return self._create(lambda p, r: step_lib.new_train_state(p, r, self.optimizer), params, rest,
+                        donate_argnums=(0, 1))
+
+  def _create(self, fn, *args, **jit_kw):
+    with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
+      return jax.jit(fn, out_shardings=self.shardings, **jit_kw)(*args)
+
+
+def abstract_train_state(config: ml_collections.ConfigDict, model_cfg: ModelConfig, mesh=None
+                         ) -> AbstractTrainState:
+  """The run's AbstractTrainState on `mesh` (None: one device)."""
   make_state, built = train_state_factory(config, model_cfg)
-  state, shardings = create_sharded(make_state, lambda s: s.params, mesh)
-  return built["graphdef"], state, built["optimizer"], built["schedule"], shardings
+  if mesh is None:
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
+                         jax.eval_shape(make_state))
+    shardings = None
+  else:
+    state, shardings = abstract_sharded(make_state, lambda s: s.params, mesh)
+  return AbstractTrainState(built["graphdef"], state, built["optimizer"], built["schedule"], shardings, make_state,
+                            mesh)
 
 
 BATCH_KEYS = ("input_ids", "segment_ids", "positions", "loss_mask",  # every batch
@@ -133,13 +174,14 @@ def restore_run(config: ml_collections.ConfigDict, workdir: str) -> RestoredRun:
                     checkpointer.directory)
     tokenizer = data_lib.load_tokenizer(config.data)
   data_lib.check_vocab(tokenizer, model_cfg.vocab_size)
-  graphdef, state, _, _ = create_train_state(config, model_cfg)
+  target = abstract_train_state(config, model_cfg)  # read straight into place: no random initialization first
   if weights_only:
-    step, (state.params, state.rest) = checkpointer.restore_latest_weights(state.params, state.rest)
+    step, weights = checkpointer.restore_latest_weights(target.state.params, target.state.rest)
+    state = target.from_weights(*weights)
   else:
-    step, state = checkpointer.restore_latest(state)
+    step, state = checkpointer.restore_latest(target.state)
   checkpointer.close()
-  return RestoredRun(step, model_cfg, graphdef, state, tokenizer)
+  return RestoredRun(step, model_cfg, target.graphdef, state, tokenizer)
 
 
 def check_config(config: ml_collections.ConfigDict) -> ModelConfig:
@@ -216,13 +258,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, hooks
 
   if mesh is not None and mesh.size == 1:
     mesh = None  # one device: the plain path, nothing to shard
-  if mesh is None:
-    graphdef, state, optimizer, schedule = create_train_state(config, model_cfg)
-    shardings = data_sharding = None
-  else:
-    graphdef, state, optimizer, schedule, shardings = create_sharded_train_state(config, model_cfg, mesh)
-    data_sharding = batch_sharding(mesh)
-  plan = training_quant_plan(config, state.params)
+  # Nothing is allocated until we know where the state comes from: a checkpoint to resume, init_from's weights
+  # (read slice by slice onto the state's shardings) or the random initialization.
+  target = abstract_train_state(config, model_cfg, mesh)
+  graphdef, optimizer, schedule, shardings = target.graphdef, target.optimizer, target.schedule, target.shardings
+  data_sharding = None if mesh is None else batch_sharding(mesh)
+  plan = training_quant_plan(config, target.state.params)
   train_step = step_lib.make_train_step(graphdef, optimizer, schedule, train, state_shardings=shardings,
                                         batch_sharding=data_sharding, quant_plan=plan)
   eval_step = step_lib.make_eval_step(graphdef, plan, loss_chunk=config.train.get("loss_chunk", 0))
@@ -231,14 +272,17 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, hooks
                                            process_count=jax.process_count())
   eval_batches = data_lib.make_eval_batches(config.data, tokenizer, process_index=jax.process_index(),
                                             process_count=jax.process_count())
-  start, state = checkpointer.restore_latest(state, None if data_changed else data_iter)
+  start, state = checkpointer.restore_latest(target.state, None if data_changed else data_iter)
   if start is not None:
     logging.info("resumed from %s at step %d", checkpointer.directory, start)
   elif init_source is not None:
     # read onto the state's own shardings, each process reading only its devices' slices
-    source_step, (state.params, state.rest) = init_source.restore_latest_weights(state.params, state.rest)
+    source_step, weights = init_source.restore_latest_weights(target.state.params, target.state.rest)
     init_source.close()
+    state = target.from_weights(*weights)
     logging.info("initialized from %s step %d", init_source.directory, source_step)
+  else:
+    state = target.fresh()
   start = start or 0
   counts = param_counts(model_cfg)
   logging.info("glm5 %s: %.3e params (%.3e active), stage %s, %d steps", config.get("name", "?"),

@@ -106,7 +106,7 @@ def single_device_step():
 
 def sharded_step(ref, mesh):
   """(state, step) on `mesh`: the one-device initial state put in its sharded layout (the shardings that
-  create_sharded gives it, from abstract_sharded) and the train step jitted for that layout."""
+  AbstractTrainState.fresh gives it, from abstract_sharded) and the train step jitted for that layout."""
   make_state, _ = train_state_factory(ref.config, model_config_for_stage(ref.config))
   _, shardings = abstract_sharded(make_state, lambda s: s.params, mesh)
   step = step_lib.make_train_step(ref.graphdef, ref.optimizer, ref.schedule, ref.config.train,
@@ -127,8 +127,8 @@ FAST_COMPILE = {"xla_backend_optimization_level": 0}
 @pytest.mark.parametrize("mesh_cfg", MESHES, ids=lambda m: "x".join(f"{k}{v}" for k, v in m.items()))
 def test_sharded_step_equals_one_device(single_device_step, mesh_cfg):
   """From the same initial state, one train step sharded over the mesh (its parameters laid out by their logical
-  axes) gives the loss and the updated parameters of the step on one device. (That create_sharded builds this
-  initial state in place is checked in test_checkpoint_restores_onto_another_mesh and, through the trainer,
+  axes) gives the loss and the updated parameters of the step on one device. (That AbstractTrainState.fresh builds
+  this initial state in place is checked in test_checkpoint_restores_onto_another_mesh and, through the trainer,
   test_train_and_evaluate_on_a_mesh_matches_one_device.)"""
   ref = single_device_step
   mesh = make_mesh(mesh_cfg)
@@ -155,8 +155,8 @@ def test_sharded_step_equals_one_device(single_device_step, mesh_cfg):
 
 @multi_device
 def test_checkpoint_restores_onto_another_mesh(single_device_step, tmp_path):
-  """create_sharded builds the initial state directly in its layout on a mesh that shards over fsdp, expert and
-  tensor (it equals the one-device initial state); a checkpoint of it restores onto another mesh, array for array.
+  """AbstractTrainState.fresh builds the initial state directly in its layout on a mesh that shards over fsdp, expert
+  and tensor (it equals the one-device initial state); a checkpoint of it restores onto another mesh, array for array.
   (Mesh A is test_train_and_evaluate_on_a_mesh_matches_one_device's, whose state creation is the same program.)"""
   config = single_device_step.config
   _, state_a, _, _, _ = create_sharded_train_state(config, model_config_for_stage(config),
