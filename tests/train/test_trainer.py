@@ -14,6 +14,7 @@ from configs import common
 from glm_jax import data as data_lib
 from glm_jax.train.checkpoint import Checkpointer
 from glm_jax.train.config import model_config_for_stage
+from glm_jax.train import trainer as trainer_lib
 from glm_jax.train.trainer import create_train_state, train_and_evaluate
 from tests.helpers import ROOT
 from tests.train.runs import OVERRIDES, make_config, metric_rows, run_train, snapshot, train_rows
@@ -164,12 +165,19 @@ def test_bad_sft_and_quant_sections_stop_before_work(tmp_path, data_cache_dir, c
   assert not os.path.exists(tmp_path / "run")
 
 
-def test_init_from_starts_the_warmup_stage_from_a_dense_run(straight_run, data_cache_dir, tmp_path):
+def test_init_from_starts_the_warmup_stage_from_a_dense_run(straight_run, data_cache_dir, tmp_path, monkeypatch):
   """Dense -> warm-up, as GLM-5 trains DSA: the warm-up run starts from the dense run's weights and changes
-  only the indexer, so its held-out loss (dense attention) is exactly the dense run's."""
+  only the indexer, so its held-out loss (dense attention) is exactly the dense run's. No random initialization is
+  made on the way (the weights are read into an abstract state)."""
   workdir, summary = straight_run
   config = make_config(data_cache_dir, **{"train.dsa_stage": "warmup", "train.steps": 3, "train.init_from": workdir})
-  warm = train_and_evaluate(config, str(tmp_path))
+
+  def no_random_init(self):
+    raise AssertionError("a random train state was created for a run that starts from train.init_from")
+
+  with monkeypatch.context() as m:
+    m.setattr(trainer_lib.AbstractTrainState, "fresh", no_random_init)
+    warm = train_and_evaluate(config, str(tmp_path))
   assert warm["eval_loss"] == summary["eval_loss"]
   model_cfg = model_config_for_stage(config)
   _, state, _, _ = create_train_state(config, model_cfg)
