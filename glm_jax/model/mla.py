@@ -149,9 +149,9 @@ class MLA(nnx.Module):
     def own_indexer():
       return self.indexer(jax.lax.stop_gradient(x_BTD), jax.lax.stop_gradient(cq_BTQ), inp.cos, inp.sin)
 
-    # With IndexShare in the sparse stage the indexer runs inside its own branch (below), skipped by shared layers.
-    indexer_outside = return_index_scores or return_cache or (not sparse and indexer_loss) or share is None
-    if indexer_outside and (sparse or return_index_scores or indexer_loss or (return_cache and cfg.use_dsa)):
+    # An IndexShare layer in the sparse stage projects its indexer in the branch only a full layer runs (below).
+    deferred = sparse and share is not None and not (return_index_scores or return_cache)
+    if not deferred and (sparse or return_index_scores or indexer_loss or (return_cache and cfg.use_dsa)):
       q_i, k_i, w_i = own_indexer()
       if return_cache:
         aux["cache_index_k"] = k_i
@@ -163,17 +163,15 @@ class MLA(nnx.Module):
     if sparse:
       impl = cfg.attention_impl
 
-      def select(q_i, k_i, w_i):
-        idx, vals = dsa.select_topk(impl, q_i, k_i, w_i, topk=cfg.index_topk, q_segment_ids=inp.segment_ids,
+      def select():
+        qi, ki, wi = own_indexer() if deferred else (q_i, k_i, w_i)
+        idx, vals = dsa.select_topk(impl, qi, ki, wi, topk=cfg.index_topk, q_segment_ids=inp.segment_ids,
                                     kv_segment_ids=inp.segment_ids, q_prefix_end=inp.prefix_end)
         if indexer_loss and dsa.kernel_mode(impl) != "reference":  # the kernel's top-k scores carry no gradient
-          vals = dsa.selected_index_scores(q_i, k_i, w_i, idx)
+          vals = dsa.selected_index_scores(qi, ki, wi, idx)
         return idx, vals
 
-      if share is None:
-        idx_BTK, vals_BTK = select(q_i, k_i, w_i)
-      else:
-        idx_BTK, vals_BTK = share.select(lambda: select(*(own_indexer() if not indexer_outside else (q_i, k_i, w_i))))
+      idx_BTK, vals_BTK = select() if share is None else share.select(select)
       aux["topk_indices"] = idx_BTK
       q_BTHA, kv_BSA = self.absorbed_q_kv(q_nope, q_rope, ckv_BTC, k_rope_BTR)
       o_lat, lse_BTH = dsa.attend(impl, q_BTHA, kv_BSA, idx_BTK, sm_scale=cfg.softmax_scale, v_dim=cfg.kv_lora_rank)
