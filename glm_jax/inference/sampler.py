@@ -17,6 +17,12 @@ attention both ways over it. A generated token's position continues the prompt's
 block position > 0) the position stays and the block position counts up, GLM's rule; otherwise the position
 counts up (plain prompts: position = slot).
 
+Under a mesh (`Sampler(..., mesh=mesh)`, glm_jax/sharding/mesh.py) the same program runs sharded: the parameters laid
+out by their logical axes as in training, the prompts' rows and the cache's rows split over the batch axes (data,
+fsdp, expert), the absorbed-MQA decode's heads over tensor, the MoE through expert parallelism and the DSA kernels in
+their shard_maps (glm_jax/model/moe.py, dsa.py); every output is the one-device output. A batch the batch axes do not
+divide, or heads the tensor axis does not, is refused by name.
+
 Log-probabilities are those of the distribution the token was drawn from before top-p truncation:
 log_softmax(logits / temperature) (temperature 1 for greedy decoding), computed by `tempered_log_softmax`, which
 stays finite for any temperature > 0 (a tiny one gives the greedy token with log-probability 0). A trainer that
@@ -27,16 +33,21 @@ of returning the tokens drawn from it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import math
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
+from glm_jax.mesh_axes import BATCH_AXES, TENSOR
 from glm_jax.model.config import ModelConfig
+from glm_jax.sharding.state import param_specs, tree_shardings
 
 
 MIN_TEMPERATURE = 1e-30  # the smallest temperature > 0: tempered_log_softmax is finite down to fp32's normal range
@@ -102,9 +113,9 @@ def sample_token(logits_BV: jax.Array, key: jax.Array, temperature: float, top_p
 
 
 def _generate(graphdef, params, rest, prompts_BT, prompt_lens_B, key, layout, *, sampling: SamplingParams,
-              cache_len: int, return_logits: bool) -> SampleOutput:
+              cache_len: int, return_logits: bool, cache_sharding=None) -> SampleOutput:
   """layout: None (positions = slots, causal prompts) or (positions [B, T], block_positions [B, T] or None,
-  prefix_lens [B]) for GLM's blank infilling."""
+  prefix_lens [B]) for GLM's blank infilling. cache_sharding: the stacked cache's layout under a mesh."""
   model = nnx.merge(graphdef, params, rest)
   b, p = prompts_BT.shape
   rows = jnp.arange(b)
@@ -124,6 +135,8 @@ def _generate(graphdef, params, rest, prompts_BT, prompt_lens_B, key, layout, *,
         return last_pos + ahead, None
       in_blank = last_block > 0
       return (jnp.where(in_blank, last_pos, last_pos + ahead), jnp.where(in_blank, last_block + ahead, 0))
+  if cache_sharding is not None:  # the cache's rows where the prompts' are: [L, B, S, W], B over the batch axes
+    cache = jax.lax.with_sharding_constraint(cache, cache_sharding)
   first_BV = logits_BTV[rows, prompt_lens_B - 1]
   stop_ids = jnp.asarray(sampling.stop_ids or (-1,), jnp.int32)
   tokens = jnp.full((b, cache_len), sampling.pad_id, jnp.int32).at[:, :p].set(prompts_BT)
@@ -204,12 +217,19 @@ class Sampler:
   """Generation for one model and one SamplingParams: `Sampler(graphdef, cfg, sampling)(params, rest, prompts, key)`.
   The model is nnx.split(model, nnx.Param, ...)'s (graphdef, params, rest); prompts are lists of token ids.
   cache_len: the cache's slots (default: prompt width + max_new_tokens); width: pad prompts to this many tokens
-  (a fixed width compiles once for prompts of any length)."""
+  (a fixed width compiles once for prompts of any length). mesh: generate sharded over it (module docstring); the
+  parameters are put in their layout on it unless they already have it."""
 
   def __init__(self, graphdef, cfg: ModelConfig, sampling: SamplingParams, *, cache_len: int | None = None,
-               width: int | None = None, return_logits: bool = False):
+               width: int | None = None, return_logits: bool = False, mesh=None):
     self.cfg, self.sampling, self.cache_len, self.width = cfg, sampling, cache_len, width
     self._graphdef, self._return_logits = graphdef, return_logits
+    self.mesh = None if mesh is None or mesh.size == 1 else mesh
+    if self.mesh is not None:
+      tensor = self.mesh.shape[TENSOR]
+      if cfg.num_attention_heads % tensor:
+        raise ValueError(f"Sampler: mesh.tensor={tensor} does not divide model.num_attention_heads="
+                         f"{cfg.num_attention_heads} (the decode's heads are split over it)")
     self._jitted: dict[int, object] = {}  # cache_len -> the jitted generation
 
   def __call__(self, params, rest, prompts: Sequence[Sequence[int]], key: jax.Array, *,
@@ -222,10 +242,16 @@ class Sampler:
     cache_len = check_prompts(prompts, self.cfg, self.sampling, self.cache_len, self.width)
     prompts_BT, lens_B = pad_prompts(prompts, self.sampling.pad_id, self.width)
     layout = self._layout(prompts, prompts_BT.shape[1], positions, block_positions, prefix_lens)
+    args = (params, rest, jnp.asarray(prompts_BT), jnp.asarray(lens_B), key, layout)
+    cache_sharding = None
+    if self.mesh is not None:
+      args, cache_sharding = self._sharded(args)
     if cache_len not in self._jitted:
       self._jitted[cache_len] = jax.jit(functools.partial(
-          _generate, self._graphdef, sampling=self.sampling, cache_len=cache_len, return_logits=self._return_logits))
-    out = self._jitted[cache_len](params, rest, jnp.asarray(prompts_BT), jnp.asarray(lens_B), key, layout)
+          _generate, self._graphdef, sampling=self.sampling, cache_len=cache_len, return_logits=self._return_logits,
+          cache_sharding=cache_sharding))
+    with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
+      out = self._jitted[cache_len](*args)
     finite_B = np.asarray(jnp.all(jnp.isfinite(out.logp) | ~out.response_mask, axis=-1))
     if not finite_B.all():
       rows = np.flatnonzero(~finite_B).tolist()
@@ -233,6 +259,23 @@ class Sampler:
           f"sampling: rows {rows} drew tokens with a non-finite log-probability (temperature="
           f"{self.sampling.temperature}): the model's logits are NaN or infinite (non-finite weights?)")
     return out
+
+  def _sharded(self, args):
+    """The generation's arguments put on the mesh (the parameters by their logical axes, every [B, ...] row-indexed
+    array split over the batch axes) and the cache's sharding; a batch the batch axes do not divide is refused."""
+    params, rest, prompts_BT, lens_B, key, layout = args
+    mesh, b = self.mesh, prompts_BT.shape[0]
+    batch = tuple(a for a in BATCH_AXES if mesh.shape[a] > 1)
+    rows = math.prod(mesh.shape[a] for a in batch)
+    if b % rows:
+      raise ValueError(f"Sampler: {b} prompts; the mesh's batch axes {dict((a, mesh.shape[a]) for a in batch)} split "
+                       f"the rows {rows} ways: give a multiple of {rows} prompts (pad the batch)")
+    weights = (params, rest)  # laid out as in training (the specs come from the parameters' logical axes)
+    params, rest = jax.device_put(weights, tree_shardings(weights, param_specs(params, mesh), mesh))
+    by_rows = NamedSharding(mesh, P(batch or None))
+    prompts_BT, lens_B, layout = jax.device_put((prompts_BT, lens_B, layout), by_rows)
+    cache = NamedSharding(mesh, P(None, batch or None))  # [L, B, S, W]
+    return (params, rest, prompts_BT, lens_B, key, layout), cache
 
   def _layout(self, prompts, width: int, positions, block_positions, prefix_lens):
     """The blank-infilling layout as arrays (see _generate), or None for plain prompts."""

@@ -1,0 +1,71 @@
+"""The KV-cache sampler under a mesh (Sampler(..., mesh=...)) against the same sampler on one device.
+
+On 8 simulated CPU devices, greedy decoding of ragged prompts with DSA selecting (index_topk 6 < the 8-token prompt)
+gives the one-device tokens, and logits within fp32 rounding, on a data x tensor x expert mesh (heads over tensor,
+experts by all-to-all) and on an fsdp x expert mesh with the DSA kernels (interpret mode) and IndexShare. As in
+tests/sharding/test_mesh.py, a normal run (one device) collects a single slow test that reruns this file with 8
+simulated devices in a subprocess, where the multi-device tests run; the bad-input tests run anywhere.
+"""
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import AbstractMesh
+
+import configs.glm5_tiny
+from glm_jax.inference import Sampler, SamplingParams
+from glm_jax.mesh_axes import MESH_AXES
+from glm_jax.model import GlmMoeDsa, ModelConfig
+from glm_jax.sharding.mesh import make_mesh
+from tests.helpers import rerun_on_simulated_devices
+
+MULTI_DEVICE = jax.device_count() >= 8
+multi_device = pytest.mark.skipif(not MULTI_DEVICE, reason="runs inside test_on_8_simulated_devices")
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [3, 4, 5, 6, 7, 8, 9, 10], [12], [7, 7, 7], [1, 2, 3, 4, 5, 6], [9, 8], [4]]
+GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0)
+
+
+def tiny(**changes) -> ModelConfig:
+  cfg = ModelConfig.from_dict(configs.glm5_tiny.get_config().model.to_dict())
+  return cfg.replace(initializer_range=0.2, index_topk=6, **changes)  # far from uniform logits: no argmax near-ties
+
+
+@pytest.mark.slow  # 8 simulated devices in a subprocess
+@pytest.mark.skipif(MULTI_DEVICE, reason="already on 8 devices")
+def test_on_8_simulated_devices(tmp_path):
+  rerun_on_simulated_devices(__file__, 8, tmp_path / "jax_cache")
+
+
+@multi_device
+@pytest.mark.parametrize("mesh_cfg, changes", [
+    ({"data": 2, "tensor": 2, "expert": 2}, {}),
+    ({"fsdp": 2, "expert": 4}, {"attention_impl": "pallas", "indexer_types": "FSF"}),
+], ids=["data2-tensor2-expert2", "fsdp2-expert4-pallas-indexshare"])
+def test_sharded_greedy_decoding_equals_one_device(mesh_cfg, changes):
+  cfg = tiny(**changes)
+  graphdef, params, rest = nnx.split(GlmMoeDsa(cfg, nnx.Rngs(0)), nnx.Param, ...)
+  one = Sampler(graphdef, cfg, GREEDY, return_logits=True)(params, rest, PROMPTS, jax.random.key(0))
+  mesh = make_mesh(mesh_cfg)
+  out = Sampler(graphdef, cfg, GREEDY, return_logits=True, mesh=mesh)(params, rest, PROMPTS, jax.random.key(0))
+  assert len(out.tokens.sharding.device_set) == 8  # the generation ran on the mesh
+  np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(one.tokens))
+  np.testing.assert_array_equal(np.asarray(out.lengths), [len(p) + 6 for p in PROMPTS])
+  mask = np.asarray(one.response_mask)
+  np.testing.assert_allclose(np.asarray(out.logits)[mask], np.asarray(one.logits)[mask], atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(np.asarray(out.logp)[mask], np.asarray(one.logp)[mask], atol=1e-5)
+
+
+def abstract_mesh(**sizes) -> AbstractMesh:
+  return AbstractMesh(tuple(sizes.get(a, 1) for a in MESH_AXES), MESH_AXES)
+
+
+def test_a_batch_or_head_count_the_mesh_does_not_divide_is_named():
+  cfg = tiny()
+  graphdef, params, rest = nnx.split(GlmMoeDsa(cfg, nnx.Rngs(0)), nnx.Param, ...)
+  with pytest.raises(ValueError, match=r"mesh.tensor=8 does not divide model.num_attention_heads=4"):
+    Sampler(graphdef, cfg, GREEDY, mesh=abstract_mesh(tensor=8))
+  sampler = Sampler(graphdef, cfg, GREEDY, mesh=abstract_mesh(data=2, expert=2, tensor=2))
+  with pytest.raises(ValueError, match=r"3 prompts; the mesh's batch axes \{'data': 2, 'expert': 2\} split the rows 4 "
+                                       r"ways: give a multiple of 4 prompts"):
+    sampler(params, rest, PROMPTS[:3], jax.random.key(0))
