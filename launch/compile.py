@@ -29,6 +29,19 @@ allocated and no TPU is needed. Prints one JSON line:
                       the depth extrapolation against one more compiled layer
   lower_seconds, compile_seconds
 Exit status 0 when it fits, 1 when it does not, 2 on bad input.
+
+Serving (--decode): the real decode step, and the prefill of --prefill_len tokens a row, for --batch_size rows
+against a cache of --cache_len slots, with the weights in model.dtype laid out over config.mesh (the Sampler's
+layout under a mesh: glm_jax/inference/aot.py):
+  python launch/compile.py --decode --config=configs/glm5_744b.py --topology=v5p:4x4x4 --batch_size=64 \
+      --cache_len=32768 --config.mesh.fsdp=8 --config.mesh.expert=8
+  weights_bytes_per_chip, cache_bytes_per_chip   the shards one chip holds
+  decode_per_chip_bytes, prefill_per_chip_bytes  XLA's memory analysis of each program (as above); fits: both do
+  max_cache_len_at_batch, max_batch_at_cache_len the cache the decode step's headroom still holds (its
+                      temporaries taken as fixed)
+  decode_step, roofline_ms_per_token, tokens_per_s   the compiled decode program op by op (hlo_cost): FLOPs, HBM
+                      and ICI bytes, roofline time of a step (one token a row), tokens a second over the batch
+  weights_and_cache_read_ms   the floor: one chip's weights and cache read once at the HBM's bandwidth
 """
 
 import sys
@@ -42,6 +55,11 @@ from glm_jax import cli, strict_json
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file.", lock_config=True)
 _TOPOLOGY = flags.DEFINE_string("topology", None, "TPU slice: v5p:8x8x8, v5p-1024, v6e:16x16, v5e-256, ...")
 _NUM_SLICES = flags.DEFINE_integer("num_slices", 1, "Slices joined by DCN (multislice); the mesh spans all.")
+_DECODE = flags.DEFINE_bool("decode", False, "Compile the decode step and prefill instead of the train step.")
+_BATCH = flags.DEFINE_integer("batch_size", 64, "--decode: rows decoded together.")
+_CACHE_LEN = flags.DEFINE_integer("cache_len", 8192, "--decode: the cache's slots a row (prompt + response).")
+_PREFILL_LEN = flags.DEFINE_integer("prefill_len", None, "--decode: prompt tokens a row the prefill compiles for "
+                                    "(default min(1024, --cache_len); 0: no prefill).")
 _FLOPS = flags.DEFINE_bool("flops", False, "Also count the compiled step's cost at full depth: FLOPs, bytes, a "
                            "roofline time and MFU (four more, shallow, unrolled compiles; aot.cost_report; minutes "
                            "for glm5_744b).")
@@ -63,6 +81,9 @@ def main(argv):
     if not topology.libtpu_installed():
       raise ModuleNotFoundError(f"launch/compile.py needs libtpu to compile for {topo.name}: "
                                 f"{topology.install_hint()}")
+    if _DECODE.value:
+      decode(config, topo)
+      return
     aot.check_sections(config)
     t0 = time.perf_counter()
     devices = topology.tpu_topology_devices(topo.name, num_slices=_NUM_SLICES.value)
@@ -96,6 +117,26 @@ def main(argv):
   else:
     report["fits"] = False
     report["error"] = result.error.strip().splitlines()[0][:2000] if result.error else "compile failed"
+  print(strict_json.dumps(report), flush=True)
+  sys.exit(0 if report["fits"] else 1)
+
+
+def decode(config, topo):
+  """--decode: compile serving for the slice and print its report (glm_jax/inference/aot.py)."""
+  from glm_jax.inference import aot as serving
+  from glm_jax.sharding import topology
+  from glm_jax.train.config import require_sections
+
+  require_sections(config, ("model", "mesh"), "compiling the decode step", "configs/glm5_tiny.py")
+  devices = topology.tpu_topology_devices(topo.name, num_slices=_NUM_SLICES.value)
+  result = serving.compile_decode(config, devices, batch_size=_BATCH.value, cache_len=_CACHE_LEN.value,
+                                  prefill_len=(min(1024, _CACHE_LEN.value) if _PREFILL_LEN.value is None
+                                               else _PREFILL_LEN.value))
+  report = {"topology": topo.name, "num_slices": _NUM_SLICES.value, "chips": len(devices),
+            "device_kind": devices[0].device_kind, "config": config.get("name", "?")}
+  usable = topology.HBM_USABLE_BYTES[topo.generation.name]
+  report.update(serving.decode_report(result, usable))
+  report["hbm_usable_bytes"] = usable
   print(strict_json.dumps(report), flush=True)
   sys.exit(0 if report["fits"] else 1)
 

@@ -213,6 +213,26 @@ def check_prompts(prompts: Sequence[Sequence[int]], cfg: ModelConfig, sampling: 
   return cache_len
 
 
+def check_heads(cfg: ModelConfig, mesh) -> None:
+  """Decoding under `mesh` splits the attention heads over its tensor axis: a count it does not divide is named."""
+  tensor = mesh.shape[TENSOR]
+  if cfg.num_attention_heads % tensor:
+    raise ValueError(f"decoding under a mesh: mesh.tensor={tensor} does not divide model.num_attention_heads="
+                     f"{cfg.num_attention_heads} (the decode's heads are split over it)")
+
+
+def batch_rows(mesh, batch: int) -> tuple[str, ...]:
+  """The mesh's batch axes (of size > 1) that a decode batch's rows, and the cache's, are split over; a batch they
+  do not divide is named."""
+  axes = tuple(a for a in BATCH_AXES if mesh.shape[a] > 1)
+  shards = math.prod(mesh.shape[a] for a in axes)
+  if batch % shards:
+    raise ValueError(f"decoding under a mesh: a batch of {batch} rows; the mesh's batch axes "
+                     f"{dict((a, mesh.shape[a]) for a in axes)} split the rows {shards} ways: give a multiple of "
+                     f"{shards} rows (pad the batch)")
+  return axes
+
+
 class Sampler:
   """Generation for one model and one SamplingParams: `Sampler(graphdef, cfg, sampling)(params, rest, prompts, key)`.
   The model is nnx.split(model, nnx.Param, ...)'s (graphdef, params, rest); prompts are lists of token ids.
@@ -226,10 +246,7 @@ class Sampler:
     self._graphdef, self._return_logits = graphdef, return_logits
     self.mesh = None if mesh is None or mesh.size == 1 else mesh
     if self.mesh is not None:
-      tensor = self.mesh.shape[TENSOR]
-      if cfg.num_attention_heads % tensor:
-        raise ValueError(f"Sampler: mesh.tensor={tensor} does not divide model.num_attention_heads="
-                         f"{cfg.num_attention_heads} (the decode's heads are split over it)")
+      check_heads(cfg, self.mesh)
     self._jitted: dict[int, object] = {}  # cache_len -> the jitted generation
 
   def __call__(self, params, rest, prompts: Sequence[Sequence[int]], key: jax.Array, *,
@@ -264,12 +281,8 @@ class Sampler:
     """The generation's arguments put on the mesh (the parameters by their logical axes, every [B, ...] row-indexed
     array split over the batch axes) and the cache's sharding; a batch the batch axes do not divide is refused."""
     params, rest, prompts_BT, lens_B, key, layout = args
-    mesh, b = self.mesh, prompts_BT.shape[0]
-    batch = tuple(a for a in BATCH_AXES if mesh.shape[a] > 1)
-    rows = math.prod(mesh.shape[a] for a in batch)
-    if b % rows:
-      raise ValueError(f"Sampler: {b} prompts; the mesh's batch axes {dict((a, mesh.shape[a]) for a in batch)} split "
-                       f"the rows {rows} ways: give a multiple of {rows} prompts (pad the batch)")
+    mesh = self.mesh
+    batch = batch_rows(mesh, prompts_BT.shape[0])
     weights = (params, rest)  # laid out as in training (the specs come from the parameters' logical axes)
     params, rest = jax.device_put(weights, tree_shardings(weights, param_specs(params, mesh), mesh))
     by_rows = NamedSharding(mesh, P(batch or None))

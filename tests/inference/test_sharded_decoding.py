@@ -66,6 +66,6 @@ def test_a_batch_or_head_count_the_mesh_does_not_divide_is_named():
   with pytest.raises(ValueError, match=r"mesh.tensor=8 does not divide model.num_attention_heads=4"):
     Sampler(graphdef, cfg, GREEDY, mesh=abstract_mesh(tensor=8))
   sampler = Sampler(graphdef, cfg, GREEDY, mesh=abstract_mesh(data=2, expert=2, tensor=2))
-  with pytest.raises(ValueError, match=r"3 prompts; the mesh's batch axes \{'data': 2, 'expert': 2\} split the rows 4 "
-                                       r"ways: give a multiple of 4 prompts"):
+  with pytest.raises(ValueError, match=r"a batch of 3 rows; the mesh's batch axes \{'data': 2, 'expert': 2\} split the "
+                                       r"rows 4 ways: give a multiple of 4 rows"):
     sampler(params, rest, PROMPTS[:3], jax.random.key(0))

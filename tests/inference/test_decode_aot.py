@@ -1,0 +1,73 @@
+"""launch/compile.py --decode (glm_jax/inference/aot.py): the decode step and prefill compiled for a TPU slice.
+
+The bytes a chip holds are checked against hand counts of the tiny model's parameters and cache under the mesh; the
+decode program writes the cache in place (XLA's aliased bytes are the cache's); bad sizes are named before any
+compile. The slow test compiles glm5_744b's decode step for a v5p slice and checks that it fits.
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from configs import glm5_tiny
+from glm_jax.model import ModelConfig, param_counts
+from glm_jax.sharding.topology import install_hint, libtpu_installed
+from tests.helpers import ROOT
+
+pytestmark = pytest.mark.skipif(not libtpu_installed(), reason=f"libtpu is not installed: {install_hint()}")
+
+
+def compile_decode(*args: str, timeout: int = 600) -> tuple[int, dict | None, str]:
+  proc = subprocess.run([sys.executable, "launch/compile.py", "--decode", *args], cwd=ROOT, capture_output=True,
+                        text=True, timeout=timeout)
+  lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+  return proc.returncode, json.loads(lines[-1]) if lines else None, proc.stderr
+
+
+def test_tiny_decode_on_a_v5p_slice_holds_its_hand_counted_bytes():
+  """glm5_tiny (fp32 weights) on 4 v5p chips with expert=4: the routed experts are split 4 ways, every other weight is
+  whole on each chip; the cache's 8 rows 2 a chip."""
+  b, s = 8, 64
+  rc, report, err = compile_decode("--config=configs/glm5_tiny.py", "--topology=v5p:2x2x1", f"--batch_size={b}",
+                                   f"--cache_len={s}", "--prefill_len=16", "--config.mesh.expert=4", timeout=300)
+  assert rc == 0 and report is not None, err[-3000:]
+  cfg = ModelConfig.from_dict(glm5_tiny.get_config().model)
+  assert report["mesh"]["expert"] == 4 and report["mesh"]["fsdp"] == 1 and report["fits"]
+  counts = param_counts(cfg)
+  moe_layers = cfg.num_moe_layers + cfg.num_nextn_predict_layers  # the MTP layer is an MoE layer here
+  routed = moe_layers * 3 * cfg.n_routed_experts * cfg.hidden_size * cfg.moe_intermediate_size
+  bias = moe_layers * cfg.n_routed_experts  # e_score_correction_bias, replicated
+  weights = 4 * (counts["total"] + counts["mtp"] - routed + routed // 4 + bias)
+  assert report["weights_bytes_per_chip"] == weights
+  cache = cfg.num_hidden_layers * (b // 4) * s * (cfg.kv_lora_rank + cfg.qk_rope_head_dim + cfg.index_head_dim) * 4
+  assert report["cache_bytes_per_chip"] == cache
+  # The donated cache is written in place: XLA aliases it (in TPU's tiled layout, so at least its plain size).
+  assert report["decode_per_chip_bytes"]["aliased"] >= cache
+  # The roofline's figures come from the compiled program: a decode step reads at least every chip's cache.
+  assert report["decode_step"]["hbm_bytes"] >= cache and report["roofline_ms_per_token"] > 0
+  assert report["max_batch_at_cache_len"] > b and report["max_cache_len_at_batch"] > s
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--cache_len=4096"], "--cache_len=4096 exceeds model.max_position_embeddings=2048"),
+    (["--batch_size=6", "--config.mesh.expert=4"], "a batch of 6 rows; the mesh's batch axes {'expert': 4} split"),
+    (["--prefill_len=100"], "--prefill_len=100; in [0, cache_len=64]"),
+    (["--config.mesh.tensor=8", "--topology=v5p:2x2x2"], "mesh.tensor=8 does not divide model.num_attention_heads=4"),
+])
+def test_bad_sizes_are_named_before_compiling(args, message):
+  defaults = {"--topology": "v5p:2x2x1", "--cache_len": "64"}
+  given = {a.split("=")[0] for a in args}
+  rc, report, err = compile_decode("--config=configs/glm5_tiny.py", *args,
+                                   *(f"{k}={v}" for k, v in defaults.items() if k not in given), timeout=120)
+  assert rc == 2 and report is None
+  assert message in err
+
+
+@pytest.mark.slow  # the 744B decode step and prefill compiled for 64 chips
+def test_glm5_744b_decode_fits_a_v5p_slice():
+  rc, report, err = compile_decode("--config=configs/glm5_744b.py", "--topology=v5p:4x4x4", "--batch_size=64",
+                                   "--cache_len=32768", "--prefill_len=1024", "--config.mesh.expert=64")
+  assert rc == 0 and report is not None and report["fits"], err[-3000:]
+  assert report["weights_dtype"] == "bfloat16" and report["dsa_selects"]
