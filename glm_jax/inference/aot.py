@@ -24,6 +24,7 @@ import ml_collections
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from glm_jax.inference.sampler import batch_rows, check_heads
 from glm_jax.mesh_axes import MESH_AXES
 from glm_jax.model import GlmMoeDsa, ModelConfig, param_counts
 from glm_jax.model.kv_cache import KVCache, LayerCache
@@ -32,7 +33,6 @@ from glm_jax.model.platform import target_platform
 from glm_jax.sharding import hlo_cost, topology
 from glm_jax.sharding.mesh import make_mesh
 from glm_jax.sharding.state import param_specs, tree_shardings
-from glm_jax.inference.sampler import batch_rows, check_heads
 
 
 @dataclasses.dataclass
