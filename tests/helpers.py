@@ -11,6 +11,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 from jax.experimental.compilation_cache import compilation_cache
 
@@ -72,17 +73,30 @@ def persistent_compilation_cache(path: str):
         os.environ[key] = value
 
 
+def multi_device(devices: int):
+  """A decorator for a test that needs `devices` devices: marked `multi_device` and skipped with fewer, it runs in the
+  process rerun_on_simulated_devices starts (which runs only such tests)."""
+  skip = pytest.mark.skipif(jax.device_count() < devices,
+                            reason=f"runs inside the rerun on {devices} simulated devices")
+
+  def mark(test):
+    return pytest.mark.multi_device(skip(test))
+
+  return mark
+
+
 def rerun_on_simulated_devices(test_file: str, devices: int, cache_dir=None, *, select: str | None = None,
                                timeout: int = 1800) -> str:
-  """Runs the pytest module `test_file` (its tests selected by `-k select`, or all) in a process with `devices`
-  simulated CPU devices, where its multi-device tests run, and asserts it passed; returns pytest's summary line.
-  cache_dir: a persistent compilation cache, so a program two tests compile is compiled once."""
+  """Runs the pytest module `test_file`'s multi-device tests (those marked by `multi_device`, or those selected by
+  `-k select`) in a process with `devices` simulated CPU devices, and asserts they passed; returns pytest's summary
+  line. The module's other tests ran in this process already and are not run again there. cache_dir: a
+  persistent compilation cache, so a program two tests compile is compiled once."""
   env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu"}
   if cache_dir is not None:
     env.update(JAX_COMPILATION_CACHE_DIR=str(cache_dir), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
   args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(test_file)]
-  proc = subprocess.run(args + (["-k", select] if select else []), cwd=ROOT, env=env, capture_output=True,
-                        text=True, timeout=timeout)
+  proc = subprocess.run(args + (["-k", select] if select else ["-m", "multi_device"]), cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=timeout)
   print(proc.stdout[-3000:])
   assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
   summary = proc.stdout.splitlines()[-1]

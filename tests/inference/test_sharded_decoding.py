@@ -18,10 +18,11 @@ from glm_jax.inference import Sampler, SamplingParams
 from glm_jax.mesh_axes import MESH_AXES
 from glm_jax.model import GlmMoeDsa, ModelConfig
 from glm_jax.sharding.mesh import make_mesh
+from tests import helpers
 from tests.helpers import rerun_on_simulated_devices
 
 MULTI_DEVICE = jax.device_count() >= 8
-multi_device = pytest.mark.skipif(not MULTI_DEVICE, reason="runs inside test_on_8_simulated_devices")
+multi_device = helpers.multi_device(8)  # runs inside test_on_8_simulated_devices
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [3, 4, 5, 6, 7, 8, 9, 10], [12], [7, 7, 7], [1, 2, 3, 4, 5, 6], [9, 8], [4]]
 GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0)
 

@@ -24,11 +24,12 @@ from glm_jax.sharding.topology import install_hint, libtpu_installed, tpu_topolo
 from glm_jax.train import step as step_lib
 from glm_jax.train.config import model_config_for_stage
 from glm_jax.train.trainer import check_config, create_train_state
+from tests import helpers
 from tests.helpers import rerun_on_simulated_devices
 from tests.sharding.test_mesh import FAST_COMPILE, STEP_TOLERANCE, sharded_step
 
 MULTI_DEVICE = jax.device_count() >= 8
-multi_device = pytest.mark.skipif(not MULTI_DEVICE, reason="runs inside test_on_8_simulated_devices")
+multi_device = helpers.multi_device(8)  # runs inside test_on_8_simulated_devices
 
 
 @pytest.mark.slow  # 8 simulated devices in a subprocess: ~5 minutes here

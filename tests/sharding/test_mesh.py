@@ -25,10 +25,11 @@ from glm_jax.train import step as step_lib
 from glm_jax.train.checkpoint import Checkpointer
 from glm_jax.train.config import model_config_for_stage
 from glm_jax.train.trainer import create_sharded_train_state, create_train_state, train_state_factory
+from tests import helpers
 from tests.helpers import NS_COEFFS, newton_schulz, rerun_on_simulated_devices
 
 MULTI_DEVICE = jax.device_count() >= 8
-multi_device = pytest.mark.skipif(not MULTI_DEVICE, reason="runs inside test_on_8_simulated_devices")
+multi_device = helpers.multi_device(8)  # runs inside test_on_8_simulated_devices
 
 
 @pytest.mark.slow  # 8 simulated devices in a subprocess: ~4 minutes here
