@@ -9,7 +9,10 @@ a copy, ...) becomes one `Op`, counted as many times as it runs: a while loop's 
            kernel (tpu_custom_call) has no HLO inside: its `cost_estimate` as its pallas_call declared it, unless
            a kernel model passed to `program_ops` replaces it (grouped_matmul.megablox_grid_cost: the tiles its
            grid really visits for a stated routing, where megablox declares the whole static buffer).
-  bytes    HBM traffic: the bytes of its operands and results (what a fusion computes inside stays on chip).
+  bytes    HBM traffic: the bytes of its operands and results (what a fusion computes inside stays on chip), except
+           where only a slice moves: an operand a dynamic-slice reads (a scanned layer's weights out of their
+           stack, at top level or inside a fusion) counts the slice, and a buffer a dynamic-update-slice writes in
+           place (the KV cache, a scan's stacked outputs) counts the update, read and written.
   wire     for a collective, the bytes one chip sends or receives over ICI: (g - 1) / g of the gathered,
            scattered or exchanged array for a group of g chips, twice that for an all-reduce; for a ragged
            all-to-all only the real rows (the `real_rows` model: the static buffer is sized for the worst case).
@@ -281,6 +284,75 @@ KernelModel = Callable[[str, _Instr, dict], "tuple[float, float, str] | None"]
 RaggedModel = Callable[[_Instr], "float | None"]
 
 
+_PASS_THROUGH = {"bitcast", "reshape", "copy", "convert"}  # a slice read through these is still a slice
+
+
+def _params(comp: list[_Instr]) -> dict[int, str]:
+  """{parameter number: its instruction's name} of a computation."""
+  return {int(m.group(1)): i.name for i in comp
+          if i.opcode == "parameter" and (m := re.search(r"parameter\((\d+)\)", i.line))}
+
+
+def _slice_reads(name: str, comp: list[_Instr], comps: dict[str, list[_Instr]]) -> float | None:
+  """The bytes instruction `name` of a computation has read from it when every use (through bitcasts and the like,
+  and into nested fusions) is a dynamic-slice of it, or is the buffer operand of a dynamic-update-slice (an
+  in-place update: the update's bytes); None when some use reads it whole, or it leaves the computation (its root)."""
+  root = _root(comp)
+  if root is None or root.name == name or not any(name in i.operands for i in comp):
+    return None
+  total = 0.0
+  for use in comp:
+    if name not in use.operands:
+      continue
+    if use.opcode == "dynamic-slice" and use.operands[0] == name:
+      total += nbytes(use.shapes)
+    elif use.opcode == "dynamic-update-slice" and use.operands[0] == name and use.operands.count(name) == 1:
+      total += _update_bytes(use, comp)
+    elif use.opcode in _PASS_THROUGH or use.opcode == "fusion":
+      if use.opcode == "fusion":
+        nested = comps.get((_attr(use.attrs, "calls") or "").lstrip("%"), [])
+        params = _params(nested)
+        inner = [_slice_reads(params[j], nested, comps) if j in params else None
+                 for j, o in enumerate(use.operands) if o == name]
+      else:
+        inner = [_slice_reads(use.name, comp, comps)]
+      if any(x is None for x in inner):
+        return None
+      total += sum(inner)
+    else:
+      return None
+  return total
+
+
+def _update_bytes(dus: _Instr, comp: list[_Instr]) -> float:
+  by = {i.name: i for i in comp}
+  update = by.get(dus.operands[1])
+  return nbytes(update.shapes) if update is not None else nbytes(dus.shapes)
+
+
+def _moved_bytes(ins: _Instr, comps: dict[str, list[_Instr]], by_name: dict[str, _Instr]) -> float:
+  """HBM bytes an instruction moves: its operands and results, with a dynamic-slice's operand counted as the slice
+  and a dynamic-update-slice's buffer as the update (read and written), at top level or inside a fusion."""
+  operands = [nbytes(by_name[o].shapes) if o in by_name else 0.0 for o in ins.operands]
+  result = nbytes(ins.shapes)
+  if ins.opcode == "dynamic-slice" and operands:
+    operands[0] = result
+  elif ins.opcode == "dynamic-update-slice" and len(operands) > 1:
+    operands[0], result = operands[1], operands[1]
+  elif ins.opcode == "fusion":
+    comp = comps.get((_attr(ins.attrs, "calls") or "").lstrip("%"), [])
+    for k, name in _params(comp).items():
+      sliced = _slice_reads(name, comp, comps) if k < len(operands) else None
+      if sliced is not None:
+        operands[k] = min(operands[k], sliced)
+    root = _root(comp)
+    outs = [root] if root is not None and root.opcode != "tuple" else [
+        next((i for i in comp if i.name == o), None) for o in (root.operands if root is not None else [])]
+    if outs and all(o is not None and o.opcode == "dynamic-update-slice" for o in outs):
+      result = sum(_update_bytes(o, comp) for o in outs)  # written in place: only the updates move
+  return sum(operands) + result
+
+
 def program_ops(text: str, *, kernel_model: KernelModel | None = None, ragged_rows: RaggedModel | None = None
                 ) -> list[Op]:
   """Every top-level op of the compiled program's HLO text with its FLOPs, HBM bytes and wire bytes.
@@ -295,8 +367,7 @@ def program_ops(text: str, *, kernel_model: KernelModel | None = None, ragged_ro
       if ins.opcode in _NO_TRAFFIC or ins.opcode.endswith("-done"):
         continue
       source = op_name(ins)
-      operand_bytes = sum(nbytes(by_name[o].shapes) for o in ins.operands if o in by_name)
-      moved = operand_bytes + nbytes(ins.shapes)
+      moved = _moved_bytes(ins, comps, by_name)
       flops, wire, note, kind = matmul_flops(ins, by_name), 0.0, "", ins.opcode
       if ins.opcode == "fusion":
         flops = _fused_flops((_attr(ins.attrs, "calls") or "").lstrip("%"), comps, by_name)

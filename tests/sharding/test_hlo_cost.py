@@ -98,6 +98,38 @@ def test_loop_bodies_count_once_per_iteration(platform):
   assert any("x15 (loop)" in o.note for o in ops) and any("x4 (loop)" in o.note for o in ops)
 
 
+@pytest.mark.parametrize("platform", ["cpu", pytest.param("tpu", marks=needs_libtpu)])
+def test_a_scanned_layer_moves_its_slice_of_the_stack(platform):
+  """A scan over 8 stacked [d, d] weights reads one layer's slice an iteration, not the stack (XLA's operand is the
+  whole stack; a dynamic-slice, at top level or in a fusion, reads its slice), and its stacked output rows are
+  written in place (a dynamic-update-slice moves its update). Hand counts per iteration, fp32 x [n, d]:
+  TPU fuses the slice (in bf16, the default matmul precision) into the matmul: x + slice + result + the index;
+  CPU slices into a buffer of its own (slice read and written + the index), then multiplies."""
+  layers, n, d = 8, 256, 512
+
+  def f(x, w):
+    def body(c, wl):
+      y = jnp.tanh(c @ wl)
+      return y, y[:1]
+    return jax.lax.scan(body, x, w)
+
+  device = jax.devices("cpu")[0] if platform == "cpu" else tpu_topology_devices("v5p:2x2x1")[0]
+  s = SingleDeviceSharding(device)
+  args = [jax.ShapeDtypeStruct(shape, jnp.float32, sharding=s) for shape in ((n, d), (layers, d, d))]
+  ops = hlo_cost.program_ops(jax.jit(f).lower(*args).compile().as_text())
+  looped = [o for o in ops if f"x{layers} (loop)" in o.note]
+  if platform == "tpu":
+    matmul = [o for o in looped if o.flops]
+    assert len(matmul) == 1 and matmul[0].bytes == layers * (4 * n * d + 2 * d * d + 4 * n * d + 4)
+  else:
+    sliced = [o for o in looped if "dynamic-slice" in o.name]
+    assert len(sliced) == 1 and sliced[0].bytes == layers * (2 * 4 * d * d + 4)
+  # The output rows: y read whole (a static slice), the [1, d] row written into the stacked output in place.
+  rows = [o for o in looped if "dynamic-update-slice" in o.name or (platform == "tpu" and not o.flops
+                                                                     and "copy" not in o.opcode)]
+  assert any(o.bytes == layers * (4 * n * d + 2 * 4 * d + 4) for o in rows), [(o.name, o.bytes) for o in looped]
+
+
 @needs_libtpu
 @pytest.mark.slow  # four unrolled TPU compiles of the tiny train step and a scanned one
 def test_cost_report_of_the_expert_parallel_step():
