@@ -26,6 +26,7 @@ def compile_decode(*args: str, timeout: int = 600) -> tuple[int, dict | None, st
   return proc.returncode, json.loads(lines[-1]) if lines else None, proc.stderr
 
 
+@pytest.mark.slow  # a launch/compile.py process: two TPU compiles
 def test_tiny_decode_on_a_v5p_slice_holds_its_hand_counted_bytes():
   """glm5_tiny (fp32 weights) on 4 v5p chips with expert=4: the routed experts are split 4 ways, every other weight is
   whole on each chip; the cache's 8 rows 2 a chip."""
@@ -50,6 +51,7 @@ def test_tiny_decode_on_a_v5p_slice_holds_its_hand_counted_bytes():
   assert report["max_batch_at_cache_len"] > b and report["max_cache_len_at_batch"] > s
 
 
+@pytest.mark.slow  # a launch/compile.py process each
 @pytest.mark.parametrize("args, message", [
     (["--cache_len=4096"], "--cache_len=4096 exceeds model.max_position_embeddings=2048"),
     (["--batch_size=6", "--config.mesh.expert=4"], "a batch of 6 rows; the mesh's batch axes {'expert': 4} split"),
