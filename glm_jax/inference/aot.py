@@ -32,7 +32,7 @@ from glm_jax.model.layers import dtype_of
 from glm_jax.model.platform import target_platform
 from glm_jax.sharding import hlo_cost, topology
 from glm_jax.sharding.mesh import make_mesh
-from glm_jax.sharding.state import param_specs, tree_shardings
+from glm_jax.sharding.state import weight_shardings, with_shardings
 
 
 @dataclasses.dataclass
@@ -54,10 +54,6 @@ def serving_config(config: ml_collections.ConfigDict) -> ModelConfig:
   """The model as served: the config's model with its weights in the compute dtype and no rematerialization."""
   cfg = ModelConfig.from_dict(config.model)
   return cfg.replace(param_dtype=cfg.dtype, remat_policy="none")
-
-
-def _abstract(tree, shardings):
-  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
 def _chip_bytes(tree) -> int:
@@ -103,7 +99,7 @@ def compile_decode(config: ml_collections.ConfigDict, devices: Sequence[Any], *,
   batch = batch_rows(mesh, batch_size)
   model = nnx.eval_shape(lambda: GlmMoeDsa(cfg, nnx.Rngs(0)))
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-  weights = _abstract((params, rest), tree_shardings((params, rest), param_specs(params, mesh), mesh))
+  weights = with_shardings((params, rest), weight_shardings(params, rest, mesh))
   rows, cache_rows = NamedSharding(mesh, P(batch or None)), NamedSharding(mesh, P(None, batch or None))
   cache = abstract_cache(cfg, batch_size, cache_len, cache_rows)
   vocab = NamedSharding(mesh, P(batch or None, None))

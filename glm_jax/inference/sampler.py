@@ -47,7 +47,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from glm_jax.mesh_axes import BATCH_AXES, TENSOR
 from glm_jax.model.config import ModelConfig
-from glm_jax.sharding.state import param_specs, tree_shardings
+from glm_jax.sharding.state import weight_shardings
 
 
 MIN_TEMPERATURE = 1e-30  # the smallest temperature > 0: tempered_log_softmax is finite down to fp32's normal range
@@ -283,8 +283,7 @@ class Sampler:
     params, rest, prompts_BT, lens_B, key, layout = args
     mesh = self.mesh
     batch = batch_rows(mesh, prompts_BT.shape[0])
-    weights = (params, rest)  # laid out as in training (the specs come from the parameters' logical axes)
-    params, rest = jax.device_put(weights, tree_shardings(weights, param_specs(params, mesh), mesh))
+    params, rest = jax.device_put((params, rest), weight_shardings(params, rest, mesh))  # as in training
     by_rows = NamedSharding(mesh, P(batch or None))
     prompts_BT, lens_B, layout = jax.device_put((prompts_BT, lens_B, layout), by_rows)
     cache = NamedSharding(mesh, P(None, batch or None))  # [L, B, S, W]

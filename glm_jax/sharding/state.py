@@ -54,5 +54,17 @@ def abstract_sharded(make_state: Callable[[], Any], params_of: Callable[[Any], n
   abstract = jax.eval_shape(make_state)
   specs = param_specs(params_of(abstract), mesh)
   shardings = tree_shardings(abstract, specs, mesh)
-  abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)
-  return abstract, shardings
+  return with_shardings(abstract, shardings), shardings
+
+
+def with_shardings(tree: Any, shardings: Any) -> Any:
+  """`tree` (arrays or ShapeDtypeStructs) as ShapeDtypeStructs carrying `shardings` (a tree like it, or one
+  sharding for every leaf)."""
+  if not isinstance(shardings, jax.sharding.Sharding):
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shardings), tree)
+
+
+def weight_shardings(params: Any, rest: Any, mesh: Mesh) -> tuple[Any, Any]:
+  """The (params, rest) layout on `mesh` that training gives the weights: specs from the parameters' logical axes."""
+  return tree_shardings((params, rest), param_specs(params, mesh), mesh)

@@ -27,7 +27,7 @@ from glm_jax.data.config import check_process_split
 from glm_jax.model import GlmMoeDsa, ModelConfig, context_parallel, param_counts
 from glm_jax.model.quantization import WEIGHT_ONLY, check_quant_config, quant_plan
 from glm_jax.sharding.mesh import batch_sharding, make_mesh
-from glm_jax.sharding.state import abstract_sharded
+from glm_jax.sharding.state import abstract_sharded, with_shardings
 from glm_jax.train import optimizers, step as step_lib
 from glm_jax.train.checkpoint import INIT_FROM_FREE_FIELDS, RESUME_SECTIONS, Checkpointer
 from glm_jax.train.config import invalid, model_config_for_stage, require_sections, validate_train_config
@@ -98,9 +98,7 @@ def abstract_train_state(config: ml_collections.ConfigDict, model_cfg: ModelConf
   """The run's AbstractTrainState on `mesh` (None: one device)."""
   make_state, built = train_state_factory(config, model_cfg)
   if mesh is None:
-    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
-                         jax.eval_shape(make_state))
+    state = with_shardings(jax.eval_shape(make_state), jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
     shardings = None
   else:
     state, shardings = abstract_sharded(make_state, lambda s: s.params, mesh)
