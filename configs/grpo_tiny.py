@@ -66,6 +66,7 @@ def get_config() -> ml_collections.ConfigDict:
   rl.max_consecutive_skips = 10  # stop (non-zero exit) after this many skipped updates in a row; 0 = never
   rl.freeze_indexer = True  # GLM-5's RL keeps the indexer fixed (its top-k is deterministic here on every path)
   rl.rollout_dtype = ""  # "" = the model's; "bfloat16" samples in bf16 while training in fp32 (a real mismatch)
+  rl.speculate = 0  # k >= 1: rollouts draft k tokens a round with the MTP layer (slime's speculative rollouts)
   rl.async_rollouts = False  # a background rollout worker generating with tagged weights
   rl.tau = 1  # drop rollouts more than tau versions behind the trainer (async)
   rl.max_pending = 2  # rollouts the worker may queue ahead (async)

@@ -6,7 +6,10 @@ r"""Prints text sampled from a training run's latest checkpoint.
 --config must be the run's config (with the same overrides), so the model matches; the text is encoded and
 decoded with the tokenizer recorded in the checkpoint (the one the model was trained with). --packed samples from
 a quantized model written by launch/quantize.py instead of the run's checkpoint. Decoding
-uses the KV-cache sampler (glm_jax/inference/sampler.py): one prefill, then one compiled decode step a token.
+uses the KV-cache sampler (glm_jax/inference/sampler.py): one prefill, then one compiled decode step a token;
+--speculate=k drafts k tokens a round with the model's MTP layer and verifies them in one forward
+(glm_jax/inference/speculative.py: the same text greedy, the same distribution sampling), and prints the acceptance
+length.
 
 --infill (a model trained with GLM's blank infilling, configs/glm130b_tiny.py): the literal [MASK], [sMASK] and
 [gMASK] in --prompt are blanks, filled left to right, each generated until <eop> (glm_jax/inference/infill.py);
@@ -28,7 +31,7 @@ from ml_collections import config_flags
 
 from glm_jax import cli
 from glm_jax.data import Tokenizer
-from glm_jax.inference import Sampler, SamplingParams
+from glm_jax.inference import Sampler, SamplingParams, acceptance_length, speculative
 from glm_jax.inference.infill import fill_blanks
 from glm_jax.train.config import model_config_for_stage
 from glm_jax.train.packed_checkpoint import load_packed
@@ -41,6 +44,7 @@ _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "Tokens to generate.")
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.8, "Sampling temperature; 0 = greedy.")
 _TOP_P = flags.DEFINE_float("top_p", 1.0, "Nucleus sampling: the smallest set of tokens with this much probability.")
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
+_SPECULATE = flags.DEFINE_integer("speculate", None, "MTP speculative decoding: tokens drafted a round (>= 1).")
 _PACKED = flags.DEFINE_string("packed", None, "A packed (quantized) model's directory (launch/quantize.py).")
 _INFILL = flags.DEFINE_bool("infill", False, "Fill the prompt's [MASK] / [sMASK] / [gMASK] blanks (GLM's blank "
                             "infilling); without one, [gMASK] is appended.")
@@ -69,6 +73,13 @@ def main(argv):
   except ValueError as e:
     raise ValueError(f"--{e}") from e
   config = _CONFIG.value
+  if _SPECULATE.value:
+    if _INFILL.value:
+      raise ValueError("--speculate with --infill: blank infilling decodes without speculation; drop one of them")
+    try:
+      speculative.check(model_config_for_stage(config), _SPECULATE.value)
+    except ValueError as e:
+      raise ValueError(f"--{e}") from e
   workdir = _WORKDIR.value or f"workdirs/{config.get('name', 'run')}"
   if _PACKED.value:
     packed = load_packed(_PACKED.value, model_config_for_stage(config))
@@ -92,8 +103,11 @@ def main(argv):
     return
   prompt = tokenizer.encode(_PROMPT.value) or [tokenizer.eos_id]
   sampling = dataclasses.replace(sampling, stop_ids=(tokenizer.eos_id,), pad_id=tokenizer.pad_id)
-  out = Sampler(graphdef, model_cfg, sampling)(params, rest, [prompt], jax.random.key(_SEED.value))
+  out = Sampler(graphdef, model_cfg, sampling, speculate=_SPECULATE.value)(params, rest, [prompt],
+                                                                          jax.random.key(_SEED.value))
   print(f"[{tag}] " + tokenizer.decode(np.asarray(out.tokens[0, :int(out.lengths[0])]).tolist()))
+  if _SPECULATE.value:
+    print(f"acceptance length {acceptance_length(out):.2f} tokens a round (k={_SPECULATE.value})")
 
 
 if __name__ == "__main__":

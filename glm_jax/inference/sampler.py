@@ -47,75 +47,15 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from glm_jax.mesh_axes import BATCH_AXES, TENSOR
 from glm_jax.model.config import ModelConfig
+from glm_jax.inference import speculative
+from glm_jax.inference.sampling import SampleOutput, SamplingParams, sample_token
 from glm_jax.sharding.state import weight_shardings
 
 
-MIN_TEMPERATURE = 1e-30  # the smallest temperature > 0: tempered_log_softmax is finite down to fp32's normal range
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-  max_new_tokens: int
-  temperature: float = 1.0  # 0: greedy
-  top_p: float = 1.0  # nucleus sampling: draw from the smallest set of tokens whose probability reaches top_p
-  stop_ids: tuple[int, ...] = ()  # a row ends after emitting one of these (it is part of the response)
-  pad_id: int = 0  # fills the rows past their end
-
-  def __post_init__(self):
-    if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
-      raise ValueError(f"max_new_tokens={self.max_new_tokens!r}; must be a positive integer")
-    if not (self.temperature == 0 or self.temperature >= MIN_TEMPERATURE):
-      raise ValueError(f"temperature={self.temperature!r}; must be 0 (greedy) or at least {MIN_TEMPERATURE} (smaller "
-                       "ones are not normal fp32 numbers: XLA flushes them to zero)")
-    if not 0 < self.top_p <= 1:
-      raise ValueError(f"top_p={self.top_p!r}; must be in (0, 1]")
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class SampleOutput:
-  tokens: jax.Array  # [B, S] int32: prompt, response, then pad_id
-  logp: jax.Array  # [B, S] fp32: log-probability of tokens[b, s] where response_mask, else 0
-  response_mask: jax.Array  # [B, S] bool: the generated tokens (a stop token included)
-  prompt_lens: jax.Array  # [B] int32
-  lengths: jax.Array  # [B] int32: prompt + response
-  finished: jax.Array  # [B] bool: the row emitted a stop token (else it ran out of max_new_tokens)
-  logits: jax.Array | None  # [B, S, V] fp32 with return_logits: the logits tokens[b, s] was drawn from
-
-
-def tempered_log_softmax(logits: jax.Array, temperature: float) -> jax.Array:
-  """log_softmax(logits / temperature) over the last axis, in fp32; temperature 0 (greedy) and 1 give
-  log_softmax(logits). The logits are shifted by their maximum before the division, which changes nothing
-  mathematically but keeps logits / temperature from overflowing: for temperature 1e-30 the result is 0 at the
-  largest logit and -inf (or a huge negative) elsewhere, the greedy choice, where the plain division gives NaN."""
-  logits = logits.astype(jnp.float32)
-  if temperature in (0, 1):
-    return jax.nn.log_softmax(logits, axis=-1)
-  shifted = logits - jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
-  return jax.nn.log_softmax(shifted / temperature, axis=-1)
-
-
-def sample_token(logits_BV: jax.Array, key: jax.Array, temperature: float, top_p: float
-                 ) -> tuple[jax.Array, jax.Array]:
-  """(token [B] int32, its log-probability [B] fp32 under softmax(logits / temperature))."""
-  logp_BV = tempered_log_softmax(logits_BV, temperature)
-  if temperature == 0:
-    tok = jnp.argmax(logp_BV, axis=-1).astype(jnp.int32)
-  else:
-    draw_BV = logp_BV
-    if top_p < 1:
-      sorted_BV = jnp.sort(logp_BV, axis=-1)[:, ::-1]
-      before_BV = jnp.cumsum(jnp.exp(sorted_BV), axis=-1) - jnp.exp(sorted_BV)  # mass of the better tokens
-      cutoff_B = jnp.min(jnp.where(before_BV < top_p, sorted_BV, jnp.inf), axis=-1)
-      draw_BV = jnp.where(logp_BV >= cutoff_B[:, None], logp_BV, -jnp.inf)
-    tok = jax.random.categorical(key, draw_BV, axis=-1).astype(jnp.int32)
-  return tok, jnp.take_along_axis(logp_BV, tok[:, None], axis=-1)[:, 0]
-
-
 def _generate(graphdef, params, rest, prompts_BT, prompt_lens_B, key, layout, *, sampling: SamplingParams,
-              cache_len: int, return_logits: bool, cache_sharding=None) -> SampleOutput:
+              cache_len: int, return_logits: bool, constrain_cache=None) -> SampleOutput:
   """layout: None (positions = slots, causal prompts) or (positions [B, T], block_positions [B, T] or None,
-  prefix_lens [B]) for GLM's blank infilling. cache_sharding: the stacked cache's layout under a mesh."""
+  prefix_lens [B]) for GLM's blank infilling. constrain_cache: lays the cache out on the mesh (Sampler._sharded)."""
   model = nnx.merge(graphdef, params, rest)
   b, p = prompts_BT.shape
   rows = jnp.arange(b)
@@ -135,8 +75,8 @@ def _generate(graphdef, params, rest, prompts_BT, prompt_lens_B, key, layout, *,
         return last_pos + ahead, None
       in_blank = last_block > 0
       return (jnp.where(in_blank, last_pos, last_pos + ahead), jnp.where(in_blank, last_block + ahead, 0))
-  if cache_sharding is not None:  # the cache's rows where the prompts' are: [L, B, S, W], B over the batch axes
-    cache = jax.lax.with_sharding_constraint(cache, cache_sharding)
+  if constrain_cache is not None:
+    cache = constrain_cache(cache)
   first_BV = logits_BTV[rows, prompt_lens_B - 1]
   stop_ids = jnp.asarray(sampling.stop_ids or (-1,), jnp.int32)
   tokens = jnp.full((b, cache_len), sampling.pad_id, jnp.int32).at[:, :p].set(prompts_BT)
@@ -187,9 +127,10 @@ def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int, width: int | None
 
 
 def check_prompts(prompts: Sequence[Sequence[int]], cfg: ModelConfig, sampling: SamplingParams,
-                  cache_len: int | None, width: int | None = None) -> int:
+                  cache_len: int | None, width: int | None = None, speculate: int = 0) -> int:
   """Validates prompts for a Sampler and returns the cache length (the prompt width plus max_new_tokens when
-  cache_len is None). Raises ValueError naming what is wrong."""
+  cache_len is None); speculative decoding's `speculate` draft slots past it must lie within the model's positions
+  too. Raises ValueError naming what is wrong."""
   if not len(prompts):
     raise ValueError("prompts: empty batch; need at least one prompt")
   for i, p in enumerate(prompts):
@@ -208,8 +149,10 @@ def check_prompts(prompts: Sequence[Sequence[int]], cfg: ModelConfig, sampling: 
   if needed > cache_len:
     raise ValueError(f"a prompt of {longest} tokens (padded to {width}) plus max_new_tokens="
                      f"{sampling.max_new_tokens} needs {needed} cache slots; the cache has cache_len={cache_len}")
-  if cache_len > cfg.max_position_embeddings:
-    raise ValueError(f"cache_len={cache_len} exceeds model.max_position_embeddings={cfg.max_position_embeddings}")
+  if cache_len + speculate > cfg.max_position_embeddings:
+    extra = f" + speculate={speculate} draft slots" if speculate else ""
+    raise ValueError(f"cache_len={cache_len}{extra} exceeds model.max_position_embeddings="
+                     f"{cfg.max_position_embeddings}")
   return cache_len
 
 
@@ -238,15 +181,20 @@ class Sampler:
   The model is nnx.split(model, nnx.Param, ...)'s (graphdef, params, rest); prompts are lists of token ids.
   cache_len: the cache's slots (default: prompt width + max_new_tokens); width: pad prompts to this many tokens
   (a fixed width compiles once for prompts of any length). mesh: generate sharded over it (module docstring); the
-  parameters are put in their layout on it unless they already have it."""
+  parameters are put in their layout on it unless they already have it. speculate=k (>= 1): MTP speculative
+  decoding, k drafted tokens a round (glm_jax/inference/speculative.py; plain prompts only): the same tokens as
+  plain decoding when greedy, the same distribution when sampling, and SampleOutput.rounds counts the rounds."""
 
   def __init__(self, graphdef, cfg: ModelConfig, sampling: SamplingParams, *, cache_len: int | None = None,
-               width: int | None = None, return_logits: bool = False, mesh=None):
+               width: int | None = None, return_logits: bool = False, mesh=None, speculate: int | None = None):
     self.cfg, self.sampling, self.cache_len, self.width = cfg, sampling, cache_len, width
     self._graphdef, self._return_logits = graphdef, return_logits
     self.mesh = None if mesh is None or mesh.size == 1 else mesh
     if self.mesh is not None:
       check_heads(cfg, self.mesh)
+    self.speculate = speculate or None
+    if speculate is not None and speculate != 0:
+      speculative.check(cfg, speculate)
     self._jitted: dict[int, object] = {}  # cache_len -> the jitted generation
 
   def __call__(self, params, rest, prompts: Sequence[Sequence[int]], key: jax.Array, *,
@@ -256,17 +204,21 @@ class Sampler:
     """positions / block_positions (one list per prompt, as long as it) and prefix_lens (the bidirectional
     prefix of each prompt): GLM's blank-infilling layout (glm_jax/inference/infill.py); none of them for plain
     prompts."""
-    cache_len = check_prompts(prompts, self.cfg, self.sampling, self.cache_len, self.width)
+    cache_len = check_prompts(prompts, self.cfg, self.sampling, self.cache_len, self.width, self.speculate or 0)
     prompts_BT, lens_B = pad_prompts(prompts, self.sampling.pad_id, self.width)
     layout = self._layout(prompts, prompts_BT.shape[1], positions, block_positions, prefix_lens)
+    if self.speculate and layout is not None:
+      raise ValueError("speculate: speculative decoding takes plain prompts; positions, block_positions and "
+                       "prefix_lens (blank infilling) decode without it (speculate=None)")
     args = (params, rest, jnp.asarray(prompts_BT), jnp.asarray(lens_B), key, layout)
-    cache_sharding = None
+    constrain_cache = None
     if self.mesh is not None:
-      args, cache_sharding = self._sharded(args)
+      args, constrain_cache = self._sharded(args)
     if cache_len not in self._jitted:
-      self._jitted[cache_len] = jax.jit(functools.partial(
-          _generate, self._graphdef, sampling=self.sampling, cache_len=cache_len, return_logits=self._return_logits,
-          cache_sharding=cache_sharding))
+      kw = dict(sampling=self.sampling, cache_len=cache_len, return_logits=self._return_logits,
+                constrain_cache=constrain_cache)
+      generate = (functools.partial(speculative.generate, k=self.speculate) if self.speculate else _generate)
+      self._jitted[cache_len] = jax.jit(functools.partial(generate, self._graphdef, **kw))
     with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
       out = self._jitted[cache_len](*args)
     finite_B = np.asarray(jnp.all(jnp.isfinite(out.logp) | ~out.response_mask, axis=-1))
@@ -279,15 +231,19 @@ class Sampler:
 
   def _sharded(self, args):
     """The generation's arguments put on the mesh (the parameters by their logical axes, every [B, ...] row-indexed
-    array split over the batch axes) and the cache's sharding; a batch the batch axes do not divide is refused."""
+    array split over the batch axes) and a function laying a cache out there (every [..., B, S, W] array's rows
+    where the prompts' are); a batch the batch axes do not divide is refused."""
     params, rest, prompts_BT, lens_B, key, layout = args
     mesh = self.mesh
     batch = batch_rows(mesh, prompts_BT.shape[0])
     params, rest = jax.device_put((params, rest), weight_shardings(params, rest, mesh))  # as in training
     by_rows = NamedSharding(mesh, P(batch or None))
     prompts_BT, lens_B, layout = jax.device_put((prompts_BT, lens_B, layout), by_rows)
-    cache = NamedSharding(mesh, P(None, batch or None))  # [L, B, S, W]
-    return (params, rest, prompts_BT, lens_B, key, layout), cache
+    def constrain_cache(cache):
+      return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
+          x, NamedSharding(mesh, P(*[None] * (x.ndim - 3), batch or None))), cache)
+
+    return (params, rest, prompts_BT, lens_B, key, layout), constrain_cache
 
   def _layout(self, prompts, width: int, positions, block_positions, prefix_lens):
     """The blank-infilling layout as arrays (see _generate), or None for plain prompts."""

@@ -7,7 +7,9 @@
   index_k  [B, S, index_head_dim]                   the lightning indexer's key (DSA only)
 Slot s of a row holds the token at position s. Each stack of layers keeps one LayerCache with a leading layer
 axis, the way its parameters are stacked. Slots past a row's current position hold stale values that no query
-can see: the decode step masks keys beyond the query's position and writes slot `pos` before it attends.
+can see: the decode step masks keys beyond each query's position and writes its tokens' slots before it attends.
+So a speculative round needs no rollback: drafts the main model rejects leave entries past the row's new
+position, which the next round overwrites before any query can reach them.
 """
 
 from __future__ import annotations
@@ -31,20 +33,25 @@ class LayerCache:
   def length(self) -> int:
     return self.kv.shape[-2]
 
-  def write(self, pos_B: jax.Array, kv_BA: jax.Array, index_k_BZ: jax.Array | None) -> LayerCache:
-    """One layer's cache with each row's new entry at slot pos[b]."""
-    rows = jnp.arange(pos_B.shape[0])
-    index_k = None if self.index_k is None else self.index_k.at[rows, pos_B].set(index_k_BZ.astype(self.index_k.dtype))
-    return LayerCache(kv=self.kv.at[rows, pos_B].set(kv_BA.astype(self.kv.dtype)), index_k=index_k)
+  def write(self, pos_B: jax.Array, kv_BTA: jax.Array, index_k_BTZ: jax.Array | None) -> LayerCache:
+    """One layer's cache with row b's T new entries at slots pos[b], ..., pos[b] + T - 1."""
+    b, t = kv_BTA.shape[:2]
+    rows, slots = jnp.arange(b)[:, None], pos_B[:, None] + jnp.arange(t)
+    index_k = (None if self.index_k is None
+               else self.index_k.at[rows, slots].set(index_k_BTZ.astype(self.index_k.dtype)))
+    return LayerCache(kv=self.kv.at[rows, slots].set(kv_BTA.astype(self.kv.dtype)), index_k=index_k)
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
-  """One LayerCache per stack of the decoder (None where the stack is empty). The MTP layers are not cached:
-  decoding uses the main head only."""
+  """One LayerCache per stack of the decoder (None where the stack is empty), and `mtp`: the first MTP layer's
+  [B, S, W] cache (no layer axis) when the cache serves speculative decoding (GlmMoeDsa.prefill(draft=True)),
+  else None. Slot s of the MTP cache holds the MTP layer's entry for the main model's hidden state at s and the
+  token at s + 1 (glm_jax/inference/speculative.py)."""
   dense: LayerCache | None
   moe: LayerCache | None
+  mtp: LayerCache | None = None
 
   @property
   def length(self) -> int:

@@ -238,40 +238,40 @@ class MLA(nnx.Module):
       aux["indexer_kl"] = jnp.mean(kl_BT)
     return dense(self.absorbed_out(o_lat), self.o_proj, self.dtype, "bthv,hvd->btd"), aux
 
-  def decode(self, x_B1D: jax.Array, cos: jax.Array, sin: jax.Array, pos_B: jax.Array, cache: LayerCache,
+  def decode(self, x_BTD: jax.Array, cos: jax.Array, sin: jax.Array, pos_B: jax.Array, cache: LayerCache,
              share: dsa.IndexShare | None = None) -> tuple[jax.Array, LayerCache, jax.Array | None]:
-    """One new token a row against the cache, in the absorbed MQA form: writes the token's entries at slot
-    pos[b], then attends to slots 0..pos[b]; with DSA, to the indexer's top index_topk of them when the cache
-    is longer than index_topk (the same keys the full forward's causal top-k picks: stale slots past pos[b]
-    are out of every query's reach), or to share.prev_topk on an IndexShare layer whose share.shared is true.
-    Returns (out [B, 1, D], the updated cache, the selected slots [B, 1, K] or None when DSA does not select)."""
+    """T new tokens a row against the cache, in the absorbed MQA form (T = 1: a decode step; T > 1: a speculative
+    round's verification): writes token t's entries at slot pos[b] + t, then token t attends to slots
+    0..pos[b] + t; with DSA, to the indexer's top index_topk of them when the cache is longer than index_topk
+    (the same keys the full forward's causal top-k picks: stale slots past pos[b] + t are out of its reach), or
+    to share.prev_topk on an IndexShare layer whose share.shared is true.
+    Returns (out [B, T, D], the updated cache, the selected slots [B, T, K] or None when DSA does not select)."""
     cfg = self.cfg
-    b, s_len = x_B1D.shape[0], cache.length
-    beyond_BS = jnp.arange(s_len)[None, :] > pos_B[:, None]  # slots no query of the row may see yet
-    inp = AttentionInputs(cos=cos, sin=sin, segment_ids=jnp.zeros((b, 1), jnp.int32), mask=~beyond_BS[:, None])
-    cq_B1Q, q_nope, q_rope, ckv_B1C, k_rope_B1R = self.project(x_B1D, inp)
-    index_k_new = q_i = w_i = None
+    (b, t), s_len = x_BTD.shape[:2], cache.length
+    reach_BT = pos_B[:, None] + jnp.arange(t)  # the last slot each query sees: its own
+    visible_BTS = jnp.arange(s_len)[None, None, :] <= reach_BT[:, :, None]
+    inp = AttentionInputs(cos=cos, sin=sin, segment_ids=jnp.zeros((b, t), jnp.int32), mask=visible_BTS)
+    cq_BTQ, q_nope, q_rope, ckv_BTC, k_rope_BTR = self.project(x_BTD, inp)
+    k_i = q_i = w_i = None
     if cfg.use_dsa:
-      q_i, k_i, w_i = self.indexer(x_B1D, cq_B1Q, cos, sin)
-      index_k_new = k_i[:, 0]
-    cache = cache.write(pos_B, jnp.concatenate([ckv_B1C, k_rope_B1R], axis=-1)[:, 0], index_k_new)
-    q_B1HA = self.absorbed_q_kv(q_nope, q_rope, ckv_B1C, k_rope_B1R)[0]
+      q_i, k_i, w_i = self.indexer(x_BTD, cq_BTQ, cos, sin)
+    cache = cache.write(pos_B, jnp.concatenate([ckv_BTC, k_rope_BTR], axis=-1), k_i)
+    q_BTHA = self.absorbed_q_kv(q_nope, q_rope, ckv_BTC, k_rope_BTR)[0]
     kv_BSA = cache.kv.astype(self.dtype)
-    idx_B1K = None
+    idx_BTK = None
     if self.dsa_active(s_len):
-      # Causal visibility as segments: with q_offset = S - 1 the causal rule admits every slot, and the
-      # segment ids (0 for the query, 1 for slots past pos) exclude the row's unseen ones.
+      # Visibility as a prefix: with q_offset 0 the causal rule admits slots <= t, and q_prefix_end = reach + 1
+      # widens each query's view to the slots up to its own (reach >= t), no further.
       def select():
         return dsa.select_topk(cfg.attention_impl, q_i, cache.index_k, w_i, topk=cfg.index_topk,
-                               q_offset=s_len - 1, q_segment_ids=jnp.zeros((b, 1), jnp.int32),
-                               kv_segment_ids=beyond_BS.astype(jnp.int32))
-      idx_B1K, _ = select() if share is None else share.select(select)
-      o_lat, _ = dsa.attend(cfg.attention_impl, q_B1HA, kv_BSA, idx_B1K, sm_scale=cfg.softmax_scale,
+                               q_prefix_end=reach_BT + 1)
+      idx_BTK, _ = select() if share is None else share.select(select)
+      o_lat, _ = dsa.attend(cfg.attention_impl, q_BTHA, kv_BSA, idx_BTK, sm_scale=cfg.softmax_scale,
                             v_dim=cfg.kv_lora_rank)
     else:
-      o_lat = self._latent_attention(q_B1HA, kv_BSA, inp.mask)
-    o_B1HO = self.absorbed_out(o_lat)
-    return dense(o_B1HO, self.o_proj, self.dtype, "bthv,hvd->btd"), cache, idx_B1K
+      o_lat = self._latent_attention(q_BTHA, kv_BSA, visible_BTS)
+    o_BTHO = self.absorbed_out(o_lat)
+    return dense(o_BTHO, self.o_proj, self.dtype, "bthv,hvd->btd"), cache, idx_BTK
 
 
 def indexer_kl(p_target_BTS: jax.Array, scores_BTS: jax.Array, valid_BTS: jax.Array) -> jax.Array:

@@ -95,15 +95,16 @@ class DecoderLayer(nnx.Module):
     m = self.mlp(xn_BTD)
     return m if isinstance(m, tuple) else (m, {})
 
-  def decode(self, x_B1D: jax.Array, cos: jax.Array, sin: jax.Array, pos_B: jax.Array, cache: LayerCache,
+  def decode(self, x_BTD: jax.Array, cos: jax.Array, sin: jax.Array, pos_B: jax.Array, cache: LayerCache,
              share: IndexShare | None = None) -> tuple[jax.Array, LayerCache, jax.Array | None]:
-    """One token a row against this layer's cache (MLA.decode): (x, the cache, the selected slots or None)."""
+    """T tokens a row at slots pos[b].. against this layer's cache (MLA.decode): (x, the cache, the selected slots
+    or None)."""
     def attention(xn):
       a, new_cache, idx = self.self_attn.decode(xn, cos, sin, pos_B, cache, share)
       return a, {"cache": new_cache, "topk": idx}
 
-    x_B1D, aux = self._residuals(x_B1D, attention)
-    return x_B1D, aux["cache"], aux["topk"]
+    x_BTD, aux = self._residuals(x_BTD, attention)
+    return x_BTD, aux["cache"], aux["topk"]
 
 
 def stacked_layers(cfg: ModelConfig, moe: bool, n: int, rngs: nnx.Rngs) -> DecoderLayer | None:
@@ -144,13 +145,13 @@ def scan_layers(stack: DecoderLayer | None, x_BTD: jax.Array, inp: AttentionInpu
   return x, aux, topk
 
 
-def scan_decode(stack: DecoderLayer | None, x_B1D: jax.Array, cos: jax.Array, sin: jax.Array, pos_B: jax.Array,
+def scan_decode(stack: DecoderLayer | None, x_BTD: jax.Array, cos: jax.Array, sin: jax.Array, pos_B: jax.Array,
                 cache: LayerCache | None, shared: jax.Array | None = None, topk: jax.Array | None = None
                 ) -> tuple[jax.Array, LayerCache | None, jax.Array | None]:
   """DecoderLayer.decode through a stack, each layer with its slice of the stacked cache; IndexShare's shared and
-  topk [B, 1, K] as in scan_layers. Returns (x, the cache, the stack's last selection or None)."""
+  topk [B, T, K] as in scan_layers. Returns (x, the cache, the stack's last selection or None)."""
   if stack is None:
-    return x_B1D, cache, topk
+    return x_BTD, cache, topk
   graphdef, state = nnx.split(stack)
 
   def body(carry, layer):
@@ -160,8 +161,16 @@ def scan_decode(stack: DecoderLayer | None, x_B1D: jax.Array, cos: jax.Array, si
     x, layer_cache, idx = nnx.merge(graphdef, layer_state).decode(x, cos, sin, pos_B, layer_cache, share)
     return (x, None if prev is None else idx), layer_cache
 
-  (x, topk), cache = jax.lax.scan(body, (x_B1D, topk), (state, cache, shared))
+  (x, topk), cache = jax.lax.scan(body, (x_BTD, topk), (state, cache, shared))
   return x, cache, topk
+
+
+def check_draft(cfg: ModelConfig) -> None:
+  """Speculative decoding drafts with the first MTP layer: a model without one is refused by name."""
+  if cfg.num_nextn_predict_layers < 1:
+    raise ValueError("speculative decoding drafts with the MTP layer, but model.num_nextn_predict_layers="
+                     f"{cfg.num_nextn_predict_layers}: use a model with an MTP layer (GLM-5 has 1), or decode without "
+                     "speculation")
 
 
 class MTPLayer(nnx.Module):
@@ -178,12 +187,23 @@ class MTPLayer(nnx.Module):
     self.shared_head_norm = RMSNorm(d, cfg.rms_norm_eps, cfg, rngs)
 
   def __call__(self, h_BTD: jax.Array, emb_next_BTD: jax.Array, inp: AttentionInputs, *, form: str = "mha",
-               indexer_loss: bool = False) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
-    """Returns (the new hidden state h^k, its normed output for the head, aux)."""
-    x = jnp.concatenate([self.enorm(emb_next_BTD), self.hnorm(h_BTD)], axis=-1)
-    x = dense(x, self.eh_proj, self.dtype)
-    h, aux = self.layer(x, inp, form=form, indexer_loss=indexer_loss)
+               indexer_loss: bool = False, return_cache: bool = False
+               ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+    """Returns (the new hidden state h^k, its normed output for the head, aux); return_cache as in MLA.__call__."""
+    h, aux = self.layer(self._input(h_BTD, emb_next_BTD), inp, form=form, indexer_loss=indexer_loss,
+                        return_cache=return_cache)
     return h, self.shared_head_norm(h), aux
+
+  def decode(self, h_BTD: jax.Array, emb_next_BTD: jax.Array, cos: jax.Array, sin: jax.Array, pos_B: jax.Array,
+             cache: LayerCache) -> tuple[jax.Array, jax.Array, LayerCache]:
+    """__call__ for T positions a row at slots pos[b].. against the layer's cache (DecoderLayer.decode):
+    (the new hidden state, its normed output for the head, the cache)."""
+    h, cache, _ = self.layer.decode(self._input(h_BTD, emb_next_BTD), cos, sin, pos_B, cache)
+    return h, self.shared_head_norm(h), cache
+
+  def _input(self, h_BTD: jax.Array, emb_next_BTD: jax.Array) -> jax.Array:
+    x = jnp.concatenate([self.enorm(emb_next_BTD), self.hnorm(h_BTD)], axis=-1)
+    return dense(x, self.eh_proj, self.dtype)
 
 
 class GlmMoeDsa(nnx.Module):
@@ -324,29 +344,42 @@ class GlmMoeDsa(nnx.Module):
     return flags[:n], flags[n:], jnp.zeros((batch, rows, cfg.index_topk), jnp.int32)
 
   def prefill(self, input_ids: jax.Array, cache_len: int, *, positions: jax.Array | None = None,
-              block_positions: jax.Array | None = None, prefix_end: jax.Array | None = None
-              ) -> tuple[jax.Array, KVCache]:
+              block_positions: jax.Array | None = None, prefix_end: jax.Array | None = None, draft: bool = False
+              ) -> tuple[jax.Array, KVCache] | tuple[jax.Array, KVCache, jax.Array]:
     """The forward pass over prompts [B, T] (one document a row, slot s holding token s; rope positions 0..T-1
     unless given; a row's padding after its prompt changes nothing before it), returning (logits [B, T, V] fp32,
     a cache of cache_len slots holding slots 0..T-1). The logits are the full forward's: this is __call__ without
     MTP. GLM's blank infilling: prefix_end [B, T] (each row's context length on every slot) prefills the context
-    bidirectionally; block_positions with model.rope_2d."""
+    bidirectionally; block_positions with model.rope_2d.
+    draft (speculative decoding, glm_jax/inference/speculative.py): also fill cache.mtp, the first MTP layer's
+    entries for slots 0..T-2 (slot s: the hidden state at s and token s + 1; a row's last prompt slot is written
+    by its first draft, once the next token is known), and return the last layer's hidden states h [B, T, D]
+    (before the final norm: the MTP layer's input) as a third output."""
     t = input_ids.shape[-1]
     if cache_len < t:
       raise ValueError(f"cache_len={cache_len} is shorter than the prompts ({t} tokens)")
-    _, _, h, dense_aux, moe_aux = self._decoder(input_ids, positions, None, block_positions, prefix_end,
-                                                return_cache=True)
+    if draft:
+      check_draft(self.cfg)
+    emb_BTD, inp, h, dense_aux, moe_aux = self._decoder(input_ids, positions, None, block_positions, prefix_end,
+                                                        return_cache=True)
 
-    def stack_cache(aux):
+    def layer_cache(aux):
       if "cache_kv" not in aux:
         return None
-      def pad(x):  # [L, B, T, W] -> [L, B, S, W]
-        return jnp.pad(x, [(0, 0), (0, 0), (0, cache_len - t), (0, 0)])
+      def pad(x):  # [..., B, T, W] -> [..., B, S, W]
+        return jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, cache_len - t), (0, 0)])
 
       index_k = aux.get("cache_index_k")
       return LayerCache(kv=pad(aux["cache_kv"]), index_k=None if index_k is None else pad(index_k))
 
-    return self.head(self.norm(h)), KVCache(dense=stack_cache(dense_aux), moe=stack_cache(moe_aux))
+    cache = KVCache(dense=layer_cache(dense_aux), moe=layer_cache(moe_aux))
+    logits = self.head(self.norm(h))
+    if not draft:
+      return logits, cache
+    # Slot s reads token s + 1's embedding, as in training (__call__); the last slot's zero is overwritten.
+    emb_next = jnp.concatenate([emb_BTD[:, 1:], jnp.zeros_like(emb_BTD[:, :1])], axis=1)
+    _, _, mtp_aux = self.mtp[0](h, emb_next, inp, return_cache=True)
+    return logits, dataclasses.replace(cache, mtp=layer_cache(mtp_aux)), h
 
   def decode(self, token_B: jax.Array, pos_B: jax.Array, cache: KVCache, *, rope_pos_B: jax.Array | None = None,
              block_pos_B: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
@@ -354,10 +387,35 @@ class GlmMoeDsa(nnx.Module):
     entries written); it attends to slots 0..pos[b]. Slots may differ between rows (ragged prompts). The rope
     position is the slot unless rope_pos_B is given (GLM's blank infilling: the blank's mask position), with the
     block position block_pos_B under model.rope_2d."""
-    cos, sin = self.rope((pos_B if rope_pos_B is None else rope_pos_B)[:, None],
-                         None if block_pos_B is None else block_pos_B[:, None])
-    h = self.embed_tokens(token_B[:, None])
-    shared_dense, shared_moe, topk = self._index_share(token_B.shape[0], 1, cache.length)
+    logits, _, cache = self.decode_tokens(
+        token_B[:, None], pos_B, cache, rope_pos_BT=None if rope_pos_B is None else rope_pos_B[:, None],
+        block_pos_BT=None if block_pos_B is None else block_pos_B[:, None])
+    return logits[:, 0], cache
+
+  def decode_tokens(self, tokens_BT: jax.Array, pos_B: jax.Array, cache: KVCache, *,
+                    rope_pos_BT: jax.Array | None = None, block_pos_BT: jax.Array | None = None
+                    ) -> tuple[jax.Array, jax.Array, KVCache]:
+    """Feeds T tokens a row, tokens[b, t] at slot pos[b] + t, in one forward (a speculative round's
+    verification; T = 1 is `decode`): token t attends to slots 0..pos[b] + t, the full forward's causal view.
+    Returns (logits [B, T, V] fp32, the last layer's hidden states [B, T, D] before the final norm, the cache with
+    the tokens' entries written). rope_pos_BT / block_pos_BT as in `decode`."""
+    b, t = tokens_BT.shape
+    if rope_pos_BT is None:
+      rope_pos_BT = pos_B[:, None] + jnp.arange(t)
+    cos, sin = self.rope(rope_pos_BT, block_pos_BT)
+    h = self.embed_tokens(tokens_BT)
+    shared_dense, shared_moe, topk = self._index_share(b, t, cache.length)
     h, dense_cache, topk = scan_decode(self.dense_layers, h, cos, sin, pos_B, cache.dense, shared_dense, topk)
     h, moe_cache, _ = scan_decode(self.moe_layers, h, cos, sin, pos_B, cache.moe, shared_moe, topk)
-    return self.head(self.norm(h))[:, 0], KVCache(dense=dense_cache, moe=moe_cache)
+    return self.head(self.norm(h)), h, dataclasses.replace(cache, dense=dense_cache, moe=moe_cache)
+
+  def draft(self, h_BTD: jax.Array, next_tokens_BT: jax.Array, pos_B: jax.Array, cache: KVCache
+            ) -> tuple[jax.Array, jax.Array, KVCache]:
+    """The first MTP layer at slots pos[b] + t against cache.mtp: position t takes the hidden state h[b, t] (the
+    main model's at that slot, or, drafting several tokens ahead, the MTP layer's own previous output) and
+    the embedding of the token at the next slot, next_tokens[b, t]. Returns (logits [B, T, V] fp32 for the token
+    two slots on, the MTP layer's hidden states [B, T, D], the cache with cache.mtp written)."""
+    b, t = next_tokens_BT.shape
+    cos, sin = self.rope(pos_B[:, None] + jnp.arange(t), None)
+    g, normed, mtp_cache = self.mtp[0].decode(h_BTD, self.embed_tokens(next_tokens_BT), cos, sin, pos_B, cache.mtp)
+    return self.head(normed), g, dataclasses.replace(cache, mtp=mtp_cache)

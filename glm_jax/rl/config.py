@@ -19,7 +19,7 @@ from __future__ import annotations
 import ml_collections
 import numpy as np
 
-from glm_jax.inference.sampler import MIN_TEMPERATURE
+from glm_jax.inference.sampling import MIN_TEMPERATURE
 from glm_jax.model.quantization import WEIGHT_ONLY, check_quant_config
 from glm_jax.rl import losses, step as rl_step, tasks as tasks_lib
 from glm_jax.train.config import invalid, require_sections, validate_step_config
@@ -38,6 +38,9 @@ def validate_rl_config(config: ml_collections.ConfigDict) -> None:
                    f"trainer {config.trainer!r}", "configs/grpo_tiny.py and configs/distill_tiny.py")
   rl = config.rl
   _validate_rl_section(rl)
+  if rl.get("speculate", 0) and config.model.num_nextn_predict_layers < 1:
+    invalid("rl.speculate", rl.speculate, "speculative rollouts draft with the MTP layer, but "
+            f"model.num_nextn_predict_layers={config.model.num_nextn_predict_layers}")
   if config.trainer == "grpo":
     if rl.group_size < 2:
       invalid("rl.group_size", rl.group_size, "GRPO needs >= 2 answers a prompt (advantages are group-normalized)")
@@ -81,6 +84,9 @@ def _validate_rl_section(rl: ml_collections.ConfigDict) -> None:
       invalid(f"rl.{field}", rl[field], "must be >= 0")
   if rl.rollout_dtype not in ("", "float32", "bfloat16"):
     invalid("rl.rollout_dtype", rl.rollout_dtype, "'' (the model's dtype), 'float32' or 'bfloat16'")
+  speculate = rl.get("speculate", 0)
+  if isinstance(speculate, bool) or not isinstance(speculate, int) or speculate < 0:
+    invalid("rl.speculate", speculate, "must be an integer >= 0 (0: plain decoding; k: MTP drafts a round)")
 
 
 def _validate_distill(config: ml_collections.ConfigDict) -> None:

@@ -30,7 +30,7 @@ from flax import nnx
 
 from glm_jax.inference.sampler import Sampler, SamplingParams
 from glm_jax.model import GlmMoeDsa, ModelConfig
-from glm_jax.rl import rewards as rewards_lib
+from glm_jax.rl import rewards as rewards_lib, tasks as tasks_lib
 from glm_jax.rl.tasks import CharVocab
 
 
@@ -48,6 +48,7 @@ class Rollout:
   rewards: np.ndarray  # [N] float32
   failures: list[str]  # reward-function failures (their samples got reward 0)
   seconds: float = 0.0  # generation + scoring time
+  index: int = -1  # the rollout's number in the run (step_rollout's index: its prompts and key), -1 for others
 
   def responses(self) -> list[list[int]]:
     return [self.tokens[i, p:n].tolist() for i, (p, n) in enumerate(zip(self.prompt_lens, self.lengths))]
@@ -70,7 +71,9 @@ class Rollout:
 def make_sampler(graphdef, model_cfg: ModelConfig, rl: ml_collections.ConfigDict, tasks_and_weights,
                  vocab: CharVocab, *, greedy: bool = False) -> Sampler:
   """The sampler of rollouts (rl.temperature, rl.top_p; in rl.rollout_dtype when it differs from the model's), or
-  with greedy the evaluation's (temperature 0, the model's dtype); prompts are padded to the tasks' longest."""
+  with greedy the evaluation's (temperature 0, the model's dtype); prompts are padded to the tasks' longest. With
+  rl.speculate = k both draft k tokens a round with the MTP layer (glm_jax/inference/speculative.py): the same
+  distribution, and the log-probabilities, of the main model."""
   width = max(t.max_prompt_len for t, _ in tasks_and_weights)
   sampling = SamplingParams(max_new_tokens=rl.max_new_tokens, temperature=0.0 if greedy else rl.temperature,
                             top_p=1.0 if greedy else rl.top_p, stop_ids=(vocab.eos_id,), pad_id=vocab.pad_id)
@@ -78,7 +81,7 @@ def make_sampler(graphdef, model_cfg: ModelConfig, rl: ml_collections.ConfigDict
     # The inference engine in another precision than the trainer: the train/inference mismatch IcePop filters.
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: GlmMoeDsa(model_cfg.replace(dtype=rl.rollout_dtype),
                                                              nnx.Rngs(0))))
-  return Sampler(graphdef, model_cfg, sampling, width=width)
+  return Sampler(graphdef, model_cfg, sampling, width=width, speculate=rl.get("speculate", 0) or None)
 
 
 def make_rollout(sampler: Sampler, params, rest, problems, group_size: int, key, reward_fn, version: int,
@@ -94,6 +97,23 @@ def make_rollout(sampler: Sampler, params, rest, problems, group_size: int, key,
   rollout.rewards, rollout.failures = rewards_lib.score(reward_fn, rows, rollout.responses(),
                                                         [f"{id_prefix}/{i}" for i in range(len(rows))])
   rollout.seconds = time.perf_counter() - t0
+  return rollout
+
+
+def step_problems(tasks_and_weights, rl: ml_collections.ConfigDict, index: int):
+  """The problems of rollout `index`: a function of (rl.seed, index), so a resumed run, or a rollout worker that
+  replaces a failed one, draws the same prompts."""
+  return tasks_lib.mixed_prompts(tasks_and_weights, np.random.default_rng((rl.seed, index)), rl.prompts_per_step)
+
+
+def step_rollout(sampler: Sampler, params, rest, tasks_and_weights, rl: ml_collections.ConfigDict, reward_fn,
+                 version: int, index: int, group_size: int) -> Rollout:
+  """Rollout `index` of a run: its problems (step_problems), group_size answers each, sampled with a key that
+  depends on (rl.seed, index) by the weights of `version`."""
+  key = jax.random.fold_in(jax.random.key(rl.seed), index)
+  rollout = make_rollout(sampler, params, rest, step_problems(tasks_and_weights, rl, index), group_size, key,
+                         reward_fn, version, f"step{index}")
+  rollout.index = index
   return rollout
 
 

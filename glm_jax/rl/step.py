@@ -24,7 +24,7 @@ import optax
 from flax import nnx
 
 from glm_jax.model.quantization import fake_quant_params
-from glm_jax.inference.sampler import tempered_log_softmax
+from glm_jax.inference.sampling import tempered_log_softmax
 from glm_jax.rl import losses
 from glm_jax.train.step import TrainState, apply_gradients
 

@@ -36,7 +36,7 @@ from glm_jax.model.quantization import quant_plan
 from glm_jax.rl import losses, rewards as rewards_lib, step as rl_step, tasks as tasks_lib
 from glm_jax.rl.config import task_mix, validate_rl_config
 from glm_jax.rl.context import RunContext, RunSetup
-from glm_jax.rl.rollout import RolloutWorker, greedy_accuracy, is_stale, make_rollout, make_sampler
+from glm_jax.rl.rollout import RolloutWorker, greedy_accuracy, is_stale, make_sampler, step_rollout
 from glm_jax.rl.warm_start import load_teacher, make_policy, reference_policy, warm_start
 from glm_jax.train.checkpoint import Checkpointer
 from glm_jax.train.guards import ConsecutiveSkips
@@ -105,17 +105,10 @@ def _eval_accuracy(ctx: RunContext, state) -> float:
   return greedy_accuracy(ctx.greedy, ctx.served(state.params), state.rest, ctx.eval_problems, ctx.reward_fn)
 
 
-def _prompts(ctx: RunContext, step: int):
-  """The problems of a step: a function of (seed, step), so a resumed run sees the same prompts."""
-  return tasks_lib.mixed_prompts(ctx.tasks_and_weights, np.random.default_rng((ctx.config.rl.seed, step)),
-                                 ctx.config.rl.prompts_per_step)
-
-
 def _step_rollout(ctx: RunContext, params, rest, version: int, index: int, group_size: int):
-  """The rollout of step `index`: its prompts, group_size answers each, with a key that depends on (seed, index)."""
-  key = jax.random.fold_in(jax.random.key(ctx.config.rl.seed), index)
-  return make_rollout(ctx.sampler, ctx.served(params), rest, _prompts(ctx, index), group_size, key, ctx.reward_fn,
-                      version, f"step{index}")
+  """The rollout of step `index` (rollout.step_rollout) from the policy's weights as served."""
+  return step_rollout(ctx.sampler, ctx.served(params), rest, ctx.tasks_and_weights, ctx.config.rl, ctx.reward_fn,
+                      version, index, group_size)
 
 
 def _log_and_eval(ctx: RunContext, done: int, metrics: dict, state) -> dict:

@@ -8,7 +8,7 @@ from flax import nnx
 
 import configs.glm5_tiny
 from glm_jax.inference import Sampler, SamplingParams
-from glm_jax.inference.sampler import sample_token, tempered_log_softmax
+from glm_jax.inference.sampling import sample_token, tempered_log_softmax
 from glm_jax.model import GlmMoeDsa, ModelConfig
 from glm_jax.model.kv_cache import cache_bytes_per_token
 

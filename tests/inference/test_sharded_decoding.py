@@ -2,7 +2,8 @@
 
 On 8 simulated CPU devices, greedy decoding of ragged prompts with DSA selecting (index_topk 6 < the 8-token prompt)
 gives the one-device tokens, and logits within fp32 rounding, on a data x tensor x expert mesh (heads over tensor,
-experts by all-to-all) and on an fsdp x expert mesh with the DSA kernels (interpret mode) and IndexShare. As in
+experts by all-to-all), on an fsdp x expert mesh with the DSA kernels (interpret mode) and IndexShare, and with MTP
+speculative decoding on the first mesh. As in
 tests/sharding/test_mesh.py, a normal run (one device) collects a single slow test that reruns this file with 8
 simulated devices in a subprocess, where the multi-device tests run; the bad-input tests run anywhere.
 """
@@ -39,16 +40,20 @@ def test_on_8_simulated_devices(tmp_path):
 
 
 @multi_device
-@pytest.mark.parametrize("mesh_cfg, changes", [
-    ({"data": 2, "tensor": 2, "expert": 2}, {}),
-    ({"fsdp": 2, "expert": 4}, {"attention_impl": "pallas", "indexer_types": "FSF"}),
-], ids=["data2-tensor2-expert2", "fsdp2-expert4-pallas-indexshare"])
-def test_sharded_greedy_decoding_equals_one_device(mesh_cfg, changes):
+@pytest.mark.parametrize("mesh_cfg, changes, speculate", [
+    ({"data": 2, "tensor": 2, "expert": 2}, {}, None),
+    ({"fsdp": 2, "expert": 4}, {"attention_impl": "pallas", "indexer_types": "FSF"}, None),
+    ({"data": 2, "tensor": 2, "expert": 2}, {}, 2),
+], ids=["data2-tensor2-expert2", "fsdp2-expert4-pallas-indexshare", "data2-tensor2-expert2-speculative"])
+def test_sharded_greedy_decoding_equals_one_device(mesh_cfg, changes, speculate):
+  """speculate: MTP speculative decoding (k = 2) on the mesh against plain decoding on one device, the MTP cache
+  laid out with the main one."""
   cfg = tiny(**changes)
   graphdef, params, rest = nnx.split(GlmMoeDsa(cfg, nnx.Rngs(0)), nnx.Param, ...)
   one = Sampler(graphdef, cfg, GREEDY, return_logits=True)(params, rest, PROMPTS, jax.random.key(0))
   mesh = make_mesh(mesh_cfg)
-  out = Sampler(graphdef, cfg, GREEDY, return_logits=True, mesh=mesh)(params, rest, PROMPTS, jax.random.key(0))
+  out = Sampler(graphdef, cfg, GREEDY, return_logits=True, mesh=mesh, speculate=speculate)(
+      params, rest, PROMPTS, jax.random.key(0))
   assert len(out.tokens.sharding.device_set) == 8  # the generation ran on the mesh
   np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(one.tokens))
   np.testing.assert_array_equal(np.asarray(out.lengths), [len(p) + 6 for p in PROMPTS])

@@ -179,8 +179,14 @@ def test_rl_config_errors():
                                 ("is_correction", "x", "rl.is_correction='x' is invalid"),
                                 ("icepop_beta", 0.5, "rl.icepop_beta=0.5 is invalid; must be > 1"),
                                 ("tau", -1, "rl.tau=-1 is invalid"),
-                                ("temperature", 0.0, "rl.temperature=0.0 is invalid")):
+                                ("temperature", 0.0, "rl.temperature=0.0 is invalid"),
+                                ("speculate", -2, r"rl.speculate=-2 is invalid; must be an integer >= 0")):
     bad = ml_collections.ConfigDict(config.to_dict())
     bad.rl[field] = value
     with pytest.raises(ValueError, match=message):
       rl_config.validate_rl_config(bad)
+  bad = ml_collections.ConfigDict(config.to_dict())
+  bad.rl.speculate, bad.model.num_nextn_predict_layers = 2, 0
+  with pytest.raises(ValueError, match=r"rl.speculate=2 is invalid; speculative rollouts draft with the MTP layer, "
+                                       r"but model.num_nextn_predict_layers=0"):
+    rl_config.validate_rl_config(bad)

@@ -294,6 +294,9 @@ def test_sample_py_checks_its_flags_and_workdir_first(tmp_path):
   proc = run_script("launch/sample.py", *base, "--temperature=1e-31")
   assert proc.returncode == 1
   assert one_error_line(proc).startswith("error: --temperature=1e-31; must be 0 (greedy) or at least 1e-30")
+  proc = run_script("launch/sample.py", *base, "--speculate=-1")
+  assert proc.returncode == 1
+  assert one_error_line(proc).startswith("error: --speculate=-1: the drafted tokens a round must be an integer >= 1")
   proc = run_script("launch/sample.py", *base)
   assert proc.returncode == 1
   assert one_error_line(proc) == (f"error: {tmp_path}/missing: no checkpoints directory ({tmp_path}/missing/"
