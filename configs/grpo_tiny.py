@@ -70,6 +70,13 @@ def get_config() -> ml_collections.ConfigDict:
   rl.async_rollouts = False  # a background rollout worker generating with tagged weights
   rl.tau = 1  # drop rollouts more than tau versions behind the trainer (async)
   rl.max_pending = 2  # rollouts the worker may queue ahead (async)
+  # The rollout engine in its own process (glm_jax/rl/rollout_engine.py; async only): weights pushed by version over
+  # a localhost socket, heartbeats, a worker that stops answering replaced and its requests retried.
+  rl.rollout_process = False
+  rl.heartbeat_every = 1.0  # seconds between the worker's heartbeats
+  rl.heartbeat_timeout = 30.0  # seconds without one before the worker is replaced
+  rl.worker_start_timeout = 300.0  # seconds a new worker may take to start (imports, compiling) before its first
+  rl.max_worker_restarts = 3  # replacements before the run fails
   rl.eval_prompts = 256  # held-out problems answered greedily for eval_accuracy
   rl.eval_every = 50
   rl.log_every = 1

@@ -42,6 +42,10 @@ layout under a mesh: glm_jax/inference/aot.py):
   decode_step, roofline_ms_per_token, tokens_per_s   the compiled decode program op by op (hlo_cost): FLOPs, HBM
                       and ICI bytes, roofline time of a step (one token a row), tokens a second over the batch
   weights_and_cache_read_ms   the floor: one chip's weights and cache read once at the HBM's bandwidth
+  speculative (--speculate=k)  a round's programs compiled too (the verification of k + 1 tokens a row, an MTP draft
+                      step, the MTP rewrite of k slots): their roofline ms, a round's (verify + k drafts + rewrite),
+                      and break_even_acceptance_length, a round over a decode step: speculation makes more tokens
+                      a second than plain decoding when the acceptance length exceeds it
 """
 
 import sys
@@ -58,6 +62,8 @@ _NUM_SLICES = flags.DEFINE_integer("num_slices", 1, "Slices joined by DCN (multi
 _DECODE = flags.DEFINE_bool("decode", False, "Compile the decode step and prefill instead of the train step.")
 _BATCH = flags.DEFINE_integer("batch_size", 64, "--decode: rows decoded together.")
 _CACHE_LEN = flags.DEFINE_integer("cache_len", 8192, "--decode: the cache's slots a row (prompt + response).")
+_SPECULATE = flags.DEFINE_integer("speculate", 0, "--decode: also compile a speculative round with k MTP drafts "
+                                  "(the verification, a draft step, the MTP rewrite) and report its roofline.")
 _PREFILL_LEN = flags.DEFINE_integer("prefill_len", None, "--decode: prompt tokens a row the prefill compiles for "
                                     "(default min(1024, --cache_len); 0: no prefill).")
 _FLOPS = flags.DEFINE_bool("flops", False, "Also count the compiled step's cost at full depth: FLOPs, bytes, a "
@@ -131,7 +137,7 @@ def decode(config, topo):
   devices = topology.tpu_topology_devices(topo.name, num_slices=_NUM_SLICES.value)
   result = serving.compile_decode(config, devices, batch_size=_BATCH.value, cache_len=_CACHE_LEN.value,
                                   prefill_len=(min(1024, _CACHE_LEN.value) if _PREFILL_LEN.value is None
-                                               else _PREFILL_LEN.value))
+                                               else _PREFILL_LEN.value), speculate=_SPECULATE.value)
   report = {"topology": topo.name, "num_slices": _NUM_SLICES.value, "chips": len(devices),
             "device_kind": devices[0].device_kind, "config": config.get("name", "?")}
   usable = topology.HBM_USABLE_BYTES[topo.generation.name]

@@ -8,6 +8,10 @@ GlmMoeDsa.prefill (prefill_len tokens a row). Everything is abstract, so with de
 glm_jax.sharding.topology.tpu_topology_devices it is XLA:TPU's compile for a slice on a machine without a TPU.
 `decode_report` gives launch/compile.py --decode's JSON: per-chip bytes (weights and cache apart), the cache that
 still fits, and a roofline time a token from the compiled program's ops (glm_jax/sharding/hlo_cost.py).
+With speculate=k it also compiles a speculative round's programs (glm_jax/inference/speculative.py): the main model's
+verification of k + 1 tokens a row (GlmMoeDsa.decode_tokens), one MTP draft step and the MTP layer's rewrite of k
+slots, with the MTP layer's cache beside the main one; the report gives a round's roofline time and the acceptance
+length above which speculation beats plain decoding (a round's time over a decode step's).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import ml_collections
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from glm_jax.inference import speculative
 from glm_jax.inference.sampler import batch_rows, check_heads
 from glm_jax.mesh_axes import MESH_AXES
 from glm_jax.model import GlmMoeDsa, ModelConfig, param_counts
@@ -48,6 +53,8 @@ class CompiledServing:
   weight_bytes_per_chip: int  # the parameters' shards one chip holds
   cache_bytes_per_chip: int  # the cache's rows one chip holds
   seconds: dict[str, float]
+  speculate: int = 0
+  rounds: dict[str, Any] = dataclasses.field(default_factory=dict)  # "verify", "draft", "rewrite": compiled or None
 
 
 def serving_config(config: ml_collections.ConfigDict) -> ModelConfig:
@@ -65,28 +72,35 @@ def _chip_bytes(tree) -> int:
   return total
 
 
-def abstract_cache(cfg: ModelConfig, batch: int, cache_len: int, sharding) -> KVCache:
-  """The decode cache of `batch` rows and `cache_len` slots (kv_cache.py's layout), abstract, in `sharding`."""
+def abstract_cache(cfg: ModelConfig, batch: int, cache_len: int, sharding, mtp_sharding=None) -> KVCache:
+  """The decode cache of `batch` rows and `cache_len` slots (kv_cache.py's layout), abstract, in `sharding`; with
+  mtp_sharding, the MTP layer's [B, S, W] cache too (speculative decoding)."""
   dt = dtype_of(cfg.dtype)
 
-  def stack(n):
-    if n == 0:
-      return None
-    index_k = (jax.ShapeDtypeStruct((n, batch, cache_len, cfg.index_head_dim), dt, sharding=sharding)
+  def stack(lead, shard):
+    index_k = (jax.ShapeDtypeStruct((*lead, batch, cache_len, cfg.index_head_dim), dt, sharding=shard)
                if cfg.use_dsa else None)
-    return LayerCache(kv=jax.ShapeDtypeStruct((n, batch, cache_len, cfg.kv_latent_dim), dt, sharding=sharding),
+    return LayerCache(kv=jax.ShapeDtypeStruct((*lead, batch, cache_len, cfg.kv_latent_dim), dt, sharding=shard),
                       index_k=index_k)
 
-  return KVCache(dense=stack(cfg.num_dense_layers), moe=stack(cfg.num_moe_layers))
+  return KVCache(dense=stack((cfg.num_dense_layers,), sharding) if cfg.num_dense_layers else None,
+                 moe=stack((cfg.num_moe_layers,), sharding) if cfg.num_moe_layers else None,
+                 mtp=None if mtp_sharding is None else stack((), mtp_sharding))
 
 
 def compile_decode(config: ml_collections.ConfigDict, devices: Sequence[Any], *, batch_size: int, cache_len: int,
-                   prefill_len: int = 0) -> CompiledServing:
-  """Compiles the decode step (and, with prefill_len > 0, the prefill of prefill_len tokens a row) for config.mesh
-  over `devices`. Bad sizes (a cache past max_position_embeddings, a batch or head count the mesh does not divide,
-  a prefill longer than the cache) raise ValueError before compiling; a compile that fails (the program does not
+                   prefill_len: int = 0, speculate: int = 0) -> CompiledServing:
+  """Compiles the decode step (and, with prefill_len > 0, the prefill of prefill_len tokens a row; with speculate=k,
+  a speculative round's programs: module docstring) for config.mesh over `devices`. Bad sizes (a cache past
+  max_position_embeddings, a batch or head count the mesh does not divide, a prefill longer than the cache, k < 0
+  or a model without an MTP layer) raise ValueError before compiling; a compile that fails (the program does not
   fit) comes back with None and XLA's message in errors."""
   cfg = serving_config(config)
+  if speculate:
+    try:
+      speculative.check(cfg, speculate)
+    except ValueError as e:
+      raise ValueError(f"--{e}") from e
   for name, v in (("batch_size", batch_size), ("cache_len", cache_len)):
     if not isinstance(v, int) or v <= 0:
       raise ValueError(f"--{name}={v!r}; a positive integer")
@@ -101,7 +115,8 @@ def compile_decode(config: ml_collections.ConfigDict, devices: Sequence[Any], *,
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   weights = with_shardings((params, rest), weight_shardings(params, rest, mesh))
   rows, cache_rows = NamedSharding(mesh, P(batch or None)), NamedSharding(mesh, P(None, batch or None))
-  cache = abstract_cache(cfg, batch_size, cache_len, cache_rows)
+  mtp_rows = NamedSharding(mesh, P(batch or None)) if speculate else None
+  cache = abstract_cache(cfg, batch_size, cache_len, cache_rows, mtp_rows)
   vocab = NamedSharding(mesh, P(batch or None, None))
 
   def decode(params, rest, token_B, pos_B, cache):
@@ -117,6 +132,24 @@ def compile_decode(config: ml_collections.ConfigDict, devices: Sequence[Any], *,
   if prefill_len:
     prompts = jax.ShapeDtypeStruct((batch_size, prefill_len), jnp.int32, sharding=rows)
     programs["prefill"] = (jax.jit(prefill, out_shardings=(vocab, cache_rows)), (*weights, prompts))
+  if speculate:  # a round: k draft steps (one token), the verification (k + 1 tokens), the MTP rewrite (k tokens)
+    def verify(params, rest, tokens_BT, pos_B, cache):
+      logits, h, cache = nnx.merge(graphdef, params, rest).decode_tokens(tokens_BT, pos_B, cache)
+      return logits, h, cache
+
+    def draft(params, rest, h_BTD, tokens_BT, pos_B, cache):
+      return nnx.merge(graphdef, params, rest).draft(h_BTD, tokens_BT, pos_B, cache)
+
+    def tokens(t):
+      return jax.ShapeDtypeStruct((batch_size, t), jnp.int32, sharding=rows)
+
+    def hidden(t):
+      return jax.ShapeDtypeStruct((batch_size, t, cfg.hidden_size), dtype_of(cfg.dtype), sharding=rows)
+
+    programs["verify"] = (jax.jit(verify, donate_argnums=(4,)), (*weights, tokens(speculate + 1), token, cache))
+    programs["draft"] = (jax.jit(draft, donate_argnums=(5,)), (*weights, hidden(1), tokens(1), token, cache))
+    programs["rewrite"] = (jax.jit(draft, donate_argnums=(5,)),
+                           (*weights, hidden(speculate), tokens(speculate), token, cache))
   compiled, errors, seconds = {}, {}, {}
   for name, (fn, args) in programs.items():
     t0 = time.perf_counter()
@@ -128,7 +161,8 @@ def compile_decode(config: ml_collections.ConfigDict, devices: Sequence[Any], *,
       errors[name] = str(e)
     seconds[name] = time.perf_counter() - t0
   return CompiledServing(compiled.get("decode"), compiled.get("prefill"), errors, mesh, cfg, batch_size, cache_len,
-                         prefill_len, _chip_bytes(weights), _chip_bytes(cache), seconds)
+                         prefill_len, _chip_bytes(weights), _chip_bytes(cache), seconds, speculate,
+                         {name: compiled.get(name) for name in ("verify", "draft", "rewrite") if speculate})
 
 
 def decode_report(result: CompiledServing, usable_bytes: int) -> dict[str, Any]:
@@ -145,8 +179,8 @@ def decode_report(result: CompiledServing, usable_bytes: int) -> dict[str, Any]:
       "compile_seconds": {k: round(v, 1) for k, v in result.seconds.items()},
   }
   fits = True
-  for name in ("decode", "prefill"):
-    compiled = getattr(result, name)
+  for name in ("decode", "prefill", *result.rounds):
+    compiled = result.rounds[name] if name in result.rounds else getattr(result, name)
     if compiled is None:
       if name in result.errors:
         fits = False
@@ -178,4 +212,15 @@ def decode_report(result: CompiledServing, usable_bytes: int) -> dict[str, Any]:
       report["weights_and_cache_read_ms"] = round(
           (result.weight_bytes_per_chip + result.cache_bytes_per_chip) / peaks.hbm_bytes_per_s * 1e3, 3)
       report["peaks_source"] = peaks.source
+      if result.rounds and all(result.rounds.values()):
+        k = result.speculate
+        secs = {name: hlo_cost.summarize(hlo_cost.program_ops(c.as_text()), peaks)["seconds"]
+                for name, c in result.rounds.items()}
+        round_s = secs["verify"] + k * secs["draft"] + secs["rewrite"]
+        report["speculative"] = {
+            "k": k, **{f"{name}_ms": round(v * 1e3, 4) for name, v in secs.items()},
+            "round_ms": round(round_s * 1e3, 4),
+            # A round makes (acceptance length) tokens a row; plain decoding one a step.
+            "break_even_acceptance_length": round(round_s / step["seconds"], 3),
+            "tokens_per_s_per_unit_acceptance_length": round(b / round_s, 1)}
   return report

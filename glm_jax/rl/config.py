@@ -84,6 +84,17 @@ def _validate_rl_section(rl: ml_collections.ConfigDict) -> None:
       invalid(f"rl.{field}", rl[field], "must be >= 0")
   if rl.rollout_dtype not in ("", "float32", "bfloat16"):
     invalid("rl.rollout_dtype", rl.rollout_dtype, "'' (the model's dtype), 'float32' or 'bfloat16'")
+  if rl.get("rollout_process", False):
+    if not rl.async_rollouts:
+      invalid("rl.rollout_process", rl.rollout_process, "the rollout engine apart from the trainer is asynchronous: "
+              "set rl.async_rollouts=True")
+    for field in ("heartbeat_every", "heartbeat_timeout", "worker_start_timeout"):
+      if not rl[field] > 0:
+        invalid(f"rl.{field}", rl[field], "must be > 0 (seconds)")
+    if not rl.heartbeat_timeout > rl.heartbeat_every:
+      invalid("rl.heartbeat_timeout", rl.heartbeat_timeout, f"must exceed rl.heartbeat_every={rl.heartbeat_every}")
+    if not isinstance(rl.max_worker_restarts, int) or rl.max_worker_restarts < 0:
+      invalid("rl.max_worker_restarts", rl.max_worker_restarts, "must be an integer >= 0")
   speculate = rl.get("speculate", 0)
   if isinstance(speculate, bool) or not isinstance(speculate, int) or speculate < 0:
     invalid("rl.speculate", speculate, "must be an integer >= 0 (0: plain decoding; k: MTP drafts a round)")

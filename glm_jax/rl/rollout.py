@@ -10,7 +10,7 @@ batches from its queue, drops those more than `tau` versions older than its own 
 pushes new weights after each update with `push_weights`, a reference swap under a lock: the trainer never
 waits for generation to finish, and the worker picks the new weights up at its next batch. (jax arrays are
 immutable, so the worker's reference stays valid while the trainer moves on; the RL steps do not donate their
-input state for this reason.)
+input state for this reason.) glm_jax/rl/rollout_engine.py runs the same worker in its own process.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ GRPO step (config.rl):
   prompts_per_step prompts (mixed from config.tasks by weight) x group_size answers each, sampled with the KV-cache
   sampler -> exact-match rewards (a failing reward function gives 0 and a logged sample id) -> group-normalized
   advantages -> one jit update (glm_jax/rl/step.py). rl.async_rollouts: a RolloutWorker generates with tagged
-  weights while the trainer updates; batches older than rl.tau versions are dropped, and rl.objective="async"
+  weights while the trainer updates (a thread, or with rl.rollout_process a worker process over a socket,
+  glm_jax/rl/rollout_engine.py); batches older than rl.tau versions are dropped, and rl.objective="async"
   masks tokens whose ratio to the rollout policy leaves (1-eps_low, 1+eps_high) (GLM-5 Eq. 3-5).
 Distillation step (config.teachers):
   prompts mixed from the teachers' tasks by weight, one answer each (group size 1), every row scored by the
@@ -37,6 +38,7 @@ from glm_jax.rl import losses, rewards as rewards_lib, step as rl_step, tasks as
 from glm_jax.rl.config import task_mix, validate_rl_config
 from glm_jax.rl.context import RunContext, RunSetup
 from glm_jax.rl.rollout import RolloutWorker, greedy_accuracy, is_stale, make_sampler, step_rollout
+from glm_jax.rl.rollout_engine import ProcessRolloutWorker
 from glm_jax.rl.warm_start import load_teacher, make_policy, reference_policy, warm_start
 from glm_jax.train.checkpoint import Checkpointer
 from glm_jax.train.guards import ConsecutiveSkips
@@ -141,7 +143,11 @@ def _grpo_loop(ctx: RunContext, state, start: int):
     return _step_rollout(ctx, params, rest, version, index, rl.group_size)
 
   worker = None
-  if rl.async_rollouts:
+  if rl.async_rollouts and rl.get("rollout_process", False):  # a worker process (glm_jax/rl/rollout_engine.py)
+    worker = ProcessRolloutWorker(ctx.config, ctx.workdir, served=ctx.served)
+    worker.push_weights(start, state.params, state.rest)
+    worker.start(first_index=start)
+  elif rl.async_rollouts:
     worker = RolloutWorker(produce, max_pending=rl.max_pending)
     worker.push_weights(start, state.params, state.rest)
     worker.start()
@@ -169,12 +175,17 @@ def _grpo_loop(ctx: RunContext, state, start: int):
       if worker is not None:
         worker.push_weights(done, state.params, state.rest)
       m.update(rollout.metrics(), train_s=time.perf_counter() - t1, step_s=time.perf_counter() - t0,
-               staleness=done - 1 - rollout.version, dropped_stale=dropped)
+               staleness=done - 1 - rollout.version, dropped_stale=dropped, rollout_index=rollout.index)
+      if isinstance(worker, ProcessRolloutWorker):
+        m["workers_replaced"] = worker.replaced
       last = _log_and_eval(ctx, done, m, state)
   finally:
     if worker is not None:
       worker.stop()
-  return state, dict(reward_mean=last.get("reward_mean"), dropped_stale=dropped)
+  extra = dict(reward_mean=last.get("reward_mean"), dropped_stale=dropped)
+  if isinstance(worker, ProcessRolloutWorker):
+    extra["workers_replaced"] = worker.replaced
+  return state, extra
 
 
 def _teachers(ctx: RunContext):

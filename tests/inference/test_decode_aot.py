@@ -29,10 +29,11 @@ def compile_decode(*args: str, timeout: int = 600) -> tuple[int, dict | None, st
 @pytest.mark.slow  # a launch/compile.py process: two TPU compiles
 def test_tiny_decode_on_a_v5p_slice_holds_its_hand_counted_bytes():
   """glm5_tiny (fp32 weights) on 4 v5p chips with expert=4: the routed experts are split 4 ways, every other weight is
-  whole on each chip; the cache's 8 rows 2 a chip."""
+  whole on each chip; the cache's 8 rows 2 a chip, for the 3 decoder layers and, speculating, the MTP layer."""
   b, s = 8, 64
   rc, report, err = compile_decode("--config=configs/glm5_tiny.py", "--topology=v5p:2x2x1", f"--batch_size={b}",
-                                   f"--cache_len={s}", "--prefill_len=16", "--config.mesh.expert=4", timeout=300)
+                                   f"--cache_len={s}", "--prefill_len=16", "--config.mesh.expert=4", "--speculate=2",
+                                   timeout=300)
   assert rc == 0 and report is not None, err[-3000:]
   cfg = ModelConfig.from_dict(glm5_tiny.get_config().model)
   assert report["mesh"]["expert"] == 4 and report["mesh"]["fsdp"] == 1 and report["fits"]
@@ -42,13 +43,19 @@ def test_tiny_decode_on_a_v5p_slice_holds_its_hand_counted_bytes():
   bias = moe_layers * cfg.n_routed_experts  # e_score_correction_bias, replicated
   weights = 4 * (counts["total"] + counts["mtp"] - routed + routed // 4 + bias)
   assert report["weights_bytes_per_chip"] == weights
-  cache = cfg.num_hidden_layers * (b // 4) * s * (cfg.kv_lora_rank + cfg.qk_rope_head_dim + cfg.index_head_dim) * 4
+  width = cfg.kv_lora_rank + cfg.qk_rope_head_dim + cfg.index_head_dim
+  cache = (cfg.num_hidden_layers + 1) * (b // 4) * s * width * 4
   assert report["cache_bytes_per_chip"] == cache
   # The donated cache is written in place: XLA aliases it (in TPU's tiled layout, so at least its plain size).
   assert report["decode_per_chip_bytes"]["aliased"] >= cache
   # The roofline's figures come from the compiled program: a decode step reads at least every chip's cache.
   assert report["decode_step"]["hbm_bytes"] >= cache and report["roofline_ms_per_token"] > 0
   assert report["max_batch_at_cache_len"] > b and report["max_cache_len_at_batch"] > s
+  # A speculative round (k = 2): the verification, two draft steps and the rewrite, all compiled and fitting.
+  spec = report["speculative"]
+  assert spec["k"] == 2 and all(report[f"{p}_per_chip_bytes"]["total"] > 0 for p in ("verify", "draft", "rewrite"))
+  assert abs(spec["round_ms"] - (spec["verify_ms"] + 2 * spec["draft_ms"] + spec["rewrite_ms"])) < 2e-4
+  assert spec["verify_ms"] >= spec["draft_ms"] > 0 and spec["break_even_acceptance_length"] > 1
 
 
 @pytest.mark.slow  # a launch/compile.py process each
@@ -57,6 +64,8 @@ def test_tiny_decode_on_a_v5p_slice_holds_its_hand_counted_bytes():
     (["--batch_size=6", "--config.mesh.expert=4"], "a batch of 6 rows; the mesh's batch axes {'expert': 4} split"),
     (["--prefill_len=100"], "--prefill_len=100; in [0, cache_len=64]"),
     (["--config.mesh.tensor=8", "--topology=v5p:2x2x2"], "mesh.tensor=8 does not divide model.num_attention_heads=4"),
+    (["--speculate=-1"], "--speculate=-1: the drafted tokens a round must be an integer >= 1"),
+    (["--speculate=2", "--config.model.num_nextn_predict_layers=0"], "model.num_nextn_predict_layers=0"),
 ])
 def test_bad_sizes_are_named_before_compiling(args, message):
   defaults = {"--topology": "v5p:2x2x1", "--cache_len": "64"}
