@@ -135,6 +135,7 @@ def test_tiny_temperature_sampling_equals_greedy_and_non_finite_logits_raise():
     run(1e-30, broken)
 
 
+@pytest.mark.slow  # two generations compiled (~30 s on 2 cores)
 def test_stop_tokens_end_rows():
   cfg = tiny(index_topk=6)
   _, graphdef, params, rest = split(cfg)
