@@ -34,7 +34,6 @@ of returning the tokens drawn from it.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import math
 from collections.abc import Sequence
@@ -45,10 +44,10 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from glm_jax.mesh_axes import BATCH_AXES, TENSOR
-from glm_jax.model.config import ModelConfig
 from glm_jax.inference import speculative
 from glm_jax.inference.sampling import SampleOutput, SamplingParams, sample_token
+from glm_jax.mesh_axes import BATCH_AXES, TENSOR
+from glm_jax.model.config import ModelConfig
 from glm_jax.sharding.state import weight_shardings
 
 
@@ -192,9 +191,9 @@ class Sampler:
     self.mesh = None if mesh is None or mesh.size == 1 else mesh
     if self.mesh is not None:
       check_heads(cfg, self.mesh)
-    self.speculate = speculate or None
-    if speculate is not None and speculate != 0:
+    if speculate:
       speculative.check(cfg, speculate)
+    self.speculate = speculate or None
     self._jitted: dict[int, object] = {}  # cache_len -> the jitted generation
 
   def __call__(self, params, rest, prompts: Sequence[Sequence[int]], key: jax.Array, *,
@@ -239,6 +238,7 @@ class Sampler:
     params, rest = jax.device_put((params, rest), weight_shardings(params, rest, mesh))  # as in training
     by_rows = NamedSharding(mesh, P(batch or None))
     prompts_BT, lens_B, layout = jax.device_put((prompts_BT, lens_B, layout), by_rows)
+
     def constrain_cache(cache):
       return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
           x, NamedSharding(mesh, P(*[None] * (x.ndim - 3), batch or None))), cache)

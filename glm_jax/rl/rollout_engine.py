@@ -45,7 +45,6 @@ from typing import Any
 
 import jax
 import ml_collections
-import numpy as np
 from absl import logging
 
 AUTHKEY_ENV = "GLM_JAX_ROLLOUT_AUTHKEY"
