@@ -23,10 +23,17 @@ allocated and no TPU is needed. Prints one JSON line:
   analytic_flops_per_step       6 N P + attention (glm_jax/train/flops.py), Muon's Newton-Schulz apart in
                       analytic_optimizer_flops_per_step; compiled_over_analytic divides by their sum
   cost                with --flops (aot.cost_report, glm_jax/sharding/hlo_cost.py): the compiled TPU program op by
-                      op (matmul FLOPs, HBM bytes, ICI bytes; the grouped-matmul kernels as their grids run) for
-                      "balanced" and "hot" routing: per MoE and dense layer against the analytic FLOPs, the ops
-                      that cost most per layer, the full step's roofline time and MFU, and a linearity check of
-                      the depth extrapolation against one more compiled layer
+                      op (matmul FLOPs, HBM bytes, ICI bytes; the grouped-matmul kernels as their grids run; each
+                      op's time from XLA:TPU's own estimate or its roofline at a measured efficiency; each
+                      collective's time on the slice's torus from the links its replica groups span,
+                      glm_jax/sharding/ici.py) for "balanced" and "hot" routing: per MoE and dense layer against the
+                      analytic FLOPs, the ops that cost most per layer, the full step's serial time (everything one
+                      after another) and scheduled time (the program's own order, collectives overlapped where it
+                      overlaps them), MFU over the useful-work numerator (glm_jax/train/flops.py, useful_flops),
+                      tokens a second a chip, the calibrated step (x hlo_cost.CALIBRATION's realism factor, when
+                      one is set), and a linearity check of the depth extrapolation against one more compiled layer
+  --hlo_dir           with --flops: keeps the shallow copies' HLO there (and reuses it: the cost model again
+                      without the four compiles)
   lower_seconds, compile_seconds
 Exit status 0 when it fits, 1 when it does not, 2 on bad input.
 
@@ -48,6 +55,7 @@ layout under a mesh: glm_jax/inference/aot.py):
                       a second than plain decoding when the acceptance length exceeds it
 """
 
+import os
 import sys
 import time
 
@@ -66,6 +74,8 @@ _SPECULATE = flags.DEFINE_integer("speculate", 0, "--decode: also compile a spec
                                   "(the verification, a draft step, the MTP rewrite) and report its roofline.")
 _PREFILL_LEN = flags.DEFINE_integer("prefill_len", None, "--decode: prompt tokens a row the prefill compiles for "
                                     "(default min(1024, --cache_len); 0: no prefill).")
+_HLO_DIR = flags.DEFINE_string("hlo_dir", None, "--flops: keep the shallow copies' compiled HLO in this folder, and "
+                                "reuse them when it already holds them (the cost model run again without compiling).")
 _FLOPS = flags.DEFINE_bool("flops", False, "Also count the compiled step's cost at full depth: FLOPs, bytes, a "
                            "roofline time and MFU (four more, shallow, unrolled compiles; aot.cost_report; minutes "
                            "for glm5_744b).")
@@ -97,7 +107,12 @@ def main(argv):
     result = aot.compile_train_step(config, devices)
     flops = cost = None
     if _FLOPS.value and result.compiled is not None:
-      depths = aot.compile_depths(config, devices, linearity=True)
+      if _HLO_DIR.value and os.path.exists(os.path.join(_HLO_DIR.value, "index.json")):
+        depths = aot.load_depths(_HLO_DIR.value)
+      else:
+        depths = aot.compile_depths(config, devices, linearity=True)
+        if _HLO_DIR.value:
+          aot.save_depths(depths, _HLO_DIR.value)
       flops, cost = aot.extrapolated_flops(config, devices, depths), aot.cost_report(config, devices, depths)
   except (ValueError, ModuleNotFoundError) as e:
     print(f"error: {e}", file=sys.stderr)

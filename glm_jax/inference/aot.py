@@ -203,24 +203,27 @@ def decode_report(result: CompiledServing, usable_bytes: int) -> dict[str, Any]:
     device = next(iter(result.mesh.devices.flat))
     gen = topology.generation_of(device) if device.platform == "tpu" else None
     if gen in hlo_cost.PEAKS:
-      peaks = hlo_cost.PEAKS[gen]
-      step = hlo_cost.summarize(hlo_cost.program_ops(result.decode.as_text()), peaks)
+      chip = hlo_cost.Chip.of(gen, topology.torus_of(list(result.mesh.devices.flat)))
+      peaks = chip.peaks
+      step = hlo_cost.program_time(result.decode.as_text(), chip)
       report["decode_step"] = {k: step[k] for k in ("flops", "hbm_bytes", "wire_bytes", "compute_seconds",
-                                                    "collective_seconds", "seconds")}
-      report["roofline_ms_per_token"] = round(step["seconds"] * 1e3, 3)  # each row gets one token a step
-      report["tokens_per_s"] = round(b / step["seconds"], 1)
+                                                    "collective_seconds", "seconds", "scheduled_seconds")}
+      seconds = step["scheduled_seconds"]
+      report["roofline_ms_per_token"] = round(seconds * 1e3, 3)  # each row gets one token a step
+      report["serial_ms_per_token"] = round(step["seconds"] * 1e3, 3)
+      report["tokens_per_s"] = round(b / seconds, 1)
       report["weights_and_cache_read_ms"] = round(
           (result.weight_bytes_per_chip + result.cache_bytes_per_chip) / peaks.hbm_bytes_per_s * 1e3, 3)
       report["peaks_source"] = peaks.source
       if result.rounds and all(result.rounds.values()):
         k = result.speculate
-        secs = {name: hlo_cost.summarize(hlo_cost.program_ops(c.as_text()), peaks)["seconds"]
+        secs = {name: hlo_cost.program_time(c.as_text(), chip)["scheduled_seconds"]
                 for name, c in result.rounds.items()}
         round_s = secs["verify"] + k * secs["draft"] + secs["rewrite"]
         report["speculative"] = {
             "k": k, **{f"{name}_ms": round(v * 1e3, 4) for name, v in secs.items()},
             "round_ms": round(round_s * 1e3, 4),
             # A round makes (acceptance length) tokens a row; plain decoding one a step.
-            "break_even_acceptance_length": round(round_s / step["seconds"], 3),
+            "break_even_acceptance_length": round(round_s / seconds, 3),
             "tokens_per_s_per_unit_acceptance_length": round(b / round_s, 1)}
   return report

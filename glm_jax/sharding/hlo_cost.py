@@ -1,10 +1,10 @@
-"""The cost of a compiled XLA program op by op, read from its optimized HLO text, and a roofline time for it.
+"""The cost of a compiled XLA program op by op, read from its optimized HLO text, and its time on a TPU slice.
 
-XLA's `cost_analysis()` gives totals only, and its TPU `optimal_seconds` comes out negative for large programs:
-some fusions carry `"estimated_cycles":"9223372036854775807"` (2^63 - 1, no estimate) in their backend config and
-the sum overflows. So each instruction the program runs at the top level (a fusion, a Pallas kernel, a collective,
-a copy, ...) becomes one `Op`, counted as many times as it runs: a while loop's body times its known trip count
-(XLA's own cost_analysis counts a loop body once, which undercounts chunked attention and losses):
+XLA's `cost_analysis()` gives totals only (and counts a loop body once, and a Pallas kernel as the cost it declares);
+its TPU `optimal_seconds` comes out negative for large programs (some fusions carry the 2^63 - 1 "no estimate"
+sentinel as `estimated_cycles` and the sum overflows). So each instruction the program runs (a fusion, a Pallas
+kernel, a collective, a copy, ...) becomes one `Op`, counted as many times as it runs (a while loop's body times its
+trip count):
   flops    matmul FLOPs: 2 x result elements x contracted size for every dot and convolution it holds. A Pallas
            kernel (tpu_custom_call) has no HLO inside: its `cost_estimate` as its pallas_call declared it, unless
            a kernel model passed to `program_ops` replaces it (grouped_matmul.megablox_grid_cost: the tiles its
@@ -13,12 +13,24 @@ a copy, ...) becomes one `Op`, counted as many times as it runs: a while loop's 
            where only a slice moves: an operand a dynamic-slice reads (a scanned layer's weights out of their
            stack, at top level or inside a fusion) counts the slice, and a buffer a dynamic-update-slice writes in
            place (the KV cache, a scan's stacked outputs) counts the update, read and written.
-  wire     for a collective, the bytes one chip sends or receives over ICI: (g - 1) / g of the gathered,
-           scattered or exchanged array for a group of g chips, twice that for an all-reduce; for a ragged
-           all-to-all only the real rows (the `real_rows` model: the static buffer is sized for the worst case).
-Roofline (`roofline`): an op takes max(flops / peak FLOP/s, bytes / HBM bandwidth), a collective wire / ICI
-bandwidth; the step is their sum (nothing overlapped: an upper bound for a well-scheduled program, a lower bound
-for one that stalls). Peaks per TPU generation are in PEAKS.
+  compute_seconds   XLA:TPU's own estimate of the op (`estimated_cycles` at CLOCK_HZ) where it gives one; else
+           max(flops / peak, bytes / HBM bandwidth) divided by the efficiency of its class (EFFICIENCY: what XLA's
+           estimates give for large matmuls and for memory-bound ops, experiments/xla_op_efficiency.py).
+  wire     for a collective, the bytes one chip sends or receives: (g - 1) / g of the gathered, scattered or
+           exchanged array for a group of g chips, twice that for an all-reduce; for a ragged all-to-all only the
+           real rows (the `real_rows` model: the static buffer is sized for the worst case).
+  wire_seconds   the collective's time on the slice's torus (glm_jax/sharding/ici.py: the links the replica groups
+           span, ring and all-to-all routing, a latency a step, DCN across slices).
+A collective is one logical transfer however XLA splits it: a `*-start` / `*-done` pair, or an async collective
+fusion whose start, continuation and done fusions each hold the same channel; its wire counts once, at its first op.
+Collectives XLA:TPU fuses with the reduction of a reduce-scatter (`all-reduce-scatter` fusions) count as
+reduce-scatters. Every replica-group syntax XLA prints is read (explicit `{{0,1},...}`, iota `[g,s]<=[dims]T(perm)`,
+and `mesh[...] {axes}` with sub-axes and device lists); any other is an error naming the op.
+
+Two step times (`summarize`, `schedule`): serial, every op and every collective one after another; and scheduled,
+the program's own instruction order played out with one compute stream and one interconnect queue: a collective
+whose start and done enclose other ops overlaps with them, a synchronous one waits for the interconnect and blocks
+compute, and async copies run beside compute. Peaks per TPU generation are in PEAKS.
 """
 
 from __future__ import annotations
@@ -28,12 +40,16 @@ import math
 import re
 from collections.abc import Callable
 
+import numpy as np
+
+from glm_jax.sharding import ici
+
 
 @dataclasses.dataclass(frozen=True)
 class Peaks:
   bf16_flops: float  # FLOP/s a chip, dense bf16
   hbm_bytes_per_s: float  # HBM bandwidth a chip
-  ici_bytes_per_s: float  # inter-chip interconnect bandwidth a chip, all links
+  ici_bytes_per_s: float  # inter-chip interconnect bandwidth a chip, all links one way (ici.LINKS has them a link)
   source: str
 
 
@@ -45,6 +61,27 @@ PEAKS: dict[str, Peaks] = {
     "v5p": Peaks(459e12, 2765e9, 4800e9 / 8, "cloud.google.com/tpu/docs/v5p"),
     "v6e": Peaks(918e12, 1640e9, 3584e9 / 8, "cloud.google.com/tpu/docs/v6e"),
 }
+
+# The TensorCore clock at which XLA:TPU's `estimated_cycles` become seconds: the published bf16 peak over the MXUs'
+# FLOPs a cycle (TensorCores a chip x MXUs a TensorCore x 128 x 128 x 2; cloud.google.com/tpu/docs/<generation>
+# gives 2 x 4 for v4 and v5p, 1 x 4 for v5e): v5p 1.75 GHz. v6e's page gives two different MXU counts, so its
+# clock is not derived and its ops use the efficiency table.
+CLOCK_HZ: dict[str, float] = {
+    "v4": 275e12 / (2 * 4 * 128 * 128 * 2),
+    "v5e": 197e12 / (1 * 4 * 128 * 128 * 2),
+    "v5p": 459e12 / (2 * 4 * 128 * 128 * 2),
+}
+UNKNOWN_CYCLES = (1 << 63) - 1  # XLA's "no estimate"
+
+# The model's estimate of a measured run against its measured step time (experiments/calibrate_maxtext.py): a
+# pod figure's calibrated step is its scheduled estimate times realism_factor. None until a calibration is made.
+CALIBRATION: dict | None = None
+
+# Roofline time / XLA:TPU's estimate, for ops XLA gives no estimate of (Pallas kernels, fusions with the sentinel):
+# the means experiments/xla_op_efficiency.py printed on v5p (libtpu 0.0.42.1) over 16 bf16 matmuls of 2048 to 16384
+# rows, K 2048 and 7168, N 2048 and 6144 ("matmul", bound by the MXU: 0.875 to 0.978), and f32 elementwise ops of
+# 16 to 256 MiB ("hbm", bound by HBM: 0.657 to 0.718).
+EFFICIENCY: dict[str, float] = {"matmul": 0.939, "hbm": 0.694}
 
 _DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2,
                 "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8, "c64": 8}
@@ -66,8 +103,16 @@ class Op:
   op_name: str  # jax's name for the source op (metadata op_name)
   flops: float
   bytes: float
-  wire: float = 0.0  # bytes over ICI (collectives)
+  wire: float = 0.0  # bytes over ICI (collectives), counted once a logical collective
   note: str = ""
+  compute_seconds: float = 0.0  # all runs; see the module docstring
+  wire_seconds: float = 0.0  # all runs
+  runs: int = 1  # how many times it runs in one run of the program
+  computation: str = ""  # the computation it sits in
+  collective: str = ""  # the logical collective it takes part in ("" for none)
+  role: str = ""  # in that collective: "sync", "start", "continue" or "done"
+  timing: str = ""  # "xla estimate" or "roofline / efficiency"
+  costed: bool = False  # compute_seconds and wire_seconds were set (program_ops with a chip)
 
 
 def array_shapes(type_text: str) -> list[tuple[str, tuple[int, ...]]]:
@@ -186,15 +231,112 @@ def _fused_flops(comp: str, comps, by_name) -> float:
   return total
 
 
-def _group_size(attrs: str) -> int:
-  m = re.search(r"replica_groups=\[(\d+),(\d+)\]", attrs)  # iota form [groups, size]<=[devices]
-  if m:
-    return int(m.group(2))
-  m = re.search(r"replica_groups=\{\{([\d,]*)\}", attrs)
-  if m:
-    return len(m.group(1).split(","))
-  m = re.search(r"source_target_pairs=\{", attrs)
-  return 2 if m else 1
+def num_partitions(text: str) -> int:
+  """The partitions (devices) the module runs on, from its header (1 when it does not say)."""
+  m = re.search(r"\bnum_partitions=(\d+)", text.split("\n", 1)[0])
+  return int(m.group(1)) if m else 1
+
+
+_IOTA_GROUPS = re.compile(r"\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+_IOTA_LIST = re.compile(r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+_AXIS_REF = re.compile(r"'([^']*)'(?::\((\d+)\)(\d+))?")
+
+
+def _iota(reshape: str, perm: str | None) -> np.ndarray:
+  dims = [int(d) for d in reshape.split(",")]
+  arr = np.arange(math.prod(dims)).reshape(dims)
+  return arr.transpose([int(p) for p in perm.split(",")]) if perm else arr
+
+
+def _balanced(text: str) -> str:
+  """The brace-balanced prefix of text (which starts with "{")."""
+  depth = 0
+  for i, ch in enumerate(text):
+    depth += {"{": 1, "}": -1}.get(ch, 0)
+    if depth == 0:
+      return text[:i + 1]
+  raise ValueError(f"unbalanced braces in {text[:80]!r}")
+
+
+def _mesh_groups(text: str, where: str) -> list[list[int]]:
+  """Groups of the `mesh['a'=4,'b'=2](, device_ids=(...))? {'a','b':(1)2}` form: the devices laid out as the mesh
+  (row-major, or as device_ids lists them), and a group for every position of the axes not named, over the named
+  ones (a sub-axis 'b':(pre)size is the middle part of b reshaped to [pre, size, rest])."""
+  m = re.match(r"mesh\[([^\]]*)\](?:,\s*device_ids=\(([^)]*)\))?\s*\{([^}]*)\}", text)
+  if not m:
+    raise ValueError(f"{where}: replica_groups={text[:120]!r} is not a mesh form the cost model reads")
+  axes = [(name, int(size)) for name, size in re.findall(r"'([^']*)'=(\d+)", m.group(1))]
+  total = math.prod(size for _, size in axes)
+  if m.group(2):
+    listed = _IOTA_LIST.fullmatch(m.group(2).strip())
+    devices = (_iota(listed.group(2), listed.group(3)).reshape(-1) if listed
+               else np.array([int(d) for d in m.group(2).split(",")]))
+  else:
+    devices = np.arange(total)
+  if devices.size != total:
+    raise ValueError(f"{where}: mesh of {total} devices lists {devices.size}")
+  refs = [(name, int(pre) if pre else None, int(size) if size else None)
+          for name, pre, size in _AXIS_REF.findall(m.group(3))]
+  known = {name for name, _ in axes}
+  if any(name not in known for name, _, _ in refs):
+    raise ValueError(f"{where}: replica group axes {[r[0] for r in refs]} are not all mesh axes {sorted(known)}")
+  factors, position = [], {}
+  for name, n in axes:
+    mine = sorted((r for r in enumerate(refs) if r[1][0] == name), key=lambda r: r[1][1] or 0)
+    if not mine:
+      factors.append(n)
+      continue
+    if any(pre is None for _, (_, pre, _) in mine):  # the whole axis
+      position[mine[0][0]] = len(factors)
+      factors.append(n)
+      continue
+    prefix = 1
+    for i, (_, pre, size) in mine:
+      if pre != prefix:
+        factors.append(pre // prefix)
+        prefix = pre
+      position[i] = len(factors)
+      factors.append(size)
+      prefix *= size
+    if prefix != n:
+      factors.append(n // prefix)
+  if math.prod(factors) != total:
+    raise ValueError(f"{where}: sub-axes of replica groups {m.group(3)!r} do not divide mesh {m.group(1)!r}")
+  grouped = [position[i] for i in range(len(refs))]
+  others = [a for a in range(len(factors)) if a not in grouped]
+  size = math.prod(factors[a] for a in grouped)
+  return devices.reshape(factors).transpose(others + grouped).reshape(-1, size).tolist()
+
+
+def replica_groups(ins: _Instr, partitions: int) -> list[list[int]]:
+  """The partition ids of every replica group of a collective, from any syntax XLA prints: explicit
+  `{{0,1},{2,3}}` (`{}`: one group of all), iota `[g,s]<=[dims]T(perm)`, or `mesh[...] {axes}`; no
+  replica_groups attribute is one group of all. ValueError, naming the op, for any other."""
+  where = f"{ins.opcode} %{ins.name}"
+  m = re.search(r"\breplica_groups=", ins.attrs)
+  if not m:
+    return [list(range(partitions))]
+  text = ins.attrs[m.end():]
+  if text.startswith("{"):
+    body = _balanced(text)
+    groups = [[int(x) for x in g.split(",") if x.strip()] for g in re.findall(r"\{([\d,\s]*)\}", body[1:-1])]
+    return groups or [list(range(partitions))]
+  if text.startswith("["):
+    iota = _IOTA_GROUPS.match(text)
+    if not iota:
+      raise ValueError(f"{where}: replica_groups={text[:120]!r} is not an iota form the cost model reads")
+    g, size = int(iota.group(1)), int(iota.group(2))
+    return _iota(iota.group(3), iota.group(4)).reshape(g, size).tolist()
+  if text.startswith("mesh["):
+    return _mesh_groups(text, where)
+  raise ValueError(f"{where}: replica_groups={text[:120]!r} is a syntax the cost model does not read")
+
+
+def source_target_pairs(ins: _Instr) -> list[tuple[int, int]]:
+  m = re.search(r"\bsource_target_pairs=(\{.*)", ins.attrs)
+  if not m:
+    raise ValueError(f"{ins.opcode} %{ins.name} has no source_target_pairs")
+  return [(int(a), int(b)) for a, b in re.findall(r"\{(\d+),(\d+)\}", _balanced(m.group(1)))]
 
 
 def called_computations(ins: _Instr) -> list[str]:
@@ -353,25 +495,105 @@ def _moved_bytes(ins: _Instr, comps: dict[str, list[_Instr]], by_name: dict[str,
   return sum(operands) + result
 
 
-def program_ops(text: str, *, kernel_model: KernelModel | None = None, ragged_rows: RaggedModel | None = None
-                ) -> list[Op]:
-  """Every top-level op of the compiled program's HLO text with its FLOPs, HBM bytes and wire bytes.
+@dataclasses.dataclass(frozen=True)
+class Chip:
+  """What the per-op times need of a chip: its peaks, XLA's clock (None: no XLA estimates used) and, for a program
+  with collectives, where its partitions sit (None: a collective's time is its wire bytes over all of a chip's
+  links, the model with no topology)."""
+  peaks: Peaks
+  clock_hz: float | None = None
+  torus: ici.Torus | None = None
+
+  @classmethod
+  def of(cls, generation: str, torus: ici.Torus | None = None) -> Chip:
+    if generation not in PEAKS:
+      raise ValueError(f"TPU generation {generation!r} has no peaks in hlo_cost.PEAKS ({sorted(PEAKS)})")
+    return cls(PEAKS[generation], CLOCK_HZ.get(generation), torus)
+
+
+def _estimated_cycles(ins: _Instr) -> int | None:
+  m = re.search(r'"estimated_cycles":"(\d+)"', ins.attrs)
+  return int(m.group(1)) if m and int(m.group(1)) != UNKNOWN_CYCLES else None
+
+
+def roofline_seconds(flops: float, moved: float, peaks: Peaks) -> float:
+  """An op's time at the efficiency of its bound (EFFICIENCY)."""
+  return max(flops / peaks.bf16_flops / EFFICIENCY["matmul"], moved / peaks.hbm_bytes_per_s / EFFICIENCY["hbm"])
+
+
+def _channel(ins: _Instr) -> str | None:
+  m = re.search(r"\bchannel_id=(\d+)", ins.attrs)
+  return m.group(1) if m else None
+
+
+def _inner_collectives(comp: str, comps, seen=None) -> list[tuple[_Instr, list[_Instr]]]:
+  """The collective instructions inside a fused computation (and its nested fusions), each with its computation."""
+  seen = seen if seen is not None else set()
+  if comp in seen:
+    return []
+  seen.add(comp)
+  found = []
+  for ins in comps.get(comp, ()):
+    if ins.opcode in COLLECTIVES:
+      found.append((ins, comps[comp]))
+    elif ins.opcode == "fusion":
+      found += _inner_collectives((_attr(ins.attrs, "calls") or "").lstrip("%"), comps, seen)
+  return found
+
+
+def _collective_kind(ins: _Instr, comp: list[_Instr]) -> str:
+  """The collective's kind; an all-reduce whose result is only dynamic-sliced (XLA:TPU's all-reduce-scatter
+  fusion) is a reduce-scatter."""
+  kind = ins.opcode.removesuffix("-start")
+  if kind == "all-reduce":
+    uses = [u for u in comp if ins.name in u.operands]
+    if uses and all(u.opcode == "dynamic-slice" and u.operands[0] == ins.name for u in uses):
+      return "reduce-scatter"
+  return kind
+
+
+def _collective_bytes(ins: _Instr, kind: str, by_name: dict[str, _Instr]) -> float:
+  """The bytes ici.collective_seconds takes: the gathered result, or the operand (the largest array of an async
+  start's tuple)."""
+  results = max((nbytes([s]) for s in ins.shapes), default=0.0)
+  operands = sum(nbytes(by_name[o].shapes) for o in ins.operands if o in by_name)
+  if kind in ("reduce-scatter", "all-reduce"):
+    return operands or results
+  return results
+
+
+def program_ops(text: str, *, kernel_model: KernelModel | None = None, ragged_rows: RaggedModel | None = None,
+                chip: Chip | None = None) -> list[Op]:
+  """Every op the compiled program's HLO text runs, with its FLOPs, HBM bytes and wire bytes, and with `chip` its
+  compute and wire seconds (the module docstring).
 
   kernel_model(op_name, instruction, instructions by name) -> (flops, bytes, note) or None: the cost of a Pallas
   kernel as its grid runs (None: keep the kernel's declared cost_estimate).
   ragged_rows(instruction) -> the real rows a ragged all-to-all moves (None: its whole result)."""
   comps, entry, by_name = parse_module(text)
+  partitions = num_partitions(text)
+  if chip is not None and chip.torus is not None and chip.torus.num_partitions != partitions:
+    raise ValueError(f"the program runs on {partitions} partitions, the torus places {chip.torus.num_partitions}")
   ops = []
   for comp, times in _executed(comps, entry, by_name).items():
+    seen_channels: dict[str, list[Op]] = {}
     for ins in comps[comp]:
-      if ins.opcode in _NO_TRAFFIC or ins.opcode.endswith("-done"):
+      if ins.opcode in _NO_TRAFFIC:
         continue
       source = op_name(ins)
+      if ins.opcode.endswith("-done"):  # ends the async op its operand started; costs nothing of its own
+        start = ins.operands[0] if ins.operands else ""
+        ops.append(Op(ins.name, ins.opcode, ins.opcode.removesuffix("-done"), source, 0.0, 0.0, runs=times,
+                      computation=comp, collective=start, role="done", costed=chip is not None))
+        continue
       moved = _moved_bytes(ins, comps, by_name)
-      flops, wire, note, kind = matmul_flops(ins, by_name), 0.0, "", ins.opcode
+      flops, note, kind = matmul_flops(ins, by_name), "", ins.opcode
+      collectives: list[tuple[_Instr, list[_Instr]]] = []
       if ins.opcode == "fusion":
-        flops = _fused_flops((_attr(ins.attrs, "calls") or "").lstrip("%"), comps, by_name)
+        called = (_attr(ins.attrs, "calls") or "").lstrip("%")
+        flops = _fused_flops(called, comps, by_name)
         kind = "matmul fusion" if flops else "fusion"
+        collectives = _inner_collectives(called, comps)
       elif ins.opcode == "custom-call" and 'custom_call_target="tpu_custom_call"' in ins.attrs:
         kernel = re.search(r"jit\((\w+)\)/pallas_call", source)  # megablox: jit(gmm); else the instruction's name
         kind = "pallas " + (kernel.group(1) if kernel else re.sub(r"[.]\d+$", "", ins.name))
@@ -385,33 +607,185 @@ def program_ops(text: str, *, kernel_model: KernelModel | None = None, ragged_ro
       elif ins.opcode.endswith("-start") and ins.opcode not in COLLECTIVES:  # copy-start: (dst, src, context)
         moved = 2 * max((nbytes([s]) for s in ins.shapes), default=0.0)
       elif ins.opcode in COLLECTIVES:
-        kind = ins.opcode.removesuffix("-start")
-        g = _group_size(ins.attrs)
-        # An async start's result tuple holds the operand and the result: count the largest array once.
-        size = max((nbytes([s]) for s in ins.shapes), default=0.0)
-        if kind == "ragged-all-to-all":
-          rows = ragged_rows(ins) if ragged_rows else None
-          full_rows = ins.shapes[0][1][0] if ins.shapes and ins.shapes[0][1] else 1
-          size = size * min(1.0, rows / full_rows) if rows is not None else size
-          note = "real rows only" if rows is not None else "whole buffer"
-        wire = size * (g - 1) / g * (2 if kind == "all-reduce" else 1)
-        moved = 2 * size
+        collectives = [(ins, comps[comp])]
+        moved = 2 * max((nbytes([s]) for s in ins.shapes), default=0.0)
+      op = Op(ins.name, ins.opcode, kind, source, flops, moved, note=note, runs=times, computation=comp,
+              costed=chip is not None)
+      if collectives:
+        _add_collective(op, ins, collectives, seen_channels, partitions, by_name, chip, ragged_rows)
+      if chip is not None:
+        cycles = _estimated_cycles(ins) if chip.clock_hz else None
+        if op.collective and not flops:
+          op.compute_seconds = 0.0  # a transfer (and its reduction): its wire time stands for it
+        elif cycles is not None:
+          op.compute_seconds, op.timing = cycles / chip.clock_hz, "xla estimate"
+        else:
+          op.compute_seconds, op.timing = roofline_seconds(op.flops, op.bytes, chip.peaks), "roofline / efficiency"
       if times > 1:
-        flops, moved, wire, note = flops * times, moved * times, wire * times, f"{note} x{times} (loop)".strip()
-      ops.append(Op(ins.name, ins.opcode, kind, source, flops, moved, wire, note))
+        op.flops, op.bytes, op.wire = op.flops * times, op.bytes * times, op.wire * times
+        op.compute_seconds, op.wire_seconds = op.compute_seconds * times, op.wire_seconds * times
+        op.note = f"{op.note} x{times} (loop)".strip()
+      ops.append(op)
   return ops
 
 
-def op_seconds(op: Op, peaks: Peaks) -> float:
+def program_time(text: str, chip: Chip, **kwargs) -> dict[str, float]:
+  """summarize's totals of program_ops(text, chip=chip, **kwargs) with the schedule's: "seconds" serial,
+  "scheduled_seconds" as the program's order plays out, "exposed_collective_seconds"."""
+  ops = program_ops(text, chip=chip, **kwargs)
+  timed = schedule(text, ops, chip)
+  return dict(summarize(ops), scheduled_seconds=timed["seconds"],
+              exposed_collective_seconds=timed["exposed_collective_seconds"])
+
+
+def _producers(ins: _Instr, by_name: dict[str, _Instr]) -> set[str]:
+  """The instructions whose results `ins` reads, seen through get-tuple-element and bitcast."""
+  found = set()
+  for name in ins.operands:
+    while name in by_name and by_name[name].opcode in ("get-tuple-element", "bitcast") and by_name[name].operands:
+      name = by_name[name].operands[0]
+    found.add(name)
+  return found
+
+
+def _add_collective(op: Op, ins: _Instr, collectives, seen: dict[str, list[Op]], partitions: int, by_name,
+                    chip: Chip | None, ragged_rows: RaggedModel | None) -> None:
+  """Marks op as part of a logical collective (by channel: an async collective fusion's start, continuations and
+  done hold the same one) and, at its first op, charges the collective's wire bytes and time."""
+  inner, comp = collectives[0]
+  channel = _channel(inner) or inner.name
+  chain = seen.get(channel)
+  if chain is not None and chain[-1].name in _producers(ins, by_name):  # the next piece of an async collective
+    first = chain[0]
+    op.collective, op.role, op.kind = first.collective, "continue", first.kind
+    if first.role == "sync":
+      first.role = "start"
+    chain.append(op)
+    return
+  # A new logical collective (jax's channel ids repeat, e.g. shard_map's psums cloned by XLA).
+  op.collective = channel if chain is None else f"{channel}.{op.name}"
+  seen[channel] = [op]
+  op.role = "sync" if not ins.opcode.endswith("-start") else "start"
+  kind = _collective_kind(inner, comp)
+  op.kind = kind if op.opcode != "fusion" or not op.flops else f"{kind} + matmul"
+  size = _collective_bytes(inner, kind, by_name)
+  if kind == "ragged-all-to-all":
+    rows = ragged_rows(inner) if ragged_rows else None
+    full_rows = inner.shapes[0][1][0] if inner.shapes and inner.shapes[0][1] else 1
+    size = size * min(1.0, rows / full_rows) if rows is not None else size
+    op.note = "real rows only" if rows is not None else "whole buffer"
+  if kind == "collective-permute":
+    pairs, groups = source_target_pairs(inner), None
+    op.wire = size if pairs else 0.0
+  else:
+    pairs, groups = None, replica_groups(inner, partitions)
+    g = len(groups[0])
+    op.wire = size * (g - 1) / g * (2 if kind == "all-reduce" else 1)
+  if chip is None:
+    return
+  if chip.torus is None:
+    op.wire_seconds = op.wire / chip.peaks.ici_bytes_per_s
+  else:
+    op.wire_seconds = ici.collective_seconds(chip.torus, kind, groups, size, pairs)
+
+
+def op_seconds(op: Op, peaks: Peaks | None = None) -> float:
+  """An op's serial time: its compute and its collective's wire time (both all runs). Ops costed without a chip
+  (program_ops(chip=None)) get the roofline at full peak and wire over all links, as this module used to."""
+  if op.costed or peaks is None:
+    return op.compute_seconds + op.wire_seconds
   return max(op.flops / peaks.bf16_flops, op.bytes / peaks.hbm_bytes_per_s) + op.wire / peaks.ici_bytes_per_s
 
 
-def summarize(ops: list[Op], peaks: Peaks) -> dict[str, float]:
-  compute = sum(max(o.flops / peaks.bf16_flops, o.bytes / peaks.hbm_bytes_per_s) for o in ops)
-  wire = sum(o.wire for o in ops) / peaks.ici_bytes_per_s
+def summarize(ops: list[Op], peaks: Peaks | None = None) -> dict[str, float]:
+  """Totals of a program's ops; "seconds" is the serial step (every op and collective one after another)."""
+  compute = sum(op_seconds(dataclasses.replace(o, wire=0.0, wire_seconds=0.0), peaks) for o in ops)
+  wire = sum(op_seconds(dataclasses.replace(o, flops=0.0, bytes=0.0, compute_seconds=0.0), peaks) for o in ops)
   return {"flops": sum(o.flops for o in ops), "hbm_bytes": sum(o.bytes for o in ops),
           "wire_bytes": sum(o.wire for o in ops), "compute_seconds": compute, "collective_seconds": wire,
           "seconds": compute + wire}
+
+
+def schedule(text: str, ops: list[Op], chip: Chip) -> dict[str, float]:
+  """The program's time played out in its own instruction order (XLA:TPU's optimized HLO is scheduled), with one
+  compute stream, one interconnect queue and one copy engine:
+    - an op's compute runs when the one before it ends (compute_seconds a run);
+    - a collective that is one synchronous op waits for the interconnect and holds compute for its wire time (or
+      its compute, if longer); one split over ops (a start and a done, or an async collective fusion) enters the
+      interconnect queue at its start and holds compute only at its done, until it has finished: the ops between
+      overlap with it; a done whose start is not in the same computation (a loop-carried collective) ends one
+      that started with the computation;
+    - an async copy (copy-start / copy-done) runs on the copy engine at HBM bandwidth;
+    - a while loop takes its trip count times its body (and condition), a call its computation, a conditional its
+      longest branch.
+  Returns {"seconds": the step, "serial_seconds": summarize's, "exposed_collective_seconds": the time compute waited
+  on collectives, "overlapped_collective_seconds": wire time hidden under compute}."""
+  comps, entry, by_name = parse_module(text)
+  index = {(o.computation, o.name): o for o in ops}
+
+  def run(comp: str, seen: tuple = ()) -> tuple[float, float]:
+    """(seconds, of which compute waited on collectives) for one run of a computation."""
+    if comp in seen:
+      return 0.0, 0.0
+    last = {}  # a split collective's last op in this computation: its done
+    for ins in comps.get(comp, ()):
+      op = index.get((comp, ins.name))
+      if op is not None and op.collective and op.role in ("start", "continue"):
+        last[op.collective] = ins.name
+    t = ici_free = dma_free = wait = 0.0
+    pending: dict[str, float] = {}
+
+    def finish(key: str) -> None:
+      nonlocal t, wait
+      end = pending.pop(key, t)
+      wait += max(0.0, end - t)
+      t = max(t, end)
+
+    for ins in comps.get(comp, ()):
+      if ins.opcode in ("while", "call", "conditional"):
+        inner = seen + (comp,)
+        if ins.opcode == "while":
+          trips = trip_count(ins, comps, by_name) or 1
+          body = run((_attr(ins.attrs, "body") or "").lstrip("%"), inner)
+          cond = run((_attr(ins.attrs, "condition") or "").lstrip("%"), inner)
+          t, wait = t + trips * (body[0] + cond[0]) + cond[0], wait + trips * body[1]
+        else:
+          branch = max((run(c, inner) for c in called_computations(ins)), default=(0.0, 0.0))
+          t, wait = t + branch[0], wait + branch[1]
+        continue
+      op = index.get((comp, ins.name))
+      if op is None:
+        continue
+      runs = max(op.runs, 1)
+      compute, wire = op.compute_seconds / runs, op.wire_seconds / runs
+      if op.role == "done":  # a *-done: its start is its operand
+        started = index.get((comp, op.collective))
+        if started is not None and started.opcode == "copy-start":
+          t = max(t, pending.pop(started.name, t))
+        else:
+          finish(started.collective if started is not None and started.collective else op.collective)
+      elif op.opcode == "copy-start":
+        begin = max(t, dma_free)
+        dma_free = pending[op.name] = begin + op.bytes / runs / chip.peaks.hbm_bytes_per_s
+      elif op.role == "sync":
+        begin = max(t, ici_free)
+        wait += begin - t + wire
+        t = ici_free = begin + max(wire, compute)
+      elif op.role == "start":
+        begin = max(t, ici_free)
+        ici_free = pending[op.collective] = begin + wire
+        t += compute
+      elif op.role == "continue" and last.get(op.collective) == ins.name:  # an async collective fusion's done
+        finish(op.collective)
+        t += compute
+      else:
+        t += compute
+    return max([t] + list(pending.values())), wait
+
+  total, waited = run(entry)
+  serial = summarize(ops, chip.peaks)
+  return {"seconds": total, "serial_seconds": serial["seconds"], "exposed_collective_seconds": waited,
+          "overlapped_collective_seconds": max(0.0, serial["collective_seconds"] - waited)}
 
 
 def source_key(op: Op) -> str:
@@ -424,7 +798,7 @@ def source_key(op: Op) -> str:
   return f"{op.kind}: {tail}"
 
 
-def by_source(ops: list[Op], peaks: Peaks) -> dict[str, dict[str, float]]:
+def by_source(ops: list[Op], peaks: Peaks | None = None) -> dict[str, dict[str, float]]:
   table: dict[str, dict[str, float]] = {}
   for o in ops:
     row = table.setdefault(source_key(o), {"flops": 0.0, "hbm_bytes": 0.0, "wire_bytes": 0.0, "seconds": 0.0,

@@ -39,7 +39,10 @@ import math
 import os
 import re
 import warnings
+from collections.abc import Sequence
 from typing import Any
+
+from glm_jax.sharding import ici
 
 GiB = 1 << 30
 
@@ -224,10 +227,7 @@ def tpu_topology_devices(name: str, *, num_slices: int = 1, wrap: tuple[bool, ..
 
   gen, dims = topo.generation, topo.dims
   if wrap is None:
-    if gen.ndim == 3:
-      wrap = (all(d % 4 == 0 for d in dims),) * 3
-    else:
-      wrap = tuple(d == 16 for d in dims) + (False,)
+    wrap = default_wrap(topo) + ((False,) if gen.ndim == 2 else ())
   host_bounds = (1, 1, 1) if topo.num_chips == 1 else (2, 2, 1)
   try:
     desc = topologies.get_topology_desc(topo.name, "tpu", chip_config_name=gen.chip_config_name,
@@ -240,6 +240,32 @@ def tpu_topology_devices(name: str, *, num_slices: int = 1, wrap: tuple[bool, ..
     raise RuntimeError(f"TPU topology {topo.name}: expected {topo.num_chips * num_slices} {gen.device_kind!r} devices "
                        f"(one per chip), libtpu gave {len(devices)} {devices[0].device_kind!r}")
   return devices
+
+
+def default_wrap(topo: Topology) -> tuple[bool, ...]:
+  """Which torus axes have their wrap-around links, as Cloud TPU builds slices: v4 / v5p slices of whole 4x4x4
+  cubes wrap on every axis, smaller ones on none; v5e / v6e wrap an axis of 16 chips."""
+  if topo.generation.ndim == 3:
+    return (all(d % 4 == 0 for d in topo.dims),) * 3
+  return tuple(d == 16 for d in topo.dims)
+
+
+def torus_of(devices: Sequence[Any], name: str | None = None) -> ici.Torus:
+  """The ici.Torus of a program's partitions: `devices` in partition order (a mesh's devices.flat, the device
+  assignment jax compiles a mesh program for), each chip's coordinates and slice. The slice's shape is `name`, or
+  else the smallest grid holding the devices (every device of a slice takes part in a mesh program)."""
+  gen = GENERATIONS[generation_of(devices[0])]
+  coords = tuple(tuple(int(c) for c in d.coords[:gen.ndim]) for d in devices)
+  if name is None:
+    dims = tuple(max(c[a] for c in coords) + 1 for a in range(gen.ndim))
+    topo = Topology(f"{gen.name}:{_dims_str(dims)}", gen, dims)
+  else:
+    topo = parse_topology(name)
+  bad = [c for c in coords if any(not 0 <= x < n for x, n in zip(c, topo.dims))]
+  if bad:
+    raise ValueError(f"device coordinates {bad[0]} lie outside topology {topo.name}")
+  slices = tuple(int(getattr(d, "slice_index", 0) or 0) for d in devices)
+  return ici.Torus(topo.dims, default_wrap(topo), coords, slices, ici.LINKS[topo.generation.name])
 
 
 def generation_of(device: Any) -> str:

@@ -11,7 +11,10 @@ launch/compile.py prints the report as one JSON line.
 from __future__ import annotations
 
 import dataclasses
+import gzip
+import json
 import math
+import os
 import re
 import time
 from collections.abc import Sequence
@@ -28,10 +31,10 @@ from glm_jax.model.platform import target_platform
 from glm_jax.sharding import hlo_cost
 from glm_jax.sharding.mesh import MESH_AXES, batch_sharding, entry_axes, make_mesh
 from glm_jax.sharding.state import abstract_sharded
-from glm_jax.sharding.topology import GENERATIONS, compiled_flops
+from glm_jax.sharding.topology import GENERATIONS, compiled_flops, torus_of
 from glm_jax.train import step as step_lib, trainer
 from glm_jax.train.config import model_config_for_stage, require_sections, validate_train_config
-from glm_jax.train.flops import analytic_flops, muon_ns_flops
+from glm_jax.train.flops import analytic_flops, muon_ns_flops, useful_flops
 
 
 SECTIONS = ("model", "data", "train", "optimizer", "mesh")  # what compiling the train step reads
@@ -134,6 +137,35 @@ def compile_depths(config: ml_collections.ConfigDict, devices: Sequence[Any], *,
   return {"programs": programs, "seconds": time.perf_counter() - t0}
 
 
+def save_depths(depths: dict[str, Any], folder: str) -> None:
+  """Writes compile_depths' programs to folder (one gzipped HLO text a variant, and index.json with XLA's FLOPs and
+  the compile seconds), so a cost report can be made again without compiling (load_depths)."""
+  os.makedirs(folder, exist_ok=True)
+  index = {"seconds": depths["seconds"], "programs": {}}
+  for (nd, nm), (flops, text) in depths["programs"].items():
+    name = f"{nd}+{nm}.hlo.txt.gz"
+    with gzip.open(os.path.join(folder, name), "wt") as f:
+      f.write(text)
+    index["programs"][f"{nd}+{nm}"] = {"xla_flops": flops, "file": name}
+  with open(os.path.join(folder, "index.json"), "w") as f:
+    json.dump(index, f, indent=1)
+
+
+def load_depths(folder: str) -> dict[str, Any]:
+  """compile_depths' result as save_depths wrote it; FileNotFoundError naming the folder when it holds none."""
+  path = os.path.join(folder, "index.json")
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"{folder} holds no compiled depth variants (no index.json; launch/compile.py --flops "
+                            f"--hlo_dir={folder} writes them)")
+  with open(path) as f:
+    index = json.load(f)
+  programs = {}
+  for key, entry in index["programs"].items():
+    with gzip.open(os.path.join(folder, entry["file"]), "rt") as f:
+      programs[tuple(int(x) for x in key.split("+"))] = (entry["xla_flops"], f.read())
+  return {"programs": programs, "seconds": index["seconds"]}
+
+
 def _per_layer(values: dict[tuple[int, int], Any], config: ml_collections.ConfigDict, sub=lambda a, b: a - b):
   """(outside the layers, per dense layer, per MoE layer) of a cost linear in depth, from the base variants."""
   base = depth_variants(config)[0]
@@ -221,32 +253,42 @@ def _megablox_model(real_rows: int, routing: str):
 def cost_report(config: ml_collections.ConfigDict, devices: Sequence[Any], depths: dict | None = None, *,
                 top: int = 8) -> dict[str, Any]:
   """The step's cost from the compiled TPU programs, op by op (glm_jax/sharding/hlo_cost.py), per layer kind and
-  at full depth, with a roofline time and MFU, for each routing of ROUTINGS; and the linearity check.
+  at full depth, for each routing of ROUTINGS: FLOPs, HBM and wire bytes, the serial and the scheduled step time
+  (collectives on the slice's torus, overlapped where the program overlaps them), MFU with the useful-work
+  numerator (glm_jax/train/flops.py, useful_flops) and, with the realism factor of a calibration against a
+  measured run (hlo_cost.CALIBRATION), the calibrated step; and the linearity check.
 
   depths: compile_depths(config, devices, linearity=True)'s result (compiled here when None)."""
   depths = depths or compile_depths(config, devices, linearity=True)
   model_cfg = model_config_for_stage(config)
   mesh = make_mesh(config.mesh, devices)
   chips = mesh.size
-  peaks = hlo_cost.PEAKS[_generation(devices)]
+  chip = hlo_cost.Chip.of(_generation(devices), torus_of(list(mesh.devices.flat)))
+  peaks = chip.peaks
   b, t, stage = config.data.batch_size, config.data.seq_len, config.train.dsa_stage
   analytic = {k: analytic_flops(model_config_for_stage(_shallow(config, *k)), b, t, stage)["total"] / chips
               for k in depths["programs"]}
   _, a_dense, a_moe, base = _per_layer(analytic, config)
   full_analytic = analytic_flops(model_cfg, b, t, stage)["total"]
-  report: dict[str, Any] = {"peaks": dataclasses.asdict(peaks), "chips": chips, "routings": {}}
+  useful = useful_flops(model_cfg, b, t, stage)["total"]
+  calibration = hlo_cost.CALIBRATION
+  report: dict[str, Any] = {"peaks": dataclasses.asdict(peaks), "links": dataclasses.asdict(chip.torus.links),
+                            "torus": {"dims": chip.torus.dims, "wrap": chip.torus.wrap}, "chips": chips,
+                            "useful_flops_per_step": useful, "analytic_flops_per_step": full_analytic,
+                            "calibration": calibration, "routings": {}}
   for routing in ROUTINGS:
     rows = moe_real_rows(config, mesh, routing)
     ops = {k: hlo_cost.program_ops(text, kernel_model=_megablox_model(rows, routing),
-                                   ragged_rows=lambda ins, rows=rows: rows)
+                                   ragged_rows=lambda ins, rows=rows: rows, chip=chip)
            for k, (_, text) in depths["programs"].items()}
-    sums = {k: hlo_cost.summarize(v, peaks) for k, v in ops.items()}
+    sums = {k: dict(hlo_cost.summarize(v), scheduled_seconds=hlo_cost.schedule(depths["programs"][k][1], v, chip)[
+        "seconds"]) for k, v in ops.items()}
     sub = lambda x, y: {key: x[key] - y[key] for key in x}
     s0, s_dense, s_moe, _ = _per_layer(sums, config, sub)
     rest = {key: s0[key] - base[0] * s_dense[key] - base[1] * s_moe[key] for key in s0}
     step = {key: rest[key] + model_cfg.num_dense_layers * s_dense[key] + model_cfg.num_moe_layers * s_moe[key]
             for key in s0}
-    tables = {k: hlo_cost.by_source(v, peaks) for k, v in ops.items()}
+    tables = {k: hlo_cost.by_source(v) for k, v in ops.items()}
 
     def layer_top(variant):  # where one more layer's cost goes, largest first
       more, less = tables[variant], tables[base]
@@ -255,12 +297,21 @@ def cost_report(config: ml_collections.ConfigDict, devices: Sequence[Any], depth
       return [dict(op=key, **{f: float(f"{v:.4g}") for f, v in vals.items()})
               for key, vals in sorted(rows_.items(), key=lambda kv: -abs(kv[1]["seconds"]))[:top]]
 
+    seconds = step["scheduled_seconds"]
     entry = {
         "moe_real_rows_per_device": rows,
         "per_device_step": {k: float(f"{v:.4g}") for k, v in step.items()},
-        "estimated_step_seconds": round(step["seconds"], 4),
-        "estimated_mfu": round(full_analytic / (chips * peaks.bf16_flops * step["seconds"]), 4),
+        "estimated_step_seconds": round(seconds, 4),
+        "serial_step_seconds": round(step["seconds"], 4),
+        "calibrated_step_seconds": round(seconds * calibration["realism_factor"], 4) if calibration else None,
+        "estimated_mfu": round(useful / (chips * peaks.bf16_flops * seconds), 4),
+        "calibrated_mfu": (round(useful / (chips * peaks.bf16_flops * seconds * calibration["realism_factor"]), 4)
+                           if calibration else None),
+        "tokens_per_s_per_chip": round(b * t / seconds / chips, 1),
+        "calibrated_tokens_per_s_per_chip": (round(b * t / seconds / chips / calibration["realism_factor"], 1)
+                                             if calibration else None),
         "compiled_over_analytic_step": round(step["flops"] * chips / full_analytic, 3),
+        "compiled_over_useful_step": round(step["flops"] * chips / useful, 3),
         "per_moe_layer": dict({k: float(f"{v:.4g}") for k, v in s_moe.items()}, analytic_flops=float(f"{a_moe:.4g}"),
                               compiled_over_analytic=round(s_moe["flops"] / a_moe, 3) if a_moe else None),
         "per_dense_layer": dict({k: float(f"{v:.4g}") for k, v in s_dense.items()},
@@ -275,7 +326,7 @@ def cost_report(config: ml_collections.ConfigDict, devices: Sequence[Any], depth
       predicted = {key: s0[key] + (nd - base[0]) * s_dense[key] + (nm - base[1]) * s_moe[key] for key in s0}
       entry["linearity"] = {"variant": f"{nd}+{nm}", **{
           f"{key}_rel_error": round(abs(sums[extra[0]][key] - predicted[key]) / max(abs(sums[extra[0]][key]), 1e-30), 5)
-          for key in ("flops", "hbm_bytes", "seconds")}}
+          for key in ("flops", "hbm_bytes", "seconds", "scheduled_seconds")}}
     report["routings"][routing] = entry
   return report
 

@@ -1,0 +1,96 @@
+r"""The pod table: glm5_744b's training steps compiled for a v5p slice and costed by the cost model, one row each.
+
+Runs `launch/compile.py --flops` for every row (a process each; the shallow copies' HLO is kept under --hlo_dir so
+the cost model can be run again without compiling) and writes the JSON lines to --out, then prints the table the
+README shows: per-chip memory, compiled / useful FLOPs, the serial and the scheduled step, the calibrated step
+(hlo_cost.CALIBRATION), MFU over the useful-work numerator (glm_jax/train/flops.py, useful_flops), tokens a second
+a chip; balanced routing, hot routing's step beside it.
+
+  bash scripts/with_env.sh python experiments/bench_pod.py                      # every row (an hour or more here)
+  bash scripts/with_env.sh python experiments/bench_pod.py --rows=4k_dense      # one row
+  bash scripts/with_env.sh python experiments/bench_pod.py --table_only         # the table from --out's rows
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+from absl import app, flags
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# name -> (config, overrides)
+ROWS = {
+    "4k_dense": ("configs/glm5_744b.py", ["--config.optimizer.name=adamw"]),
+    "4k_sparse": ("configs/glm5_744b.py", ["--config.train.dsa_stage=sparse"]),
+    "128k_sparse": ("configs/glm5_744b_128k.py", []),
+    "128k_warmup": ("configs/glm5_744b_128k.py:warmup", []),
+    "200k_sparse": ("configs/glm5_744b_200k.py", []),
+    "200k_warmup": ("configs/glm5_744b_200k.py:warmup", []),
+}
+
+_ROWS = flags.DEFINE_list("rows", list(ROWS), f"Rows to compile, of {list(ROWS)}.")
+_TOPOLOGY = flags.DEFINE_string("topology", "v5p:8x8x8", "The slice.")
+_OUT = flags.DEFINE_string("out", os.path.join(ROOT, "experiments/results/pod_costs.jsonl"), "JSON lines, one a row.")
+_HLO_DIR = flags.DEFINE_string("hlo_dir", os.path.join(ROOT, "experiments/results/hlo"),
+                               "Where each row's shallow compiled programs are kept (not committed: tens of MB).")
+_TABLE_ONLY = flags.DEFINE_bool("table_only", False, "Print the table from --out without compiling.")
+_EXTRA = flags.DEFINE_multi_string("extra", [], "More --config.* overrides for every row.")
+
+
+def run_row(name: str) -> dict:
+  config, overrides = ROWS[name]
+  cmd = [sys.executable, os.path.join(ROOT, "launch/compile.py"), f"--config={config}", f"--topology={_TOPOLOGY.value}",
+         "--flops", f"--hlo_dir={os.path.join(_HLO_DIR.value, name)}", *overrides, *_EXTRA.value]
+  t0 = time.perf_counter()
+  proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+  lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+  if not lines:
+    raise RuntimeError(f"{name}: launch/compile.py exited {proc.returncode} with no report:\n{proc.stderr[-3000:]}")
+  row = json.loads(lines[-1])
+  row.update(row_name=name, command=" ".join(cmd[1:]), wall_seconds=round(time.perf_counter() - t0, 1))
+  return row
+
+
+def table(rows: list[dict]) -> str:
+  head = ("| row | per chip | compiled / useful | serial step | scheduled step | calibrated step | MFU (useful) | "
+          "tokens/s a chip | hot routing step |")
+  out = [head, "|---" * (head.count("|") - 1) + "|"]
+  for r in rows:
+    cost = r.get("cost", {}).get("routings", {})
+    bal, hot = cost.get("balanced", {}), cost.get("hot", {})
+    cal = bal.get("calibrated_step_seconds")
+    out.append(f"| {r['row_name']} | {r['per_chip_gib']['total']:.2f} GiB | {bal.get('compiled_over_useful_step')} | "
+               f"{bal.get('serial_step_seconds')} s | {bal.get('estimated_step_seconds')} s | "
+               f"{f'{cal} s' if cal is not None else 'n/a'} | "
+               f"{100 * (bal.get('calibrated_mfu') or bal.get('estimated_mfu') or 0):.1f}% | "
+               f"{bal.get('calibrated_tokens_per_s_per_chip') or bal.get('tokens_per_s_per_chip')} | "
+               f"{hot.get('estimated_step_seconds')} s |")
+  return "\n".join(out)
+
+
+def main(argv):
+  del argv
+  rows = []
+  if os.path.exists(_OUT.value):
+    with open(_OUT.value) as f:
+      rows = [json.loads(line) for line in f if line.strip()]
+  if not _TABLE_ONLY.value:
+    for name in _ROWS.value:
+      if name not in ROWS:
+        raise app.UsageError(f"--rows: {name!r} is not a row; rows: {list(ROWS)}")
+      print(f"[bench_pod] {name} ...", file=sys.stderr, flush=True)
+      row = run_row(name)
+      rows = [r for r in rows if r.get("row_name") != name] + [row]
+      with open(_OUT.value, "w") as f:
+        for r in sorted(rows, key=lambda r: list(ROWS).index(r["row_name"])):
+          f.write(json.dumps(r) + "\n")
+      print(f"[bench_pod] {name}: {row['wall_seconds']} s", file=sys.stderr, flush=True)
+  rows.sort(key=lambda r: list(ROWS).index(r["row_name"]))
+  print(table(rows))
+
+
+if __name__ == "__main__":
+  app.run(main)
