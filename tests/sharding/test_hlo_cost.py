@@ -139,6 +139,7 @@ def test_an_fsdp_step_where_the_partitioner_inserts_the_collectives():
 
 
 @needs_libtpu
+@pytest.mark.slow  # compiles glm5_tiny's train step (40 s)
 def test_a_reduce_scatter_fusion_is_a_reduce_scatter():
   """XLA:TPU writes the gradient reduce-scatters of glm5_tiny's FSDP step as all-reduce-scatter fusions (an
   all-reduce whose result is only sliced): each is counted as a reduce-scatter of its operand, (g - 1) / g on the

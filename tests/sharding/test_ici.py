@@ -179,3 +179,18 @@ def test_schedule_overlaps_only_what_the_program_overlaps(overlap):
   want = a + max(b, wire) + c if overlap else a + wire + b + c
   assert got["seconds"] == pytest.approx(want)
   assert got["exposed_collective_seconds"] == pytest.approx(max(0.0, wire - b) if overlap else wire)
+
+
+def test_a_generation_without_figures_is_named():
+  with pytest.raises(ValueError, match="TPU generation 'v7x' has no peaks"):
+    hlo_cost.Chip.of("v7x")
+  t = ici.Torus((4,), (False,), ((0,), (1,), (2,), (3,)) * 2, (0,) * 4 + (1,) * 4, ici.LINKS["v4"])
+  with pytest.raises(ValueError, match="crosses slices but this generation has no DCN bandwidth"):
+    ici.collective_seconds(t, "all-reduce", [list(range(8))], 1e6)
+
+
+def test_a_program_on_another_number_of_chips_is_refused():
+  chip = hlo_cost.Chip.of("v5p", torus((4,), (False,)))
+  text = _MODULE.replace("{GATHER}", _SYNC[0]).replace("{DONE}", "")
+  with pytest.raises(ValueError, match="runs on 2 partitions, the torus places 4"):
+    hlo_cost.program_ops(text, chip=chip)
