@@ -30,7 +30,9 @@ and `mesh[...] {axes}` with sub-axes and device lists); any other is an error na
 Two step times (`summarize`, `schedule`): serial, every op and every collective one after another; and scheduled,
 the program's own instruction order played out with one compute stream and one interconnect queue: a collective
 whose start and done enclose other ops overlaps with them, a synchronous one waits for the interconnect and blocks
-compute, and async copies run beside compute. Peaks per TPU generation are in PEAKS.
+compute, and async copies run beside compute. A multislice program (one slice's program: XLA:TPU hands its
+cross-slice collectives to the DCN runtime as send / recv pairs) gets their DCN time (ici.dcn_seconds) on a queue of
+their own. Peaks per TPU generation are in PEAKS.
 """
 
 from __future__ import annotations
@@ -606,6 +608,9 @@ def program_ops(text: str, *, kernel_model: KernelModel | None = None, ragged_ro
           flops, moved, note = modeled
       elif ins.opcode.endswith("-start") and ins.opcode not in COLLECTIVES:  # copy-start: (dst, src, context)
         moved = 2 * max((nbytes([s]) for s in ins.shapes), default=0.0)
+      elif ins.opcode in ("send", "recv") and "_xla_megascale_transfer_type" in ins.attrs:
+        ops.append(_dcn_op(ins, comp, times, source, seen_channels, by_name, chip))
+        continue
       elif ins.opcode in COLLECTIVES:
         collectives = [(ins, comps[comp])]
         moved = 2 * max((nbytes([s]) for s in ins.shapes), default=0.0)
@@ -636,6 +641,25 @@ def program_time(text: str, chip: Chip, **kwargs) -> dict[str, float]:
   timed = schedule(text, ops, chip)
   return dict(summarize(ops), scheduled_seconds=timed["seconds"],
               exposed_collective_seconds=timed["exposed_collective_seconds"])
+
+
+def _dcn_op(ins: _Instr, comp: str, times: int, source: str, seen: dict, by_name, chip: Chip | None) -> Op:
+  """A cross-slice transfer (XLA:TPU hands it to the DCN runtime as a send and a recv of one chip's shard, which
+  share a rendezvous name): its wire bytes and time at the send or recv that comes first."""
+  transfer = re.search(r'_xla_megascale_transfer_type="(\w+)"', ins.attrs).group(1)
+  key = "dcn:" + (re.search(r'_xla_host_transfer_rendezvous="([^"]*)"', ins.attrs) or [None, ins.name])[1]
+  op = Op(ins.name, ins.opcode, f"dcn {transfer.lower().replace('_', '-')}", source, 0.0, 0.0, runs=times,
+          computation=comp, collective=key, costed=chip is not None)
+  if key in seen:
+    return op  # the other half of the pair: nothing more moves
+  seen[key] = [op]
+  op.role = "start"
+  size = (nbytes(by_name[ins.operands[0]].shapes) if ins.opcode == "send" and ins.operands
+          else max((nbytes([s]) for s in ins.shapes), default=0.0))
+  if chip is not None and chip.torus is not None:
+    op.wire, op.wire_seconds = ici.dcn_seconds(chip.torus, transfer, size)
+    op.wire, op.wire_seconds = op.wire * times, op.wire_seconds * times
+  return op
 
 
 def _producers(ins: _Instr, by_name: dict[str, _Instr]) -> set[str]:
@@ -715,7 +739,8 @@ def schedule(text: str, ops: list[Op], chip: Chip) -> dict[str, float]:
       interconnect queue at its start and holds compute only at its done, until it has finished: the ops between
       overlap with it; a done whose start is not in the same computation (a loop-carried collective) ends one
       that started with the computation;
-    - an async copy (copy-start / copy-done) runs on the copy engine at HBM bandwidth;
+    - an async copy (copy-start / copy-done) runs on the copy engine at HBM bandwidth, a cross-slice transfer
+      (send / recv to the DCN runtime, ended by its send-done / recv-done) on the data-center network's queue;
     - a while loop takes its trip count times its body (and condition), a call its computation, a conditional its
       longest branch.
   Returns {"seconds": the step, "serial_seconds": summarize's, "exposed_collective_seconds": the time compute waited
@@ -732,7 +757,7 @@ def schedule(text: str, ops: list[Op], chip: Chip) -> dict[str, float]:
       op = index.get((comp, ins.name))
       if op is not None and op.collective and op.role in ("start", "continue"):
         last[op.collective] = ins.name
-    t = ici_free = dma_free = wait = 0.0
+    t = ici_free = dcn_free = dma_free = wait = 0.0
     pending: dict[str, float] = {}
 
     def finish(key: str) -> None:
@@ -771,6 +796,9 @@ def schedule(text: str, ops: list[Op], chip: Chip) -> dict[str, float]:
         begin = max(t, ici_free)
         wait += begin - t + wire
         t = ici_free = begin + max(wire, compute)
+      elif op.role == "start" and op.collective.startswith("dcn:"):  # the data-center network: a queue of its own
+        begin = max(t, dcn_free)
+        dcn_free = pending[op.collective] = begin + wire
       elif op.role == "start":
         begin = max(t, ici_free)
         ici_free = pending[op.collective] = begin + wire

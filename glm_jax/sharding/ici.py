@@ -19,9 +19,9 @@ become sets of chips on the torus. The time of one collective, for the bytes one
       all-to-all.
   latency      STEP_LATENCY_S a ring step: (n_a - 1) steps an axis, twice for an all-reduce, the longest route for a
       permute.
-  slices       a group over m slices moves its cross-slice share over the data-center network (DCN) after its
-      in-slice part over ICI: (m - 1) / m of V / g_slice a chip (twice for an all-reduce, B for an all-to-all) at the
-      chip's DCN bandwidth.
+  slices       XLA:TPU compiles a multislice program as one slice's, its cross-slice collectives handed to the DCN
+      runtime as send / recv pairs of a chip's shard (dcn_seconds): an all-reduce over m slices moves 2 (m - 1) / m
+      of the shard over the chip's DCN share, as a ring over the slices would.
 
 Links.source says where each bandwidth comes from. What this model leaves out: contention between collectives that
 run at the same time (hlo_cost's schedule queues them on one interconnect), and the switch-like routing tables of
@@ -70,19 +70,20 @@ COLLECTIVE_KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", 
 @dataclasses.dataclass(frozen=True)
 class Torus:
   """Where each partition of a compiled program sits: coords[p] is partition p's chip on a torus of `dims`
-  (wrap[a]: axis a has its wrap-around links), slices[p] its slice."""
+  (wrap[a]: axis a has its wrap-around links). A multislice program is one slice's program (XLA:TPU compiles the
+  same program for every slice, its cross-slice collectives handed to the DCN runtime): num_slices of them."""
   dims: tuple[int, ...]
   wrap: tuple[bool, ...]
   coords: tuple[tuple[int, ...], ...]
-  slices: tuple[int, ...]
   links: Links
+  num_slices: int = 1
 
   def __post_init__(self):
     if len(self.dims) != len(self.wrap) or any(len(c) != len(self.dims) for c in self.coords):
       raise ValueError(f"Torus: dims {self.dims}, wrap {self.wrap} and coordinates of {len(self.dims)} axes must "
                        f"agree; got coordinates like {self.coords[:1]}")
-    if len(self.slices) != len(self.coords):
-      raise ValueError(f"Torus: {len(self.coords)} partitions but {len(self.slices)} slice indices")
+    if self.num_slices < 1:
+      raise ValueError(f"Torus: num_slices={self.num_slices}; at least 1")
 
   @property
   def num_partitions(self) -> int:
@@ -152,11 +153,10 @@ def _ring_load(torus: Torus, rings: list[list[tuple[int, ...]]]) -> float:
 @dataclasses.dataclass(frozen=True)
 class GroupShape:
   """What a set of replica groups looks like on the torus: a ring over each spanned axis (or one ring over the
-  group where it is not a product of lines), the members per ring, and the cross-slice factor."""
+  group where it is not a product of lines) and the members per ring."""
   size: int  # chips a group
   ring_loads: tuple[float, ...]  # per ring: the busiest link's load for one unit a ring step
   ring_sizes: tuple[int, ...]  # per ring: chips on it
-  slices: int  # slices a group spans
   product: bool
 
 
@@ -170,20 +170,17 @@ def _group_shape(torus: Torus, groups: tuple[tuple[int, ...], ...]) -> GroupShap
     bad = [p for p in g if not 0 <= p < torus.num_partitions]
     if bad:
       raise ValueError(f"replica group names partition {bad[0]}; the program has {torus.num_partitions}")
-  slices = len({torus.slices[p] for p in groups[0]})
-  # The in-slice part of each group: with several slices, its members in the first slice of the group.
-  local = [tuple(p for p in g if torus.slices[p] == torus.slices[g[0]]) for g in groups]
-  if all(_is_product(torus, g) for g in local):
+  if all(_is_product(torus, g) for g in groups):
     loads, sizes = [], []
     for axis in range(len(torus.dims)):
-      rings = [line for g in local for line in _lines(torus, g, axis)]
+      rings = [line for g in groups for line in _lines(torus, g, axis)]
       n = max(len(r) for r in rings)
       if n > 1:
         loads.append(_ring_load(torus, rings))
         sizes.append(n)
-    return GroupShape(size, tuple(loads), tuple(sizes), slices, True)
-  rings = [[torus.coords[p] for p in g] for g in local]
-  return GroupShape(size, (_ring_load(torus, rings),), (len(local[0]),), slices, False)
+    return GroupShape(size, tuple(loads), tuple(sizes), True)
+  rings = [[torus.coords[p] for p in g] for g in groups]
+  return GroupShape(size, (_ring_load(torus, rings),), (size,), False)
 
 
 def _p2p_seconds(torus: Torus, pairs: Sequence[tuple[int, int, float]]) -> tuple[float, int]:
@@ -196,15 +193,14 @@ def _p2p_seconds(torus: Torus, pairs: Sequence[tuple[int, int, float]]) -> tuple
 
 @functools.lru_cache(maxsize=256)
 def _all_to_all_unit(torus: Torus, groups: tuple[tuple[int, ...], ...]) -> tuple[float, int]:
-  """Seconds for one byte a chip's buffer (B = 1) of an all-to-all within one slice, and the longest route."""
-  pairs = [(s, d, 1.0 / len(g)) for g in groups for s in g for d in g
-           if s != d and torus.slices[s] == torus.slices[d]]
+  """Seconds for one byte a chip's buffer (B = 1) of an all-to-all, and the longest route."""
+  pairs = [(s, d, 1.0 / len(g)) for g in groups for s in g for d in g if s != d]
   return _p2p_seconds(torus, pairs)
 
 
 def collective_seconds(torus: Torus, kind: str, groups: Sequence[Sequence[int]] | None, nbytes: float,
                        pairs: Sequence[tuple[int, int]] | None = None) -> float:
-  """Seconds one collective takes, by the rules of the module docstring.
+  """Seconds one collective within a slice takes, by the rules of the module docstring.
 
   kind: one of COLLECTIVE_KINDS. groups: the replica groups as partition ids (None for collective-permute).
   nbytes: the gathered result (all-gather), the operand (reduce-scatter, all-reduce), one chip's buffer (all-to-all,
@@ -215,11 +211,8 @@ def collective_seconds(torus: Torus, kind: str, groups: Sequence[Sequence[int]] 
     bad = [p for pair in pairs for p in pair if not 0 <= p < torus.num_partitions]
     if bad:
       raise ValueError(f"collective-permute names partition {bad[0]}; the program has {torus.num_partitions}")
-    ici = [(s, d, nbytes) for s, d in pairs if torus.slices[s] == torus.slices[d]]
-    seconds, hops = _p2p_seconds(torus, ici)
-    cross = len(pairs) - len(ici)
-    dcn = nbytes / _dcn(torus) if cross else 0.0
-    return seconds + dcn + STEP_LATENCY_S * max(hops, 1)
+    seconds, hops = _p2p_seconds(torus, [(s, d, nbytes) for s, d in pairs])
+    return seconds + STEP_LATENCY_S * max(hops, 1)
   if kind not in COLLECTIVE_KINDS:
     raise ValueError(f"collective kind {kind!r}; one of {COLLECTIVE_KINDS}")
   groups = tuple(tuple(g) for g in groups)
@@ -228,21 +221,28 @@ def collective_seconds(torus: Torus, kind: str, groups: Sequence[Sequence[int]] 
   if g <= 1:
     return 0.0
   steps = sum(n - 1 for n in shape.ring_sizes)
-  per_slice = g // shape.slices
   if kind in ("all-to-all", "ragged-all-to-all"):
     unit, _ = _all_to_all_unit(torus, groups)
-    dcn = (shape.slices - 1) / shape.slices * nbytes / _dcn(torus) if shape.slices > 1 else 0.0
-    return unit * nbytes + dcn + STEP_LATENCY_S * steps
-  w = torus.links.link_bytes_per_s
-  bandwidth = sum(w / load for load in shape.ring_loads if load > 0)
-  ici = (per_slice - 1) / per_slice * nbytes / bandwidth if per_slice > 1 else 0.0
-  dcn = ((shape.slices - 1) / shape.slices * nbytes / per_slice / _dcn(torus)) if shape.slices > 1 else 0.0
-  seconds = ici + dcn + STEP_LATENCY_S * (steps + (shape.slices > 1))
+    return unit * nbytes + STEP_LATENCY_S * steps
+  bandwidth = sum(torus.links.link_bytes_per_s / load for load in shape.ring_loads if load > 0)
+  seconds = (g - 1) / g * nbytes / bandwidth + STEP_LATENCY_S * steps
   return 2 * seconds if kind == "all-reduce" else seconds
 
 
-def _dcn(torus: Torus) -> float:
+# A cross-slice transfer's bytes on one chip's DCN share, in units of its buffer B, over m slices (ring algorithms
+# over the slices; each chip exchanges its own shard, in-slice collectives around it having split the array).
+DCN_TRANSFERS = {"ALL_REDUCE": lambda m: 2 * (m - 1) / m, "REDUCE_SCATTER": lambda m: (m - 1) / m,
+                 "ALL_GATHER": lambda m: m - 1, "ALL_TO_ALL": lambda m: (m - 1) / m}
+
+
+def dcn_seconds(torus: Torus, transfer: str, nbytes: float) -> tuple[float, float]:
+  """(bytes a chip sends over DCN, seconds) for a cross-slice transfer of `transfer` type (XLA:TPU's
+  _xla_megascale_transfer_type) of a chip's nbytes over torus.num_slices slices, at the chip's DCN bandwidth.
+  DCN latency is left out: the transfers that cross slices (gradient reductions) are large."""
+  if transfer not in DCN_TRANSFERS:
+    raise ValueError(f"cross-slice transfer type {transfer!r}; one of {sorted(DCN_TRANSFERS)}")
   if not torus.links.dcn_bytes_per_s:
     raise ValueError(f"a collective crosses slices but this generation has no DCN bandwidth in ici.LINKS "
                      f"({torus.links.source})")
-  return torus.links.dcn_bytes_per_s
+  wire = DCN_TRANSFERS[transfer](torus.num_slices) * nbytes
+  return wire, wire / torus.links.dcn_bytes_per_s

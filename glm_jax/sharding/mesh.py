@@ -77,11 +77,25 @@ def mesh_shape(mesh_cfg: Mapping[str, int], n_devices: int) -> tuple[int, ...]:
 
 
 def make_mesh(mesh_cfg: Mapping[str, int], devices: Sequence[Any] | None = None) -> Mesh:
-  """The mesh for config.mesh over `devices` (default: all of jax.devices(), every host's)."""
+  """The mesh for config.mesh over `devices` (default: all of jax.devices(), every host's).
+
+  Devices of several TPU slices (multislice: device.slice_index differs) make a hybrid mesh: config.mesh describes
+  one slice, laid out over its chips by ICI, and the `data` axis is that many times larger, its new part across
+  the slices over the data-center network (as jax's create_hybrid_device_mesh builds it): only the data-parallel
+  gradient reduction crosses DCN."""
+  from jax.experimental import mesh_utils
+
   devices = list(jax.devices() if devices is None else devices)
+  slices = len({getattr(d, "slice_index", 0) or 0 for d in devices})
+  if slices > 1:
+    if len(devices) % slices:
+      raise ValueError(f"mesh: {len(devices)} devices do not split evenly over {slices} slices")
+    ici = mesh_shape(mesh_cfg, len(devices) // slices)
+    dcn = tuple(slices if a == "data" else 1 for a in MESH_AXES)
+    grid = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices=devices)
+    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
   shape = mesh_shape(mesh_cfg, len(devices))
   try:
-    from jax.experimental import mesh_utils
     grid = mesh_utils.create_device_mesh(shape, devices=devices)
   except (ValueError, NotImplementedError, AssertionError):  # e.g. simulated CPU devices of no topology
     grid = np.asarray(devices).reshape(shape)

@@ -252,10 +252,13 @@ def default_wrap(topo: Topology) -> tuple[bool, ...]:
 
 def torus_of(devices: Sequence[Any], name: str | None = None) -> ici.Torus:
   """The ici.Torus of a program's partitions: `devices` in partition order (a mesh's devices.flat, the device
-  assignment jax compiles a mesh program for), each chip's coordinates and slice. The slice's shape is `name`, or
-  else the smallest grid holding the devices (every device of a slice takes part in a mesh program)."""
+  assignment jax compiles a mesh program for), each chip's coordinates. The slice's shape is `name`, or else the
+  smallest grid holding the devices (every device of a slice takes part in a mesh program). Devices of several
+  slices: XLA:TPU compiles one slice's program, whose partitions are the first slice's devices in this order."""
   gen = GENERATIONS[generation_of(devices[0])]
-  coords = tuple(tuple(int(c) for c in d.coords[:gen.ndim]) for d in devices)
+  slice_of = [int(getattr(d, "slice_index", 0) or 0) for d in devices]
+  first = [d for d, s in zip(devices, slice_of) if s == slice_of[0]]
+  coords = tuple(tuple(int(c) for c in d.coords[:gen.ndim]) for d in first)
   if name is None:
     dims = tuple(max(c[a] for c in coords) + 1 for a in range(gen.ndim))
     topo = Topology(f"{gen.name}:{_dims_str(dims)}", gen, dims)
@@ -264,8 +267,7 @@ def torus_of(devices: Sequence[Any], name: str | None = None) -> ici.Torus:
   bad = [c for c in coords if any(not 0 <= x < n for x, n in zip(c, topo.dims))]
   if bad:
     raise ValueError(f"device coordinates {bad[0]} lie outside topology {topo.name}")
-  slices = tuple(int(getattr(d, "slice_index", 0) or 0) for d in devices)
-  return ici.Torus(topo.dims, default_wrap(topo), coords, slices, ici.LINKS[topo.generation.name])
+  return ici.Torus(topo.dims, default_wrap(topo), coords, ici.LINKS[topo.generation.name], len(set(slice_of)))
 
 
 def generation_of(device: Any) -> str:

@@ -306,3 +306,38 @@ def test_moe_rows_count_the_tokens_a_device_holds_under_context():
   k = config.model.num_experts_per_tok
   assert aot.moe_real_rows(config, mesh, "balanced") == 128 * k
   assert aot.moe_real_rows(config, mesh, "hot") == 2 * 128 * k
+
+
+@needs_libtpu
+def test_a_multislice_step_reduces_gradients_over_dcn():
+  """The same MLP step on 2 slices of v5p:2x2x1 (make_mesh's hybrid mesh: fsdp 4 in a slice, data 2 across): XLA:TPU
+  compiles one slice's program, reduce-scatters each f32 gradient in the slice, and hands the cross-slice sum of
+  a chip's 4 MiB shard to the DCN runtime. Each of the two shards is all-reduced over 2 slices: 2 x 1/2 of it over
+  the chip's 50 Gbps of DCN."""
+  from glm_jax.sharding.mesh import make_mesh
+
+  devices = tpu_topology_devices("v5p:2x2x1", num_slices=2)
+  mesh = make_mesh({"data": 1, "fsdp": -1}, devices)
+  assert dict(mesh.shape) == {"data": 2, "fsdp": 4, "expert": 1, "context": 1, "tensor": 1}
+  chip = hlo_cost.Chip.of("v5p", torus_of(list(mesh.devices.flat)))
+  assert chip.torus.num_slices == 2 and chip.torus.num_partitions == 4
+  d, f = 1024, 4096
+
+  def step(w1, w2, x):
+    loss = lambda w1, w2: jnp.mean(jnp.tanh(x @ w1) @ w2)
+    g1, g2 = jax.grad(loss, argnums=(0, 1))(w1, w2)
+    return w1 - 0.1 * g1, w2 - 0.1 * g2
+
+  ws, xs = NamedSharding(mesh, P("fsdp", None)), NamedSharding(mesh, P(("data", "fsdp"), None))
+  args = [jax.ShapeDtypeStruct((d, f), jnp.float32, sharding=ws), jax.ShapeDtypeStruct((f, d), jnp.float32, sharding=ws),
+          jax.ShapeDtypeStruct((512, d), jnp.float32, sharding=xs)]
+  with jax.set_mesh(mesh):
+    text = jax.jit(step).lower(*args).compile().as_text()
+  ops = hlo_cost.program_ops(text, chip=chip)
+  dcn = [o for o in ops if o.kind.startswith("dcn") and o.role == "start"]
+  shard = d * f * 4 // 4
+  assert [(o.kind, o.wire) for o in dcn] == [("dcn all-reduce", shard)] * 2
+  for o in dcn:
+    assert o.wire_seconds == pytest.approx(shard / (50e9 / 8), rel=1e-9)
+  timed = hlo_cost.schedule(text, ops, chip)
+  assert timed["seconds"] >= 2 * shard / (50e9 / 8)  # one DCN queue: the two transfers one after the other

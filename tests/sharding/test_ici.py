@@ -1,6 +1,8 @@
 """The interconnect model (glm_jax/sharding/ici.py), the replica-group syntaxes and the schedule of hlo_cost against
 hand counts on small tori and hand-written HLO: pure Python, no compile."""
 
+import itertools
+
 import pytest
 
 from glm_jax.sharding import hlo_cost, ici
@@ -10,14 +12,10 @@ LAT = ici.STEP_LATENCY_S
 V5P = ici.LINKS["v5p"]
 
 
-def torus(dims, wrap, order=None, slices=None):
-  """Partitions numbered row-major over dims (or in `order`)."""
-  import itertools
-
+def torus(dims, wrap, num_slices=1):
+  """Partitions numbered row-major over dims."""
   coords = list(itertools.product(*[range(n) for n in dims]))
-  if order is not None:
-    coords = [coords[i] for i in order]
-  return ici.Torus(tuple(dims), tuple(wrap), tuple(coords), tuple(slices or [0] * len(coords)), V5P)
+  return ici.Torus(tuple(dims), tuple(wrap), tuple(coords), V5P, num_slices)
 
 
 def test_links_are_the_published_figures():
@@ -90,14 +88,14 @@ def test_collective_permute_routes_each_pair():
   assert ici.collective_seconds(t, "collective-permute", None, b, pairs) == pytest.approx(2 * b / W + 2 * LAT)
 
 
-def test_a_group_over_two_slices_adds_its_dcn_share():
-  """Two slices of a ring of 4 each, one group of 8: the in-slice ring (a line of 4: 3/4 V at one link) and
-  (m - 1) / m of V / 4 a chip over the chip's DCN share, one more step."""
-  base = torus((4,), (False,))
-  t = ici.Torus(base.dims, base.wrap, base.coords * 2, (0,) * 4 + (1,) * 4, V5P)
-  v = 8e6
-  want = 3 / 4 * v / W + 1 / 2 * v / 4 / V5P.dcn_bytes_per_s + 4 * LAT
-  assert ici.collective_seconds(t, "all-gather", [list(range(8))], v) == pytest.approx(want)
+def test_cross_slice_transfers_at_the_chips_dcn_share():
+  """4 slices: an all-reduce of a chip's 8 MB shard over them moves 2 x 3/4 of it over the chip's 50 Gbps."""
+  t = torus((4,), (False,), num_slices=4)
+  wire, seconds = ici.dcn_seconds(t, "ALL_REDUCE", 8e6)
+  assert wire == 2 * 3 / 4 * 8e6 and seconds == pytest.approx(wire / (50e9 / 8))
+  assert ici.dcn_seconds(t, "ALL_GATHER", 8e6)[0] == 3 * 8e6
+  with pytest.raises(ValueError, match="transfer type 'BROADCAST'"):
+    ici.dcn_seconds(t, "BROADCAST", 1.0)
 
 
 def test_bad_groups_are_named():
@@ -184,9 +182,9 @@ def test_schedule_overlaps_only_what_the_program_overlaps(overlap):
 def test_a_generation_without_figures_is_named():
   with pytest.raises(ValueError, match="TPU generation 'v7x' has no peaks"):
     hlo_cost.Chip.of("v7x")
-  t = ici.Torus((4,), (False,), ((0,), (1,), (2,), (3,)) * 2, (0,) * 4 + (1,) * 4, ici.LINKS["v4"])
+  t = ici.Torus((4,), (False,), ((0,), (1,), (2,), (3,)), ici.LINKS["v4"], num_slices=2)
   with pytest.raises(ValueError, match="crosses slices but this generation has no DCN bandwidth"):
-    ici.collective_seconds(t, "all-reduce", [list(range(8))], 1e6)
+    ici.dcn_seconds(t, "ALL_REDUCE", 1e6)
 
 
 def test_a_program_on_another_number_of_chips_is_refused():
