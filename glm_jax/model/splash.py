@@ -65,21 +65,24 @@ def causal_attention(q_BTHP: jax.Array, k_BTHP: jax.Array, v_BTHO: jax.Array, se
   return heads_first(o).astype(v_BTHO.dtype)
 
 
-def grid_cost(kernel: str, batch_heads: int, seq_len: int, p: int, o: int, itemsize: int) -> tuple[float, float]:
+def grid_cost(kernel: str, batch_heads: int, seq_len: int, p: int, o: int, itemsize: int, *,
+              block: int | None = None) -> tuple[float, float]:
   """(matmul FLOPs, HBM bytes) of one splash call as its grid runs the causal mask (a host-side count for cost
-  reports; jax's splash declares no cost_estimate). Of the n x n blocks (n = seq_len / block) it visits the
-  n (n + 1) / 2 on or below the diagonal, each a full block x block product; segment masks are applied inside a
-  block, so they skip nothing. kernel "fwd": scores (P) and p v (O); "dkv", the fused backward: scores again (P),
-  dp (O), dq, dk (P each) and dv (O). Bytes, approximately: fwd reads q once, k and v once a visited block, writes
-  o; dkv reads q and do once a visited block, k and v once, and writes dq, dk, dv."""
-  block = block_size(seq_len)
+  reports; jax's splash declares no cost_estimate). Of the n x n blocks (n = seq_len / block; block: ours,
+  block_size, unless given) it visits the n (n + 1) / 2 on or below the diagonal, each a full block x block
+  product; segment masks are applied inside a block, so they skip nothing. kernel "fwd": scores (P) and p v (O);
+  "dkv", the fused backward: scores again (P), dp (O), dq, dk (P each) and dv (O); with the backward split in two
+  kernels (splash's use_fused_bwd_kernel=False, as MaxText runs it), "dkv_no_dq": scores, dp, dk, dv, and "dq":
+  scores, dp, dq. Bytes, approximately: fwd reads q once, k and v once a visited block, writes o; the backward
+  kernels read q and do once a visited block, k and v once, and write their gradients."""
+  block = block or block_size(seq_len)
   active = batch_heads * (seq_len // block) * (seq_len // block + 1) // 2
+  products = {"fwd": p + o, "dkv": 3 * p + 2 * o, "dkv_no_dq": 2 * p + 2 * o, "dq": 2 * p + o}
+  if kernel not in products:
+    raise ValueError(f"splash grid_cost: kernel={kernel!r}; one of {sorted(products)}")
+  flops = active * 2.0 * block * block * products[kernel]
   if kernel == "fwd":
-    flops = active * 2.0 * block * block * (p + o)
     moved = batch_heads * seq_len * (p + o) + active * block * (p + o)
-  elif kernel == "dkv":
-    flops = active * 2.0 * block * block * (3 * p + 2 * o)
-    moved = active * block * (p + o) + batch_heads * seq_len * (3 * p + 2 * o)
   else:
-    raise ValueError(f"splash grid_cost: kernel={kernel!r}; 'fwd' or 'dkv'")
+    moved = active * block * (p + o) + batch_heads * seq_len * products[kernel]
   return flops, float(moved * itemsize)

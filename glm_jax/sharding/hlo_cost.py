@@ -75,9 +75,16 @@ CLOCK_HZ: dict[str, float] = {
 }
 UNKNOWN_CYCLES = (1 << 63) - 1  # XLA's "no estimate"
 
-# The model's estimate of a measured run against its measured step time (experiments/calibrate_maxtext.py): a
-# pod figure's calibrated step is its scheduled estimate times realism_factor. None until a calibration is made.
-CALIBRATION: dict | None = None
+# The model against a measured run (experiments/calibrate_maxtext.py): a pod figure's calibrated step is its
+# scheduled estimate times realism_factor. The run: MaxText's DeepSeek-V3 671B recipe on v5p-1024
+# (AI-Hypercomputer/tpu-recipes, training/v5p/DeepSeek3-671B-MaxText: 90.7 s a step at 6 x 8192 tokens a chip),
+# compiled with MaxText 0.2.5 at 5 sequences a chip (6 no longer fits at compile time), its measured time scaled
+# by 5/6 to 75.58 s; the model's scheduled step of that program is 58.11 s (serial 67.99 s).
+CALIBRATION: dict | None = {
+    "realism_factor": 1.3008,
+    "measured_seconds": 75.583, "model_scheduled_seconds": 58.106, "model_serial_seconds": 67.993,
+    "source": "experiments/calibrate_maxtext.py on MaxText 0.2.5's DeepSeek-V3 671B v5p-1024 recipe (batch 5 of 6)",
+}
 
 # Roofline time / XLA:TPU's estimate, for ops XLA gives no estimate of (Pallas kernels, fusions with the sentinel):
 # the means experiments/xla_op_efficiency.py printed on v5p (libtpu 0.0.42.1) over 16 bf16 matmuls of 2048 to 16384
@@ -528,6 +535,12 @@ def _channel(ins: _Instr) -> str | None:
   return m.group(1) if m else None
 
 
+def _called_list(ins: _Instr) -> list[str]:
+  """The computations of a `called_computations={%a, %b}` attribute."""
+  m = re.search(r"\bcalled_computations=\{([^}]*)\}", ins.attrs)
+  return [n.strip().lstrip("%") for n in m.group(1).split(",")] if m else []
+
+
 def _inner_collectives(comp: str, comps, seen=None) -> list[tuple[_Instr, list[_Instr]]]:
   """The collective instructions inside a fused computation (and its nested fusions), each with its computation."""
   seen = seen if seen is not None else set()
@@ -606,8 +619,16 @@ def program_ops(text: str, *, kernel_model: KernelModel | None = None, ragged_ro
         modeled = kernel_model(source, ins, by_name) if kernel_model else None
         if modeled is not None:
           flops, moved, note = modeled
+      elif ins.opcode == "custom-call-start":  # an async op on another core (SparseCore): a collective it runs
+        collectives = [c for name in _called_list(ins) for c in _inner_collectives(name, comps)]
+        moved = 0.0
       elif ins.opcode.endswith("-start") and ins.opcode not in COLLECTIVES:  # copy-start: (dst, src, context)
         moved = 2 * max((nbytes([s]) for s in ins.shapes), default=0.0)
+      elif ins.opcode == "custom-call-update" and ins.operands:  # feeds the async op its operands
+        start = next((o for o in reversed(ops) if o.name == ins.operands[0] and o.computation == comp), None)
+        ops.append(Op(ins.name, ins.opcode, start.kind if start else "custom-call", source, 0.0, 0.0, runs=times,
+                      computation=comp, collective=start.collective if start else "", costed=chip is not None))
+        continue
       elif ins.opcode in ("send", "recv") and "_xla_megascale_transfer_type" in ins.attrs:
         ops.append(_dcn_op(ins, comp, times, source, seen_channels, by_name, chip))
         continue
@@ -689,7 +710,7 @@ def _add_collective(op: Op, ins: _Instr, collectives, seen: dict[str, list[Op]],
   # A new logical collective (jax's channel ids repeat, e.g. shard_map's psums cloned by XLA).
   op.collective = channel if chain is None else f"{channel}.{op.name}"
   seen[channel] = [op]
-  op.role = "sync" if not ins.opcode.endswith("-start") else "start"
+  op.role = "start" if ins.opcode.endswith("-start") else "sync"
   kind = _collective_kind(inner, comp)
   op.kind = kind if op.opcode != "fusion" or not op.flops else f"{kind} + matmul"
   size = _collective_bytes(inner, kind, by_name)
@@ -739,7 +760,8 @@ def schedule(text: str, ops: list[Op], chip: Chip) -> dict[str, float]:
       interconnect queue at its start and holds compute only at its done, until it has finished: the ops between
       overlap with it; a done whose start is not in the same computation (a loop-carried collective) ends one
       that started with the computation;
-    - an async copy (copy-start / copy-done) runs on the copy engine at HBM bandwidth, a cross-slice transfer
+    - an async copy (copy-start / copy-done, dynamic-slice-start / -done, ...: moves between memory spaces,
+      host offload included) runs on the copy engine at HBM bandwidth, a cross-slice transfer
       (send / recv to the DCN runtime, ended by its send-done / recv-done) on the data-center network's queue;
     - a while loop takes its trip count times its body (and condition), a call its computation, a conditional its
       longest branch.
@@ -785,12 +807,12 @@ def schedule(text: str, ops: list[Op], chip: Chip) -> dict[str, float]:
       compute, wire = op.compute_seconds / runs, op.wire_seconds / runs
       if op.role == "done":  # a *-done: its start is its operand
         started = index.get((comp, op.collective))
-        if started is not None and started.opcode == "copy-start":
+        if started is not None and not started.collective and started.opcode.endswith("-start"):
           t = max(t, pending.pop(started.name, t))
         else:
           finish(started.collective if started is not None and started.collective else op.collective)
-      elif op.opcode == "copy-start":
-        begin = max(t, dma_free)
+      elif op.opcode.endswith("-start") and not op.collective and op.opcode != "custom-call-start":
+        begin = max(t, dma_free)  # copy-start, dynamic-slice-start, ...: a DMA beside compute
         dma_free = pending[op.name] = begin + op.bytes / runs / chip.peaks.hbm_bytes_per_s
       elif op.role == "sync":
         begin = max(t, ici_free)

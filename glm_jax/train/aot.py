@@ -213,20 +213,25 @@ def moe_real_rows(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, ro
   raise ValueError(f"routing={routing!r}; one of {ROUTINGS}")
 
 
-def _megablox_model(real_rows: int, routing: str):
+def kernel_model(real_rows: int, routing: str, *, splash_block: int | None = None, split_backward: bool = False):
   """hlo_cost's kernel model: megablox's calls as their grid runs with `real_rows` rows (at most the buffer)
-  spread evenly over the groups; splash's (which declare no cost) as their causal grid runs."""
+  spread evenly over the groups; splash's (which declare no cost) as their causal grid runs, in blocks of
+  splash_block (ours, splash.block_size, when None); split_backward: the backward is splash's two kernels (dkv
+  without dq, and dq), as MaxText runs it, rather than our fused one."""
 
   def model(source, ins, by_name):
-    splash_kernel = re.match(r"splash_mha_(fwd|dkv)_", ins.name)
+    splash_kernel = re.search(r"splash_mha_(fwd|dkv|dq)_", ins.name) or re.search(r"/splash_mha_(fwd|dkv|dq)_",
+                                                                                      source)
     if splash_kernel:  # q, k [(b,) H, T, P] and v [(b,) H, T, O] are its first float operands (b: under vmap)
       qkv = [s for s in (by_name[o].shapes[0] for o in ins.operands if o in by_name and by_name[o].shapes)
              if s[0] in ("bf16", "f32") and len(s[1]) in (3, 4)][:3]
       if len(qkv) < 3:
         return None  # not the layout this model knows: the kernel's declared cost (none) stands
       (dtype, q), v = qkv[0], qkv[2][1]
-      flops, moved = splash.grid_cost(splash_kernel.group(1), math.prod(q[:-2]), q[-2], q[-1], v[-1],
-                                      int(hlo_cost.nbytes([(dtype, ())])))
+      kind = splash_kernel.group(1)
+      kind = "dkv_no_dq" if kind == "dkv" and split_backward else kind
+      flops, moved = splash.grid_cost(kind, math.prod(q[:-2]), q[-2], q[-1], v[-1],
+                                      int(hlo_cost.nbytes([(dtype, ())])), block=splash_block)
       return flops, moved, "causal blocks"
     kernel = re.search(r"jit\((t?gmm)\)/pallas_call", source)
     if not kernel:
@@ -278,7 +283,7 @@ def cost_report(config: ml_collections.ConfigDict, devices: Sequence[Any], depth
                             "calibration": calibration, "routings": {}}
   for routing in ROUTINGS:
     rows = moe_real_rows(config, mesh, routing)
-    ops = {k: hlo_cost.program_ops(text, kernel_model=_megablox_model(rows, routing),
+    ops = {k: hlo_cost.program_ops(text, kernel_model=kernel_model(rows, routing),
                                    ragged_rows=lambda ins, rows=rows: rows, chip=chip)
            for k, (_, text) in depths["programs"].items()}
     sums = {k: dict(hlo_cost.summarize(v), scheduled_seconds=hlo_cost.schedule(depths["programs"][k][1], v, chip)[

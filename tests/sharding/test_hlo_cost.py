@@ -289,6 +289,11 @@ def test_tpu_tiling_and_splash_grid_by_hand():
   assert flops == 128 * 36 * 2 * 512 * 512 * (256 + 256)
   flops, _ = splash.grid_cost("dkv", 128, 4096, 256, 256, 2)
   assert flops == 128 * 36 * 2 * 512 * 512 * (3 * 256 + 2 * 256)
+  # MaxText's split backward with blocks of 2048 at 8192 tokens: 4 x 5 / 2 = 10 blocks; P = 192, O = 128
+  flops, _ = splash.grid_cost("dkv_no_dq", 128, 8192, 192, 128, 2, block=2048)
+  assert flops == 128 * 10 * 2 * 2048 * 2048 * (2 * 192 + 2 * 128)
+  flops, _ = splash.grid_cost("dq", 128, 8192, 192, 128, 2, block=2048)
+  assert flops == 128 * 10 * 2 * 2048 * 2048 * (2 * 192 + 128)
 
 
 @needs_libtpu
