@@ -47,7 +47,9 @@ layout under a mesh: glm_jax/inference/aot.py):
   max_cache_len_at_batch, max_batch_at_cache_len the cache the decode step's headroom still holds (its
                       temporaries taken as fixed)
   decode_step, roofline_ms_per_token, tokens_per_s   the compiled decode program op by op (hlo_cost): FLOPs, HBM
-                      and ICI bytes, roofline time of a step (one token a row), tokens a second over the batch
+                      and ICI bytes, the scheduled time of a step (one token a row; serial_ms_per_token: every op
+                      one after another; calibrated_ms_per_token: x hlo_cost.CALIBRATION's factor, which was
+                      measured on a training step), tokens a second over the batch
   weights_and_cache_read_ms   the floor: one chip's weights and cache read once at the HBM's bandwidth
   speculative (--speculate=k)  a round's programs compiled too (the verification of k + 1 tokens a row, an MTP draft
                       step, the MTP rewrite of k slots): their roofline ms, a round's (verify + k drafts + rewrite),
@@ -55,6 +57,7 @@ layout under a mesh: glm_jax/inference/aot.py):
                       a second than plain decoding when the acceptance length exceeds it
 """
 
+import json
 import os
 import sys
 import time
@@ -74,8 +77,9 @@ _SPECULATE = flags.DEFINE_integer("speculate", 0, "--decode: also compile a spec
                                   "(the verification, a draft step, the MTP rewrite) and report its roofline.")
 _PREFILL_LEN = flags.DEFINE_integer("prefill_len", None, "--decode: prompt tokens a row the prefill compiles for "
                                     "(default min(1024, --cache_len); 0: no prefill).")
-_HLO_DIR = flags.DEFINE_string("hlo_dir", None, "--flops: keep the shallow copies' compiled HLO in this folder, and "
-                                "reuse them when it already holds them (the cost model run again without compiling).")
+_HLO_DIR = flags.DEFINE_string("hlo_dir", None, "--flops: keep the shallow copies' compiled HLO and the step's memory "
+                                "report in this folder, and reuse them when it holds them (the cost model again, no "
+                                "compile).")
 _FLOPS = flags.DEFINE_bool("flops", False, "Also count the compiled step's cost at full depth: FLOPs, bytes, a "
                            "roofline time and MFU (four more, shallow, unrolled compiles; aot.cost_report; minutes "
                            "for glm5_744b).")
@@ -104,8 +108,15 @@ def main(argv):
     t0 = time.perf_counter()
     devices = topology.tpu_topology_devices(topo.name, num_slices=_NUM_SLICES.value)
     topology_seconds = time.perf_counter() - t0
+    saved = os.path.join(_HLO_DIR.value, "step_report.json") if _HLO_DIR.value else None
+    if _FLOPS.value and saved and os.path.exists(saved):  # compiled before: the cost model again, no compile
+      with open(saved) as f:
+        report = json.load(f)
+      report["cost"] = aot.cost_report(config, devices, aot.load_depths(_HLO_DIR.value))
+      print(strict_json.dumps(report), flush=True)
+      sys.exit(0 if report["fits"] else 1)
     result = aot.compile_train_step(config, devices)
-    flops = cost = None
+    depths = flops = None
     if _FLOPS.value and result.compiled is not None:
       if _HLO_DIR.value and os.path.exists(os.path.join(_HLO_DIR.value, "index.json")):
         depths = aot.load_depths(_HLO_DIR.value)
@@ -113,17 +124,29 @@ def main(argv):
         depths = aot.compile_depths(config, devices, linearity=True)
         if _HLO_DIR.value:
           aot.save_depths(depths, _HLO_DIR.value)
-      flops, cost = aot.extrapolated_flops(config, devices, depths), aot.cost_report(config, devices, depths)
+      flops = aot.extrapolated_flops(config, devices, depths)
+    report = step_memory_report(config, topo, devices, result, flops, topology_seconds)
+    if depths is not None:
+      if saved:
+        with open(saved, "w") as f:
+          f.write(strict_json.dumps(report))
+      report["cost"] = aot.cost_report(config, devices, depths)
   except (ValueError, ModuleNotFoundError) as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
+  print(strict_json.dumps(report), flush=True)
+  sys.exit(0 if report["fits"] else 1)
+
+
+def step_memory_report(config, topo, devices, result, flops, topology_seconds) -> dict:
+  """The JSON line's sizes, FLOPs and per-chip memory (all but "cost")."""
+  from glm_jax.sharding import topology
+  from glm_jax.train import aot
 
   gen = topo.generation.name
   report = {"topology": topo.name, "num_slices": _NUM_SLICES.value, "chips": len(devices),
             "device_kind": devices[0].device_kind}
   report.update(aot.step_report(config, result, flops))
-  if cost is not None:
-    report["cost"] = cost
   report["topology_seconds"] = round(topology_seconds, 1)
   usable = topology.HBM_USABLE_BYTES[gen]
   report["hbm_bytes"] = topology.HBM_BYTES[gen]
@@ -138,8 +161,7 @@ def main(argv):
   else:
     report["fits"] = False
     report["error"] = result.error.strip().splitlines()[0][:2000] if result.error else "compile failed"
-  print(strict_json.dumps(report), flush=True)
-  sys.exit(0 if report["fits"] else 1)
+  return report
 
 
 def decode(config, topo):

@@ -211,6 +211,8 @@ def decode_report(result: CompiledServing, usable_bytes: int) -> dict[str, Any]:
       seconds = step["scheduled_seconds"]
       report["roofline_ms_per_token"] = round(seconds * 1e3, 3)  # each row gets one token a step
       report["serial_ms_per_token"] = round(step["seconds"] * 1e3, 3)
+      if hlo_cost.CALIBRATION:  # measured on a training step; decoding's ops are smaller
+        report["calibrated_ms_per_token"] = round(seconds * hlo_cost.CALIBRATION["realism_factor"] * 1e3, 3)
       report["tokens_per_s"] = round(b / seconds, 1)
       report["weights_and_cache_read_ms"] = round(
           (result.weight_bytes_per_chip + result.cache_bytes_per_chip) / peaks.hbm_bytes_per_s * 1e3, 3)

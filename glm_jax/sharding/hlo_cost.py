@@ -247,7 +247,7 @@ def num_partitions(text: str) -> int:
 
 
 _IOTA_GROUPS = re.compile(r"\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
-_IOTA_LIST = re.compile(r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+_IOTA_LIST = re.compile(r"\[([\d,]+)\](?:<=\[([\d,]+)\])?(?:T\(([\d,]+)\))?")  # [dims](<=[reshape])?T(perm)
 _AXIS_REF = re.compile(r"'([^']*)'(?::\((\d+)\)(\d+))?")
 
 
@@ -271,14 +271,14 @@ def _mesh_groups(text: str, where: str) -> list[list[int]]:
   """Groups of the `mesh['a'=4,'b'=2](, device_ids=(...))? {'a','b':(1)2}` form: the devices laid out as the mesh
   (row-major, or as device_ids lists them), and a group for every position of the axes not named, over the named
   ones (a sub-axis 'b':(pre)size is the middle part of b reshaped to [pre, size, rest])."""
-  m = re.match(r"mesh\[([^\]]*)\](?:,\s*device_ids=\(([^)]*)\))?\s*\{([^}]*)\}", text)
+  m = re.match(r"mesh\[([^\]]*)\](?:,\s*device_ids=\((.*?)\))?\s*\{([^}]*)\}", text)
   if not m:
     raise ValueError(f"{where}: replica_groups={text[:120]!r} is not a mesh form the cost model reads")
   axes = [(name, int(size)) for name, size in re.findall(r"'([^']*)'=(\d+)", m.group(1))]
   total = math.prod(size for _, size in axes)
   if m.group(2):
     listed = _IOTA_LIST.fullmatch(m.group(2).strip())
-    devices = (_iota(listed.group(2), listed.group(3)).reshape(-1) if listed
+    devices = (_iota(listed.group(2) or listed.group(1), listed.group(3)).reshape(-1) if listed
                else np.array([int(d) for d in m.group(2).split(",")]))
   else:
     devices = np.arange(total)

@@ -303,18 +303,18 @@ def cost_report(config: ml_collections.ConfigDict, devices: Sequence[Any], depth
               for key, vals in sorted(rows_.items(), key=lambda kv: -abs(kv[1]["seconds"]))[:top]]
 
     seconds = step["scheduled_seconds"]
+    factor = calibration["realism_factor"] if calibration else None
+    sig = lambda v: float(f"{v:.5g}")
     entry = {
         "moe_real_rows_per_device": rows,
         "per_device_step": {k: float(f"{v:.4g}") for k, v in step.items()},
-        "estimated_step_seconds": round(seconds, 4),
-        "serial_step_seconds": round(step["seconds"], 4),
-        "calibrated_step_seconds": round(seconds * calibration["realism_factor"], 4) if calibration else None,
-        "estimated_mfu": round(useful / (chips * peaks.bf16_flops * seconds), 4),
-        "calibrated_mfu": (round(useful / (chips * peaks.bf16_flops * seconds * calibration["realism_factor"]), 4)
-                           if calibration else None),
-        "tokens_per_s_per_chip": round(b * t / seconds / chips, 1),
-        "calibrated_tokens_per_s_per_chip": (round(b * t / seconds / chips / calibration["realism_factor"], 1)
-                                             if calibration else None),
+        "estimated_step_seconds": sig(seconds),
+        "serial_step_seconds": sig(step["seconds"]),
+        "calibrated_step_seconds": sig(seconds * factor) if factor else None,
+        "estimated_mfu": sig(useful / (chips * peaks.bf16_flops * seconds)),
+        "calibrated_mfu": sig(useful / (chips * peaks.bf16_flops * seconds * factor)) if factor else None,
+        "tokens_per_s_per_chip": sig(b * t / seconds / chips),
+        "calibrated_tokens_per_s_per_chip": sig(b * t / seconds / chips / factor) if factor else None,
         "compiled_over_analytic_step": round(step["flops"] * chips / full_analytic, 3),
         "compiled_over_useful_step": round(step["flops"] * chips / useful, 3),
         "per_moe_layer": dict({k: float(f"{v:.4g}") for k, v in s_moe.items()}, analytic_flops=float(f"{a_moe:.4g}"),

@@ -122,6 +122,8 @@ def _ins(attrs, opcode="all-gather"):
     ("replica_groups=mesh['a'=2,'b'=2] {'b'}, dimensions={1}", [[0, 1], [2, 3]]),
     ("replica_groups=mesh['a'=2,'b'=2] {'a'}, dimensions={1}", [[0, 2], [1, 3]]),
     ("replica_groups=mesh['a'=2,'b'=2], device_ids=(0,2,1,3) {'a'}, x", [[0, 1], [2, 3]]),
+    ("replica_groups=mesh['a'=2,'b'=2], device_ids=([2,2]T(1,0)) {'a'}, x", [[0, 1], [2, 3]]),  # iota 0,2,1,3
+    ("replica_groups=mesh['a'=2,'b'=2], device_ids=([4]<=[2,2]T(1,0)) {'b'}, x", [[0, 2], [1, 3]]),
     ("replica_groups=mesh['a'=4] {'a':(1)2}, x", [[0, 2], [1, 3]]),  # the major half of a: positions 0/2, 1/3
     ("replica_groups=mesh['a'=4] {'a':(2)2}, x", [[0, 1], [2, 3]]),
     ("replica_groups=mesh['a'=2,'b'=2] {'b','a'}, x", [[0, 2, 1, 3]]),
