@@ -29,6 +29,9 @@ ROWS = {
     "128k_warmup": ("configs/glm5_744b_128k.py:warmup", []),
     "200k_sparse": ("configs/glm5_744b_200k.py", []),
     "200k_warmup": ("configs/glm5_744b_200k.py:warmup", []),
+    # 4 slices joined by DCN: the data axis across them, each slice the 4k_dense layout with its own 512 sequences
+    "4k_dense_4slices": ("configs/glm5_744b.py", ["--config.optimizer.name=adamw", "--num_slices=4",
+                                                  "--config.data.batch_size=2048"]),
 }
 
 _ROWS = flags.DEFINE_list("rows", list(ROWS), f"Rows to compile, of {list(ROWS)}.")
