@@ -238,7 +238,7 @@ def test_a_scanned_layer_moves_its_slice_of_the_stack(platform):
 
 @needs_libtpu
 @pytest.mark.slow  # four unrolled TPU compiles of the tiny train step and a scanned one
-def test_cost_report_of_the_expert_parallel_step():
+def test_cost_report_of_the_expert_parallel_step(tmp_path):
   """glm5_tiny at 4 layers (1 dense, 3 MoE) on 4 chips (expert 4, AdamW): a dense layer's compiled matmul FLOPs are
   the analytic count, the MoE layer's kernels are counted by their grids, and the depth extrapolation from the
   1+1, 2+1 and 1+2-layer copies is linear: it equals the unrolled full depth (the 1+3 copy) both in XLA's count
@@ -268,6 +268,14 @@ def test_cost_report_of_the_expert_parallel_step():
   balanced = report["routings"]["balanced"]
   assert np.isfinite(balanced["estimated_mfu"]) and balanced["estimated_step_seconds"] <= balanced["serial_step_seconds"]
   assert balanced["linearity"]["scheduled_seconds_rel_error"] < 0.05, balanced["linearity"]
+  # MFU over the useful-work numerator on 4 chips' peaks; the calibrated step is the scheduled one x the factor
+  assert balanced["estimated_mfu"] == pytest.approx(
+      report["useful_flops_per_step"] / (4 * 459e12 * balanced["estimated_step_seconds"]), rel=1e-3)
+  assert balanced["calibrated_step_seconds"] == pytest.approx(
+      balanced["estimated_step_seconds"] * hlo_cost.CALIBRATION["realism_factor"], rel=1e-3)
+  # The programs kept (launch/compile.py --hlo_dir) give the same report without compiling.
+  aot.save_depths(depths, str(tmp_path))
+  assert aot.cost_report(config, devices, aot.load_depths(str(tmp_path)), top=1000) == report
 
   flops = aot.extrapolated_flops(config, devices, depths)
   exact = depths["programs"][(1, 3)][0]  # XLA's count of the unrolled full depth

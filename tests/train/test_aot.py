@@ -89,33 +89,6 @@ def test_compile_prints_one_json_line_that_fits():
     assert compare(3 * shard_bytes(batch, tiled), b["arguments"] - b["aliased"]), (tiled, b)
 
 
-@needs_libtpu
-@pytest.mark.slow  # the train step and its four shallow copies compiled for TPU
-def test_flops_report_and_its_rerun_from_the_kept_programs(tmp_path):
-  """--flops --hlo_dir: the cost report (scheduled <= serial step, MFU over the useful numerator, the calibrated
-  step = scheduled x CALIBRATION's factor); run again on the same folder it is the same report, made from the kept
-  programs and memory report without compiling."""
-  from glm_jax.sharding import hlo_cost
-
-  args = ["--config=configs/glm5_tiny.py", "--topology=v5p:2x2x1", "--config.mesh.fsdp=2", "--config.mesh.expert=2",
-          "--config.data.seq_len=64", "--config.data.batch_size=8", "--config.optimizer.name=adamw", "--flops",
-          f"--hlo_dir={tmp_path}"]
-  first = run_compile(*args)
-  assert first.returncode == 0, first.stderr[-3000:]
-  assert sorted(os.listdir(tmp_path)) == sorted(["index.json", "step_report.json", "1+1.hlo.txt.gz", "2+1.hlo.txt.gz",
-                                                 "1+2.hlo.txt.gz", "1+3.hlo.txt.gz"])
-  report = json.loads(first.stdout.strip().splitlines()[-1])
-  entry = report["cost"]["routings"]["balanced"]
-  assert entry["estimated_step_seconds"] <= entry["serial_step_seconds"]
-  assert entry["calibrated_step_seconds"] == pytest.approx(
-      entry["estimated_step_seconds"] * hlo_cost.CALIBRATION["realism_factor"], rel=1e-3)
-  useful = report["cost"]["useful_flops_per_step"]
-  assert entry["estimated_mfu"] == pytest.approx(useful / (4 * 459e12 * entry["estimated_step_seconds"]), rel=1e-3)
-  again = run_compile(*args)
-  assert again.returncode == 0, again.stderr[-3000:]
-  assert json.loads(again.stdout.strip().splitlines()[-1]) == report
-
-
 @pytest.mark.parametrize("args, message", [
     (["--topology=v9z:2x2"], r"unknown TPU topology 'v9z:2x2'"),
     (["--topology=v5p:2x2x1", "--config.mesh.fsdp=3"], r"mesh: .*'fsdp': 3.* multiplies to 3, but there are 4 "
