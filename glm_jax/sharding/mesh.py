@@ -86,7 +86,8 @@ def make_mesh(mesh_cfg: Mapping[str, int], devices: Sequence[Any] | None = None)
   from jax.experimental import mesh_utils
 
   devices = list(jax.devices() if devices is None else devices)
-  slices = len({getattr(d, "slice_index", 0) or 0 for d in devices})
+  # TPU slices only: a multi-process CPU job may number its processes' devices as slices too.
+  slices = len({getattr(d, "slice_index", 0) or 0 for d in devices}) if devices[0].platform == "tpu" else 1
   if slices > 1:
     if len(devices) % slices:
       raise ValueError(f"mesh: {len(devices)} devices do not split evenly over {slices} slices")
