@@ -246,7 +246,6 @@ def num_partitions(text: str) -> int:
   return int(m.group(1)) if m else 1
 
 
-_IOTA_GROUPS = re.compile(r"\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
 _IOTA_LIST = re.compile(r"\[([\d,]+)\](?:<=\[([\d,]+)\])?(?:T\(([\d,]+)\))?")  # [dims](<=[reshape])?T(perm)
 _AXIS_REF = re.compile(r"'([^']*)'(?::\((\d+)\)(\d+))?")
 
@@ -331,11 +330,11 @@ def replica_groups(ins: _Instr, partitions: int) -> list[list[int]]:
     groups = [[int(x) for x in g.split(",") if x.strip()] for g in re.findall(r"\{([\d,\s]*)\}", body[1:-1])]
     return groups or [list(range(partitions))]
   if text.startswith("["):
-    iota = _IOTA_GROUPS.match(text)
-    if not iota:
+    iota = _IOTA_LIST.match(text)
+    dims = [int(d) for d in iota.group(1).split(",")] if iota else []
+    if len(dims) != 2 or not iota.group(2):
       raise ValueError(f"{where}: replica_groups={text[:120]!r} is not an iota form the cost model reads")
-    g, size = int(iota.group(1)), int(iota.group(2))
-    return _iota(iota.group(3), iota.group(4)).reshape(g, size).tolist()
+    return _iota(iota.group(2), iota.group(3)).reshape(dims).tolist()
   if text.startswith("mesh["):
     return _mesh_groups(text, where)
   raise ValueError(f"{where}: replica_groups={text[:120]!r} is a syntax the cost model does not read")

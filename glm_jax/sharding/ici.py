@@ -157,7 +157,6 @@ class GroupShape:
   size: int  # chips a group
   ring_loads: tuple[float, ...]  # per ring: the busiest link's load for one unit a ring step
   ring_sizes: tuple[int, ...]  # per ring: chips on it
-  product: bool
 
 
 @functools.lru_cache(maxsize=256)
@@ -178,9 +177,9 @@ def _group_shape(torus: Torus, groups: tuple[tuple[int, ...], ...]) -> GroupShap
       if n > 1:
         loads.append(_ring_load(torus, rings))
         sizes.append(n)
-    return GroupShape(size, tuple(loads), tuple(sizes), True)
+    return GroupShape(size, tuple(loads), tuple(sizes))
   rings = [[torus.coords[p] for p in g] for g in groups]
-  return GroupShape(size, (_ring_load(torus, rings),), (size,), False)
+  return GroupShape(size, (_ring_load(torus, rings),), (size,))
 
 
 def _p2p_seconds(torus: Torus, pairs: Sequence[tuple[int, int, float]]) -> tuple[float, int]:
