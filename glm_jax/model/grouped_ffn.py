@@ -24,11 +24,15 @@ from glm_jax.quant.packed import PackedWeight, dequantize_weight, int_grouped_ma
 
 
 def expert_swiglu(xs: jax.Array, group_sizes: jax.Array, gate_EDI: jax.Array, up_EDI: jax.Array,
-                  down_EID: jax.Array, dtype: jnp.dtype, out_dtype: jnp.dtype = jnp.float32) -> jax.Array:
+                  down_EID: jax.Array, dtype: jnp.dtype, out_dtype: jnp.dtype = jnp.float32, *,
+                  zero_past: bool = True) -> jax.Array:
   """Row m through the SwiGLU expert of its group (rows sorted by expert; rows past the last group give 0), one
   grouped matmul per projection, matmuls in `dtype` accumulated in fp32; the result in out_dtype (fp32 by default;
   `dtype` when the rows travel on in `dtype` anyway, which also keeps their gradient in `dtype`). When traced for
-  the CPU the three projections run tile by tile in one loop (tiled_swiglu.py), the same products."""
+  the CPU the three projections run tile by tile in one loop (tiled_swiglu.py), the same products.
+  zero_past=False: rows past the last group, of the result and of xs's gradient, may be undefined (on TPU no pass
+  zeroes them), for a caller that never reads them; rows of xs past the last group may then hold anything, NaN
+  included, without reaching the other rows or the weight gradients."""
   if isinstance(gate_EDI, PackedWeight):
     if gate_EDI.act_bits is not None:
       return _int_expert_swiglu(xs, group_sizes, gate_EDI, up_EDI, down_EID, dtype, out_dtype)
@@ -38,7 +42,7 @@ def expert_swiglu(xs: jax.Array, group_sizes: jax.Array, gate_EDI: jax.Array, up
     return tiled_swiglu(xs, group_sizes, gate_EDI, up_EDI, down_EID, jnp.dtype(dtype), jnp.dtype(out_dtype))
 
   def gmm(a, w, out=jnp.float32):
-    return grouped_matmul(a, w.astype(dtype), group_sizes, preferred_element_type=out)
+    return grouped_matmul(a, w.astype(dtype), group_sizes, preferred_element_type=out, zero_past=zero_past)
 
   h = (jax.nn.silu(gmm(xs, gate_EDI)) * gmm(xs, up_EDI)).astype(dtype)
   return gmm(h, down_EID, out_dtype)

@@ -45,29 +45,33 @@ def tpu_tiling(k: int, n: int) -> tuple[int, int, int]:
 
 
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
-                   preferred_element_type: jnp.dtype = jnp.float32) -> jax.Array:
-  """jax.lax.ragged_dot(x [rows, in], w [groups, in, out], group_sizes [groups]) -> [rows, out], by backend."""
+                   preferred_element_type: jnp.dtype = jnp.float32, *, zero_past: bool = True) -> jax.Array:
+  """jax.lax.ragged_dot(x [rows, in], w [groups, in, out], group_sizes [groups]) -> [rows, out], by backend.
+  zero_past=False: the rows past the last group (in y and in dx) may be left undefined where that saves a pass
+  over them (megablox leaves them unwritten), for a caller that never reads them."""
   platform = current_platform()
   if platform == "cpu":
     return tiled_grouped_matmul(x, w, group_sizes, CPU_TILE, jnp.dtype(preferred_element_type))
   if platform == "tpu":
-    return megablox_grouped_matmul(x, w, group_sizes, preferred_element_type)
+    return megablox_grouped_matmul(x, w, group_sizes, preferred_element_type, zero_past=zero_past)
   return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=preferred_element_type)
 
 
 def megablox_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
                             preferred_element_type: jnp.dtype = jnp.float32, *,
-                            tiling: tuple[int, int, int] | None = None, interpret: bool = False) -> jax.Array:
+                            tiling: tuple[int, int, int] | None = None, interpret: bool = False,
+                            zero_past: bool = True) -> jax.Array:
   """ragged_dot's result with megablox's gmm / tgmm kernels; interpret=True runs them in Pallas interpret mode (any
   backend). The rows are padded to a whole number of row tiles; rows past the groups, which the kernels leave
-  unwritten (in y and in dx), are set to 0."""
+  unwritten (in y and in dx), are set to 0, or left undefined with zero_past=False (whatever x holds there: tgmm
+  masks the rows it loads with a select, so undefined rows of x or dy never reach dw)."""
   if x.dtype not in (jnp.bfloat16, jnp.float32) or w.dtype not in (jnp.bfloat16, jnp.float32):
     raise ValueError(f"megablox_grouped_matmul: x {x.dtype} and w {w.dtype}; the kernel takes bfloat16 or float32")
   rows = x.shape[0]
   tiling = tiling or tpu_tiling(x.shape[1], w.shape[2])
   pad = -rows % tiling[0]
   y = _megablox(jnp.pad(x, ((0, pad), (0, 0))), w, group_sizes.astype(jnp.int32),
-                jnp.dtype(preferred_element_type), tuple(tiling), interpret)
+                jnp.dtype(preferred_element_type), tuple(tiling), interpret, zero_past)
   return y[:rows]
 
 
@@ -77,22 +81,22 @@ def zero_past_groups(a: jax.Array, group_sizes: jax.Array) -> jax.Array:
   return jnp.where(past.reshape((-1,) + (1,) * (a.ndim - 1)), jnp.zeros((), a.dtype), a)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _megablox(x, w, group_sizes, out_dtype, tiling, interpret):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _megablox(x, w, group_sizes, out_dtype, tiling, interpret, zero_past):
   y = megablox_gmm(x, w, group_sizes, out_dtype, tiling, interpret=interpret)
-  return zero_past_groups(y, group_sizes)
+  return zero_past_groups(y, group_sizes) if zero_past else y
 
 
-def _megablox_fwd(x, w, group_sizes, out_dtype, tiling, interpret):
-  return _megablox(x, w, group_sizes, out_dtype, tiling, interpret), (x, w, group_sizes)
+def _megablox_fwd(x, w, group_sizes, out_dtype, tiling, interpret, zero_past):
+  return _megablox(x, w, group_sizes, out_dtype, tiling, interpret, zero_past), (x, w, group_sizes)
 
 
-def _megablox_bwd(out_dtype, tiling, interpret, res, dy):
+def _megablox_bwd(out_dtype, tiling, interpret, zero_past, res, dy):
   del out_dtype
   x, w, group_sizes = res
   dy = dy.astype(x.dtype)
   dx = megablox_gmm(dy, w, group_sizes, x.dtype, tiling, transpose_rhs=True, interpret=interpret)
-  dx = zero_past_groups(dx, group_sizes)
+  dx = zero_past_groups(dx, group_sizes) if zero_past else dx
   dw = megablox_tgmm(x.swapaxes(0, 1), dy, group_sizes, jnp.float32, tiling, num_actual_groups=w.shape[0],
                      interpret=interpret)
   return dx, dw.astype(w.dtype), None
@@ -183,7 +187,7 @@ def _bwd(tile, out_dtype, res, dy):
 
   def body(dw, visit):
     xs, start = _tile_rows(x_pad, bounds, visit, tile)
-    dys = jax.lax.dynamic_slice_in_dim(dy_pad, start, tile, 0).astype(x.dtype)
+    dys = _tile_rows(dy_pad, bounds, visit, tile)[0].astype(x.dtype)  # masked too: rows past the groups may be NaN
     g = visit[1]
     contrib = jnp.dot(xs.T, dys, preferred_element_type=jnp.float32)
     return dw.at[g].add(contrib), None

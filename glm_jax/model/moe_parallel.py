@@ -27,6 +27,8 @@ Buffers (static shapes). Send: the n*K sorted rows. Receive: R rows, the most th
     first (token order within a sender), so R = E_l * cap = c * n*K rows. The pairs past it are dropped (their
     rows stay 0 on the way back) and counted. With c = 1.25 the buffer is 1.25 / P of the dropless one.
 On the CPU emulation the wire carries a [P, C, D] buffer each way (C = the rows one device may send one other).
+Neither the receive buffer nor its gradient is filled (ragged_all_to_all.exchange_rows, `unwritten`): only their
+real rows are ever read, which tests/model/test_moe_parallel.py proves by filling them with NaN instead.
 
 Numerics: rows travel in `dtype` both ways. For dtype float32 the result equals grouped_ffn up to the order of
 the fp32 additions. For bf16 one difference: each expert output row is rounded to bf16 for the return trip
@@ -47,7 +49,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from glm_jax.mesh_axes import BATCH_AXES, EXPERT, TENSOR
 from glm_jax.model.grouped_ffn import expert_capacity, expert_swiglu, grouped_ffn, grouped_ffn_f32
-from glm_jax.model.ragged_all_to_all import exclusive_cumsum, ragged_all_to_all
+from glm_jax.model.ragged_all_to_all import exchange_rows, exclusive_cumsum
 
 __all__ = ["expert_parallel_ffn", "expert_parallel_specs"]
 
@@ -158,16 +160,22 @@ def expert_parallel_ffn(x_ND: jax.Array, w_NX: jax.Array, idx_NX: jax.Array, gat
 
     # Dispatch: slice e of my sorted rows (its first kept[e] pairs) goes to expert e's shard, into expert e's block
     # there after the senders before me: every receiver gets its rows expert-major, ready for the grouped matmul.
-    xs = ragged_all_to_all(x[order // k].astype(dtype), jnp.zeros((rows, d), dtype), sorted_start, kept,
-                           expert_start + before[me], mine(kept_all).reshape(-1), axis_name=expert_axis)
-    out = expert_swiglu(xs, mine(totals), gate, up, down, dtype, out_dtype=dtype)  # [rows, D]
+    # The receive buffer is not filled: its rows past the received ones are read only by the grouped matmuls,
+    # which keep them out of the real rows and the weight gradients (expert_swiglu's zero_past=False). Every sorted
+    # row is sent unless an expert's capacity drops it; a dropped row's gradient must be 0.
+    xs = exchange_rows(x[order // k].astype(dtype), rows, sorted_start, kept, expert_start + before[me],
+                       mine(kept_all).reshape(-1), axis_name=expert_axis, zero_unwritten=False,
+                       zero_unsent=cap is not None)
+    out = expert_swiglu(xs, mine(totals), gate, up, down, dtype, out_dtype=dtype, zero_past=False)  # [rows, D]
 
     # Combine: slice (s, l), the rows sender s sent my expert l, goes back into s's sorted order; a dropped pair's
     # row stays 0. Each token's K rows are then gathered ([n, K, D], in `dtype`) and summed with the gate weights
     # in fp32, so the fp32 work (and the gradient flowing back into the exchanged rows) is n*K rows.
-    back = ragged_all_to_all(out, jnp.zeros((pairs, d), dtype), (mine(expert_start)[None] + mine(before)).reshape(-1),
-                             mine(kept_all).reshape(-1), mine(exclusive_cumsum(all_counts, axis=1)).reshape(-1),
-                             kept, axis_name=expert_axis)
+    # Dropless, every pair's row comes back, so `back` needs no fill; with a capacity a dropped pair's row must be 0.
+    # The rows of `out` past the received ones are not sent back: their gradient is left undefined (see above).
+    back = exchange_rows(out, pairs, (mine(expert_start)[None] + mine(before)).reshape(-1), mine(kept_all).reshape(-1),
+                         mine(exclusive_cumsum(all_counts, axis=1)).reshape(-1), kept, axis_name=expert_axis,
+                         zero_unwritten=cap is not None, zero_unsent=False)
     slot = jnp.zeros((pairs,), jnp.int32).at[order].set(jnp.arange(pairs, dtype=jnp.int32))  # by (token, k)
     rows_NXD = back[slot].reshape(n_loc, k, d)
     y = jnp.einsum("nkd,nk->nd", rows_NXD, w.astype(jnp.float32), preferred_element_type=jnp.float32)

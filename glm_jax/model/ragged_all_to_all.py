@@ -13,16 +13,23 @@ and scatters what it received to the offsets the senders chose. Same values, sam
 autodiff of its gathers and scatters, the TPU one by jax's transpose rule, itself a ragged_all_to_all), P times the
 bytes on the wire. The MoE's dispatch (moe_parallel.py) is written once against this contract, so the CPU tests of
 expert parallelism also test the index arithmetic the TPU program runs.
+
+`exchange_rows` is the collective into a buffer of its own, with a backward of its own: the MoE's receive buffers
+hold the worst case (P x n x K rows, 3 GiB a buffer for glm5_744b) and only their real rows are ever read, so
+neither the buffer nor its gradient need a fill when the caller says so (`unwritten`: jax.lax.empty, XLA's
+AllocateBuffer on TPU; a fill of zeros costs a pass over the buffer, three a MoE layer with full remat).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 
 from glm_jax.model.platform import current_platform
 
-__all__ = ["ragged_all_to_all", "dense_ragged_all_to_all", "exclusive_cumsum"]
+__all__ = ["ragged_all_to_all", "dense_ragged_all_to_all", "exchange_rows", "exclusive_cumsum", "unwritten"]
 
 
 def ragged_all_to_all(operand: jax.Array, output: jax.Array, input_offsets: jax.Array, send_sizes: jax.Array,
@@ -33,6 +40,63 @@ def ragged_all_to_all(operand: jax.Array, output: jax.Array, input_offsets: jax.
   if current_platform() == "tpu":
     return jax.lax.ragged_all_to_all(*args, axis_name=axis_name)
   return dense_ragged_all_to_all(*args, axis_name=axis_name)
+
+
+def unwritten(shape: tuple[int, ...], dtype: jnp.dtype) -> jax.Array:
+  """A buffer whose values are undefined: jax.lax.empty, allocated without a fill on TPU and GPU (zeros on the
+  CPU). For buffers no row of which is read before it is written. The tests swap `_UNWRITTEN` for a NaN fill to
+  prove that (tests/model/test_moe_parallel.py)."""
+  return _UNWRITTEN(tuple(shape), jnp.dtype(dtype))
+
+
+_UNWRITTEN = jax.lax.empty
+
+
+def exchange_rows(operand: jax.Array, rows: int, input_offsets: jax.Array, send_sizes: jax.Array,
+                  output_offsets: jax.Array, recv_sizes: jax.Array, *, axis_name: str, zero_unwritten: bool = True,
+                  zero_unsent: bool = True) -> jax.Array:
+  """ragged_all_to_all(operand, <a new [rows, ...] buffer>, ...), differentiable in `operand`.
+
+  zero_unwritten: rows of the result no slice writes are 0; False: undefined (the buffer is `unwritten`).
+  zero_unsent: the gradient of the rows of `operand` no slice sends is 0; False: undefined, for a caller whose
+  operand rows are all sent or whose unsent rows' gradient is never read. The gradient is the reverse exchange,
+  as jax's transpose rule of ragged_all_to_all computes it, into a buffer filled or not by `zero_unsent`."""
+  return _exchange(operand, input_offsets, send_sizes, output_offsets, recv_sizes,
+                   rows, operand.shape[0], axis_name, zero_unwritten, zero_unsent)
+
+
+def _buffer(shape, dtype, zero: bool) -> jax.Array:
+  return jnp.zeros(shape, dtype) if zero else unwritten(shape, dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
+def _exchange(operand, input_offsets, send_sizes, output_offsets, recv_sizes, rows, operand_rows, axis_name,
+              zero_unwritten, zero_unsent):
+  del operand_rows, zero_unsent
+  out = _buffer((rows,) + operand.shape[1:], operand.dtype, zero_unwritten)
+  return ragged_all_to_all(operand, out, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name=axis_name)
+
+
+def _exchange_fwd(operand, input_offsets, send_sizes, output_offsets, recv_sizes, rows, operand_rows, axis_name,
+                  zero_unwritten, zero_unsent):
+  out = _exchange(operand, input_offsets, send_sizes, output_offsets, recv_sizes, rows, operand_rows, axis_name,
+                  zero_unwritten, zero_unsent)
+  return out, (input_offsets, send_sizes, output_offsets, recv_sizes)
+
+
+def _exchange_bwd(rows, operand_rows, axis_name, zero_unwritten, zero_unsent, res, ct):
+  """Each receiver sends back the rows it got, from where they sit in its buffer (the senders' output offsets,
+  gathered with an all_to_all) to where they came from (the senders' input offsets, likewise)."""
+  del rows, zero_unwritten
+  input_offsets, send_sizes, output_offsets, recv_sizes = res
+  where_received = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)
+  where_sent_from = jax.lax.all_to_all(input_offsets, axis_name, 0, 0, tiled=True)
+  d_operand = ragged_all_to_all(ct, _buffer((operand_rows,) + ct.shape[1:], ct.dtype, zero_unsent), where_received,
+                                recv_sizes, where_sent_from, send_sizes, axis_name=axis_name)
+  return d_operand, None, None, None, None
+
+
+_exchange.defvjp(_exchange_fwd, _exchange_bwd)
 
 
 def exclusive_cumsum(a: jax.Array, axis: int = -1) -> jax.Array:

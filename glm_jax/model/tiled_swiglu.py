@@ -10,8 +10,9 @@ loops a MoE layer where three grouped matmuls take nine, each of whose steps sli
 output (experiments/bench_vs_transformers.py's MoE step on 2 cores: 1.10 s -> 0.85 s).
 
 A tile's last rows may belong to the next group. The forward writes whole tiles in row order, so the next group's
-tile, which starts at exactly that row, overwrites them; the backward zeroes them in dy (they add nothing to this
-group's weight gradients) and its dx rows are overwritten the same way. The gate and up projections are kept
+tile, which starts at exactly that row, overwrites them; the backward zeroes them in x, dy and the kept
+projections (they add nothing to this group's weight gradients, even when they are rows past the last group that
+hold NaN) and its dx rows are overwritten the same way. The gate and up projections are kept
 from the forward (fp32, [rows, I] each) for the backward, as autodiff of the three grouped matmuls keeps them.
 Precision as grouped_matmul's CPU path: products of `dtype` operands accumulated in fp32, the cotangents cast to
 the operand dtype before each product, weight gradients summed in fp32.
@@ -107,10 +108,12 @@ def _bwd(dtype, out_dtype, tile, res, dy):
   def body(i, carry):
     dx, dgate, dup, ddown = carry
     g, start = t.group[i], t.start[i]
-    mine = (start + jnp.arange(tile) < t.ends[g])[:, None]  # rows of the next group: no gradient from here
-    x_t = _slice(x_pad, start, tile)
-    dy_t = jnp.where(mine, _slice(dy_pad, start, tile), jnp.zeros((), dtype))
-    a, b = _slice(a_all, start, tile), _slice(b_all, start, tile)
+    # Rows of the next group, or past the last group (whose xs may hold anything, NaN included): no gradient
+    mine = (start + jnp.arange(tile) < t.ends[g])[:, None]
+    keep = lambda a: jnp.where(mine, a, jnp.zeros((), a.dtype))
+    x_t = keep(_slice(x_pad, start, tile))
+    dy_t = keep(_slice(dy_pad, start, tile))
+    a, b = keep(_slice(a_all, start, tile)), keep(_slice(b_all, start, tile))
     silu_a = jax.nn.silu(a)
     h = (silu_a * b).astype(dtype)
     dh = jnp.dot(dy_t, w_down[g].T, preferred_element_type=jnp.float32)

@@ -92,3 +92,27 @@ def test_megablox_refuses_other_dtypes_by_name():
   x, w, gs, _ = operands([4, 0, 9], jnp.float32)
   with pytest.raises(ValueError, match=r"x float16 and w float32; the kernel takes bfloat16 or float32"):
     gm.megablox_grouped_matmul(x.astype(jnp.float16), w, gs, interpret=True)
+
+
+@pytest.mark.parametrize("impl", ["tiled", "megablox"])
+def test_rows_past_the_groups_holding_nan_reach_nothing(impl):
+  """The MoE's receive buffer is not filled (moe_parallel.py): its rows past the groups, and their cotangents, may
+  hold anything. With NaN there and zero_past=False (megablox leaves those rows of y and dx undefined), y, dx on
+  the groups' rows and dw equal ragged_dot's on the same rows zeroed."""
+  sizes, tile = [5, 0, 7, 20, 0, 3], 8
+  x, w, gs, ct = operands(sizes, jnp.float32, extra_rows=13)
+  real = sum(sizes)
+  poison = lambda a: a.at[real:].set(jnp.nan)
+  if impl == "tiled":
+    fn = lambda x, w: gm.tiled_grouped_matmul(x, w, gs, tile, jnp.dtype(jnp.float32))
+  else:
+    fn = lambda x, w: gm.megablox_grouped_matmul(x, w, gs, jnp.float32, tiling=(tile, 128, 128), interpret=True,
+                                                 zero_past=False)
+  y, pull = jax.vjp(fn, poison(x), w)
+  dx, dw = pull(poison(ct))
+  y_ref, pull_ref = jax.vjp(lambda x, w: jax.lax.ragged_dot(x, w, gs, preferred_element_type=jnp.float32),
+                            x.at[real:].set(0), w)
+  dx_ref, dw_ref = pull_ref(ct.at[real:].set(0))
+  np.testing.assert_allclose(np.asarray(y)[:real], np.asarray(y_ref)[:real], atol=1e-5)
+  np.testing.assert_allclose(np.asarray(dx)[:real], np.asarray(dx_ref)[:real], atol=1e-5)
+  np.testing.assert_allclose(np.asarray(dw), np.asarray(dw_ref), atol=1e-5)

@@ -1,12 +1,14 @@
 """Expert parallelism (moe_parallel.expert_parallel_ffn) against the one-device dropless MoE (moe.grouped_ffn):
 outputs and gradients on 8 simulated CPU devices for several meshes and routings, including every pair sent to one
 expert, and the compiled program really exchanging tokens with an all-to-all; with a capacity factor, outputs
-and dropped counts against a numpy loop over each dispatch group.
+and dropped counts against a numpy loop over each dispatch group. The buffers the exchange leaves unfilled are
+filled with NaN in a second program (outputs, gradients) and in the capacity check: no row is read unwritten.
 
 The checks need 8 devices; when this process has fewer, each check reruns this file as a script in a subprocess
 with 8 simulated devices (tests/helpers.py: run_on_simulated_devices), and the test asserts on the JSON it
 prints."""
 
+import contextlib
 import json
 import math
 import sys
@@ -17,6 +19,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
+from glm_jax.model import ragged_all_to_all as rat
 from glm_jax.model.grouped_ffn import grouped_ffn
 from glm_jax.model.moe_parallel import expert_parallel_ffn, expert_parallel_specs
 from tests.helpers import run_on_simulated_devices
@@ -78,16 +81,22 @@ def check(name: str) -> dict:
   ep_fn = jax.jit(lambda *a: value_and_grads(ep, *a))
   ref_fn = jax.jit(lambda *a: value_and_grads(ref, *a))
 
-  out = {"errors": {}, "ref_scale": {}}
+  out = {"errors": {}, "ref_scale": {}, "nan_filled_errors": {}}
+  # The receive buffers and their gradients are not filled (ragged_all_to_all.unwritten); a second program fills
+  # them with NaN instead, so a row read before it is written would show as NaN in y or a gradient.
+  with nan_unwritten():
+    ep_nan_fn = jax.jit(lambda *a: value_and_grads(ep, *a)).lower(
+        sx, sw, put(idxs["random"], specs["idx"]), sg, su, sd, sct).compile()
   for routing, idx in idxs.items():
-    y, grads = ep_fn(sx, sw, put(idx, specs["idx"]), sg, su, sd, sct)
     y_ref, grads_ref = ref_fn(x, w, idx, gate, up, down, ct)
-    errs, scales = {}, {}
-    for key, a, b in zip(("y", "dx", "dw", "dgate", "dup", "ddown"), (y, *grads), (y_ref, *grads_ref)):
-      errs[key] = float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
-      scales[key] = float(np.max(np.abs(np.asarray(b))))
-    out["errors"][routing] = errs
-    out["ref_scale"][routing] = scales
+    for fn, errors in ((ep_fn, out["errors"]), (ep_nan_fn, out["nan_filled_errors"])):
+      y, grads = fn(sx, sw, put(idx, specs["idx"]), sg, su, sd, sct)
+      errs, scales = {}, {}
+      for key, a, b in zip(("y", "dx", "dw", "dgate", "dup", "ddown"), (y, *grads), (y_ref, *grads_ref)):
+        errs[key] = float(np.max(np.abs(np.asarray(a) - np.asarray(b))))  # NaN if a NaN got through
+        scales[key] = float(np.max(np.abs(np.asarray(b))))
+      errors[routing] = errs
+      out["ref_scale"][routing] = scales
 
   idx = put(idxs["random"], specs["idx"])
   hlo = ep_fn.lower(sx, sw, idx, sg, su, sd, sct).compile().as_text()
@@ -100,6 +109,17 @@ def check(name: str) -> dict:
                                 / np.max(np.abs(np.asarray(y16_ref, np.float32))))
   out["capacity"] = capacity_check(mesh, (sx, sw, sg, su, sd), idxs, put, specs)
   return out
+
+
+@contextlib.contextmanager
+def nan_unwritten():
+  """Programs traced inside get NaN-filled buffers where the code asks for undefined ones."""
+  saved = rat._UNWRITTEN
+  rat._UNWRITTEN = lambda shape, dtype: jnp.full(shape, jnp.nan, dtype)
+  try:
+    yield
+  finally:
+    rat._UNWRITTEN = saved
 
 
 def capacity_reference(x, w, idx, gate, up, down, group: int, cap: int):
@@ -127,7 +147,9 @@ def capacity_check(mesh, args, idxs, put, specs) -> dict:
   shards = math.prod(mesh.shape[a] for a in ("data", "fsdp", "expert") if a in names)
   group = N // shards * (mesh.shape["expert"] if "expert" in names else 1)
   cap = math.ceil(CAPACITY * group * K / E)
-  fn = jax.jit(lambda *a: expert_parallel_ffn(*a, jnp.float32, mesh=mesh, capacity_factor=CAPACITY))
+  with nan_unwritten():  # traced with NaN where the buffers are left unfilled; the dropped rows' must be 0
+    fn = jax.jit(lambda *a: expert_parallel_ffn(*a, jnp.float32, mesh=mesh, capacity_factor=CAPACITY)).lower(
+        *args[:2], put(idxs["random"], specs["idx"]), *args[2:]).compile()
   out = {}
   for routing in ("random", "all_to_expert_0"):
     y, dropped = fn(*args[:2], put(idxs[routing], specs["idx"]), *args[2:])
@@ -144,12 +166,14 @@ def run_check(name: str) -> dict:
 @pytest.mark.parametrize("name", [n if n == "expert8" else pytest.param(n, marks=pytest.mark.slow) for n in MESHES])
 def test_expert_parallel_equals_grouped_ffn(name):
   result = run_check(name)
-  assert set(result["errors"]) == {"random", "all_to_expert_0", "all_to_last_experts"}
-  for routing, errs in result["errors"].items():
-    for key, err in errs.items():
-      scale = result["ref_scale"][routing][key]
-      assert scale > 1e-3, (routing, key, scale)  # the quantity is not trivially zero
-      assert err <= TOL * max(1.0, scale), (name, routing, key, err, scale)
+  assert set(result["errors"]) == set(result["nan_filled_errors"]) == {"random", "all_to_expert_0",
+                                                                        "all_to_last_experts"}
+  for errors in (result["errors"], result["nan_filled_errors"]):
+    for routing, errs in errors.items():
+      for key, err in errs.items():
+        scale = result["ref_scale"][routing][key]
+        assert scale > 1e-3, (routing, key, scale)  # the quantity is not trivially zero
+        assert err <= TOL * max(1.0, scale), (name, routing, key, err, scale)  # False for NaN
   has_expert_axis = "expert" in MESHES[name][1]
   assert result["has_all_to_all"] == has_expert_axis, result["has_all_to_all"]
   assert result["bf16_rel_error"] < 2e-2, result["bf16_rel_error"]

@@ -113,8 +113,9 @@ GROUPED_MATMUL = re.compile(r"jit\((t?gmm)\)/pallas_call")  # megablox's kernels
 @pytest.mark.slow  # a TPU compile of the train step on an expert mesh
 def test_expert_parallel_step_sends_real_rows_to_grouped_matmul_kernels():
   """The train step on an expert mesh compiled for v5p: tokens travel by ragged all-to-all and the experts run
-  megablox's grouped matmul kernels (forward and both gradients), and no XLA matmul is sized for the dropless
-  receive buffer's P x n x K rows (the dense exchange's worst case)."""
+  megablox's grouped matmul kernels (forward and both gradients), no XLA matmul is sized for the dropless
+  receive buffer's P x n x K rows (the dense exchange's worst case), and that buffer is allocated without a fill
+  (AllocateBuffer) in the forward, its remat and the backward, as is the combine's."""
   config = tiny({"expert": 4})
   result = aot.compile_train_step(config, tpu_topology_devices("v5p:2x2x1"))
   assert result.error is None, result.error[-2000:]
@@ -127,6 +128,13 @@ def test_expert_parallel_step_sends_real_rows_to_grouped_matmul_kernels():
   rows = 4 * n * config.model.num_experts_per_tok
   shapes = re.findall(r"= \w+\[([\d,]*)\]\S* (?:dot|convolution|ragged-dot)\(", text)
   assert shapes and not [s for s in shapes if str(rows) in s.split(",")], rows
+  d, pairs = config.model.hidden_size, n * config.model.num_experts_per_tok
+  unfilled = re.findall(r'= \w+\[(\d+),(\d+)\]\S* custom-call\(\), custom_call_target="AllocateBuffer", '
+                        r'metadata=\{op_name="([^"]*)/empty"', text)
+  for shape in ((rows, d), (pairs, d)):  # dispatch's receive buffer, combine's; in the backward their gradients'
+    where = {"backward" if "transpose(" in name else "forward" for r, c, name in unfilled if (int(r), int(c)) == shape}
+    assert where == {"forward", "backward"}, (shape, unfilled)
+  assert not re.findall(rf"= \w+\[{rows},{d}\]\S* broadcast\(", text)  # no fill of zeros
 
 
 @needs_libtpu
