@@ -52,6 +52,7 @@ def get_config() -> ml_collections.ConfigDict:
   m.dtype = "bfloat16"  # matmuls in bf16 with fp32 accumulation; softmax, router, losses in fp32
   m.param_dtype = "float32"
   m.remat_policy = "full"
+  m.moe_buffer_factor = 2.0  # expert parallelism's fast path (see the mesh below)
 
   # Pretraining data: point data.path at ArrayRecord (or jsonl / text) shards and data.tokenizer at GLM-5's
   # tokenizer.json (vocab 154880); launch/compile.py needs only seq_len and batch_size.
@@ -67,6 +68,9 @@ def get_config() -> ml_collections.ConfigDict:
   # - expert 8: the dropless ragged all-to-all's receive buffer holds the worst case, P x n x K rows (P the expert
   #   axis, n = 4096 tokens a chip, K = 8), 3 GiB in bf16 at P = 8 (the grouped matmul runs only the real rows);
   #   P = 16 doubles it; model.moe_capacity_factor bounds it (glm_jax/model/moe_parallel.py). 32 experts a chip.
+  #   model.moe_buffer_factor = 2 adds a fast path with a buffer of 2 x n x K rows (0.75 GiB), taken while no shard
+  #   receives more (balanced routing loads each with n x K), so the buffer-sized work (relayouts, elementwise
+  #   ops) is a quarter of the worst case's; skewed routing takes the worst-case buffer, dropless either way.
   # - tensor 1: at 4096 tokens the reference attention's [64 heads, T, T] fp32 scores (4 GiB) fit, and every
   #   chip keeps a sequence of its own (the batch is split over data x fsdp x expert = 512).
   config.mesh = common.mesh(expert=8)

@@ -69,6 +69,8 @@ class ModelConfig:
   param_dtype: str = "float32"
   moe_capacity_factor: float = 0.0  # 0: dropless (GLM-5); c > 0: each expert takes at most ceil(c * G * K / E)
   #                                   of the (token, slot) pairs of a dispatch group of G tokens, the rest dropped
+  moe_buffer_factor: float = 0.0  # expert parallelism's fast path (moe_parallel.py): a receive buffer of f x the
+  #                                  balanced load, taken when every shard's rows fit it (dropless either way); 0: off
   attention_chunk: int = 0  # dense attention (and the DSA warm-up's KL) this many query rows at a time when the
   #                           sequence is longer, never [B, H, T, S] (glm_jax/model/blockwise.py); 0 = all at once
   remat_policy: str = "none"  # per scanned layer: none | full | dots | dots_with_no_batch_dims |
@@ -178,7 +180,7 @@ class ModelConfig:
     ours = {
         "norm_style", "rope_2d", "rope_interleave", "indexer_rope_interleave", "mla_norm_eps", "index_norm_eps", "use_dsa",
         "attention_impl", "dtype", "param_dtype", "remat_policy", "scan_unroll", "moe_capacity_factor",
-        "rope_theta", "attention_chunk",
+        "moe_buffer_factor", "rope_theta", "attention_chunk",
     }
     d = {k: v for k, v in self.to_dict().items() if k not in ours}
     d.update(
@@ -280,6 +282,10 @@ def _validate(c: ModelConfig) -> None:
   if isinstance(cf, bool) or not isinstance(cf, (int, float)) or not (cf == 0 or cf >= 1 / c.num_experts_per_tok):
     fail("moe_capacity_factor", f"0 (dropless) or a number >= 1 / num_experts_per_tok = "
          f"{1 / c.num_experts_per_tok:.4g} (below that an expert could not even take its share of one slot)")
+  bf = c.moe_buffer_factor
+  if isinstance(bf, bool) or not isinstance(bf, (int, float)) or not (bf == 0 or bf >= 1):
+    fail("moe_buffer_factor", "0 (the worst-case receive buffer only) or a number >= 1 (the fast path's buffer in "
+         "multiples of the balanced load)")
   if c.norm_style not in NORM_STYLES:
     fail("norm_style", f"one of {NORM_STYLES}")
   if not isinstance(c.rope_2d, bool):

@@ -91,7 +91,7 @@ class MoE(nnx.Module):
       # Under a mesh the experts run in a shard_map: by ragged all-to-all over an expert axis, else each device on
       # its own tokens. (A Mosaic kernel, TPU's grouped matmul, cannot be partitioned by XLA.)
       y_ND, dropped = expert_parallel_ffn(*experts, mesh=mesh, capacity_factor=cfg.moe_capacity_factor,
-                                          token_axes=TOKEN_AXES)
+                                          buffer_factor=cfg.moe_buffer_factor, token_axes=TOKEN_AXES)
     else:
       y_ND, dropped = grouped_ffn(*experts, capacity_factor=cfg.moe_capacity_factor)
     y_BTD = y_ND.reshape(b, t, d)

@@ -26,6 +26,11 @@ Buffers (static shapes). Send: the n*K sorted rows. Receive: R rows, the most th
   capacity factor c: each expert takes at most cap = ceil(c * P*n*K / E) pairs of the group, the first senders'
     first (token order within a sender), so R = E_l * cap = c * n*K rows. The pairs past it are dropped (their
     rows stay 0 on the way back) and counted. With c = 1.25 the buffer is 1.25 / P of the dropless one.
+  fast path (buffer_factor f, model.moe_buffer_factor): the buffer is sized for the load routing usually has,
+    f x n*K rows, and a step takes it when every shard of the mesh receives no more (the counts are all-gathered
+    before the dispatch anyway; one scalar pmax makes the choice the same everywhere); a step whose routing is
+    more skewed takes the worst-case buffer. Dropless either way: the same rows and results, and only the
+    buffer-sized work (relayouts, elementwise ops) shrinks, by P / f. Its backward recomputes the branch it took.
 On the CPU emulation the wire carries a [P, C, D] buffer each way (C = the rows one device may send one other).
 Neither the receive buffer nor its gradient is filled (ragged_all_to_all.exchange_rows, `unwritten`): only their
 real rows are ever read, which tests/model/test_moe_parallel.py proves by filling them with NaN instead.
@@ -40,6 +45,7 @@ tokens), so the drops differ from grouped_ffn's unless the mesh's only token axi
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -49,9 +55,12 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from glm_jax.mesh_axes import BATCH_AXES, EXPERT, TENSOR
 from glm_jax.model.grouped_ffn import expert_capacity, expert_swiglu, grouped_ffn, grouped_ffn_f32
+from glm_jax.model.grouped_matmul import TPU_ROW_TILE as ROW_TILE
 from glm_jax.model.ragged_all_to_all import exchange_rows, exclusive_cumsum
 
-__all__ = ["expert_parallel_ffn", "expert_parallel_specs"]
+__all__ = ["expert_parallel_ffn", "expert_parallel_specs", "FAST_PATH"]
+
+FAST_PATH = "moe_fast_buffer"  # the named scope of the fast path's ops (hlo_cost picks the branch a routing takes)
 
 
 def _resolved_axes(mesh: Mesh, expert_axis: str, token_axes: Sequence[str], tensor_axis: str | None
@@ -89,7 +98,7 @@ def expert_parallel_specs(mesh: Mesh, *, expert_axis: str = EXPERT, token_axes: 
 
 def expert_parallel_ffn(x_ND: jax.Array, w_NX: jax.Array, idx_NX: jax.Array, gate_EDI: jax.Array,
                         up_EDI: jax.Array, down_EID: jax.Array, dtype: jnp.dtype, *, mesh: Mesh,
-                        capacity_factor: float = 0.0, expert_axis: str = EXPERT,
+                        capacity_factor: float = 0.0, buffer_factor: float = 0.0, expert_axis: str = EXPERT,
                         token_axes: Sequence[str] = BATCH_AXES, tensor_axis: str | None = TENSOR
                         ) -> tuple[jax.Array, jax.Array]:
   """grouped_ffn(x, w, idx, gate, up, down, dtype) with the experts split over `expert_axis` of `mesh`.
@@ -98,6 +107,9 @@ def expert_parallel_ffn(x_ND: jax.Array, w_NX: jax.Array, idx_NX: jax.Array, gat
   down_EID [E, I, D]; returns (y_ND [N, D] in `dtype`, the (token, slot) pairs dropped for capacity over the
   whole mesh: int32 scalar, 0 when dropless). Works in and out of jit, and under jax.grad.
   capacity_factor: 0 (dropless) or c >= 1 / K (see the module docstring).
+  buffer_factor: 0, or f >= 1: a fast path whose receive buffer holds f x the balanced load n*K rows (rounded up
+    to whole tiles of ROW_TILE), taken when every shard of the mesh receives no more; otherwise (or with 0) the
+    worst-case buffer. The result is the same either way (see the module docstring).
 
   Shardings (inside the shard_map; see expert_parallel_specs):
     x, w, idx, y: P(token_axes, None): N split over the token axes that exist in the mesh, in the order given
@@ -125,6 +137,10 @@ def expert_parallel_ffn(x_ND: jax.Array, w_NX: jax.Array, idx_NX: jax.Array, gat
   if n % n_token_shards:
     raise ValueError(f"expert_parallel_ffn: N={n} tokens must divide over the token axes {tokens} "
                      f"({n_token_shards} shards)")
+  if isinstance(buffer_factor, bool) or not isinstance(buffer_factor, (int, float)) or not (
+      buffer_factor == 0 or buffer_factor >= 1):
+    raise ValueError(f"expert_parallel_ffn: buffer_factor={buffer_factor!r}; valid: 0 (the worst-case buffer only) or "
+                     "a number >= 1 (a fast path's buffer in multiples of the balanced load)")
   if n_experts % n_shards:
     raise ValueError(f"expert_parallel_ffn: n_routed_experts={n_experts} must divide over mesh axis "
                      f"{expert_axis!r} of size {n_shards}")
@@ -143,8 +159,6 @@ def expert_parallel_ffn(x_ND: jax.Array, w_NX: jax.Array, idx_NX: jax.Array, gat
     return finish(*grouped_ffn_f32(x, w, idx, gate, up, down, dtype, capacity_factor))
 
   def exchange(x, w, idx, gate, up, down):
-    n_loc = idx.shape[0]
-    pairs = n_loc * k
     flat_e = idx.reshape(-1).astype(jnp.int32)
     order = jnp.argsort(flat_e, stable=True)  # my pairs by expert, token order within one: by destination shard
     counts = jnp.bincount(flat_e, length=n_experts).astype(jnp.int32)  # [E]
@@ -158,24 +172,14 @@ def expert_parallel_ffn(x_ND: jax.Array, w_NX: jax.Array, idx_NX: jax.Array, gat
     before = exclusive_cumsum(kept_all, axis=0)  # [P, E]: rows of expert e from senders before s
     mine = lambda a: jax.lax.dynamic_slice_in_dim(a, me * e_local, e_local, axis=a.ndim - 1)  # my experts' columns
 
-    # Dispatch: slice e of my sorted rows (its first kept[e] pairs) goes to expert e's shard, into expert e's block
-    # there after the senders before me: every receiver gets its rows expert-major, ready for the grouped matmul.
-    # The receive buffer is not filled: its rows past the received ones are read only by the grouped matmuls,
-    # which keep them out of the real rows and the weight gradients (expert_swiglu's zero_past=False). Every sorted
-    # row is sent unless an expert's capacity drops it; a dropped row's gradient must be 0.
-    xs = exchange_rows(x[order // k].astype(dtype), rows, sorted_start, kept, expert_start + before[me],
-                       mine(kept_all).reshape(-1), axis_name=expert_axis, zero_unwritten=False,
-                       zero_unsent=cap is not None)
-    out = expert_swiglu(xs, mine(totals), gate, up, down, dtype, out_dtype=dtype, zero_past=False)  # [rows, D]
-
-    # Combine: slice (s, l), the rows sender s sent my expert l, goes back into s's sorted order; a dropped pair's
-    # row stays 0. Each token's K rows are then gathered ([n, K, D], in `dtype`) and summed with the gate weights
-    # in fp32, so the fp32 work (and the gradient flowing back into the exchanged rows) is n*K rows.
-    # Dropless, every pair's row comes back, so `back` needs no fill; with a capacity a dropped pair's row must be 0.
-    # The rows of `out` past the received ones are not sent back: their gradient is left undefined (see above).
-    back = exchange_rows(out, pairs, (mine(expert_start)[None] + mine(before)).reshape(-1), mine(kept_all).reshape(-1),
-                         mine(exclusive_cumsum(all_counts, axis=1)).reshape(-1), kept, axis_name=expert_axis,
-                         zero_unwritten=cap is not None, zero_unsent=False)
+    index = (sorted_start, kept, expert_start + before[me], mine(kept_all).reshape(-1), mine(totals),
+             (mine(expert_start)[None] + mine(before)).reshape(-1), mine(exclusive_cumsum(all_counts, axis=1)).reshape(-1))
+    sent = x[order // k].astype(dtype)
+    if fast_rows is None:
+      back = round_trip(rows, sent, gate, up, down, index)
+    else:  # the busiest shard of every group (all_counts is the group's; pmax: every group takes the same branch)
+      busiest = jax.lax.pmax(jnp.max(totals.reshape(n_shards, e_local).sum(1)), tuple(mesh.axis_names))
+      back = fast_or_full(busiest <= fast_rows, sent, gate, up, down, index)
     slot = jnp.zeros((pairs,), jnp.int32).at[order].set(jnp.arange(pairs, dtype=jnp.int32))  # by (token, k)
     rows_NXD = back[slot].reshape(n_loc, k, d)
     y = jnp.einsum("nkd,nk->nd", rows_NXD, w.astype(jnp.float32), preferred_element_type=jnp.float32)
@@ -190,6 +194,55 @@ def expert_parallel_ffn(x_ND: jax.Array, w_NX: jax.Array, idx_NX: jax.Array, gat
 
   def _kept(all_counts):  # [P, E] pairs -> [P, E] kept: an expert takes its first `cap` pairs, senders in order
     return all_counts if cap is None else jnp.clip(cap - exclusive_cumsum(all_counts, axis=0), 0, all_counts)
+
+  # The fast path's receive buffer: buffer_factor x the balanced load, in whole tiles of megablox's rows.
+  fast_rows = -(-math.ceil(buffer_factor * n_loc * k) // ROW_TILE) * ROW_TILE if buffer_factor else None
+  fast_rows = fast_rows if fast_rows is not None and fast_rows < rows else None
+  pairs = n_loc * k
+
+  def round_trip(buffer_rows, sent, gate, up, down, index):
+    """My sorted rows to their experts' shards, through the experts, and back: [pairs, D] in `dtype`."""
+    sorted_start, kept, dest, kept_mine, totals_mine, back_from, back_to = index
+    # Dispatch: slice e of my sorted rows (its first kept[e] pairs) goes to expert e's shard, into expert e's block
+    # there after the senders before me: every receiver gets its rows expert-major, ready for the grouped matmul.
+    # The receive buffer is not filled: its rows past the received ones are read only by the grouped matmuls,
+    # which keep them out of the real rows and the weight gradients (expert_swiglu's zero_past=False). Every sorted
+    # row is sent unless an expert's capacity drops it; a dropped row's gradient must be 0.
+    xs = exchange_rows(sent, buffer_rows, sorted_start, kept, dest, kept_mine, axis_name=expert_axis,
+                       zero_unwritten=False, zero_unsent=cap is not None)
+    out = expert_swiglu(xs, totals_mine, gate, up, down, dtype, out_dtype=dtype, zero_past=False)  # [rows, D]
+    # Combine: slice (s, l), the rows sender s sent my expert l, goes back into s's sorted order; a dropped pair's
+    # row stays 0. Each token's K rows are then gathered ([n, K, D], in `dtype`) and summed with the gate weights
+    # in fp32, so the fp32 work (and the gradient flowing back into the exchanged rows) is n*K rows.
+    # Dropless, every pair's row comes back, so `back` needs no fill; with a capacity a dropped pair's row must be 0.
+    # The rows of `out` past the received ones are not sent back: their gradient is left undefined (see above).
+    return exchange_rows(out, pairs, back_from, kept_mine, back_to, kept, axis_name=expert_axis,
+                         zero_unwritten=cap is not None, zero_unsent=False)
+
+  def fast_round_trip(*args):
+    with jax.named_scope(FAST_PATH):
+      return round_trip(fast_rows, *args)
+
+  @jax.custom_vjp
+  def fast_or_full(fits, sent, gate, up, down, index):
+    """round_trip through the fast buffer when every shard's rows fit it, else through the worst-case one. Its own
+    backward: jax's would join the two branches' residuals, filling the fast branch's with zeros of the worst
+    case's shapes (the fills this module avoids); this one keeps only the inputs and recomputes the branch."""
+    return jax.lax.cond(fits, fast_round_trip, functools.partial(round_trip, rows), sent, gate, up, down, index)
+
+  def fast_or_full_fwd(fits, sent, gate, up, down, index):
+    return fast_or_full(fits, sent, gate, up, down, index), (fits, sent, gate, up, down, index)
+
+  def fast_or_full_bwd(res, ct):
+    fits, sent, gate, up, down, index = res
+
+    def grads(trip):
+      return lambda ct, *args: jax.vjp(lambda *a: trip(*a, index), *args)[1](ct)
+
+    return (None, *jax.lax.cond(fits, grads(fast_round_trip), grads(functools.partial(round_trip, rows)),
+                                ct, sent, gate, up, down), None)
+
+  fast_or_full.defvjp(fast_or_full_fwd, fast_or_full_bwd)
 
   body = exchange if n_shards > 1 else local
   # check_vma=False: megablox's pallas_call (the TPU grouped matmul) declares its outputs without the mesh axes

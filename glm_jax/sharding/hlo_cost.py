@@ -407,17 +407,26 @@ def trip_count(ins: _Instr, comps: dict[str, list[_Instr]], by_name: dict[str, _
   return max(0, -(-(limit - start) // step))
 
 
-def _executed(comps, entry, by_name) -> dict[str, int]:
+KernelModel = Callable[[str, _Instr, dict], "tuple[float, float, str] | None"]
+RaggedModel = Callable[[_Instr], "float | None"]
+BranchModel = Callable[[list[str]], "int | None"]  # each branch's op names, joined -> the branch that runs (or None)
+
+
+def _executed(comps, entry, by_name, branch_model: BranchModel | None = None) -> dict[str, int]:
   """{computation: how many times it runs in one run of the program} for the computations that run as control
   flow (the entry, while bodies and conditions, called computations, conditional branches), not fused or reducer
   computations. A while loop's body runs its known trip count times its caller's count (once when XLA does not
-  know the count)."""
+  know the count). A conditional's branches each run once, or only the one branch_model picks."""
   times, order = {entry: 1}, [entry]
   for comp in order:
     for ins in comps.get(comp, ()):
       if ins.opcode != "fusion":
         k = (trip_count(ins, comps, by_name) or 1) if ins.opcode == "while" else 1
-        for n in called_computations(ins):
+        called = called_computations(ins)
+        if ins.opcode == "conditional" and branch_model is not None:
+          pick = branch_model([" ".join(op_name(i) for i in comps.get(c, ())) for c in called])
+          called = called if pick is None else [called[pick]]
+        for n in called:
           if n not in times:
             times[n] = times[comp] * k
             order.append(n)
@@ -430,8 +439,6 @@ def op_name(ins: _Instr) -> str:
   return m.group(1) if m else ""
 
 
-KernelModel = Callable[[str, _Instr, dict], "tuple[float, float, str] | None"]
-RaggedModel = Callable[[_Instr], "float | None"]
 
 
 _PASS_THROUGH = {"bitcast", "reshape", "copy", "convert"}  # a slice read through these is still a slice
@@ -577,19 +584,21 @@ def _collective_bytes(ins: _Instr, kind: str, by_name: dict[str, _Instr]) -> flo
 
 
 def program_ops(text: str, *, kernel_model: KernelModel | None = None, ragged_rows: RaggedModel | None = None,
-                chip: Chip | None = None) -> list[Op]:
+                chip: Chip | None = None, branch_model: BranchModel | None = None) -> list[Op]:
   """Every op the compiled program's HLO text runs, with its FLOPs, HBM bytes and wire bytes, and with `chip` its
   compute and wire seconds (the module docstring).
 
   kernel_model(op_name, instruction, instructions by name) -> (flops, bytes, note) or None: the cost of a Pallas
   kernel as its grid runs (None: keep the kernel's declared cost_estimate).
-  ragged_rows(instruction) -> the real rows a ragged all-to-all moves (None: its whole result)."""
+  ragged_rows(instruction) -> the real rows a ragged all-to-all moves (None: its whole result).
+  branch_model(op names of each branch) -> the branch of a conditional that runs (None, or no model: every branch
+  is counted once, and the schedule takes the longest)."""
   comps, entry, by_name = parse_module(text)
   partitions = num_partitions(text)
   if chip is not None and chip.torus is not None and chip.torus.num_partitions != partitions:
     raise ValueError(f"the program runs on {partitions} partitions, the torus places {chip.torus.num_partitions}")
   ops = []
-  for comp, times in _executed(comps, entry, by_name).items():
+  for comp, times in _executed(comps, entry, by_name, branch_model).items():
     seen_channels: dict[str, list[Op]] = {}
     for ins in comps[comp]:
       if ins.opcode in _NO_TRAFFIC:
@@ -763,7 +772,7 @@ def schedule(text: str, ops: list[Op], chip: Chip) -> dict[str, float]:
       host offload included) runs on the copy engine at HBM bandwidth, a cross-slice transfer
       (send / recv to the DCN runtime, ended by its send-done / recv-done) on the data-center network's queue;
     - a while loop takes its trip count times its body (and condition), a call its computation, a conditional its
-      longest branch.
+      longest branch (of those with ops: a branch program_ops was told does not run has none).
   Returns {"seconds": the step, "serial_seconds": summarize's, "exposed_collective_seconds": the time compute waited
   on collectives, "overlapped_collective_seconds": wire time hidden under compute}."""
   comps, entry, by_name = parse_module(text)

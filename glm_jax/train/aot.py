@@ -27,6 +27,7 @@ import ml_collections
 from glm_jax.mesh_axes import CONTEXT
 from glm_jax.model import context_parallel, param_counts, splash
 from glm_jax.model.grouped_matmul import megablox_grid_cost
+from glm_jax.model.moe_parallel import FAST_PATH
 from glm_jax.model.platform import target_platform
 from glm_jax.sharding import hlo_cost
 from glm_jax.sharding.mesh import MESH_AXES, batch_sharding, entry_axes, make_mesh
@@ -255,6 +256,21 @@ def kernel_model(real_rows: int, routing: str, *, splash_block: int | None = Non
   return model
 
 
+def moe_branch(routing: str) -> hlo_cost.BranchModel:
+  """hlo_cost's branch model: the expert exchange's conditional (moe_parallel.py, model.moe_buffer_factor) runs its
+  fast branch (the one whose ops carry moe_parallel.FAST_PATH) under balanced routing, which loads every shard
+  with the balanced n*K rows, and the worst-case branch under hot routing (every pair to one shard); any other
+  conditional is left to the default (every branch counted)."""
+
+  def pick(branches: list[str]) -> int | None:
+    fast = [i for i, names in enumerate(branches) if FAST_PATH in names]
+    if len(branches) != 2 or len(fast) != 1:
+      return None
+    return fast[0] if routing == "balanced" else 1 - fast[0]
+
+  return pick
+
+
 def cost_report(config: ml_collections.ConfigDict, devices: Sequence[Any], depths: dict | None = None, *,
                 top: int = 8) -> dict[str, Any]:
   """The step's cost from the compiled TPU programs, op by op (glm_jax/sharding/hlo_cost.py), per layer kind and
@@ -284,7 +300,8 @@ def cost_report(config: ml_collections.ConfigDict, devices: Sequence[Any], depth
   for routing in ROUTINGS:
     rows = moe_real_rows(config, mesh, routing)
     ops = {k: hlo_cost.program_ops(text, kernel_model=kernel_model(rows, routing),
-                                   ragged_rows=lambda ins, rows=rows: rows, chip=chip)
+                                   ragged_rows=lambda ins, rows=rows: rows, chip=chip,
+                                   branch_model=moe_branch(routing))
            for k, (_, text) in depths["programs"].items()}
     sums = {k: dict(hlo_cost.summarize(v), scheduled_seconds=hlo_cost.schedule(depths["programs"][k][1], v, chip)[
         "seconds"]) for k, v in ops.items()}

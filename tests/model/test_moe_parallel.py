@@ -3,6 +3,8 @@ outputs and gradients on 8 simulated CPU devices for several meshes and routings
 expert, and the compiled program really exchanging tokens with an all-to-all; with a capacity factor, outputs
 and dropped counts against a numpy loop over each dispatch group. The buffers the exchange leaves unfilled are
 filled with NaN in a second program (outputs, gradients) and in the capacity check: no row is read unwritten.
+The fast path (buffer_factor: a receive buffer sized for the balanced load, taken when the routing fits it) gives
+the same outputs and gradients for routings that fit it and routings that do not.
 
 The checks need 8 devices; when this process has fewer, each check reruns this file as a script in a subprocess
 with 8 simulated devices (tests/helpers.py: run_on_simulated_devices), and the test asserts on the JSON it
@@ -19,7 +21,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from glm_jax.model import ragged_all_to_all as rat
+from glm_jax.model import moe_parallel, ragged_all_to_all as rat
 from glm_jax.model.grouped_ffn import grouped_ffn
 from glm_jax.model.moe_parallel import expert_parallel_ffn, expert_parallel_specs
 from tests.helpers import run_on_simulated_devices
@@ -98,6 +100,9 @@ def check(name: str) -> dict:
       errors[routing] = errs
       out["ref_scale"][routing] = scales
 
+  if "expert" in names:  # the fast path: a buffer of 1.5x the balanced load, rounded to 8 rows
+    out.update(fast_path_check(mesh, (sx, sw, sg, su, sd, sct), idxs, put, specs, ref_fn, (x, w, gate, up, down, ct)))
+
   idx = put(idxs["random"], specs["idx"])
   hlo = ep_fn.lower(sx, sw, idx, sg, su, sd, sct).compile().as_text()
   out["has_all_to_all"] = "all-to-all" in hlo  # also matches ragged-all-to-all
@@ -108,6 +113,38 @@ def check(name: str) -> dict:
   out["bf16_rel_error"] = float(np.max(np.abs(np.asarray(y16, np.float32) - np.asarray(y16_ref, np.float32)))
                                 / np.max(np.abs(np.asarray(y16_ref, np.float32))))
   out["capacity"] = capacity_check(mesh, (sx, sw, sg, su, sd), idxs, put, specs)
+  return out
+
+
+FAST_FACTOR, FAST_TILE = 1.5, 8
+
+
+def fast_path_check(mesh, sharded, idxs, put, specs, ref_fn, plain) -> dict:
+  """expert_parallel_ffn with buffer_factor=FAST_FACTOR (unfilled buffers NaN) against grouped_ffn, per routing,
+  and whether that routing's busiest shard fits the fast buffer (numpy: a dispatch group is P consecutive blocks
+  of N / shards tokens; shard q holds experts [q E/P, (q+1) E/P))."""
+  saved, moe_parallel.ROW_TILE = moe_parallel.ROW_TILE, FAST_TILE
+  try:
+    fast = lambda x, w, i, g, u, d: expert_parallel_ffn(x, w, i, g, u, d, jnp.float32, mesh=mesh,
+                                                        buffer_factor=FAST_FACTOR)[0]
+    with nan_unwritten():
+      fn = jax.jit(lambda *a: value_and_grads(fast, *a)).lower(
+          *sharded[:2], put(idxs["random"], specs["idx"]), *sharded[2:]).compile()
+  finally:
+    moe_parallel.ROW_TILE = saved
+  p = mesh.shape["expert"]
+  shards = math.prod(mesh.shape[a] for a in ("data", "fsdp", "expert") if a in mesh.axis_names)
+  n_loc = N // shards
+  fast_rows = math.ceil(FAST_FACTOR * n_loc * K / FAST_TILE) * FAST_TILE
+  out = {"fast_errors": {}, "fast_fits": {}, "fast_rows": fast_rows, "worst_rows": p * n_loc * K}
+  for routing, idx in idxs.items():
+    y, grads = fn(*sharded[:2], put(idx, specs["idx"]), *sharded[2:])
+    y_ref, grads_ref = ref_fn(*plain[:2], idx, *plain[2:])
+    out["fast_errors"][routing] = {key: float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for key, a, b in
+                                   zip(("y", "dx", "dw", "dgate", "dup", "ddown"), (y, *grads), (y_ref, *grads_ref))}
+    shard_of = np.asarray(idx).reshape(-1, p * n_loc * K) // (E // p)  # [groups, pairs of the group]
+    busiest = max(int(np.sum(group == q)) for group in shard_of for q in range(p))
+    out["fast_fits"][routing] = busiest <= fast_rows
   return out
 
 
@@ -176,6 +213,12 @@ def test_expert_parallel_equals_grouped_ffn(name):
         assert err <= TOL * max(1.0, scale), (name, routing, key, err, scale)  # False for NaN
   has_expert_axis = "expert" in MESHES[name][1]
   assert result["has_all_to_all"] == has_expert_axis, result["has_all_to_all"]
+  if has_expert_axis:  # the fast path: equal results whether the routing fits its buffer (random) or not
+    assert result["fast_rows"] < result["worst_rows"], result
+    assert result["fast_fits"] == {"random": True, "all_to_expert_0": False, "all_to_last_experts": False}, result
+    for routing, errs in result["fast_errors"].items():
+      for key, err in errs.items():
+        assert err <= TOL * max(1.0, result["ref_scale"][routing][key]), (name, "fast", routing, key, err)
   assert result["bf16_rel_error"] < 2e-2, result["bf16_rel_error"]
   for routing, got in result["capacity"].items():
     assert got["dropped"] == got["want_dropped"] > 0, (routing, got)

@@ -354,3 +354,30 @@ def test_a_multislice_step_reduces_gradients_over_dcn():
     assert o.wire_seconds == pytest.approx(shard / (50e9 / 8), rel=1e-9)
   timed = hlo_cost.schedule(text, ops, chip)
   assert timed["seconds"] >= 2 * shard / (50e9 / 8)  # one DCN queue: the two transfers one after the other
+
+
+@pytest.mark.parametrize("platform", ["cpu", pytest.param("tpu", marks=needs_libtpu)])
+def test_a_branch_model_counts_the_branch_that_runs(platform):
+  """lax.cond between a 128-row matmul (named scope "fast") and a 1024-row one: every branch counted once without a
+  branch model (2 x (128 + 1024) x k x n FLOPs), only the picked one with it, and the schedule follows it."""
+  k, n = 512, 256
+
+  def f(pred, x, w):
+    def fast(x, w):
+      with jax.named_scope("fast"):
+        return jnp.pad(jnp.tanh(x[:128] @ w), ((0, 1024 - 128), (0, 0)))
+    return jax.lax.cond(pred, fast, lambda x, w: jnp.tanh(x @ w), x, w)
+
+  device = jax.devices("cpu")[0] if platform == "cpu" else tpu_topology_devices("v5p:2x2x1")[0]
+  s = SingleDeviceSharding(device)
+  args = [jax.ShapeDtypeStruct((), jnp.bool_, sharding=s)] + [
+      jax.ShapeDtypeStruct(shape, jnp.float32, sharding=s) for shape in ((1024, k), (k, n))]
+  text = jax.jit(f).lower(*args).compile().as_text()
+  pick = lambda want: lambda branches: next(i for i, names in enumerate(branches) if ("fast" in names) == want)
+  flops = lambda model: sum(o.flops for o in hlo_cost.program_ops(text, branch_model=model))
+  assert flops(None) == 2 * (128 + 1024) * k * n
+  assert flops(pick(True)) == 2 * 128 * k * n and flops(pick(False)) == 2 * 1024 * k * n
+  if platform == "tpu":
+    chip = hlo_cost.Chip.of("v5p")
+    time = lambda model: hlo_cost.schedule(text, hlo_cost.program_ops(text, chip=chip, branch_model=model), chip)
+    assert time(pick(True))["seconds"] < time(pick(False))["seconds"] == time(None)["seconds"]

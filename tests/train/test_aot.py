@@ -115,8 +115,10 @@ def test_expert_parallel_step_sends_real_rows_to_grouped_matmul_kernels():
   """The train step on an expert mesh compiled for v5p: tokens travel by ragged all-to-all and the experts run
   megablox's grouped matmul kernels (forward and both gradients), no XLA matmul is sized for the dropless
   receive buffer's P x n x K rows (the dense exchange's worst case), and that buffer is allocated without a fill
-  (AllocateBuffer) in the forward, its remat and the backward, as is the combine's."""
+  (AllocateBuffer) in the forward, its remat and the backward, as is the combine's; with model.moe_buffer_factor 2,
+  a conditional picks between that buffer and a fast one of 2 x n x K rows, allocated the same way."""
   config = tiny({"expert": 4})
+  config.model.moe_buffer_factor = 2.0
   result = aot.compile_train_step(config, tpu_topology_devices("v5p:2x2x1"))
   assert result.error is None, result.error[-2000:]
   text = result.compiled.as_text()
@@ -131,7 +133,9 @@ def test_expert_parallel_step_sends_real_rows_to_grouped_matmul_kernels():
   d, pairs = config.model.hidden_size, n * config.model.num_experts_per_tok
   unfilled = re.findall(r'= \w+\[(\d+),(\d+)\]\S* custom-call\(\), custom_call_target="AllocateBuffer", '
                         r'metadata=\{op_name="([^"]*)/empty"', text)
-  for shape in ((rows, d), (pairs, d)):  # dispatch's receive buffer, combine's; in the backward their gradients'
+  fast = 2 * pairs
+  assert fast < rows and " conditional(" in text
+  for shape in ((rows, d), (fast, d), (pairs, d)):  # dispatch's receive buffers, combine's; backward: gradients'
     where = {"backward" if "transpose(" in name else "forward" for r, c, name in unfilled if (int(r), int(c)) == shape}
     assert where == {"forward", "backward"}, (shape, unfilled)
   assert not re.findall(rf"= \w+\[{rows},{d}\]\S* broadcast\(", text)  # no fill of zeros
