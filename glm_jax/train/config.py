@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import ml_collections
 
 from glm_jax.model import ModelConfig
-from glm_jax.train.step import STAGES
+from glm_jax.train.step import STAGES, xla_compiler_options
 
 
 def default_train_config() -> ml_collections.ConfigDict:
@@ -34,6 +34,7 @@ def default_train_config() -> ml_collections.ConfigDict:
   c.spike_min_steps = 50  # ... once this many steps have passed
   c.spike_ema = 0.99  # decay of that running mean
   c.max_consecutive_skips = 10  # stop the run (non-zero exit) after this many skipped steps in a row; 0 = never
+  c.xla_flags = ""  # XLA:TPU flags for the step's compile, "--xla_name=value ..." (as LIBTPU_INIT_ARGS); TPU only
   c.log_every = 10
   c.eval_every = 200
   c.checkpoint_every = 200
@@ -81,6 +82,7 @@ def validate_train_config(train: ml_collections.ConfigDict) -> None:
   if isinstance(egs, bool) or not isinstance(egs, (int, float)) or not 0 < egs <= 1:
     invalid("train.embedding_grad_shrink", egs, "a number in (0, 1] (GLM-130B's 0.1; 1 = off)")
   validate_step_config(train, "train")
+  xla_compiler_options(train.get("xla_flags", ""))  # a ValueError naming the bad token
 
 
 def validate_step_config(step: ml_collections.ConfigDict, where: str) -> None:

@@ -15,6 +15,7 @@ steps keep being skipped is stopped by its loop (train.max_consecutive_skips).
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any, Callable
 
 import jax
@@ -146,6 +147,24 @@ def apply_gradients(state: TrainState, grads, loss: jax.Array, optimizer: optax.
   return new_state, grad_norm, skip
 
 
+_XLA_FLAG = re.compile(r"--(xla_[a-z0-9_]+)=(\S+)")
+
+
+def xla_compiler_options(flags: str) -> dict[str, str]:
+  """train.xla_flags ("--xla_name=value ...", as LIBTPU_INIT_ARGS spells them) as jax's compiler_options; a token
+  of another form is a ValueError naming it."""
+  if not isinstance(flags, str):
+    raise ValueError(f"train.xla_flags={flags!r}; valid: a string of --xla_name=value flags, or ''")
+  options = {}
+  for token in flags.split():
+    m = _XLA_FLAG.fullmatch(token)
+    if not m:
+      raise ValueError(f"train.xla_flags: {token!r} is not an XLA flag; valid: --xla_name=value tokens separated "
+                       "by spaces (as in LIBTPU_INIT_ARGS)")
+    options[m.group(1)] = m.group(2)
+  return options
+
+
 def make_train_step(graphdef, optimizer: optax.GradientTransformation, schedule: Callable, train_cfg, *,
                     state_shardings: Any = None, batch_sharding: Any = None,
                     unroll_microbatches: bool = False, quant_plan: dict | None = None) -> Callable:
@@ -153,6 +172,7 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, schedule:
   SFT, loss_mask) [global_batch, seq_len] int32; the batch is split into train_cfg.microbatches equal parts. With
   shardings (glm_jax.sharding), the state keeps its layout across steps and the batch is split over the mesh.
   unroll_microbatches unrolls the accumulation loop (for XLA's cost analysis, which counts a loop body once).
+  train_cfg.xla_flags (optional): XLA:TPU flags the step is compiled with when its batch sharding is on TPU.
   quant_plan (glm_jax.model.quantization.quant_plan): quantization-aware training of the planned weights."""
   stage = train_cfg.dsa_stage
   if stage not in STAGES:
@@ -197,10 +217,14 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, schedule:
       metrics["expert_load_entropy"] = losses.expert_load_entropy(counts["expert_counts"])
     return new_state, metrics
 
+  # train.xla_flags tune XLA:TPU (async collectives, scheduling); other compilers do not know them
+  options = xla_compiler_options(train_cfg.get("xla_flags", ""))
+  on_tpu = batch_sharding is not None and next(iter(batch_sharding.device_set)).platform == "tpu"
+  jit_kw = {"compiler_options": options} if options and on_tpu else {}
   if state_shardings is None:
-    return jax.jit(step, donate_argnums=(0,))
+    return jax.jit(step, donate_argnums=(0,), **jit_kw)
   return jax.jit(step, donate_argnums=(0,), in_shardings=(state_shardings, batch_sharding),
-                 out_shardings=(state_shardings, None))
+                 out_shardings=(state_shardings, None), **jit_kw)
 
 
 def make_eval_step(graphdef, quant_plan: dict | None = None, loss_chunk: int = 0) -> Callable:

@@ -14,12 +14,13 @@ import jax
 import numpy as np
 import pytest
 
+from glm_jax.sharding import hlo_cost
 from glm_jax.sharding.mesh import batch_sharding, make_mesh
 from glm_jax.sharding.state import abstract_sharded
 from glm_jax.sharding.topology import install_hint, libtpu_installed, tpu_topology_devices
 from glm_jax.train import aot, trainer
 from glm_jax.train.config import model_config_for_stage
-from configs import glm5_tiny
+from configs import glm5_744b, glm5_tiny
 from tests.helpers import ROOT
 
 needs_libtpu = pytest.mark.skipif(not libtpu_installed(), reason=f"libtpu is not installed: {install_hint()}")
@@ -96,6 +97,8 @@ def test_compile_prints_one_json_line_that_fits():
     (["--topology=v5p:2x2x1", "--config.mesh.fsdp=1", "--config.mesh.tensor=-1", "--config.model.num_attention_heads=2",
       "--config.model.num_key_value_heads=2"],
      r"size 2 is sharded over mesh axis 'tensor' of size 4"),
+    (["--topology=v5p:2x2x1", "--config.train.xla_flags=--xla_tpu_x=true xla_y=1"],
+     r"train.xla_flags: 'xla_y=1' is not an XLA flag; valid: --xla_name=value"),
 ])
 def test_bad_input_is_named_before_compiling(args, message):
   if "v9z" not in args[0] and not libtpu_installed():
@@ -104,6 +107,25 @@ def test_bad_input_is_named_before_compiling(args, message):
   assert out.returncode == 2, (out.stdout, out.stderr[-2000:])
   assert out.stdout == ""
   assert re.search(message, out.stderr), out.stderr[-2000:]
+
+
+@needs_libtpu
+@pytest.mark.slow  # two TPU compiles of a 6-layer tiny step
+def test_xla_flags_reach_the_compiler():
+  """train.xla_flags are the step's compiler options on TPU: with glm5_744b's (async collective fusion) some of the
+  partitioner's all-gathers become asynchronous (a start, then continuations); without them none is."""
+  def all_gather_roles(flags):
+    config = tiny({"fsdp": 4})
+    config.model.num_hidden_layers = 6
+    config.train.xla_flags = flags
+    devices = tpu_topology_devices("v5p:2x2x1")
+    result = aot.compile_train_step(config, devices)
+    assert result.error is None, result.error[-2000:]
+    ops = hlo_cost.program_ops(result.compiled.as_text())
+    return {o.role for o in ops if o.kind == "all-gather"}
+
+  assert all_gather_roles("") == {"sync"}
+  assert {"start", "continue"} <= all_gather_roles(glm5_744b.get_config().train.xla_flags)
 
 
 GROUPED_MATMUL = re.compile(r"jit\((t?gmm)\)/pallas_call")  # megablox's kernels, by the op name jax gives them
