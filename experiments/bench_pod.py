@@ -9,6 +9,8 @@ a chip; balanced routing, hot routing's step beside it.
   bash scripts/with_env.sh python experiments/bench_pod.py                      # every row (an hour or more here)
   bash scripts/with_env.sh python experiments/bench_pod.py --rows=4k_dense      # one row
   bash scripts/with_env.sh python experiments/bench_pod.py --table_only         # the table from --out's rows
+  bash scripts/with_env.sh python experiments/bench_pod.py --out=experiments/results/pod_levers.jsonl \
+      --rows=4k_dense_unfilled_only,4k_dense_no_fast_path,4k_dense_no_xla_flags,4k_dense  # the levers
 """
 
 import json
@@ -34,7 +36,18 @@ ROWS = {
                                                   "--config.data.batch_size=2048"]),
 }
 
-_ROWS = flags.DEFINE_list("rows", list(ROWS), f"Rows to compile, of {list(ROWS)}.")
+# The levers of the 4K dense step, each turned off in turn (experiments/results/pod_levers.jsonl; not run by default)
+LEVER_ROWS = {
+    "4k_dense_unfilled_only": ("configs/glm5_744b.py", ["--config.optimizer.name=adamw",
+                                                        "--config.model.moe_buffer_factor=0",
+                                                        "--config.train.xla_flags="]),
+    "4k_dense_no_fast_path": ("configs/glm5_744b.py", ["--config.optimizer.name=adamw",
+                                                       "--config.model.moe_buffer_factor=0"]),
+    "4k_dense_no_xla_flags": ("configs/glm5_744b.py", ["--config.optimizer.name=adamw", "--config.train.xla_flags="]),
+}
+ORDER = list(ROWS) + list(LEVER_ROWS)
+
+_ROWS = flags.DEFINE_list("rows", list(ROWS), f"Rows to compile, of {list(ROWS)} (and the levers' {list(LEVER_ROWS)}).")
 _TOPOLOGY = flags.DEFINE_string("topology", "v5p:8x8x8", "The slice.")
 _OUT = flags.DEFINE_string("out", os.path.join(ROOT, "experiments/results/pod_costs.jsonl"), "JSON lines, one a row.")
 _HLO_DIR = flags.DEFINE_string("hlo_dir", os.path.join(ROOT, "experiments/results/hlo"),
@@ -44,7 +57,7 @@ _EXTRA = flags.DEFINE_multi_string("extra", [], "More --config.* overrides for e
 
 
 def run_row(name: str) -> dict:
-  config, overrides = ROWS[name]
+  config, overrides = {**ROWS, **LEVER_ROWS}[name]
   cmd = [sys.executable, os.path.join(ROOT, "launch/compile.py"), f"--config={config}", f"--topology={_TOPOLOGY.value}",
          "--flops", f"--hlo_dir={os.path.join(_HLO_DIR.value, name)}", *overrides, *_EXTRA.value]
   t0 = time.perf_counter()
@@ -74,6 +87,10 @@ def table(rows: list[dict]) -> str:
   return "\n".join(out)
 
 
+def _order(row: dict) -> int:  # ORDER's order; a row from elsewhere (an earlier commit's) first
+  return ORDER.index(row["row_name"]) if row["row_name"] in ORDER else -1
+
+
 def main(argv):
   del argv
   rows = []
@@ -82,16 +99,16 @@ def main(argv):
       rows = [json.loads(line) for line in f if line.strip()]
   if not _TABLE_ONLY.value:
     for name in _ROWS.value:
-      if name not in ROWS:
-        raise app.UsageError(f"--rows: {name!r} is not a row; rows: {list(ROWS)}")
+      if name not in ORDER:
+        raise app.UsageError(f"--rows: {name!r} is not a row; rows: {ORDER}")
       print(f"[bench_pod] {name} ...", file=sys.stderr, flush=True)
       row = run_row(name)
       rows = [r for r in rows if r.get("row_name") != name] + [row]
       with open(_OUT.value, "w") as f:
-        for r in sorted(rows, key=lambda r: list(ROWS).index(r["row_name"])):
+        for r in sorted(rows, key=_order):
           f.write(json.dumps(r) + "\n")
       print(f"[bench_pod] {name}: {row['wall_seconds']} s", file=sys.stderr, flush=True)
-  rows.sort(key=lambda r: list(ROWS).index(r["row_name"]))
+  rows.sort(key=_order)
   print(table(rows))
 
 

@@ -47,25 +47,37 @@ _SPLASH_BLOCK = flags.DEFINE_integer("splash_block", 2048, "The recipe's sa_bloc
 _OUT = flags.DEFINE_string("out", os.path.join(ROOT, "experiments/results/calibration_maxtext.json"), "Output JSON.")
 
 
-def main(argv):
-  del argv
+def read_hlo(path: str) -> str:
+  opener = lzma.open if path.endswith(".xz") else gzip.open if path.endswith(".gz") else open
+  with opener(path, "rt") as f:
+    return f.read()
+
+
+def cost_maxtext_program(text: str, topology: str, tokens_per_chip: int, experts_per_token: int,
+                         splash_block: int):
+  """Our cost model on a MaxText program as on ours (see the module docstring): (ops, summarize's totals,
+  schedule's times). MaxText's MoE is pure FSDP here, so a chip's grouped matmuls take its own tokens x K rows."""
   from glm_jax.sharding import hlo_cost
   from glm_jax.sharding.topology import parse_topology, torus_of, tpu_topology_devices
   from glm_jax.train.aot import kernel_model
 
-  t0 = time.perf_counter()
-  opener = lzma.open if _HLO.value.endswith(".xz") else gzip.open if _HLO.value.endswith(".gz") else open
-  with opener(_HLO.value, "rt") as f:
-    text = f.read()
-  topo = parse_topology(_TOPOLOGY.value)
+  topo = parse_topology(topology)
   chip = hlo_cost.Chip.of(topo.generation.name, torus_of(tpu_topology_devices(topo.name), topo.name))
-  tokens = _BATCH.value * _SEQ.value
-  rows = tokens * _TOPK.value
-  model = kernel_model(rows, "balanced", splash_block=_SPLASH_BLOCK.value,
-                       split_backward="splash_mha_dq_" in text)
+  rows = tokens_per_chip * experts_per_token
+  model = kernel_model(rows, "balanced", splash_block=splash_block, split_backward="splash_mha_dq_" in text)
   ops = hlo_cost.program_ops(text, kernel_model=model, ragged_rows=lambda ins: rows, chip=chip)
-  totals = hlo_cost.summarize(ops)
-  timed = hlo_cost.schedule(text, ops, chip)
+  return ops, hlo_cost.summarize(ops), hlo_cost.schedule(text, ops, chip)
+
+
+def main(argv):
+  del argv
+  from glm_jax.sharding.topology import parse_topology
+
+  t0 = time.perf_counter()
+  text = read_hlo(_HLO.value)
+  topo = parse_topology(_TOPOLOGY.value)
+  tokens = _BATCH.value * _SEQ.value
+  ops, totals, timed = cost_maxtext_program(text, _TOPOLOGY.value, tokens, _TOPK.value, _SPLASH_BLOCK.value)
   measured = _MEASURED.value * _BATCH.value / _MEASURED_BATCH.value
   # MaxText's own model FLOPs a chip-step, from its measured rate: the numerator its 33.2% MFU uses.
   model_flops = _MEASURED_TFLOPS.value * 1e12 * _MEASURED.value * _BATCH.value / _MEASURED_BATCH.value
