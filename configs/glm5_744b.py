@@ -71,7 +71,7 @@ def get_config() -> ml_collections.ConfigDict:
   ])
 
   # The mesh for v5p-1024 (512 chips, `python launch/compile.py --config=configs/glm5_744b.py --topology=v5p:8x8x8`:
-  # 74.7 GiB a chip of the 95.7 usable with AdamW, XLA's live peak 56.2 GiB). On other slices fsdp = -1 takes the rest.
+  # 67.7 GiB a chip of the 95.7 usable with AdamW, XLA's live peak 53.1 GiB). On other slices fsdp = -1 takes the rest.
   # - fsdp 64 x expert 8 shards every parameter 64 ways (routed experts 512 ways) together with its gradient
   #   and Muon momentum: the fp32 train state is 17.4 GiB a chip. data = 1 because a data axis replicates it.
   # - expert 8: the dropless ragged all-to-all's receive buffer holds the worst case, P x n x K rows (P the expert

@@ -9,6 +9,7 @@ a chip; balanced routing, hot routing's step beside it.
   bash scripts/with_env.sh python experiments/bench_pod.py                      # every row (an hour or more here)
   bash scripts/with_env.sh python experiments/bench_pod.py --rows=4k_dense      # one row
   bash scripts/with_env.sh python experiments/bench_pod.py --table_only         # the table from --out's rows
+  bash scripts/with_env.sh python experiments/bench_pod.py --recalibrate        # after hlo_cost.CALIBRATION changed
   bash scripts/with_env.sh python experiments/bench_pod.py --out=experiments/results/pod_levers.jsonl \
       --rows=4k_dense_unfilled_only,4k_dense_no_fast_path,4k_dense_no_xla_flags,4k_dense  # the levers
 """
@@ -54,6 +55,8 @@ _HLO_DIR = flags.DEFINE_string("hlo_dir", os.path.join(ROOT, "experiments/result
                                "Where each row's shallow compiled programs are kept (not committed: tens of MB).")
 _TABLE_ONLY = flags.DEFINE_bool("table_only", False, "Print the table from --out without compiling.")
 _EXTRA = flags.DEFINE_multi_string("extra", [], "More --config.* overrides for every row.")
+_RECALIBRATE = flags.DEFINE_bool("recalibrate", False, "Redo --out's calibrated figures with hlo_cost.CALIBRATION "
+                                 "as it is now (the scheduled steps as they are), rewrite it, print the table.")
 
 
 def run_row(name: str) -> dict:
@@ -87,6 +90,21 @@ def table(rows: list[dict]) -> str:
   return "\n".join(out)
 
 
+def recalibrated(row: dict) -> dict:
+  """The row with its calibrated step, MFU and tokens a second a chip from the current realism factor."""
+  from glm_jax.sharding import hlo_cost
+  from glm_jax.train.aot import step_figures
+
+  cost = row.get("cost")
+  if not cost:
+    return row
+  cost["calibration"] = hlo_cost.CALIBRATION
+  for entry in cost["routings"].values():
+    entry.update(step_figures(entry["estimated_step_seconds"], hlo_cost.CALIBRATION, cost["useful_flops_per_step"],
+                              row["chips"], row["tokens_per_step"], cost["peaks"]["bf16_flops"]))
+  return row
+
+
 def _order(row: dict) -> int:  # ORDER's order; a row from elsewhere (an earlier commit's) first
   return ORDER.index(row["row_name"]) if row["row_name"] in ORDER else -1
 
@@ -97,7 +115,11 @@ def main(argv):
   if os.path.exists(_OUT.value):
     with open(_OUT.value) as f:
       rows = [json.loads(line) for line in f if line.strip()]
-  if not _TABLE_ONLY.value:
+  if _RECALIBRATE.value:
+    rows = [recalibrated(r) for r in rows]
+    with open(_OUT.value, "w") as f:
+      f.writelines(json.dumps(r) + "\n" for r in rows)
+  elif not _TABLE_ONLY.value:
     for name in _ROWS.value:
       if name not in ORDER:
         raise app.UsageError(f"--rows: {name!r} is not a row; rows: {ORDER}")

@@ -23,15 +23,17 @@ realism_factor = measured seconds / the model's scheduled seconds: a pod figure 
 calibrated step (hlo_cost.CALIBRATION holds the factor this script printed).
 """
 
-import gzip
 import json
-import lzma
 import os
+import sys
 import time
 
 from absl import app, flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from experiments.maxtext_cost import cost_maxtext_program, read_hlo  # noqa: E402
 
 _HLO = flags.DEFINE_string("hlo", os.path.join(ROOT, "tests/sharding/maxtext_deepseek3_671b_v5p1024_b5.hlo.txt.xz"),
                            "MaxText's compiled train step (compiled.as_text(); .xz or .gz read as such). The default is "
@@ -45,28 +47,6 @@ _TOPK = flags.DEFINE_integer("experts_per_token", 8, "Routed experts a token (De
 _MEASURED_TFLOPS = flags.DEFINE_float("measured_tflops_per_chip", 152.4, "MaxText's model TFLOP/s a chip, measured.")
 _SPLASH_BLOCK = flags.DEFINE_integer("splash_block", 2048, "The recipe's sa_block_* sizes.")
 _OUT = flags.DEFINE_string("out", os.path.join(ROOT, "experiments/results/calibration_maxtext.json"), "Output JSON.")
-
-
-def read_hlo(path: str) -> str:
-  opener = lzma.open if path.endswith(".xz") else gzip.open if path.endswith(".gz") else open
-  with opener(path, "rt") as f:
-    return f.read()
-
-
-def cost_maxtext_program(text: str, topology: str, tokens_per_chip: int, experts_per_token: int,
-                         splash_block: int):
-  """Our cost model on a MaxText program as on ours (see the module docstring): (ops, summarize's totals,
-  schedule's times). MaxText's MoE is pure FSDP here, so a chip's grouped matmuls take its own tokens x K rows."""
-  from glm_jax.sharding import hlo_cost
-  from glm_jax.sharding.topology import parse_topology, torus_of, tpu_topology_devices
-  from glm_jax.train.aot import kernel_model
-
-  topo = parse_topology(topology)
-  chip = hlo_cost.Chip.of(topo.generation.name, torus_of(tpu_topology_devices(topo.name), topo.name))
-  rows = tokens_per_chip * experts_per_token
-  model = kernel_model(rows, "balanced", splash_block=splash_block, split_backward="splash_mha_dq_" in text)
-  ops = hlo_cost.program_ops(text, kernel_model=model, ragged_rows=lambda ins: rows, chip=chip)
-  return ops, hlo_cost.summarize(ops), hlo_cost.schedule(text, ops, chip)
 
 
 def main(argv):

@@ -6,7 +6,7 @@ attention as a dense [batch, query, key] mask over splash attention) is compiled
 `experiments/maxtext/compile.sh v32` for v5p-1024 with the DeepSeek-V3 recipe's flags; with
 `per_device_batch_size=1` a chip holds one 4096-token sequence, as glm5_744b's 4K step does. For each MaxText
 program given (its HLO text and the JSON compile_hlo.py writes beside it) this prints a chip's bytes (XLA's memory
-analysis: arguments + outputs + temporaries - aliased), the scheduled and serial step under our cost model (calibrate_maxtext.cost_maxtext_program: the same
+analysis: arguments + outputs + temporaries - aliased), the scheduled and serial step under our cost model (maxtext_cost.cost_maxtext_program: the same
 reading of MaxText's programs that gives the realism factor), the calibrated step (x hlo_cost.CALIBRATION) and
 tokens a second a chip; then glm5_744b's rows with the same context from experiments/results/pod_costs.jsonl.
 
@@ -25,7 +25,7 @@ from absl import app, flags
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from experiments.calibrate_maxtext import cost_maxtext_program, read_hlo  # noqa: E402
+from experiments.maxtext_cost import cost_maxtext_program, read_hlo  # noqa: E402
 
 _PROGRAMS = flags.DEFINE_list("programs", [], "MaxText programs as HLO_PATH:BATCH_A_CHIP:SEQ_LEN; each HLO_PATH's "
                               "compile JSON is HLO_PATH with .hlo.txt replaced by .json.")

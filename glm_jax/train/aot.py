@@ -234,7 +234,8 @@ def kernel_model(real_rows: int, routing: str, *, splash_block: int | None = Non
       flops, moved = splash.grid_cost(kind, math.prod(q[:-2]), q[-2], q[-1], v[-1],
                                       int(hlo_cost.nbytes([(dtype, ())])), block=splash_block)
       return flops, moved, "causal blocks"
-    kernel = re.search(r"jit\((t?gmm)\)/pallas_call", source)
+    # megablox's kernels by jax's op name, or by the instruction's name where a program has no op names (MaxText's)
+    kernel = re.search(r"jit\((t?gmm)\)/pallas_call", source) or re.fullmatch(r"(t?gmm)(?:\.\d+)?", ins.name)
     if not kernel:
       return None
     operands = [by_name[o].shapes[0] for o in ins.operands if o in by_name and by_name[o].shapes]
@@ -254,6 +255,23 @@ def kernel_model(real_rows: int, routing: str, *, splash_block: int | None = Non
     return flops, moved, f"{routing}: {rows} real rows of {m}"
 
   return model
+
+
+def _sig(v: float) -> float:
+  return float(f"{v:.5g}")
+
+
+def step_figures(seconds: float, calibration: dict | None, useful_flops: float, chips: int, tokens: int,
+                 peak_flops: float) -> dict[str, float | None]:
+  """A scheduled step's figures (5 significant digits): the step, MFU over useful_flops and tokens a second a chip,
+  raw and calibrated (x calibration's realism factor; None without one)."""
+  factor = calibration["realism_factor"] if calibration else None
+  return {"estimated_step_seconds": _sig(seconds),
+          "calibrated_step_seconds": _sig(seconds * factor) if factor else None,
+          "estimated_mfu": _sig(useful_flops / (chips * peak_flops * seconds)),
+          "calibrated_mfu": _sig(useful_flops / (chips * peak_flops * seconds * factor)) if factor else None,
+          "tokens_per_s_per_chip": _sig(tokens / seconds / chips),
+          "calibrated_tokens_per_s_per_chip": _sig(tokens / seconds / chips / factor) if factor else None}
 
 
 def moe_branch(routing: str) -> hlo_cost.BranchModel:
@@ -320,18 +338,11 @@ def cost_report(config: ml_collections.ConfigDict, devices: Sequence[Any], depth
               for key, vals in sorted(rows_.items(), key=lambda kv: -abs(kv[1]["seconds"]))[:top]]
 
     seconds = step["scheduled_seconds"]
-    factor = calibration["realism_factor"] if calibration else None
-    sig = lambda v: float(f"{v:.5g}")
     entry = {
         "moe_real_rows_per_device": rows,
         "per_device_step": {k: float(f"{v:.4g}") for k, v in step.items()},
-        "estimated_step_seconds": sig(seconds),
-        "serial_step_seconds": sig(step["seconds"]),
-        "calibrated_step_seconds": sig(seconds * factor) if factor else None,
-        "estimated_mfu": sig(useful / (chips * peaks.bf16_flops * seconds)),
-        "calibrated_mfu": sig(useful / (chips * peaks.bf16_flops * seconds * factor)) if factor else None,
-        "tokens_per_s_per_chip": sig(b * t / seconds / chips),
-        "calibrated_tokens_per_s_per_chip": sig(b * t / seconds / chips / factor) if factor else None,
+        "serial_step_seconds": _sig(step["seconds"]),
+        **step_figures(seconds, calibration, useful, chips, b * t, peaks.bf16_flops),
         "compiled_over_analytic_step": round(step["flops"] * chips / full_analytic, 3),
         "compiled_over_useful_step": round(step["flops"] * chips / useful, 3),
         "per_moe_layer": dict({k: float(f"{v:.4g}") for k, v in s_moe.items()}, analytic_flops=float(f"{a_moe:.4g}"),
