@@ -6,9 +6,10 @@ attention as a dense [batch, query, key] mask over splash attention) is compiled
 `experiments/maxtext/compile.sh v32` for v5p-1024 with the DeepSeek-V3 recipe's flags; with
 `per_device_batch_size=1` a chip holds one 4096-token sequence, as glm5_744b's 4K step does. For each MaxText
 program given (its HLO text and the JSON compile_hlo.py writes beside it) this prints a chip's bytes (XLA's memory
-analysis: arguments + outputs + temporaries - aliased), the scheduled and serial step under our cost model (maxtext_cost.cost_maxtext_program: the same
-reading of MaxText's programs that gives the realism factor), the calibrated step (x hlo_cost.CALIBRATION) and
-tokens a second a chip; then glm5_744b's rows with the same context from experiments/results/pod_costs.jsonl.
+analysis: arguments + outputs + temporaries - aliased), the scheduled and serial step under our cost model
+(maxtext_cost.cost_maxtext_program: the same reading of MaxText's programs that gives the realism factor), the
+calibrated step (x hlo_cost.CALIBRATION) and tokens a second a chip; then glm5_744b's sparse rows with the same
+context from experiments/results/pod_costs.jsonl.
 
   experiments/maxtext/setup_venv.sh
   NAME=v32_pdbs1 experiments/maxtext/compile.sh v32 per_device_batch_size=1

@@ -172,8 +172,10 @@ def expert_parallel_ffn(x_ND: jax.Array, w_NX: jax.Array, idx_NX: jax.Array, gat
     before = exclusive_cumsum(kept_all, axis=0)  # [P, E]: rows of expert e from senders before s
     mine = lambda a: jax.lax.dynamic_slice_in_dim(a, me * e_local, e_local, axis=a.ndim - 1)  # my experts' columns
 
-    index = (sorted_start, kept, expert_start + before[me], mine(kept_all).reshape(-1), mine(totals),
-             (mine(expert_start)[None] + mine(before)).reshape(-1), mine(exclusive_cumsum(all_counts, axis=1)).reshape(-1))
+    back_from = (mine(expert_start)[None] + mine(before)).reshape(-1)  # where sender s's rows of my experts sit
+    back_to = mine(exclusive_cumsum(all_counts, axis=1)).reshape(-1)  # where they sit in s's sorted order
+    index = (sorted_start, kept, expert_start + before[me], mine(kept_all).reshape(-1), mine(totals), back_from,
+             back_to)
     sent = x[order // k].astype(dtype)
     if fast_rows is None:
       back = round_trip(rows, sent, gate, up, down, index)
