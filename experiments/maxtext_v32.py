@@ -13,8 +13,10 @@ context from experiments/results/pod_costs.jsonl.
 
   experiments/maxtext/setup_venv.sh
   NAME=v32_pdbs1 experiments/maxtext/compile.sh v32 per_device_batch_size=1
+  NAME=v32_pdbs1_32k experiments/maxtext/compile.sh v32 per_device_batch_size=1 max_target_length=32768
   bash scripts/with_env.sh python experiments/maxtext_v32.py \
-      --programs=experiments/maxtext/out/v32_pdbs1.hlo.txt:1:4096
+      --programs=experiments/maxtext/out/v32_pdbs1.hlo.txt:1:4096,experiments/maxtext/out/v32_pdbs1_32k.hlo.txt:1:32768
+(64K does not fit: experiments/maxtext/RESULTS.md.)
 """
 
 import json
