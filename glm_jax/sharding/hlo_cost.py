@@ -441,8 +441,6 @@ def op_name(ins: _Instr) -> str:
   return m.group(1) if m else ""
 
 
-
-
 _PASS_THROUGH = {"bitcast", "reshape", "copy", "convert"}  # a slice read through these is still a slice
 
 
