@@ -28,11 +28,14 @@ from glm_jax.mesh_axes import BATCH_AXES, CONTEXT, MESH_AXES
 # Logical axis name (the model's parameter metadata) -> mesh axis (or axes, major first), or None for replicated.
 # The model dimension is split over context as well as fsdp: a context axis holds whole sequences' worth of
 # devices that would otherwise each keep a full replica of the fsdp shard (the 128K configs' context=8 would
-# multiply parameter and optimizer memory by 8).
+# multiply parameter and optimizer memory by 8), and over expert: the dense weights (attention, shared expert,
+# embeddings) are otherwise whole on each expert shard (glm5_744b's fsdp 64 x expert 8 kept them 64-way split:
+# 19.5 GiB a chip of fp32 AdamW state, 16.5 with expert). A routed expert's own weights take expert for their
+# experts dimension first, so their model dimension stays on fsdp x context.
 LOGICAL_AXIS_RULES: dict[str, str | tuple[str, ...] | None] = {
     "layers": None,
     "vocab": "tensor",
-    "embed": ("fsdp", CONTEXT),
+    "embed": ("fsdp", CONTEXT, "expert"),
     "mlp": "tensor",
     "heads": "tensor",
     "index_heads": "tensor",
@@ -40,8 +43,10 @@ LOGICAL_AXIS_RULES: dict[str, str | tuple[str, ...] | None] = {
     "kv_head_dim": None,
     "v_head_dim": None,
     "index_head_dim": None,
-    "q_lora": ("fsdp", CONTEXT),  # q_b_proj, kv_b_proj and the indexer's wq_b have no embed axis: without these their
-    "kv_lora": ("fsdp", CONTEXT),  # stacks (9.4 GiB fp32 each for glm5_744b) would sit whole on every chip under tensor=1
+    # q_b_proj, kv_b_proj and the indexer's wq_b have no embed axis: without these two their stacks (9.4 GiB fp32
+    # each for glm5_744b) would sit whole on every chip under tensor=1
+    "q_lora": ("fsdp", CONTEXT, "expert"),
+    "kv_lora": ("fsdp", CONTEXT, "expert"),
     "experts": "expert",
     "expert_mlp": "tensor",
     "experts_router": None,

@@ -19,7 +19,7 @@ from jax.sharding import AbstractMesh, PartitionSpec as P
 
 from configs import glm5_tiny
 from glm_jax.mesh_axes import MESH_AXES
-from glm_jax.sharding.mesh import batch_sharding, logical_to_spec, make_mesh, mesh_shape, spec_for_mesh
+from glm_jax.sharding.mesh import batch_sharding, entry_axes, logical_to_spec, make_mesh, mesh_shape, spec_for_mesh
 from glm_jax.sharding.state import abstract_sharded, param_specs
 from glm_jax.train import step as step_lib
 from glm_jax.train.checkpoint import Checkpointer
@@ -66,6 +66,10 @@ def test_logical_rules():
   assert on(fsdp=8) == P("fsdp", "tensor")
   assert on(fsdp=2, context=4) == P(("fsdp", "context"), "tensor")
   assert on(context=8) == P("context", "tensor")
+  # on an expert-parallel mesh the dense weights are split over expert too (the experts' own weights keep expert
+  # for their experts dimension, above)
+  assert on(fsdp=4, expert=2) == P(("fsdp", "expert"), "tensor")
+  assert on(fsdp=2, context=2, expert=2) == P(("fsdp", "context", "expert"), "tensor")
   assert logical_to_spec(("mlp", "heads")) == P("tensor", None)  # one mesh axis shards one dimension
   with pytest.raises(ValueError, match="logical axis 'nonsense' has no rule"):
     logical_to_spec(("nonsense",))
@@ -211,11 +215,11 @@ def test_train_and_evaluate_on_a_mesh_matches_one_device(tmp_path):
 @pytest.mark.parametrize("mesh_cfg, axes, shape", [
     # experts over `expert`, the model dimension over fsdp (all-to-all), the width over tensor (all-to-all)
     ({"fsdp": 2, "expert": 2, "tensor": 2}, ("layers", "experts", "embed", "expert_mlp"), (3, 4, 16, 12)),
-    # no axis shards the leaf but fsdp: `data` and `expert` hold replicas, 3 matrices over 4 of them
+    # the model dimension over fsdp x expert, `data` holding replicas, 3 matrices over 4 of them
     ({"data": 2, "fsdp": 2, "expert": 2}, ("layers", "embed", "mlp"), (3, 16, 24)),
     # split heads: a leaf sharded only on a batch axis (heads over tensor), layers padded to the fsdp group
     ({"fsdp": 4, "tensor": 2}, ("layers", "q_lora", "heads", "qk_head_dim"), (3, 8, 4, 6)),
-    # the model dimension over two axes, fsdp x context (one all-to-all per axis), expert holding replicas
+    # the model dimension over three axes, fsdp x context x expert
     ({"fsdp": 2, "expert": 2, "context": 2}, ("layers", "embed", "mlp"), (3, 16, 24)),
 ])
 def test_muon_orthogonalizes_whole_matrices_on_any_mesh(mesh_cfg, axes, shape):
@@ -245,9 +249,10 @@ def test_muon_orthogonalizes_whole_matrices_on_any_mesh(mesh_cfg, axes, shape):
     hlo = fn.lower(xs).as_text()
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6)
   assert got.sharding.is_equivalent_to(xs.sharding, x.ndim)  # back in the parameter's layout
-  # Matrices gathered whole by all-to-alls over the axes sharding them; a dimension over two axes on XLA:CPU by an
-  # all-gather and a slice (muon._exchange).
-  assert ("all_gather" if "context" in mesh_cfg else "all_to_all") in hlo
+  # Matrices gathered whole by all-to-alls over the axes sharding them; a dimension over several axes on XLA:CPU by
+  # an all-gather and a slice (muon._exchange).
+  several = any(len(entry_axes(e)) > 1 for e in spec_for_mesh(spec, mesh))
+  assert ("all_gather" if several else "all_to_all") in hlo
 
 
 @multi_device
