@@ -18,10 +18,11 @@ block position > 0) the position stays and the block position counts up, GLM's r
 counts up (plain prompts: position = slot).
 
 Under a mesh (`Sampler(..., mesh=mesh)`, glm_jax/sharding/mesh.py) the same program runs sharded: the parameters laid
-out by their logical axes as in training, the prompts' rows and the cache's rows split over the batch axes (data,
-fsdp, expert), the absorbed-MQA decode's heads over tensor, the MoE through expert parallelism and the DSA kernels in
-their shard_maps (glm_jax/model/moe.py, dsa.py); every output is the one-device output. A batch the batch axes do not
-divide, or heads the tensor axis does not, is refused by name.
+out by their logical axes as in training (except that the dense weights are not split over expert:
+DECODE_AXIS_RULES), the prompts' rows and the cache's rows split over the batch axes (data, fsdp, expert), the
+absorbed-MQA decode's heads over tensor, the MoE through expert parallelism and the DSA kernels in their shard_maps
+(glm_jax/model/moe.py, dsa.py); every output is the one-device output. A batch the batch axes do not divide, or
+heads the tensor axis does not, is refused by name.
 
 Log-probabilities are those of the distribution the token was drawn from before top-p truncation:
 log_softmax(logits / temperature) (temperature 1 for greedy decoding), computed by `tempered_log_softmax`, which
@@ -235,7 +236,7 @@ class Sampler:
     params, rest, prompts_BT, lens_B, key, layout = args
     mesh = self.mesh
     batch = batch_rows(mesh, prompts_BT.shape[0])
-    params, rest = jax.device_put((params, rest), weight_shardings(params, rest, mesh))  # as in training
+    params, rest = jax.device_put((params, rest), weight_shardings(params, rest, mesh))  # decoding's layout
     by_rows = NamedSharding(mesh, P(batch or None))
     prompts_BT, lens_B, layout = jax.device_put((prompts_BT, lens_B, layout), by_rows)
 

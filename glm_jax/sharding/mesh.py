@@ -55,6 +55,12 @@ LOGICAL_AXIS_RULES: dict[str, str | tuple[str, ...] | None] = {
 }
 
 
+# Decoding's weight layout: the dense weights whole on each expert shard (split over fsdp x context only), as a
+# decode step would otherwise all-gather them over expert for every token; the routed experts as in training.
+DECODE_AXIS_RULES: dict[str, str | tuple[str, ...] | None] = {
+    **LOGICAL_AXIS_RULES, "embed": ("fsdp", CONTEXT), "q_lora": ("fsdp", CONTEXT), "kv_lora": ("fsdp", CONTEXT)}
+
+
 def default_mesh_config() -> ml_collections.ConfigDict:
   """Fully sharded data parallelism over whatever devices there are (-1 = the remaining devices); one device
   trains unsharded."""

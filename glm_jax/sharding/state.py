@@ -16,19 +16,20 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from glm_jax.sharding.mesh import checked_spec, divisible_spec, logical_to_spec
+from glm_jax.sharding.mesh import DECODE_AXIS_RULES, LOGICAL_AXIS_RULES, checked_spec, divisible_spec, logical_to_spec
 from glm_jax.tree_paths import path_names, path_str
 
 
-def param_specs(params: nnx.State, mesh: Mesh) -> dict[tuple, P]:
-  """{parameter path names: PartitionSpec} for an nnx.State (abstract or not), divisibility checked."""
+def param_specs(params: nnx.State, mesh: Mesh, rules=LOGICAL_AXIS_RULES) -> dict[tuple, P]:
+  """{parameter path names: PartitionSpec} for an nnx.State (abstract or not) under the logical axis `rules`,
+  divisibility checked."""
   specs = {}
   for path, var in nnx.to_flat_state(params):
     names = path_names(path)
     axes = var.get_metadata().get("out_sharding")
     if axes is None:
       raise ValueError(f"parameter {path_str(names)} has no logical axes (out_sharding metadata)")
-    specs[names] = checked_spec(logical_to_spec(axes), var.shape, mesh, "parameter " + path_str(names))
+    specs[names] = checked_spec(logical_to_spec(axes, rules), var.shape, mesh, "parameter " + path_str(names))
   return specs
 
 
@@ -66,5 +67,6 @@ def with_shardings(tree: Any, shardings: Any) -> Any:
 
 
 def weight_shardings(params: Any, rest: Any, mesh: Mesh) -> tuple[Any, Any]:
-  """The (params, rest) layout on `mesh` that training gives the weights: specs from the parameters' logical axes."""
-  return tree_shardings((params, rest), param_specs(params, mesh), mesh)
+  """The (params, rest) layout on `mesh` for decoding: specs from the parameters' logical axes under
+  DECODE_AXIS_RULES (training's, except that the dense weights are not split over expert)."""
+  return tree_shardings((params, rest), param_specs(params, mesh, DECODE_AXIS_RULES), mesh)
