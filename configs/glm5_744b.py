@@ -57,8 +57,9 @@ def get_config() -> ml_collections.ConfigDict:
   # Pretraining data: point data.path at ArrayRecord (or jsonl / text) shards and data.tokenizer at GLM-5's
   # tokenizer.json (vocab 154880); launch/compile.py needs only seq_len and batch_size.
   config.data = common.data(source="arrayrecord", bpe_vocab_size=154880, seq_len=4096,
-                            # 4M tokens a step, two sequences a chip on v5p-1024: 13% more tokens a second a chip
-                            # than one (the weights' all-gathers are shared by twice the tokens), 92.9 GiB of 95.7
+                            # 4M tokens a step, two sequences a chip on v5p-1024: 340 tokens a second a chip
+                            # calibrated against 306 at one (the weights' all-gathers are shared by twice the
+                            # tokens), 92.9 GiB of 95.7
                             batch_size=1024,
                             eval_fraction=0.0)
   config.train = common.train(steps=100_000, eval_every=1000, checkpoint_every=1000)
