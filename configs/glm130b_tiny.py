@@ -27,8 +27,7 @@ VARIANTS = ("causal", "smoke")
 
 
 def get_config(variant: str = "") -> ml_collections.ConfigDict:
-  if variant not in ("", *VARIANTS):
-    raise ValueError(f"configs/glm130b_tiny.py has no variant {variant!r}; its variants: {list(VARIANTS)}")
+  v = common.variants(variant, "configs/glm130b_tiny.py", VARIANTS)
   config = glm5_tiny.get_config()
   config.name = "glm130b_tiny"
   m = config.model
@@ -44,15 +43,9 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   config.data = common.data(seq_len=256, batch_size=16, objective="glm")
   config.train = common.train(steps=600, embedding_grad_shrink=0.1)
   config.optimizer = common.optimizer(lr=3e-3, lr_end=3e-4, warmup_steps=50, decay_steps=550)
-  if variant == "causal":
+  if v.causal:
     config.name = "glm130b_tiny_causal"
     config.data.objective = "lm"
-  elif variant == "smoke":
-    config.train.steps = 20
-    config.train.log_every = 2
-    config.train.eval_every = 20
-    config.train.checkpoint_every = 20
-    config.data.eval_batches = 2
-    config.optimizer.warmup_steps = 5
-    config.optimizer.decay_steps = 15
+  if v.smoke:
+    common.smoke(config)
   return config

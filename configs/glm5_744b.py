@@ -13,46 +13,15 @@ from configs import common
 def get_config() -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
   config.name = "glm5_744b"
-  m = config.model = ml_collections.ConfigDict()
-  m.vocab_size = 154880
-  m.hidden_size = 6144
-  m.intermediate_size = 12288  # dense MLP of the first 3 layers
-  m.moe_intermediate_size = 2048
-  m.num_hidden_layers = 78  # 3 dense + 75 MoE
-  m.first_k_dense_replace = 3
-  m.num_nextn_predict_layers = 1  # MTP, stored as layer 78
-  m.num_attention_heads = 64
-  m.num_key_value_heads = 64
-  m.q_lora_rank = 2048
-  m.kv_lora_rank = 512
-  m.qk_nope_head_dim = 192
-  m.qk_rope_head_dim = 64
-  m.v_head_dim = 256
-  m.n_routed_experts = 256
-  m.n_shared_experts = 1
-  m.num_experts_per_tok = 8
-  m.routed_scaling_factor = 2.5
-  m.n_group = 1
-  m.topk_group = 1
-  m.norm_topk_prob = True
-  m.index_topk = 2048
-  m.index_n_heads = 32
-  m.index_head_dim = 128
-  m.rope_theta = 1e6
-  m.rope_interleave = True
-  m.indexer_rope_interleave = True
-  m.max_position_embeddings = 202752
-  m.rms_norm_eps = 1e-5
-  m.tie_word_embeddings = False
-  m.initializer_range = 0.02
-  m.use_dsa = True
-  # GLM-5.2's IndexShare, e.g. --config.model.indexer_types=FSF: "S" layers reuse the previous "F" layer's top-k
-  m.indexer_types = ml_collections.config_dict.placeholder(str)
-  m.attention_impl = "pallas"  # DSA's kernels (compiled on TPU; the reference on a GPU, interpret mode on CPU)
-  m.dtype = "bfloat16"  # matmuls in bf16 with fp32 accumulation; softmax, router, losses in fp32
-  m.param_dtype = "float32"
-  m.remat_policy = "full"
-  m.moe_buffer_factor = 2.0  # expert parallelism's fast path (see the mesh below)
+  # The released model is configs/common.py's model() (ModelConfig's defaults: 78 layers, 3 dense then 75 MoE of
+  # 256 routed experts, 8 a token, and one shared; MLA with q / kv ranks 2048 / 512; DSA's indexer picking 2048
+  # keys; one MTP layer). GLM-5.2's IndexShare: --config.model.indexer_types=FSF ("S" layers reuse the previous
+  # "F" layer's top-k).
+  config.model = common.model(
+      attention_impl="pallas",  # DSA's kernels (compiled on TPU; the reference on a GPU, interpret mode on CPU)
+      dtype="bfloat16",  # matmuls in bf16 with fp32 accumulation; softmax, router, losses in fp32
+      remat_policy="full",
+      moe_buffer_factor=2.0)  # expert parallelism's fast path (see the mesh below)
 
   # Pretraining data: point data.path at ArrayRecord (or jsonl / text) shards and data.tokenizer at GLM-5's
   # tokenizer.json (vocab 154880); launch/compile.py needs only seq_len and batch_size.

@@ -21,7 +21,7 @@ indexer, then the sparse stage); docs/glm5_facts.md sections 1 and 3. The layout
 Measured figures are in the README ("Long context").
 """
 
-from configs import glm5_744b
+from configs import common, glm5_744b
 
 VARIANTS = ("warmup",)
 
@@ -36,16 +36,15 @@ def long_context(name: str, variant: str, *, seq_len: int, batch_size: int, cont
   """glm5_744b's config for a long-context stage on the same v5p-1024 (configs/{name}.py; variant "" is
   the sparse stage, "warmup" the DSA warm-up): the sequence, the mesh's context axis, the chunked loss and, for the
   warm-up, blockwise dense attention."""
-  if variant not in ("", *VARIANTS):
-    raise ValueError(f"configs/{name}.py has no variant {variant!r}; its variants: {list(VARIANTS)}")
+  warmup = common.variants(variant, f"configs/{name}.py", VARIANTS).warmup
   config = glm5_744b.get_config()
-  config.name = name + (f"_{variant}" if variant else "")
+  config.name = name + ("_warmup" if warmup else "")
   config.data.seq_len = seq_len
   config.data.batch_size = batch_size
   config.mesh.context = context
   config.mesh.fsdp = -1  # the rest of the slice
   config.train.loss_chunk = loss_chunk
   config.model.attention_chunk = attention_chunk
-  config.train.dsa_stage = "warmup" if variant == "warmup" else "sparse"
+  config.train.dsa_stage = "warmup" if warmup else "sparse"
   config.optimizer.lr = 1e-5  # GLM-5's sparse-stage rate (G5: 20B tokens at 1e-5); the warm-up's is not published
   return config

@@ -10,7 +10,7 @@ with an exact-match reward: the sampled answers' mean reward climbs past 50% wit
 
 import ml_collections
 
-from configs import glm5_tiny
+from configs import common, glm5_tiny
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -45,44 +45,9 @@ def get_config() -> ml_collections.ConfigDict:
       spike_factor=0.0,  # no loss-spike skipping: a fine-tuning of tens of steps has no settled running mean
       spike_min_steps=0, spike_ema=0.99))
 
-  rl = config.rl = ml_collections.ConfigDict()
-  rl.steps = 200
-  rl.seed = 0
-  rl.init_from = ""  # a workdir whose latest checkpoint (same model) starts the run instead of the SFT
-  rl.prompts_per_step = 64
-  rl.group_size = 8  # answers a prompt; advantages are normalized within each group (GLM-5: 32)
-  rl.max_new_tokens = 3
-  rl.temperature = 1.0
-  rl.top_p = 1.0
-  rl.reward = "exact_match"  # glm_jax/rl/rewards.py
-  rl.objective = "grpo"  # "grpo" (Eq. 1) | "async" (Eq. 3-5; needs async_rollouts)
-  rl.eps_low = 0.2
-  rl.eps_high = 0.28
-  rl.is_correction = "icepop"  # "icepop" | "truncated" | "none": the train/inference mismatch weight
-  rl.icepop_beta = 2.0
-  rl.tis_cap = 2.0  # the truncated-IS weight's cap
-  rl.kl_coef = 0.0  # KL to the warm-started policy (GLM-5 removes it)
-  rl.grad_clip_norm = 1.0
-  rl.max_consecutive_skips = 10  # stop (non-zero exit) after this many skipped updates in a row; 0 = never
-  rl.freeze_indexer = True  # GLM-5's RL keeps the indexer fixed (its top-k is deterministic here on every path)
-  rl.rollout_dtype = ""  # "" = the model's; "bfloat16" samples in bf16 while training in fp32 (a real mismatch)
-  rl.speculate = 0  # k >= 1: rollouts draft k tokens a round with the MTP layer (slime's speculative rollouts)
-  rl.async_rollouts = False  # a background rollout worker generating with tagged weights
-  rl.tau = 1  # drop rollouts more than tau versions behind the trainer (async)
-  rl.max_pending = 2  # rollouts the worker may queue ahead (async)
-  # The rollout engine in its own process (glm_jax/rl/rollout_engine.py; async only): weights pushed by version over
-  # a localhost socket, heartbeats, a worker that stops answering replaced and its requests retried.
-  rl.rollout_process = False
-  rl.heartbeat_every = 1.0  # seconds between the worker's heartbeats
-  rl.heartbeat_timeout = 30.0  # seconds without one before the worker is replaced
-  rl.worker_start_timeout = 300.0  # seconds a new worker may take to start (imports, compiling) before its first
-  rl.max_worker_restarts = 3  # replacements before the run fails
-  rl.eval_prompts = 256  # held-out problems answered greedily for eval_accuracy
-  rl.eval_every = 50
-  rl.log_every = 1
-  rl.checkpoint_every = 50
-  rl.keep_checkpoints = 2
-  rl.tensorboard = True
+  # The loop (configs/common.py's rl(): GLM-5's Eq. 1 with IcePop, beta 2, clipping 0.2 / 0.28, no KL, the indexer
+  # frozen), 200 steps of 64 prompts x 8 answers (GLM-5: 32 x 32).
+  config.rl = common.rl(steps=200, prompts_per_step=64, group_size=8, max_new_tokens=3)
 
   # The RL optimizer (the SFT has its own above).
   o = config.optimizer = glm5_tiny.get_config().optimizer

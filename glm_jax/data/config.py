@@ -74,6 +74,11 @@ def default_data_config() -> ml_collections.ConfigDict:
   return c
 
 
+# The fields above that a resumed run may change (where its caches live, how much it evaluates): they change neither
+# the saved state nor the order of the training data (glm_jax/train/checkpoint.py).
+RUNTIME_FIELDS = frozenset({"cache_dir", "eval_batches"})
+
+
 def validate_data_config(cfg: ml_collections.ConfigDict) -> None:
   """Raises ValueError naming the field, its value and what is valid, before any work is done."""
   fmt = data_format(cfg)

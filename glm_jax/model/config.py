@@ -18,65 +18,76 @@ NORM_STYLES = ("prenorm", "deepnorm")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
+def _hf(default: Any) -> Any:
+  """A field of transformers' GlmMoeDsaConfig: to_hf_dict writes it to config.json under its own name."""
+  return dataclasses.field(default=default, metadata={"hf": True})
+
+
+def _runtime(default: Any) -> Any:
+  """A field that changes how the model runs, not its parameters (ModelConfig.runtime_fields)."""
+  return dataclasses.field(default=default, metadata={"runtime": True})
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   # --- HF GlmMoeDsaConfig fields (defaults are the released GLM-5 744B-A40B numbers) ---
-  vocab_size: int = 154880
-  hidden_size: int = 6144
-  intermediate_size: int = 12288  # dense MLP width (first_k_dense_replace layers)
-  moe_intermediate_size: int = 2048  # width of each routed expert and of each shared expert
-  num_hidden_layers: int = 78
-  num_attention_heads: int = 64
-  num_key_value_heads: int = 64  # MLA: every head has its own k/v, so this must equal num_attention_heads
-  n_shared_experts: int = 1
-  n_routed_experts: int = 256
-  routed_scaling_factor: float = 2.5
-  kv_lora_rank: int = 512
-  q_lora_rank: int = 2048
-  qk_rope_head_dim: int = 64
-  v_head_dim: int = 256
-  qk_nope_head_dim: int = 192
-  n_group: int = 1
-  topk_group: int = 1
-  num_experts_per_tok: int = 8
-  norm_topk_prob: bool = True
-  hidden_act: str = "silu"
-  max_position_embeddings: int = 202752
-  initializer_range: float = 0.02
-  rms_norm_eps: float = 1e-5
-  tie_word_embeddings: bool = False
+  vocab_size: int = _hf(154880)
+  hidden_size: int = _hf(6144)
+  intermediate_size: int = _hf(12288)  # dense MLP width (first_k_dense_replace layers)
+  moe_intermediate_size: int = _hf(2048)  # width of each routed expert and of each shared expert
+  num_hidden_layers: int = _hf(78)
+  num_attention_heads: int = _hf(64)
+  num_key_value_heads: int = _hf(64)  # MLA: every head has its own k/v, so this must equal num_attention_heads
+  n_shared_experts: int = _hf(1)
+  n_routed_experts: int = _hf(256)
+  routed_scaling_factor: float = _hf(2.5)
+  kv_lora_rank: int = _hf(512)
+  q_lora_rank: int = _hf(2048)
+  qk_rope_head_dim: int = _hf(64)
+  v_head_dim: int = _hf(256)
+  qk_nope_head_dim: int = _hf(192)
+  n_group: int = _hf(1)
+  topk_group: int = _hf(1)
+  num_experts_per_tok: int = _hf(8)
+  norm_topk_prob: bool = _hf(True)
+  hidden_act: str = _hf("silu")
+  max_position_embeddings: int = _hf(202752)
+  initializer_range: float = _hf(0.02)
+  rms_norm_eps: float = _hf(1e-5)
+  tie_word_embeddings: bool = _hf(False)
   rope_theta: float = 1e6  # HF keeps it in rope_parameters["rope_theta"]
-  attention_bias: bool = False
-  index_topk: int = 2048
-  index_head_dim: int = 128
-  index_n_heads: int = 32
-  first_k_dense_replace: int = 3
-  num_nextn_predict_layers: int = 1  # MTP depth; released as layer index num_hidden_layers
-  bos_token_id: int | None = 0
-  eos_token_id: int | None = 1
-  pad_token_id: int | None = None
-  indexer_types: tuple[str, ...] | None = None  # per layer, "full" (runs its indexer) or "shared" (GLM-5.2's
+  attention_bias: bool = _hf(False)
+  index_topk: int = _hf(2048)
+  index_head_dim: int = _hf(128)
+  index_n_heads: int = _hf(32)
+  first_k_dense_replace: int = _hf(3)
+  num_nextn_predict_layers: int = _hf(1)  # MTP depth; released as layer index num_hidden_layers
+  bos_token_id: int | None = _hf(0)
+  eos_token_id: int | None = _hf(1)
+  pad_token_id: int | None = _hf(None)
+  indexer_types: tuple[str, ...] | None = _hf(None)  # per layer, "full" (runs its indexer) or "shared" (GLM-5.2's
   #   IndexShare: reuses the previous full layer's top-k; its indexer's weights are unused); None: all "full".
   #   Also taken as a pattern string, "FSS" = ("full", "shared", "shared") (a flag: --config.model.indexer_types=FSS)
-  # --- ours (no HF field) ---
+  # --- ours (no HF field); _runtime marks those that change how the model runs, not its parameters, so a resumed
+  #     run may change them (glm_jax/train/checkpoint.py) ---
   rope_interleave: bool = True  # MLA rope on interleaved pairs (GLM-5, DeepSeek); False = half split
   indexer_rope_interleave: bool = True  # GLM-5 True; DeepSeek-V3.2's indexer uses the half split
   mla_norm_eps: float = 1e-6  # q_a_layernorm / kv_a_layernorm (HF builds them with eps 1e-6)
   index_norm_eps: float = 1e-6  # the indexer's k LayerNorm
-  use_dsa: bool = True  # False: every layer is plain causal MLA, the indexer is still built and scored
-  attention_impl: str = "reference"  # DSA: "reference" (pure jnp, the oracle) or "pallas" (glm_jax/model/dsa.py)
-  dtype: str = "float32"  # activations and matmul inputs; softmax, router and norms run in fp32
+  use_dsa: bool = _runtime(True)  # False: every layer is plain causal MLA, the indexer is still built and scored
+  attention_impl: str = _runtime("reference")  # DSA: "reference" (pure jnp, the oracle) or "pallas" (dsa.py)
+  dtype: str = _runtime("float32")  # activations and matmul inputs; softmax, router and norms run in fp32
   param_dtype: str = "float32"
-  moe_capacity_factor: float = 0.0  # 0: dropless (GLM-5); c > 0: each expert takes at most ceil(c * G * K / E)
-  #                                   of the (token, slot) pairs of a dispatch group of G tokens, the rest dropped
-  moe_buffer_factor: float = 0.0  # expert parallelism's fast path (moe_parallel.py): a receive buffer of f x the
-  #                                  balanced load, taken when every shard's rows fit it (dropless either way); 0: off
-  attention_chunk: int = 0  # dense attention (and the DSA warm-up's KL) this many query rows at a time when the
-  #                           sequence is longer, never [B, H, T, S] (glm_jax/model/blockwise.py); 0 = all at once
-  remat_policy: str = "none"  # per scanned layer: none | full | dots | dots_with_no_batch_dims |
-  #                             offload_layer_inputs (full, with each layer's input kept in host memory)
-  scan_unroll: bool = False  # unroll the layer scans: compile time grows with depth, XLA's cost analysis
-  #                            then counts every layer (it counts a loop body once)
+  moe_capacity_factor: float = _runtime(0.0)  # 0: dropless (GLM-5); c > 0: each expert takes at most
+  #   ceil(c * G * K / E) of the (token, slot) pairs of a dispatch group of G tokens, the rest dropped
+  moe_buffer_factor: float = _runtime(0.0)  # expert parallelism's fast path (moe_parallel.py): a receive buffer of
+  #   f x the balanced load, taken when every shard's rows fit it (dropless either way); 0: off
+  attention_chunk: int = _runtime(0)  # dense attention (and the DSA warm-up's KL) this many query rows at a time
+  #   when the sequence is longer, never [B, H, T, S] (glm_jax/model/blockwise.py); 0 = all at once
+  remat_policy: str = _runtime("none")  # per scanned layer: none | full | dots | dots_with_no_batch_dims |
+  #   offload_layer_inputs (full, with each layer's input kept in host memory)
+  scan_unroll: bool = _runtime(False)  # unroll the layer scans: compile time grows with depth, XLA's cost
+  #   analysis then counts every layer (it counts a loop body once)
   # GLM-130B's options (glm_jax/model/deepnorm.py, docs/design.md "GLM-130B's ideas"):
   norm_style: str = "prenorm"  # "prenorm" (GLM-5: x + f(norm(x))) or "deepnorm" (GLM-130B: Post-LN,
   #                              norm(alpha x + f(x)), alpha = (2N)^1/2, Xavier init with beta = (2N)^-1/2)
@@ -141,6 +152,21 @@ class ModelConfig:
     return dataclasses.asdict(self)
 
   @classmethod
+  def runtime_fields(cls) -> frozenset[str]:
+    """The fields declared _runtime: a run resumed from a checkpoint may change them."""
+    return frozenset(f.name for f in dataclasses.fields(cls) if f.metadata.get("runtime"))
+
+  @classmethod
+  def hf_fields(cls) -> tuple[str, ...]:
+    """The fields declared _hf: transformers' GlmMoeDsaConfig has each under the same name."""
+    return tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get("hf"))
+
+  @classmethod
+  def defaults(cls) -> dict[str, Any]:
+    """Every field's default (the released GLM-5's numbers for the HF fields)."""
+    return {f.name: f.default for f in dataclasses.fields(cls)}
+
+  @classmethod
   def from_hf_dict(cls, hf: Mapping[str, Any], **overrides: Any) -> ModelConfig:
     """From a HF GlmMoeDsaConfig dict (config.json). HF fields that change the math and that this codebase
     does not implement are rejected by name; purely bookkeeping fields (architectures, dtype, ...) are ignored."""
@@ -177,12 +203,7 @@ class ModelConfig:
         raise ValueError(f"model config: {field}={getattr(self, field)!r} has no counterpart in transformers' "
                          f"glm_moe_dsa (its layers are {plain!r}-only); such a model cannot be written as a HF "
                          "checkpoint")
-    ours = {
-        "norm_style", "rope_2d", "rope_interleave", "indexer_rope_interleave", "mla_norm_eps", "index_norm_eps", "use_dsa",
-        "attention_impl", "dtype", "param_dtype", "remat_policy", "scan_unroll", "moe_capacity_factor",
-        "moe_buffer_factor", "rope_theta", "attention_chunk",
-    }
-    d = {k: v for k, v in self.to_dict().items() if k not in ours}
+    d = {k: getattr(self, k) for k in self.hf_fields()}  # ours stay out of config.json
     d.update(
         model_type="glm_moe_dsa",
         architectures=["GlmMoeDsaForCausalLM"],

@@ -33,7 +33,8 @@ from glm_jax.model.mla import MLA, AttentionInputs
 from glm_jax.model.moe import MoE
 from pallas_kernels.lightning_indexer_reference import visible_mask
 
-REMAT_POLICIES: dict[str, Callable | None] = {
+# What jax.checkpoint saves under each of config.REMAT_POLICIES but "none" (which does not wrap the layer).
+CHECKPOINT_POLICIES: dict[str, Callable | None] = {
     "full": None,  # save nothing: recompute the whole layer in the backward pass
     "dots": jax.checkpoint_policies.checkpoint_dots,
     "dots_with_no_batch_dims": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
@@ -140,7 +141,7 @@ def scan_layers(stack: DecoderLayer | None, x_BTD: jax.Array, inp: AttentionInpu
     return (x, None if prev is None else aux["topk_indices"]), aux
 
   if remat_policy != "none":
-    body = jax.checkpoint(body, policy=REMAT_POLICIES[remat_policy], prevent_cse=False)
+    body = jax.checkpoint(body, policy=CHECKPOINT_POLICIES[remat_policy], prevent_cse=False)
   (x, topk), aux = jax.lax.scan(body, (x_BTD, topk), (state, shared), unroll=unroll)
   return x, aux, topk
 

@@ -29,6 +29,50 @@ _RL_POSITIVE_INTS = ("steps", "prompts_per_step", "group_size", "max_new_tokens"
                      "eval_prompts", "checkpoint_every", "keep_checkpoints", "max_pending")
 
 
+def default_rl_config() -> ml_collections.ConfigDict:
+  """Every field of the `rl` section (configs/common.py's rl()); where GLM-5 publishes a value it is the default
+  (Eq. 1: IcePop with beta 2, clipping 0.2 / 0.28, no KL, groups of 32; its RL keeps the indexer fixed)."""
+  c = ml_collections.ConfigDict()
+  c.steps = 200
+  c.seed = 0
+  c.init_from = ""  # a workdir whose latest checkpoint (same model) starts the run instead of the SFT
+  c.prompts_per_step = 32
+  c.group_size = 32  # answers a prompt; advantages are normalized within each group
+  c.max_new_tokens = 3
+  c.temperature = 1.0
+  c.top_p = 1.0
+  c.reward = "exact_match"  # glm_jax/rl/rewards.py
+  c.objective = "grpo"  # "grpo" (Eq. 1) | "async" (Eq. 3-5; needs async_rollouts)
+  c.eps_low = 0.2
+  c.eps_high = 0.28
+  c.is_correction = "icepop"  # "icepop" | "truncated" | "none": the train/inference mismatch weight
+  c.icepop_beta = 2.0
+  c.tis_cap = 2.0  # the truncated-IS weight's cap
+  c.kl_coef = 0.0  # KL to the warm-started policy (GLM-5 removes it)
+  c.grad_clip_norm = 1.0
+  c.max_consecutive_skips = 10  # stop (non-zero exit) after this many skipped updates in a row; 0 = never
+  c.freeze_indexer = True  # GLM-5's RL keeps the indexer fixed (its top-k is deterministic here on every path)
+  c.rollout_dtype = ""  # "" = the model's; "bfloat16" samples in bf16 while training in fp32 (a real mismatch)
+  c.speculate = 0  # k >= 1: rollouts draft k tokens a round with the MTP layer (slime's speculative rollouts)
+  c.async_rollouts = False  # a background rollout worker generating with tagged weights
+  c.tau = 1  # drop rollouts more than tau versions behind the trainer (async)
+  c.max_pending = 2  # rollouts the worker may queue ahead (async)
+  # The rollout engine in its own process (glm_jax/rl/rollout_engine.py; async only): weights pushed by version over
+  # a localhost socket, heartbeats, a worker that stops answering replaced and its requests retried.
+  c.rollout_process = False
+  c.heartbeat_every = 1.0  # seconds between the worker's heartbeats
+  c.heartbeat_timeout = 30.0  # seconds without one before the worker is replaced
+  c.worker_start_timeout = 300.0  # seconds a new worker may take to start (imports, compiling) before its first beat
+  c.max_worker_restarts = 3  # replacements before the run fails
+  c.eval_prompts = 256  # held-out problems answered greedily for eval_accuracy
+  c.eval_every = 50
+  c.log_every = 1
+  c.checkpoint_every = 50
+  c.keep_checkpoints = 2
+  c.tensorboard = True
+  return c
+
+
 def validate_rl_config(config: ml_collections.ConfigDict) -> None:
   """Checks config.trainer, that the sections it needs are there, and config.rl, config.sft.train_step and the
   tasks / teachers sections the trainer reads."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import grain
@@ -29,14 +29,17 @@ import jax
 import orbax.checkpoint as ocp
 from absl import logging
 
+from glm_jax.data import config as data_config
+from glm_jax.model.config import ModelConfig
+from glm_jax.model.quantization import default_quant_config
 from glm_jax.sharding.checkpoint_arrays import is_weights_only, read_weights
+from glm_jax.train.config import default_train_config
+from glm_jax.train.optimizer_config import default_optimizer_config
 from glm_jax.train.guards import Diverged, first_nonfinite
 
-# Config fields that may change between a run and its resumption (they do not change the saved state or data).
-RUNTIME_FIELDS = {
-    "model": {"attention_impl", "dtype", "moe_capacity_factor", "remat_policy", "scan_unroll", "use_dsa"},
-    "data": {"cache_dir", "eval_batches"},
-}
+# Config fields that may change between a run and its resumption (they change neither the saved state nor the data),
+# as each section declares them.
+RUNTIME_FIELDS = {"model": ModelConfig.runtime_fields(), "data": data_config.RUNTIME_FIELDS}
 # Model fields that may differ between a run and one that starts from its weights (train.init_from): they change
 # what the model computes, not its parameters; a sweep of the sparse stage over index_topk starts every point from
 # one warm-up run.
@@ -48,6 +51,34 @@ RESUME_SECTIONS = ("model", "optimizer", "data", "quant")
 # Config sections whose other fields must match the checkpoint's.
 COMPARED_SECTIONS = ("model", "optimizer")
 COMPARED_TRAIN_FIELDS = ("dsa_stage",)
+# The library's defaults of each section a checkpoint is compared on (and of train): a field that a checkpoint's
+# config lacks, because it was added to the library after the checkpoint was written, counts as its default, so
+# adding a field never breaks a resume (and a run that leaves a field out gets its default, as the library reads it).
+SECTION_DEFAULTS: dict[str, Callable[[], Mapping[str, Any]]] = {
+    "model": ModelConfig.defaults,
+    "optimizer": lambda: default_optimizer_config().to_dict(),
+    "data": lambda: data_config.default_data_config().to_dict(),
+    "quant": lambda: default_quant_config().to_dict(),
+    "train": lambda: default_train_config().to_dict(),
+}
+_ABSENT = object()
+
+
+def _flat(section: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+  """{"a.b": leaf} of a nested section (JSON's view: tuples are lists)."""
+  out = {}
+  for key, value in section.items():
+    if isinstance(value, Mapping):
+      out.update(_flat(value, f"{prefix}{key}."))
+    else:
+      out[prefix + key] = list(value) if isinstance(value, tuple) else value
+  return out
+
+
+def _shown(section: Mapping[str, Any], key: str, default: Any) -> str:
+  if key in section:
+    return repr(section[key])
+  return "absent" if default is _ABSENT else f"absent (default {default!r})"
 
 
 def config_differences(saved: Mapping[str, Any], current: Mapping[str, Any], *,
@@ -55,21 +86,33 @@ def config_differences(saved: Mapping[str, Any], current: Mapping[str, Any], *,
                        train_fields: tuple[str, ...] = COMPARED_TRAIN_FIELDS,
                        free: Mapping[str, set[str]] | None = None) -> list[str]:
   """Human-readable differences that make a checkpoint unusable under `current`; the fields of RUNTIME_FIELDS and
-  of `free` ({section: fields}) may differ."""
+  of `free` ({section: fields}) may differ. A field either side lacks counts as its SECTION_DEFAULTS default; the
+  fields the checkpoint lacks are logged in one line."""
   free = free or {}
   current = json.loads(json.dumps(current))  # as the checkpoint stored it: tuples become lists
-  diffs = []
-  for section in sections:
-    a, b = saved.get(section, {}), current.get(section, {})
-    for key in sorted(set(a) | set(b)):
-      if key in RUNTIME_FIELDS.get(section, ()) or key in free.get(section, ()):
+  diffs, unstated = [], []
+
+  def compare(section: str, keys) -> None:
+    defaults = _flat(SECTION_DEFAULTS[section]()) if section in SECTION_DEFAULTS else {}
+    a, b = _flat(saved.get(section, {})), _flat(current.get(section, {}))
+    for key in keys(a, b, defaults):
+      top = key.split(".")[0]
+      if top in RUNTIME_FIELDS.get(section, ()) or top in free.get(section, ()):
         continue
-      if a.get(key) != b.get(key):
-        diffs.append(f"{section}.{key}: checkpoint {a.get(key)!r}, config {b.get(key)!r}")
-  for key in train_fields:
-    a, b = saved.get("train", {}).get(key), current.get("train", {}).get(key)
-    if a != b:
-      diffs.append(f"train.{key}: checkpoint {a!r}, config {b!r}")
+      default = defaults.get(key, _ABSENT)
+      if key not in a and default is not _ABSENT:
+        unstated.append(f"{section}.{key}")
+      x, y = a.get(key, default), b.get(key, default)
+      if x != y:
+        diffs.append(f"{section}.{key}: checkpoint {_shown(a, key, default)}, config {_shown(b, key, default)}")
+
+  for section in sections:
+    compare(section, lambda a, b, defaults: sorted(set(a) | set(b)))
+  if train_fields:
+    compare("train", lambda a, b, defaults: list(train_fields))
+  if unstated:
+    logging.info("The checkpoint's config does not give %s (fields added since, or left out): taken as their "
+                 "defaults", ", ".join(unstated))
   return diffs
 
 

@@ -75,3 +75,52 @@ def test_from_hf_dict_reads_shared_indexer_types_and_names_bad_ones():
     ModelConfig.from_hf_dict({**SMALL, "indexer_types": ["shared", "full"]})
   with pytest.raises(ValueError, match=re.escape("config.json: index_topk_pattern='FX'; each entry is 'F'")):
     ModelConfig.from_hf_dict({**SMALL, "index_topk_pattern": "FX"})
+
+
+# A valid other value for each field declared runtime-only; the test below checks the model's state under each.
+RUNTIME_ALTERNATIVES = {"use_dsa": False, "attention_impl": "pallas", "dtype": "bfloat16", "moe_capacity_factor": 1.0,
+                        "moe_buffer_factor": 2.0, "attention_chunk": 16, "remat_policy": "full", "scan_unroll": True}
+
+
+def _state_shapes(cfg: ModelConfig) -> dict:
+  import jax
+  from flax import nnx
+
+  from glm_jax.model.transformer import GlmMoeDsa
+  state = nnx.state(nnx.eval_shape(lambda: GlmMoeDsa(cfg, nnx.Rngs(0))))
+  return {jax.tree_util.keystr(path): (leaf.shape, leaf.dtype) for path, leaf in jax.tree.leaves_with_path(state)}
+
+
+def test_runtime_fields_change_no_state_and_the_others_do():
+  """A checkpoint may be resumed under another value of a runtime field (glm_jax/train/checkpoint.py), so none may
+  change the model's state; param_dtype, declared otherwise, changes every parameter's dtype."""
+  assert ModelConfig.runtime_fields() == set(RUNTIME_ALTERNATIVES)  # a new runtime field needs an entry above
+  base = ModelConfig(**SMALL, first_k_dense_replace=1)
+  shapes = _state_shapes(base)
+  for field, value in RUNTIME_ALTERNATIVES.items():
+    assert getattr(base, field) != value
+    assert _state_shapes(base.replace(**{field: value})) == shapes, field
+  assert _state_shapes(base.replace(param_dtype="bfloat16")) != shapes
+
+
+def test_hf_fields_are_transformers_fields():
+  """to_hf_dict writes the fields declared _hf under their own names: each is a field of transformers'
+  GlmMoeDsaConfig, and none of ours (runtime or not) reaches config.json."""
+  transformers = pytest.importorskip("transformers")
+  # num_nextn_predict_layers is in the released config.json (shared/GLM5_FACTS.md); transformers' class keeps it as
+  # an extra attribute rather than declaring it
+  theirs = set(transformers.GlmMoeDsaConfig().to_dict()) | {"num_nextn_predict_layers"}
+  fields = set(ModelConfig.defaults())
+  assert set(ModelConfig.hf_fields()) <= theirs
+  # every field both have, but dtype: theirs is the weights' dtype (to_hf_dict writes our param_dtype there), ours
+  # the activations'
+  assert set(ModelConfig.hf_fields()) == fields & theirs - {"dtype"}
+  written = ModelConfig(**SMALL, rope_theta=8e6).to_hf_dict()
+  assert set(written) <= theirs | {"architectures", "model_type", "rope_parameters"}
+  assert written["rope_parameters"]["rope_theta"] == 8e6 and written["dtype"] == "float32"
+
+
+def test_every_remat_policy_name_has_its_checkpoint_policy():
+  from glm_jax.model.config import REMAT_POLICIES
+  from glm_jax.model.transformer import CHECKPOINT_POLICIES
+  assert set(CHECKPOINT_POLICIES) == set(REMAT_POLICIES) - {"none"}

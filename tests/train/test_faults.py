@@ -124,6 +124,32 @@ def test_resuming_on_other_data_is_refused_by_name(six_steps, data_cache_dir, ch
   assert snapshot(six_steps) == before
 
 
+def test_a_checkpoint_written_before_fields_were_added_resumes(six_steps, straight, data_cache_dir, tmp_path, caplog):
+  """Adding a field to a config section must not break resuming the runs saved before it: here every compared
+  section of the saved configs loses a field, as if the library had added it since, and the run goes on from
+  step 6 exactly as the uninterrupted one did, saying in one line which fields it took at their defaults."""
+  workdir = copy_of(six_steps, tmp_path)
+  removed = {"model": "norm_style", "optimizer": "b2", "data": "shuffle_seed", "train": "dsa_stage"}
+  for path in glob.glob(os.path.join(workdir, "checkpoints", "*", "config", "metadata")):
+    with open(path) as f:
+      saved = json.load(f)
+    for section, field in removed.items():
+      del saved[section][field]
+    with open(path, "w") as f:
+      json.dump(saved, f)
+  # a field the checkpoint lacks is its default: another value is a difference, named as such, and changes nothing
+  before = snapshot(workdir)
+  with pytest.raises(ValueError, match=r"optimizer\.b2: checkpoint absent \(default 0\.95\), config 0\.99"):
+    train_and_evaluate(make_config(data_cache_dir, **{"optimizer.b2": 0.99}), workdir)
+  assert snapshot(workdir) == before
+  with caplog.at_level("INFO"):
+    summary = train_and_evaluate(make_config(data_cache_dir), workdir)
+  assert summary["step"] == 9
+  assert without_speed(train_rows(workdir)) == without_speed(train_rows(straight[0]))
+  said = [r.getMessage() for r in caplog.records if "does not give" in r.getMessage()]
+  assert said and all(f"{s}.{f}" in said[0] for s, f in removed.items()), said
+
+
 def test_init_from_a_run_with_another_tokenizer_is_refused(six_steps, data_cache_dir, tmp_path):
   config = make_config(data_cache_dir, **{"train.init_from": six_steps, "data.bpe_vocab_size": 384})
   with pytest.raises(ValueError, match=r"train\.init_from='.*': .* was trained with the tokenizer '.*bpe512-.*' "
