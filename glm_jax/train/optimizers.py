@@ -1,13 +1,15 @@
-"""The pretraining optimizer: AdamW, or Muon for the hidden matrices with GLM-5's "Muon Split".
+"""The pretraining optimizer: Muon for the hidden matrices with GLM-5's "Muon Split" (and an optax optimizer, AdamW
+by default, for the rest), or any optax optimizer by name.
 
 `make_optimizer(opt_cfg, params, trainable=...)` assembles it from the pieces, one idea a module:
   glm_jax/train/optimizer_config.py   the config section (every field, GLM-5's values) and the LR schedule
-  glm_jax/train/param_plan.py         each parameter's label (muon / adamw / frozen), weight decay, matrix layout
+  glm_jax/train/param_plan.py         each parameter's label (muon / elementwise / frozen), weight decay, layout
   glm_jax/train/head_split.py         W_UK / W_UV cut apart before Muon and joined after (Muon Split)
   glm_jax/train/muon.py               momentum, Newton-Schulz with whole matrices spread over the mesh, the
                                       update's shape scale (RMS matched to AdamW's, 0.2)
 Muon leaves: split_heads(scale_by_muon -> scale_by_shape) -> decoupled weight decay -> learning rate.
-AdamW leaves: optax.adamw with the same schedule and decay mask. Frozen leaves: exactly -0.0, no state.
+Elementwise leaves: the optax optimizer (optimizer.name, or Muon's partner) with the same schedule and decay mask.
+Frozen leaves: exactly -0.0, no state.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ import optax
 
 from glm_jax.train.head_split import muon_layouts, split_heads
 from glm_jax.train.muon import scale_by_muon, scale_by_shape
-from glm_jax.train.optimizer_config import checked_optimizer_config, learning_rate_schedule
+from glm_jax.train.optimizer_config import (checked_optimizer_config, elementwise_field, learning_rate_schedule,
+                                            optax_optimizer)
 from glm_jax.train.param_plan import leaf_plan, lookup
 
 
@@ -57,6 +60,6 @@ def make_optimizer(opt_cfg: Mapping[str, Any] | None, params, *, trainable=None)
       split_heads(orthogonalize, plan),
       optax.add_decayed_weights(cfg.weight_decay, mask=decay_mask),
       optax.scale_by_learning_rate(schedule))
-  adamw = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
-                      mask=decay_mask, mu_dtype=mu_dtype)
-  return optax.partition({"muon": muon, "adamw": adamw, "frozen": zero_updates()}, labels)
+  elementwise = optax_optimizer(cfg, elementwise_field(cfg), schedule=schedule, decay_mask=decay_mask,
+                                mu_dtype=mu_dtype)
+  return optax.partition({"muon": muon, "elementwise": elementwise, "frozen": zero_updates()}, labels)

@@ -2,12 +2,13 @@
 
 Each parameter gets one of three labels (`leaf_plan`):
 
-  muon    hidden matrices: attention projections (the indexer's too), dense MLP, shared and routed experts,
-          MTP eh_proj. Leading stacked axes (layers, experts) and, with muon_split, heads are batch axes:
-          every 2-D matrix is orthogonalized on its own (GLM-5's "Muon Split": W_UQ, W_UK, W_UV per head).
-  adamw   the embedding, lm_head, the router and every 1-D leaf (norm weights, the indexer's k_norm bias);
-          everything when the optimizer's name is "adamw".
-  frozen  leaves `trainable` rules out: the update is exactly (negative) zero and no state is kept.
+  muon         hidden matrices: attention projections (the indexer's too), dense MLP, shared and routed experts,
+               MTP eh_proj. Leading stacked axes (layers, experts) and, with muon_split, heads are batch axes:
+               every 2-D matrix is orthogonalized on its own (GLM-5's "Muon Split": W_UQ, W_UK, W_UV per head).
+  elementwise  the optax optimizer's (Muon's partner, AdamW by default): the matrices optimizer.partner_matrices
+               matches (the embedding, lm_head, the router) and every 1-D leaf (norm weights, the indexer's
+               k_norm bias); everything when the optimizer is not "muon".
+  frozen       leaves `trainable` rules out: the update is exactly (negative) zero and no state is kept.
 
 Weight decay (decoupled, lr_t * wd * W, as optax and PyTorch): every matrix (lm_head and router included),
 never the embedding (a row moves only when its token occurs, so decay would shrink rare tokens) nor 1-D leaves.
@@ -19,6 +20,7 @@ stacked axes are batch axes); kv_b_proj under muon_split is cut along its last a
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -30,13 +32,12 @@ from glm_jax.train.optimizer_config import checked_optimizer_config
 from glm_jax.tree_paths import Names, path_names, path_str
 
 STACKED = ("dense_layers", "moe_layers")  # top-level subtrees whose leaves carry a leading "layers" axis
-ADAMW_MATRICES = ("embedding", "lm_head", "router")  # matrices AdamW keeps under Muon
 EXPERT_MATRICES = ("gate_proj", "up_proj", "down_proj")  # [E, in, out] under an MoE "mlp"
 
 
 class LeafPlan(NamedTuple):
   """How one parameter is optimized. muon_dims: Muon's matrix layout (one per part when split)."""
-  label: str  # "muon" | "adamw" | "frozen"
+  label: str  # "muon" | "elementwise" | "frozen"
   weight_decay: bool
   muon_dims: tuple[Dims, ...] = ()
   split_sizes: tuple[int, ...] = ()  # the last axis cut into these parts before Muon (kv_b_proj: W_UK, W_UV)
@@ -109,14 +110,15 @@ def leaf_plan(opt_cfg: Mapping[str, Any] | None, params, *, trainable=None) -> d
   shapes = dict(leaves)
   logical = _logical_axes(params)
   flags = _trainable_flags(trainable, params, [n for n, _ in leaves])
+  partner_matrix = re.compile(cfg.partner_matrices)
   plan = {}
   for names, shape in leaves:
     core = shape[1:] if names[0] in STACKED else shape
     decay = len(core) >= 2 and names[-1] != "embedding"
     if not flags[names]:
       plan[names] = LeafPlan("frozen", False)
-    elif cfg.name == "adamw" or len(core) < 2 or names[-1] in ADAMW_MATRICES:
-      plan[names] = LeafPlan("adamw", decay)
+    elif cfg.name != "muon" or len(core) < 2 or partner_matrix.search(path_str(names)):
+      plan[names] = LeafPlan("elementwise", decay)
     else:
       dims, sizes = _muon_layout(names, shapes, core, cfg.muon_split)
       plan[names] = LeafPlan("muon", decay, dims, sizes, logical.get(names))

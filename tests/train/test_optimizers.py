@@ -1,7 +1,8 @@
 """Optimizers: Muon's Newton-Schulz update against a plain-jnp quintic, the Muon split per head, the update RMS,
-AdamW leaves equal to optax.adamw, frozen leaves bitwise still, schedules and weight-decay masks by hand."""
+the other leaves equal to the optax optimizer named (AdamW, Lion) by optax's own, frozen leaves bitwise still, schedules and weight-decay masks by hand."""
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -136,19 +137,39 @@ def test_update_rms_matches_config():
     assert 0.8 * rms <= got <= rms  # an exactly orthogonal O would give rms itself
 
 
-def test_adamw_leaves_get_optax_adamw_updates():
+PARTNER_LEAVES = [("embed_tokens", "embedding"), ("lm_head",), ("norm", "weight"),
+                  ("moe_layers", "input_layernorm", "weight"), ("moe_layers", "mlp", "router"),
+                  ("moe_layers", "self_attn", "kv_a_layernorm", "weight"),
+                  ("moe_layers", "self_attn", "indexer", "k_norm", "weight"),
+                  ("moe_layers", "self_attn", "indexer", "k_norm", "bias")]
+MATRICES = [("lm_head",), ("moe_layers", "mlp", "router"), ("moe_layers", "mlp", "gate_proj"),
+            ("moe_layers", "mlp", "down_proj"), ("moe_layers", "self_attn", "indexer", "wk")] + [
+    ("moe_layers", "self_attn", k) for k in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")]
+ALL_LEAVES = [path_names(p) for p, _ in jax.tree_util.tree_leaves_with_path(tree_of(0))]
+
+
+@pytest.mark.parametrize("setting, reference, compared, decayed", [
+    # GLM-5's: Muon with AdamW for the rest; only lm_head and the router among those leaves decay
+    ({}, lambda c, lr, mask: optax.adamw(lr, b1=c.b1, b2=c.b2, eps=c.eps, weight_decay=0.1, mask=mask),
+     PARTNER_LEAVES, MATRICES[:2]),
+    # Muon's partner by config, with a hyperparameter of its own
+    ({"partner": "lion", "hparams": {"b2": 0.99}},
+     lambda c, lr, mask: optax.lion(lr, b1=c.b1, b2=0.99, weight_decay=0.1, mask=mask), PARTNER_LEAVES, MATRICES[:2]),
+    # any optax optimizer by name takes every leaf; every matrix but the embedding decays
+    ({"name": "lion"}, lambda c, lr, mask: optax.lion(lr, b1=c.b1, b2=c.b2, weight_decay=0.1, mask=mask), ALL_LEAVES,
+     MATRICES),
+    ({"name": "adamw"}, lambda c, lr, mask: optax.adamw(lr, b1=c.b1, b2=c.b2, eps=c.eps, weight_decay=0.1, mask=mask),
+     ALL_LEAVES, MATRICES),
+], ids=["muon+adamw", "muon+lion", "lion", "adamw"])
+def test_elementwise_leaves_get_the_named_optax_optimizers_updates(setting, reference, compared, decayed):
+  """Four steps of updates of the leaves the optax optimizer takes equal optax's own optimizer's, with the
+  schedule, the betas and weight decay on the matrices listed here by hand."""
   c = cfg(lr=1e-2, warmup_steps=3, lr_init=1e-3, weight_decay=0.1, schedule="linear", decay_steps=10,
-          lr_end=1e-3)
+          lr_end=1e-3, **setting)
   params = tree_of(0)
   tx = opt.make_optimizer(c, params)
-  adamw_names = [("embed_tokens", "embedding"), ("lm_head",), ("norm", "weight"),
-                 ("moe_layers", "input_layernorm", "weight"), ("moe_layers", "mlp", "router"),
-                 ("moe_layers", "self_attn", "kv_a_layernorm", "weight"),
-                 ("moe_layers", "self_attn", "indexer", "k_norm", "weight"),
-                 ("moe_layers", "self_attn", "indexer", "k_norm", "bias")]
-  decayed = {("lm_head",), ("moe_layers", "mlp", "router")}
   mask = jax.tree_util.tree_map_with_path(lambda p, _: path_names(p) in decayed, params)
-  ref = optax.adamw(opt.learning_rate_schedule(c), b1=c.b1, b2=c.b2, eps=c.eps, weight_decay=0.1, mask=mask)
+  ref = reference(c, opt.learning_rate_schedule(c), mask)
   state, ref_state, p, ref_p = tx.init(params), ref.init(params), params, params
   update, ref_update = jax.jit(tx.update), jax.jit(ref.update)
   for step in range(4):
@@ -158,8 +179,32 @@ def test_adamw_leaves_get_optax_adamw_updates():
     p, ref_p = optax.apply_updates(p, u), optax.apply_updates(ref_p, ru)
     flat, ref_flat = (
         {path_names(k): v for k, v in jax.tree_util.tree_leaves_with_path(t)} for t in (u, ru))
-    for name in adamw_names:
+    for name in compared:
       np.testing.assert_array_equal(flat[name], ref_flat[name], err_msg=str((step, name)))
+
+
+def test_the_partners_matrices_are_a_pattern():
+  """optimizer.partner_matrices picks by path which matrices Muon leaves to its partner."""
+  params = tree_of(0)
+  plan = leaf_plan(cfg(partner_matrices=r"(^|/)embedding$"), params)
+  assert plan[("embed_tokens", "embedding")].label == "elementwise"
+  assert plan[("lm_head",)].label == plan[("moe_layers", "mlp", "router")].label == "muon"
+  plan = leaf_plan(cfg(partner_matrices=r"^moe_layers/self_attn/"), params)
+  assert {n for n, p in plan.items() if p.label == "muon"} == (
+      {("embed_tokens", "embedding"), ("lm_head",), ("moe_layers", "mlp", "router"), ("moe_layers", "mlp", "gate_proj"),
+       ("moe_layers", "mlp", "down_proj")})
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"name": "adamx"}, "name='adamx'; expected 'muon' or the name of an optax optimizer"),
+    ({"partner": "muon"}, "partner='muon'; expected the name of an optax optimizer"),
+    ({"name": "lion", "hparams": {"beta": 0.9}}, "hparams ['beta'] are not arguments of optax.lion; it takes "),
+    ({"name": "sgd", "weight_decay": 0.1}, "weight_decay=0.1; optax.sgd (name) takes no weight decay"),
+    ({"partner_matrices": "(embedding"}, "partner_matrices='(embedding'; expected a regular expression"),
+])
+def test_optimizer_names_and_hyperparameters_are_checked(changes, message):
+  with pytest.raises(ValueError, match=re.escape(message)):
+    opt.make_optimizer(cfg(**changes), tree_of(0))
 
 
 def test_frozen_leaves_stay_bitwise_and_keep_no_state():
@@ -239,7 +284,7 @@ def test_plan_of_the_tiny_model():
   labels = {}
   for names, p in plan.items():
     labels.setdefault(p.label, set()).add(names[-1] if isinstance(names[-1], str) else names)
-  assert labels["adamw"] == {"weight", "bias", "embedding", "lm_head", "router"}
+  assert labels["elementwise"] == {"weight", "bias", "embedding", "lm_head", "router"}
   assert labels["muon"] == {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "wq_b", "wk",
                             "weights_proj", "gate_proj", "up_proj", "down_proj", "eh_proj"}
   for prefix in [("dense_layers",), ("moe_layers",), ("mtp", 0, "layer")]:
