@@ -3,6 +3,10 @@
   cfg, model = hf.load(path)        # single file or sharded with model.safetensors.index.json
   hf.save(cfg, model, path)         # the same format back, loadable by transformers
 
+`write` is the one export (config.json, safetensors shards through safetensors_io's writer, the index, the fp32
+score-correction bias, the temporary directory renamed when complete): `save` feeds it a model in memory,
+glm_jax/convert/stream.py's `orbax_to_hf` a checkpoint's arrays slice by slice.
+
 Reading is tensor by tensor. Routed experts are read in either layout: per expert
 (`mlp.experts.{e}.gate_proj.weight`, the released format and what transformers' save_pretrained writes) or
 fused (`mlp.experts.gate_up_proj` [E, 2I, D], `mlp.experts.down_proj` [E, D, I], transformers' in-memory
@@ -25,14 +29,13 @@ import math
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from safetensors.flax import save_file
 
 from glm_jax.convert import fp8, safetensors_io
 from glm_jax.convert.safetensors_io import SafetensorsFile
@@ -354,35 +357,78 @@ def load(path: str, *, seed: int = 0, **overrides: Any) -> tuple[ModelConfig, Gl
 
 
 def save(cfg: ModelConfig, model: GlmMoeDsa, path: str, *, max_shard_bytes: int = 5 * 2**30,
-         dtype: str | None = None, overwrite: bool = False) -> None:
-  """Writes config.json and safetensors (sharded with an index file past max_shard_bytes), per-expert layout,
-  MTP layers at model.layers.{num_hidden_layers + k}. Written to a temporary directory first: a failure
-  leaves `path` as it was. An existing non-empty `path` is replaced only with overwrite=True."""
-  if os.path.exists(path) and os.listdir(path) and not overwrite:
-    raise FileExistsError(f"{path} exists and is not empty; pass overwrite=True to replace it")
+         dtype: str | None = None, overwrite: bool = False) -> dict[str, Any]:
+  """Writes `model` as a HF checkpoint directory (`write`'s format). An existing non-empty `path` is replaced only
+  with overwrite=True; a failure leaves it as it was."""
   cfg.to_hf_dict()  # refuses, before anything is written, a model glm_moe_dsa cannot express (DeepNorm, 2-D rope)
-  out_dtype = jnp.dtype(dtype or cfg.param_dtype)
   leaves = {p: v[...] for p, v in nnx.to_flat_state(nnx.state(model))}
-  parent = os.path.dirname(os.path.abspath(path))
+  return write(cfg, path, leaves, lambda s: np.asarray(leaves[s.path][s.index] if s.index else leaves[s.path]),
+               dtype=dtype, max_shard_bytes=max_shard_bytes, overwrite=overwrite)
+
+
+def checked_out_dir(out_dir: str, overwrite: bool) -> str:
+  """out_dir, absolute, once it is known that it may be written: empty or absent (or overwrite) with a writable
+  parent (created if need be); else FileExistsError / PermissionError naming it."""
+  out_dir = os.path.abspath(out_dir)
+  if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)) and not overwrite:
+    raise FileExistsError(f"--out_dir={out_dir} exists and is not empty; choose another or pass --overwrite")
+  parent = os.path.dirname(out_dir)
   os.makedirs(parent, exist_ok=True)
-  tmp = tempfile.mkdtemp(prefix=".hf-save-", dir=parent)
+  if not os.access(parent, os.W_OK):
+    raise PermissionError(f"--out_dir={out_dir}: {parent} is not writable")
+  return out_dir
+
+
+def commit(tmp: str, out_dir: str) -> None:
+  """Replaces out_dir by the complete tmp (the last step of a write: before it, out_dir is as it was)."""
+  if os.path.exists(out_dir):
+    shutil.rmtree(out_dir) if os.path.isdir(out_dir) else os.remove(out_dir)
+  os.replace(tmp, out_dir)
+
+
+def write(cfg: ModelConfig, out_dir: str, leaves: Mapping[tuple, Any], tensor: Callable[[TensorSpec], np.ndarray], *,
+          dtype: str | None = None, max_shard_bytes: int = 5 * 2**30, overwrite: bool = False,
+          progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+  """The one HF export: config.json and safetensors (sharded, with model.safetensors.index.json, past
+  max_shard_bytes), per-expert layout, MTP layers at model.layers.{num_hidden_layers + k}, in `dtype` (default:
+  the model's param_dtype; the experts' score-correction bias stays float32). leaves: our parameters' shapes
+  ({path: array or ShapeDtypeStruct}); tensor(spec): the spec's slice of our parameter, as float. Each tensor is
+  asked for once, as its shard is written (safetensors_io.write), so memory holds one at a time. Written under a
+  temporary name beside out_dir and renamed when complete: a failure leaves out_dir as it was."""
+  cfg.to_hf_dict()  # refuses, before anything is written, a model glm_moe_dsa cannot express
+  out_dtype = np.dtype(dtype or cfg.param_dtype)
+  out_dir = checked_out_dir(out_dir, overwrite)
+  specs = {s.hf_name: s for s in tensor_specs(cfg)}
+  copies = shared_copies(cfg)
+  entries = []  # (name, dtype, shape), in file order
+  for name, s in list(specs.items()) + [(c, specs[o]) for c, o in copies.items()]:
+    keep = np.dtype(np.float32) if name.endswith("e_score_correction_bias") else out_dtype
+    entries.append((name, keep, hf_shape(s, slice_shape(s, leaves))))
+
+  def produce(name):
+    s = specs[copies.get(name, name)]
+    return to_hf(s, np.asarray(tensor(s), np.float32))
+
+  shards = shard_groups(entries, lambda e: int(np.prod(e[2])) * e[1].itemsize, max_shard_bytes)
+  tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.exporting-", dir=os.path.dirname(out_dir))
   try:
-    tensors: dict[str, jax.Array] = {}
-    for s in tensor_specs(cfg):
-      value = leaves[s.path][s.index] if s.index else leaves[s.path]
-      keep = jnp.float32 if s.hf_name.endswith("e_score_correction_bias") else out_dtype
-      tensors[s.hf_name] = jnp.asarray(to_hf(s, np.asarray(value)), keep)
-    for copy, original in shared_copies(cfg).items():
-      tensors[copy] = tensors[original]
-    _write_shards(tensors, tmp, max_shard_bytes)
+    weight_map, total, done = {}, 0, 0
+    for i, shard in enumerate(shards):
+      fname = SINGLE_FILE if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+      total += safetensors_io.write(os.path.join(tmp, fname), shard, produce, metadata={"format": "pt"})
+      weight_map.update({name: fname for name, _, _ in shard})
+      done += len(shard)
+      progress and progress(f"{fname}: {done}/{len(entries)} tensors")
+    if len(shards) > 1:
+      with open(os.path.join(tmp, INDEX_FILE), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
     with open(os.path.join(tmp, "config.json"), "w") as f:
       json.dump(cfg.to_hf_dict(), f, indent=2)
-    if os.path.exists(path):
-      shutil.rmtree(path)
-    os.replace(tmp, path)
+    commit(tmp, out_dir)
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)
     raise
+  return {"out_dir": out_dir, "tensors": len(entries), "files": len(shards), "bytes_written": total}
 
 
 def shard_groups(items: list, nbytes: Callable[[Any], int], max_shard_bytes: int) -> list[list]:
@@ -396,19 +442,3 @@ def shard_groups(items: list, nbytes: Callable[[Any], int], max_shard_bytes: int
     groups[-1].append(item)
     size += n
   return groups
-
-
-def _write_shards(tensors: dict[str, jax.Array], out_dir: str, max_shard_bytes: int) -> None:
-  shards = [{name: tensors[name] for name in group}
-            for group in shard_groups(list(tensors), lambda name: tensors[name].nbytes, max_shard_bytes)]
-  if len(shards) == 1:
-    save_file(shards[0], os.path.join(out_dir, SINGLE_FILE), metadata={"format": "pt"})
-    return
-  weight_map = {}
-  for i, shard in enumerate(shards):
-    fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-    save_file(shard, os.path.join(out_dir, fname), metadata={"format": "pt"})
-    weight_map.update({name: fname for name in shard})
-  total = sum(t.nbytes for t in tensors.values())
-  with open(os.path.join(out_dir, INDEX_FILE), "w") as f:
-    json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)

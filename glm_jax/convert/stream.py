@@ -33,7 +33,7 @@ import numpy as np
 import tensorstore as ts
 from flax import nnx
 
-from glm_jax.convert import hf, safetensors_io
+from glm_jax.convert import hf
 from glm_jax.model.config import ModelConfig
 from glm_jax.model.transformer import GlmMoeDsa
 from glm_jax.sharding.checkpoint_arrays import METADATA, StateArrays, leaf_kind, orbax_name, read_slice, tree_keys
@@ -89,24 +89,6 @@ class _SizesMesh:
 
   def __init__(self, sizes: dict[str, int]):
     self.shape = sizes
-
-
-def _check_out_dir(out_dir: str, overwrite: bool) -> str:
-  out_dir = os.path.abspath(out_dir)
-  if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)) and not overwrite:
-    raise FileExistsError(f"--out_dir={out_dir} exists and is not empty; choose another or pass --overwrite")
-  parent = os.path.dirname(out_dir)
-  os.makedirs(parent, exist_ok=True)
-  if not os.access(parent, os.W_OK):
-    raise PermissionError(f"--out_dir={out_dir}: {parent} is not writable")
-  return out_dir
-
-
-def _commit(tmp: str, out_dir: str) -> None:
-  """Replaces out_dir by the complete tmp (the last step of a write: before it, out_dir is as it was)."""
-  if os.path.exists(out_dir):
-    shutil.rmtree(out_dir) if os.path.isdir(out_dir) else os.remove(out_dir)
-  os.replace(tmp, out_dir)
 
 
 def _zarr3_spec(path: str, shape: tuple[int, ...], dtype, shard: tuple[int, ...], chunk: tuple[int, ...]) -> dict:
@@ -172,7 +154,7 @@ def hf_to_orbax(hf_dir: str, out_dir: str, config: ml_collections.ConfigDict | N
     config_item, sizes = {"model": cfg.to_dict()}, None
   config_item = json.loads(json.dumps(config_item))
   config_item["converted_from"] = {"hf_dir": os.path.abspath(hf_dir), "fp8_block": block}
-  out_dir = _check_out_dir(out_dir, overwrite)
+  out_dir = hf.checked_out_dir(out_dir, overwrite)
   reader = hf.Reader(hf_dir, block)
   specs, leaves, mtp_present = hf.checked_specs(hf_dir, cfg, reader, seed)
   kind_of = {p: leaf_kind(v) for p, v in leaves.items()}
@@ -222,7 +204,7 @@ def hf_to_orbax(hf_dir: str, out_dir: str, config: ml_collections.ConfigDict | N
       for index in zip(*np.nonzero(~done)) if done.ndim else ([()] if not done else []):
         put(p, tuple(int(i) for i in index), np.zeros(leaves[p].shape[len(index):], np.float32))
     _write_step_files(step_dir, tree_metadata, config_item)
-    _commit(tmp, out_dir)
+    hf.commit(tmp, out_dir)
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)
     raise
@@ -262,16 +244,14 @@ def orbax_to_hf(workdir: str, out_dir: str, *, step: int | None = None, dtype: s
                 max_shard_bytes: int = 5 * 2**30, overwrite: bool = False,
                 progress: Callable[[str], None] | None = None) -> dict[str, Any]:
   """Writes a checkpoint's weights (a training run's or a converted one; its latest step by default) as a HF
-  GlmMoeDsaForCausalLM directory: config.json and safetensors shards of at most max_shard_bytes, per-expert layout,
-  MTP layers at model.layers.{num_hidden_layers + k}, in `dtype` (default: the model's param_dtype; the experts'
-  score-correction bias stays float32). Each tensor is read as its slice of the stored array and written straight
-  into its shard, so memory holds one tensor at a time."""
+  GlmMoeDsaForCausalLM directory, as hf.write writes one (in `dtype`, default the model's param_dtype, in shards of
+  at most max_shard_bytes). Each tensor is read as its slice of the stored array and written straight into its
+  shard, so memory holds one tensor at a time."""
   t0 = time.perf_counter()
   step_dir, step = _latest_step_dir(workdir, step)
   cfg = saved_model_config(step_dir)
-  cfg.to_hf_dict()  # refuses, before anything is written, a model glm_moe_dsa cannot express
-  out_dtype = np.dtype(dtype or cfg.param_dtype)
-  out_dir = _check_out_dir(out_dir, overwrite)
+  cfg.to_hf_dict()  # refuses, before anything is read, a model glm_moe_dsa cannot express
+  hf.checked_out_dir(out_dir, overwrite)
   arrays = StateArrays(os.path.join(step_dir, "state"))
   leaves = {p: v for p, v in nnx.to_flat_state(nnx.state(nnx.eval_shape(lambda: GlmMoeDsa(cfg, nnx.Rngs(0)))))}
   kind_of = {p: leaf_kind(v) for p, v in leaves.items()}
@@ -287,34 +267,7 @@ def orbax_to_hf(workdir: str, out_dir: str, *, step: int | None = None, dtype: s
                          f"{list(leaves[p].shape)}")
     return opened[p]
 
-  specs = {s.hf_name: s for s in hf.tensor_specs(cfg)}
-  copies = hf.shared_copies(cfg)
-  entries = []  # (name, dtype, shape), in file order
-  for name, s in list(specs.items()) + [(c, specs[o]) for c, o in copies.items()]:
-    keep = np.dtype(np.float32) if name.endswith("e_score_correction_bias") else out_dtype
-    entries.append((name, keep, hf.hf_shape(s, hf.slice_shape(s, leaves))))
-
-  def produce(name):
-    s = specs[copies.get(name, name)]
-    return hf.to_hf(s, read_slice(stored(s.path), s.index, np.float32))
-
-  shards = hf.shard_groups(entries, lambda e: int(np.prod(e[2])) * e[1].itemsize, max_shard_bytes)
-  tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.exporting-", dir=os.path.dirname(out_dir))
-  try:
-    weight_map, total, done = {}, 0, 0
-    for i, shard in enumerate(shards):
-      fname = hf.SINGLE_FILE if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-      total += safetensors_io.write(os.path.join(tmp, fname), shard, produce, metadata={"format": "pt"})
-      weight_map.update({name: fname for name, _, _ in shard})
-      done += len(shard)
-      progress and progress(f"{fname}: {done}/{len(entries)} tensors")
-    if len(shards) > 1:
-      _write_json(os.path.join(tmp, hf.INDEX_FILE), {"metadata": {"total_size": total}, "weight_map": weight_map})
-    with open(os.path.join(tmp, "config.json"), "w") as f:
-      json.dump(cfg.to_hf_dict(), f, indent=2)
-    _commit(tmp, out_dir)
-  except BaseException:
-    shutil.rmtree(tmp, ignore_errors=True)
-    raise
-  return {"workdir": os.path.abspath(workdir), "step": step, "out_dir": out_dir, "tensors": len(entries),
-          "files": len(shards), "bytes_written": total, "seconds": round(time.perf_counter() - t0, 2)}
+  report = hf.write(cfg, out_dir, leaves, lambda s: read_slice(stored(s.path), s.index, np.float32), dtype=dtype,
+                    max_shard_bytes=max_shard_bytes, overwrite=overwrite, progress=progress)
+  return {"workdir": os.path.abspath(workdir), "step": step, **report,
+          "seconds": round(time.perf_counter() - t0, 2)}
