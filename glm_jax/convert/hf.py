@@ -363,19 +363,21 @@ def save(cfg: ModelConfig, model: GlmMoeDsa, path: str, *, max_shard_bytes: int 
   cfg.to_hf_dict()  # refuses, before anything is written, a model glm_moe_dsa cannot express (DeepNorm, 2-D rope)
   leaves = {p: v[...] for p, v in nnx.to_flat_state(nnx.state(model))}
   return write(cfg, path, leaves, lambda s: np.asarray(leaves[s.path][s.index] if s.index else leaves[s.path]),
-               dtype=dtype, max_shard_bytes=max_shard_bytes, overwrite=overwrite)
+               dtype=dtype, max_shard_bytes=max_shard_bytes, overwrite=overwrite, arg="path")
 
 
-def checked_out_dir(out_dir: str, overwrite: bool) -> str:
+def checked_out_dir(out_dir: str, overwrite: bool, arg: str = "--out_dir") -> str:
   """out_dir, absolute, once it is known that it may be written: empty or absent (or overwrite) with a writable
-  parent (created if need be); else FileExistsError / PermissionError naming it."""
+  parent (created if need be); else FileExistsError / PermissionError naming it as `arg` (a flag, or an argument
+  of a function)."""
   out_dir = os.path.abspath(out_dir)
   if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)) and not overwrite:
-    raise FileExistsError(f"--out_dir={out_dir} exists and is not empty; choose another or pass --overwrite")
+    how = "choose another or pass --overwrite" if arg.startswith("--") else "pass overwrite=True to replace it"
+    raise FileExistsError(f"{arg}={out_dir} exists and is not empty; {how}")
   parent = os.path.dirname(out_dir)
   os.makedirs(parent, exist_ok=True)
   if not os.access(parent, os.W_OK):
-    raise PermissionError(f"--out_dir={out_dir}: {parent} is not writable")
+    raise PermissionError(f"{arg}={out_dir}: {parent} is not writable")
   return out_dir
 
 
@@ -388,16 +390,17 @@ def commit(tmp: str, out_dir: str) -> None:
 
 def write(cfg: ModelConfig, out_dir: str, leaves: Mapping[tuple, Any], tensor: Callable[[TensorSpec], np.ndarray], *,
           dtype: str | None = None, max_shard_bytes: int = 5 * 2**30, overwrite: bool = False,
-          progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+          progress: Callable[[str], None] | None = None, arg: str = "--out_dir") -> dict[str, Any]:
   """The one HF export: config.json and safetensors (sharded, with model.safetensors.index.json, past
   max_shard_bytes), per-expert layout, MTP layers at model.layers.{num_hidden_layers + k}, in `dtype` (default:
   the model's param_dtype; the experts' score-correction bias stays float32). leaves: our parameters' shapes
   ({path: array or ShapeDtypeStruct}); tensor(spec): the spec's slice of our parameter, as float. Each tensor is
   asked for once, as its shard is written (safetensors_io.write), so memory holds one at a time. Written under a
-  temporary name beside out_dir and renamed when complete: a failure leaves out_dir as it was."""
+  temporary name beside out_dir and renamed when complete: a failure leaves out_dir as it was. arg: how errors
+  name out_dir (checked_out_dir)."""
   cfg.to_hf_dict()  # refuses, before anything is written, a model glm_moe_dsa cannot express
   out_dtype = np.dtype(dtype or cfg.param_dtype)
-  out_dir = checked_out_dir(out_dir, overwrite)
+  out_dir = checked_out_dir(out_dir, overwrite, arg)
   specs = {s.hf_name: s for s in tensor_specs(cfg)}
   copies = shared_copies(cfg)
   entries = []  # (name, dtype, shape), in file order

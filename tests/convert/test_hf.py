@@ -166,7 +166,7 @@ def test_round_trip_through_transformers(saved, loaded, tmp_path):
 def test_save_refuses_to_overwrite(loaded, tmp_path):
   cfg, ours = loaded
   (tmp_path / "keep.txt").write_text("precious")
-  with pytest.raises(FileExistsError, match="not empty"):
+  with pytest.raises(FileExistsError, match="path=.* exists and is not empty; pass overwrite=True to replace it"):
     hf.save(cfg, ours, str(tmp_path))
   assert (tmp_path / "keep.txt").read_text() == "precious"
 
