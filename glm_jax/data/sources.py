@@ -47,22 +47,33 @@ class Corpus:
   eval_idx: np.ndarray
 
 
+def _memoized(memo: dict, cfg: ml_collections.ConfigDict, fields: tuple, build):
+  """build() memoized in `memo` under the config's `fields` and, for file sources, every file's size and
+  modification time; one value is kept alive, not every one a test session touched."""
+  key: tuple = fields
+  if cfg.source != "embedded":
+    key += tuple((f, os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in resolve_files(cfg.path))
+  if key not in memo:
+    value = build()
+    memo.clear()
+    memo[key] = value
+  return memo[key]
+
+
 _CORPUS_MEMO: dict[tuple, Corpus] = {}
 
 
 def load_corpus(cfg: ml_collections.ConfigDict) -> Corpus:
   """load_documents + split_documents, memoized in this process (keyed by the config's source fields and
   the files' sizes and modification times), since the tokenizer, the iterators and the entropy all need it."""
-  key: tuple = (cfg.source, cfg.jsonl_field, cfg.text_document, float(cfg.eval_fraction))
-  if cfg.source != "embedded":
-    key += tuple((f, os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in resolve_files(cfg.path))
-  if key not in _CORPUS_MEMO:
+
+  def build() -> Corpus:
     docs = load_documents(cfg)
     hashes = document_hashes(docs)
-    train_idx, eval_idx = split_documents(hashes, cfg.eval_fraction)
-    _CORPUS_MEMO.clear()  # keep one corpus alive, not every one a test session touched
-    _CORPUS_MEMO[key] = Corpus(docs, hashes, train_idx, eval_idx)
-  return _CORPUS_MEMO[key]
+    return Corpus(docs, hashes, *split_documents(hashes, cfg.eval_fraction))
+
+  return _memoized(_CORPUS_MEMO, cfg, (cfg.source, cfg.jsonl_field, cfg.text_document, float(cfg.eval_fraction)),
+                   build)
 
 
 @dataclass(frozen=True)
@@ -81,19 +92,17 @@ _EXAMPLES_MEMO: dict[tuple, Examples] = {}
 
 def load_examples(cfg: ml_collections.ConfigDict) -> Examples:
   """read_examples + their split (split_documents over example_hashes), memoized like load_corpus."""
-  key: tuple = ("sft", cfg.source, cfg.prompt_field, cfg.response_field, float(cfg.eval_fraction))
-  if cfg.source != "embedded":
-    key += tuple((f, os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in resolve_files(cfg.path))
-  if key not in _EXAMPLES_MEMO:
+
+  def build() -> Examples:
     prompts, responses = read_examples(cfg)
     hashes = example_hashes(prompts, responses)
     if cfg.eval_fraction > 0 and len(hashes) < 2:
       raise ValueError(f"data.eval_fraction={cfg.eval_fraction}: data.path={cfg.path!r} has {len(hashes)} "
                        "example, nothing to hold out; set data.eval_fraction=0 or give more examples")
-    train_idx, eval_idx = split_documents(hashes, cfg.eval_fraction)
-    _EXAMPLES_MEMO.clear()  # keep one example set alive, not every one a test session touched
-    _EXAMPLES_MEMO[key] = Examples(prompts, responses, hashes, train_idx, eval_idx)
-  return _EXAMPLES_MEMO[key]
+    return Examples(prompts, responses, hashes, *split_documents(hashes, cfg.eval_fraction))
+
+  return _memoized(_EXAMPLES_MEMO, cfg, ("sft", cfg.source, cfg.prompt_field, cfg.response_field,
+                                         float(cfg.eval_fraction)), build)
 
 
 def read_examples(cfg: ml_collections.ConfigDict) -> tuple[list[str], list[str]]:
@@ -104,7 +113,7 @@ def read_examples(cfg: ml_collections.ConfigDict) -> tuple[list[str], list[str]]
     where = f"the embedded corpus ({EMBEDDED_PACKAGE})"
   elif cfg.source == "jsonl":
     files = resolve_files(cfg.path)
-    pairs = _jsonl_examples(files, cfg.prompt_field, cfg.response_field)
+    pairs = _jsonl_records(files, {"prompt_field": cfg.prompt_field, "response_field": cfg.response_field})
     where = f"data.source='jsonl' at data.path={cfg.path!r} ({len(files)} files)"
   else:
     raise ValueError(f"data.format='sft' with data.source={cfg.source!r}: expected one of "
@@ -137,7 +146,7 @@ def load_documents(cfg: ml_collections.ConfigDict) -> list[str]:
     if cfg.source == "text":
       docs = _text_documents(files, cfg.text_document)
     elif cfg.source == "jsonl":
-      docs = _jsonl_documents(files, cfg.jsonl_field)
+      docs = [text for (text,) in _jsonl_records(files, {"jsonl_field": cfg.jsonl_field})]
     elif cfg.source == "arrayrecord":
       docs = _arrayrecord_documents(files)
     else:
@@ -271,8 +280,10 @@ def _text_documents(files: list[str], text_document: str) -> list[str]:
   return docs
 
 
-def _jsonl_documents(files: list[str], field: str) -> list[str]:
-  docs = []
+def _jsonl_records(files: list[str], fields: dict[str, str]) -> list[tuple[str, ...]]:
+  """Per non-blank line of the jsonl files, the strings under `fields` ({config field: JSON key}, in order);
+  a line that is not JSON, lacks a key or holds a non-string there raises, naming the config field and the line."""
+  records = []
   for f in files:
     for lineno, line in enumerate(_read_text(f).splitlines(), 1):
       if not line.strip():
@@ -281,37 +292,15 @@ def _jsonl_documents(files: list[str], field: str) -> list[str]:
         record = json.loads(line)
       except json.JSONDecodeError as e:
         raise ValueError(f"data.path: {f}:{lineno} is not valid JSON ({e.msg})") from e
-      if not isinstance(record, dict) or field not in record:
-        raise ValueError(f"data.jsonl_field={field!r}: {f}:{lineno} has no such field "
-                         f"(keys: {sorted(record) if isinstance(record, dict) else type(record).__name__})")
-      if not isinstance(record[field], str):
-        raise ValueError(f"data.jsonl_field={field!r}: {f}:{lineno} holds a "
-                         f"{type(record[field]).__name__}, expected a string")
-      docs.append(record[field])
-  return docs
-
-
-def _jsonl_examples(files: list[str], prompt_field: str, response_field: str) -> list[tuple[str, str]]:
-  pairs = []
-  for f in files:
-    for lineno, line in enumerate(_read_text(f).splitlines(), 1):
-      if not line.strip():
-        continue
-      try:
-        record = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise ValueError(f"data.path: {f}:{lineno} is not valid JSON ({e.msg})") from e
-      pair = []
-      for name, field in (("prompt_field", prompt_field), ("response_field", response_field)):
+      for name, field in fields.items():
         if not isinstance(record, dict) or field not in record:
           raise ValueError(f"data.{name}={field!r}: {f}:{lineno} has no such field (keys: "
                            f"{sorted(record) if isinstance(record, dict) else type(record).__name__})")
         if not isinstance(record[field], str):
           raise ValueError(f"data.{name}={field!r}: {f}:{lineno} holds a {type(record[field]).__name__}, "
                            "expected a string")
-        pair.append(record[field])
-      pairs.append((pair[0], pair[1]))
-  return pairs
+      records.append(tuple(record[field] for field in fields.values()))
+  return records
 
 
 def _arrayrecord_documents(files: list[str]) -> list[str]:
