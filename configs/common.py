@@ -20,7 +20,7 @@ with the code that reads them:
 Configs import nothing from glm_jax but these default sections (docs/design.md).
 
 `variants` parses the text after a config file's colon (`--config=configs/glm5_tiny.py:smoke`) and `smoke` is
-the short run every small config offers as its `smoke` variant.
+the short run glm5_tiny and glm130b_tiny offer as their `smoke` variant.
 """
 
 import dataclasses

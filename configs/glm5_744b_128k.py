@@ -46,5 +46,6 @@ def long_context(name: str, variant: str, *, seq_len: int, batch_size: int, cont
   config.train.loss_chunk = loss_chunk
   config.model.attention_chunk = attention_chunk
   config.train.dsa_stage = "warmup" if warmup else "sparse"
-  config.optimizer.lr = 1e-5  # GLM-5's sparse-stage rate (G5: 20B tokens at 1e-5); the warm-up's is not published
+  # GLM-5's rates (G5 2.3): the DSA warm-up (1,000 steps, the indexer alone) at 5e-3, the sparse stage at 1e-5
+  config.optimizer.lr = 5e-3 if warmup else 1e-5
   return config

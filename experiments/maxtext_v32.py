@@ -1,5 +1,5 @@
 r"""MaxText's DeepSeek-V3.2 step beside glm5_744b's sparse stage, on one instrument: our cost model on each compiled
-program (issue 34, part 4).
+program.
 
 DeepSeek-V3.2 (MaxText 0.2.5's `deepseek3.2-671b`: DSA's lightning indexer picks 2048 keys a query, applied to
 attention as a dense [batch, query, key] mask over splash attention) is compiled by

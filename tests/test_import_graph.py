@@ -23,8 +23,9 @@ RANKS = {
 }
 EXACT = {"glm_jax"}  # groups of one module: a new glm_jax subpackage or leaf module must be ranked here
 CONFIGS = "configs"  # experiment files: only entry points import them, and they import each other and these:
-CONFIG_IMPORTS = {"glm_jax.data.config", "glm_jax.sharding.mesh", "glm_jax.train.config",
-                  "glm_jax.train.optimizer_config", "glm_jax.model.quantization"}  # the library's default sections (configs/common.py)
+# the library's default sections (configs/common.py)
+CONFIG_IMPORTS = {"glm_jax.data.config", "glm_jax.sharding.mesh", "glm_jax.train.config", "glm_jax.train.optimizer_config",
+                  "glm_jax.model.quantization", "glm_jax.model.config", "glm_jax.rl.config"}
 
 
 def module_files(root: str = ROOT) -> dict[str, str]:

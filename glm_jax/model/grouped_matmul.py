@@ -6,8 +6,8 @@
   tpu:    `megablox_grouped_matmul`: jax's Pallas grouped matmul for TPU (jax.experimental.pallas.ops.tpu.megablox,
           gmm forward and for dx, tgmm for dw). Its grid's row dimension is traced: only the row tiles that hold
           real rows run (at most ceil(real rows / 256) + groups - 1 of them), however large the static buffer.
-          Chosen over the tokamax package's ragged dot by compiling both for v5p (issue 13's note): tokamax's TPU
-          kernel is a fork of the same megablox code with the same compiled size, and megablox ships with jax.
+          Chosen over the tokamax package's ragged dot by compiling both for v5p: tokamax's TPU kernel is a fork
+          of the same megablox code with the same compiled size, and megablox ships with jax.
   cpu:    `tiled_grouped_matmul`. XLA:CPU lowers ragged_dot by multiplying every row by every group's weight and
           masking (E times the work). Here the rows are cut into tiles of `tile` rows and each (tile, group) pair
           that overlaps is one [tile, in] @ [in, out] matmul, the rows of other groups zeroed: at most

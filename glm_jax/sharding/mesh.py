@@ -27,8 +27,8 @@ from glm_jax.mesh_axes import BATCH_AXES, CONTEXT, MESH_AXES
 
 # Logical axis name (the model's parameter metadata) -> mesh axis (or axes, major first), or None for replicated.
 # The model dimension is split over context as well as fsdp: a context axis holds whole sequences' worth of
-# devices that would otherwise each keep a full replica of the fsdp shard (the 128K configs' context=8 would
-# multiply parameter and optimizer memory by 8), and over expert: the dense weights (attention, shared expert,
+# devices that would otherwise each keep a full replica of the fsdp shard (the 128K config's context=32 would
+# multiply parameter and optimizer memory by 32), and over expert: the dense weights (attention, shared expert,
 # embeddings) are otherwise whole on each expert shard (glm5_744b's fsdp 64 x expert 8 kept them 64-way split:
 # 19.5 GiB a chip of fp32 AdamW state, 16.5 with expert). A routed expert's own weights take expert for their
 # experts dimension first, so their model dimension stays on fsdp x context.

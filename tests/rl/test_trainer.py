@@ -71,8 +71,8 @@ def policy_weights(workdir, config, which):
 def test_grpo_raises_expected_reward(tmp_path, engine):
   """grpo_tiny as shipped (1-digit addition, DSA selecting 4 keys, frozen indexer, IcePop), 30 GRPO steps after
   its 60-step SFT. The measure is exact, not sampled: the probability of answering each of the 100 problems
-  correctly, p(answer, eos | prompt) at temperature 1, averaged. Measured over seeds 0, 1, 2 (see the note of
-  issue 6): 0.106 -> 0.171, 0.119 -> 0.186, 0.100 -> 0.161, gains of 0.061 to 0.068; the 0.04 asserted
+  correctly, p(answer, eos | prompt) at temperature 1, averaged. Measured over seeds 0, 1, 2: 0.106 -> 0.171,
+  0.119 -> 0.186, 0.100 -> 0.161, gains of 0.061 to 0.068; the 0.04 asserted
   here is ten times the spread of the gains over seeds below their smallest. "rollout_process": the same run with
   its rollouts from a worker process over localhost (glm_jax/rl/rollout_engine.py; asynchronous, tau 1) gains as
   much."""

@@ -1,4 +1,4 @@
-"""Fault injection: the ways a run could go wrong silently (issue 14's cases), each asserting what happens now.
+"""Fault injection: the ways a run could go wrong silently, each asserting what happens now.
 
 Corrupt and partial checkpoints fall back to the step before, with losses equal to an uninterrupted run; a
 resume under other data or another tokenizer is refused by name; an unwritable checkpoints directory fails at

@@ -146,8 +146,8 @@ GLM5_STEPS = {
 
 
 def test_glm5_744b_ratios():
-  """The issue's figures, on analytic's numerator: the indexer's scores are 44% of the 128K sparse step's count and
-  55% of the 200K one's. The useful / analytic ratios are printed (pytest -s), not asserted: they are the record."""
+  """On analytic's numerator, the indexer's scores are 44% of the 128K sparse step's count and 55% of the 200K
+  one's. The useful / analytic ratios are printed (pytest -s), not asserted: they are the record."""
   print(f"\n{'step':12s} {'batch':>5s} {'seq':>7s} {'analytic':>10s} {'useful':>10s} {'ratio':>6s} "
         f"{'index scores / analytic':>23s} {'indexer / useful':>16s}")
   shares = {}
