@@ -12,5 +12,4 @@ def requirements(name: str) -> list[str]:
   return [l.split("#")[0].strip() for l in lines if l.split("#")[0].strip() and not l.startswith("-r")]
 
 
-setup(install_requires=requirements("requirements.txt"),
-      extras_require={"test": requirements("requirements-test.txt")})
+setup(install_requires=requirements("requirements.txt"), extras_require={"test": requirements("requirements-test.txt")})

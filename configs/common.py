@@ -53,8 +53,11 @@ def model(**overrides) -> ml_collections.ConfigDict:
   ours), the keyword arguments over it."""
   section = ml_collections.ConfigDict()
   for field in dataclasses.fields(ModelConfig):
-    section[field.name] = (field.default if field.default is not None
-                           else ml_collections.config_dict.placeholder(_PLACEHOLDER_TYPES[field.type]))
+    section[field.name] = (
+      field.default
+      if field.default is not None
+      else ml_collections.config_dict.placeholder(_PLACEHOLDER_TYPES[field.type])
+    )
   return _override(section, overrides, "model")
 
 
@@ -95,10 +98,12 @@ def variants(arg: str, config_file: str, names: tuple[str, ...], **typed: type) 
   `names` (True when given), and key=value pairs, each key of `typed` (the value converted by its type; bool from
   true/false). Returns every name and key (names False, keys None when not given); anything else is an error
   naming the config file, the part and what is valid."""
-  out = ml_collections.ConfigDict({**{n: False for n in names}, **{k: ml_collections.config_dict.placeholder(t)
-                                                                    for k, t in typed.items()}})
-  valid = f"its variants: {list(names)}" + (f", and {', '.join(f'{k}=<{t.__name__}>' for k, t in typed.items())}"
-                                            if typed else "")
+  out = ml_collections.ConfigDict(
+    {**{n: False for n in names}, **{k: ml_collections.config_dict.placeholder(t) for k, t in typed.items()}}
+  )
+  valid = f"its variants: {list(names)}" + (
+    f", and {', '.join(f'{k}=<{t.__name__}>' for k, t in typed.items())}" if typed else ""
+  )
   for part in filter(None, (p.strip() for p in arg.split(","))):
     key, eq, value = part.partition("=")
     if not eq and key in names:

@@ -15,12 +15,17 @@ from configs import grpo_tiny
 
 
 def _teacher(task: str, weight: float, seed: int, **task_kwargs) -> ml_collections.ConfigDict:
-  return ml_collections.ConfigDict(dict(
-      task=task, task_kwargs=ml_collections.ConfigDict(task_kwargs), weight=weight,
+  return ml_collections.ConfigDict(
+    dict(
+      task=task,
+      task_kwargs=ml_collections.ConfigDict(task_kwargs),
+      weight=weight,
       init_from="",  # a workdir whose latest checkpoint is this teacher (else it is fine-tuned here, sft_steps)
-      sft_steps=300, seed=seed,  # the fine-tuning's other settings are the student's sft section's
+      sft_steps=300,
+      seed=seed,  # the fine-tuning's other settings are the student's sft section's
       model=ml_collections.ConfigDict(),  # overrides of the student's model fields (same vocab_size)
-  ))
+    )
+  )
 
 
 def get_config() -> ml_collections.ConfigDict:

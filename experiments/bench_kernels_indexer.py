@@ -49,34 +49,43 @@ def main():
   big = args.topology is not None or jax.default_backend() == "tpu"
   t_len = args.seq_len or (8192 if big else 512)
   s_len = args.kv_len or t_len
-  heads, dim, topk = args.heads or (32 if big else 4), args.dim or (128 if big else 32), args.topk or (
-      2048 if big else 128)
+  heads, dim, topk = (
+    args.heads or (32 if big else 4),
+    args.dim or (128 if big else 32),
+    args.topk or (2048 if big else 128),
+  )
   dtype, b = jnp.dtype(args.dtype), args.batch
   blocks = IndexerBlockSizes(args.block_q, args.block_k)
   q_offset = s_len - t_len
   visible_pairs = sum(min(s_len, t + q_offset + 1) for t in range(t_len)) * b
   print(f"B={b} T={t_len} S={s_len} H_I={heads} D_I={dim} topk={topk} {dtype.name} blocks={blocks}")
-  print(f"work: {2 * heads * dim * visible_pairs / 1e12:.3f} TFLOP on the MXU for the visible scores; "
-        f"sorting network <= {network_compare_exchanges(s_len, topk, args.block_k) * t_len * b / 1e9:.2f} G "
-        f"compare-exchanges (every tile merged; the causal mask skips about half of them)")
+  print(
+    f"work: {2 * heads * dim * visible_pairs / 1e12:.3f} TFLOP on the MXU for the visible scores; "
+    f"sorting network <= {network_compare_exchanges(s_len, topk, args.block_k) * t_len * b / 1e9:.2f} G "
+    f"compare-exchanges (every tile merged; the causal mask skips about half of them)"
+  )
 
   def kernel(q, k, w):
-    return lightning_indexer_topk(q, k, w, topk=topk, q_offset=q_offset, block_sizes=blocks,
-                                  interpret=None if args.topology is None else False)
+    return lightning_indexer_topk(
+      q, k, w, topk=topk, q_offset=q_offset, block_sizes=blocks, interpret=None if args.topology is None else False
+    )
 
   if args.topology is not None:
     from jax.sharding import SingleDeviceSharding
 
     from glm_jax.sharding.topology import compiled_memory, tpu_topology_devices
+
     sharding = SingleDeviceSharding(tpu_topology_devices(args.topology)[0])
     shapes = [((b, t_len, heads, dim), dtype), ((b, s_len, dim), dtype), ((b, t_len, heads), jnp.float32)]
     start = time.perf_counter()
     compiled = jax.jit(kernel).lower(*[jax.ShapeDtypeStruct(s, d, sharding=sharding) for s, d in shapes]).compile()
     mem = compiled_memory(compiled)
-    print(f"{args.topology}: compiled in {time.perf_counter() - start:.2f} s; HBM per chip: arguments "
-          f"{mem['arguments'] / 2**20:.1f} MiB, outputs {mem['outputs'] / 2**20:.1f} MiB, temporaries "
-          f"{mem['temporaries'] / 2**20:.1f} MiB (a [T, S] fp32 score array would be {t_len * s_len * 4 / 2**20:.0f} "
-          f"MiB)")
+    print(
+      f"{args.topology}: compiled in {time.perf_counter() - start:.2f} s; HBM per chip: arguments "
+      f"{mem['arguments'] / 2**20:.1f} MiB, outputs {mem['outputs'] / 2**20:.1f} MiB, temporaries "
+      f"{mem['temporaries'] / 2**20:.1f} MiB (a [T, S] fp32 score array would be {t_len * s_len * 4 / 2**20:.0f} "
+      f"MiB)"
+    )
     return
 
   rng = np.random.default_rng(0)
@@ -85,8 +94,10 @@ def main():
   w = jnp.asarray(rng.standard_normal((b, t_len, heads)) / math.sqrt(heads * dim), jnp.float32)
   ref = jax.jit(lambda q, k, w: reference.lightning_indexer_topk(q, k, w, topk=topk, q_offset=q_offset))
   results = {}
-  for name, fn in [("pallas kernel" + ("" if jax.default_backend() == "tpu" else " (interpret)"), kernel),
-                   ("reference (XLA)", ref)]:
+  for name, fn in [
+    ("pallas kernel" + ("" if jax.default_backend() == "tpu" else " (interpret)"), kernel),
+    ("reference (XLA)", ref),
+  ]:
     start = time.perf_counter()
     out = jax.block_until_ready(fn(q, k, w))
     first = time.perf_counter() - start

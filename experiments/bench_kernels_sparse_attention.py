@@ -41,7 +41,7 @@ QK_ROPE_HEAD_DIM = 64
 QK_NOPE_HEAD_DIM = 192
 DIM = KV_LORA_RANK + QK_ROPE_HEAD_DIM  # 576: the absorbed key (latent + shared rope key)
 V_DIM = KV_LORA_RANK  # 512: the absorbed value
-SM_SCALE = (QK_NOPE_HEAD_DIM + QK_ROPE_HEAD_DIM)**-0.5  # 1/16
+SM_SCALE = (QK_NOPE_HEAD_DIM + QK_ROPE_HEAD_DIM) ** -0.5  # 1/16
 INDEX_HEADS = 32
 INDEX_DIM = 128
 
@@ -85,9 +85,9 @@ def kernel_flops(b: int, t_len: int, s_len: int, topk: int) -> dict:
   slots = b * t_len * topk
   valid = b * sum(min(topk, min(s_len, t + s_len - t_len + 1)) for t in range(t_len))
   out = {
-      "indexer": per_pair * b * indexer_tile_pairs(t_len, s_len),
-      "attention_fwd": 2 * HEADS * (DIM + V_DIM) * slots,
-      "attention_bwd": 2 * HEADS * (3 * DIM + 2 * V_DIM) * slots,
+    "indexer": per_pair * b * indexer_tile_pairs(t_len, s_len),
+    "attention_fwd": 2 * HEADS * (DIM + V_DIM) * slots,
+    "attention_bwd": 2 * HEADS * (3 * DIM + 2 * V_DIM) * slots,
   }
   out["total"] = sum(out.values())
   out["indexer_visible"] = per_pair * b * causal_pairs(t_len, s_len)
@@ -105,9 +105,9 @@ def dense_flops(b: int, t_len: int, s_len: int) -> dict:
   """
   pairs = b * t_len * s_len
   out = {
-      "indexer": (2 * INDEX_HEADS * INDEX_DIM + 2 * INDEX_HEADS) * pairs,
-      "attention_fwd": 2 * HEADS * (DIM + V_DIM) * pairs,
-      "attention_bwd": 2 * HEADS * (2 * DIM + 2 * V_DIM) * pairs,
+    "indexer": (2 * INDEX_HEADS * INDEX_DIM + 2 * INDEX_HEADS) * pairs,
+    "attention_fwd": 2 * HEADS * (DIM + V_DIM) * pairs,
+    "attention_bwd": 2 * HEADS * (2 * DIM + 2 * V_DIM) * pairs,
   }
   out["total"] = sum(out.values())
   return out
@@ -148,8 +148,9 @@ def dense_step(qi_BTHD, ki_BSD, w_BTH, q_BTHD, kv_BSD, do_BTHV, *, topk: int):
     s_BHTS = jnp.einsum("bthd,bsd->bhts", q_BTHD, kv_BSD, preferred_element_type=jnp.float32) * SM_SCALE
     s_BHTS = jnp.where(mask_BTS[:, None], s_BHTS, -jnp.inf)
     p_BHTS = jax.nn.softmax(s_BHTS, axis=-1)  # every query has >= 1 selected key (key 0 is always visible)
-    o_BTHV = jnp.einsum("bhts,bsv->bthv", p_BHTS.astype(kv_BSD.dtype), kv_BSD[..., :V_DIM],
-                        preferred_element_type=jnp.float32)
+    o_BTHV = jnp.einsum(
+      "bhts,bsv->bthv", p_BHTS.astype(kv_BSD.dtype), kv_BSD[..., :V_DIM], preferred_element_type=jnp.float32
+    )
     return o_BTHV.astype(q_BTHD.dtype)
 
   o_BTHV, vjp = jax.vjp(attend, q_BTHD, kv_BSD)
@@ -187,16 +188,34 @@ def parse_oom(message: str) -> dict:
 def measure(name: str, topo: str, devices, t_len: int, s_len: int, topk: int, dtype, batch: int) -> dict:
   """Lowers and compiles one approach for one chip; its memory, FLOPs and compile time, or why it failed."""
   sharding = SingleDeviceSharding(devices[0])
-  shapes = [((batch, t_len, INDEX_HEADS, INDEX_DIM), dtype), ((batch, s_len, INDEX_DIM), dtype),
-            ((batch, t_len, INDEX_HEADS), jnp.float32), ((batch, t_len, HEADS, DIM), dtype),
-            ((batch, s_len, DIM), dtype), ((batch, t_len, HEADS, V_DIM), dtype)]
+  shapes = [
+    ((batch, t_len, INDEX_HEADS, INDEX_DIM), dtype),
+    ((batch, s_len, INDEX_DIM), dtype),
+    ((batch, t_len, INDEX_HEADS), jnp.float32),
+    ((batch, t_len, HEADS, DIM), dtype),
+    ((batch, s_len, DIM), dtype),
+    ((batch, t_len, HEADS, V_DIM), dtype),
+  ]
   args = [jax.ShapeDtypeStruct(s, d, sharding=sharding) for s, d in shapes]
   fn = jax.jit(lambda *a: APPROACHES[name](*a, topk=topk))
   analytic = kernel_flops(batch, t_len, s_len, topk) if name == "kernels" else dense_flops(batch, t_len, s_len)
-  report = {"approach": name, "topology": topo, "device_kind": devices[0].device_kind, "B": batch, "T": t_len,
-            "S": s_len, "topk": topk, "dtype": jnp.dtype(dtype).name, "fits": False, "per_chip_bytes": None,
-            "per_chip_gib": None, "xla_flops": None, "analytic_flops": analytic, "compile_seconds": None,
-            "error": None}
+  report = {
+    "approach": name,
+    "topology": topo,
+    "device_kind": devices[0].device_kind,
+    "B": batch,
+    "T": t_len,
+    "S": s_len,
+    "topk": topk,
+    "dtype": jnp.dtype(dtype).name,
+    "fits": False,
+    "per_chip_bytes": None,
+    "per_chip_gib": None,
+    "xla_flops": None,
+    "analytic_flops": analytic,
+    "compile_seconds": None,
+    "error": None,
+  }
   start = time.perf_counter()
   try:
     lowered = fn.lower(*args)
@@ -243,34 +262,46 @@ def status(r: dict) -> str:
     return "fits" if r["fits"] else "does not fit (compiled, over HBM)"
   if "oom" in r:
     o = r["oom"]
-    return (f"does not fit: needs {o['needs_bytes'] / GiB:.2f} GiB ({o['needs_what']}) of "
-            f"{o['available_bytes'] / GiB:.2f} GiB")
+    return (
+      f"does not fit: needs {o['needs_bytes'] / GiB:.2f} GiB ({o['needs_what']}) of "
+      f"{o['available_bytes'] / GiB:.2f} GiB"
+    )
   return "FAILED: " + r["error"].splitlines()[0][:200]
 
 
 def print_table(reports: list) -> None:
-  head = (f"{'approach':<8} {'T=S':>6} {'args':>9} {'outputs':>9} {'temps':>9} {'total':>9} {'peak':>9} "
-          f"{'XLA TFLOP':>10} {'analytic':>10} {'compile':>8}  status")
+  head = (
+    f"{'approach':<8} {'T=S':>6} {'args':>9} {'outputs':>9} {'temps':>9} {'total':>9} {'peak':>9} "
+    f"{'XLA TFLOP':>10} {'analytic':>10} {'compile':>8}  status"
+  )
   print(head + "\n" + " " * 16 + "(per-chip GiB)" + " " * 30 + "(TFLOP)    (s)")
   print("-" * len(head))
   for r in reports:
     m = r["per_chip_bytes"] or {}
     cs = "-" if r["compile_seconds"] is None else f"{r['compile_seconds']:8.1f}"
-    print(f"{r['approach']:<8} {r['T']:>6} {_gib(m.get('arguments')):>9} {_gib(m.get('outputs')):>9} "
-          f"{_gib(m.get('temporaries')):>9} {_gib(m.get('total')):>9} {_gib(m.get('peak')):>9} "
-          f"{_tflop(r['xla_flops']):>10} {_tflop(r['analytic_flops']['total']):>10} {cs:>8}  {status(r)}")
+    print(
+      f"{r['approach']:<8} {r['T']:>6} {_gib(m.get('arguments')):>9} {_gib(m.get('outputs')):>9} "
+      f"{_gib(m.get('temporaries')):>9} {_gib(m.get('total')):>9} {_gib(m.get('peak')):>9} "
+      f"{_tflop(r['xla_flops']):>10} {_tflop(r['analytic_flops']['total']):>10} {cs:>8}  {status(r)}"
+    )
 
 
 def print_flops(reports: list) -> None:
-  print("\nanalytic FLOPs (TFLOP) as executed; the kernels' 'useful' counts only causal indexer pairs and valid "
-        "(non-padding) selected keys:")
+  print(
+    "\nanalytic FLOPs (TFLOP) as executed; the kernels' 'useful' counts only causal indexer pairs and valid "
+    "(non-padding) selected keys:"
+  )
   for r in reports:
     a = r["analytic_flops"]
-    extra = (f"  [indexer causal-visible {a['indexer_visible'] / 1e12:.2f}, useful total "
-             f"{a['total_useful'] / 1e12:.2f}]") if "indexer_visible" in a else ""
-    print(f"  {r['approach']:<8} T=S={r['T']:<6} indexer {a['indexer'] / 1e12:9.2f}  attention fwd "
-          f"{a['attention_fwd'] / 1e12:9.2f}  bwd {a['attention_bwd'] / 1e12:9.2f}  total {a['total'] / 1e12:9.2f}"
-          + extra)
+    extra = (
+      (f"  [indexer causal-visible {a['indexer_visible'] / 1e12:.2f}, useful total {a['total_useful'] / 1e12:.2f}]")
+      if "indexer_visible" in a
+      else ""
+    )
+    print(
+      f"  {r['approach']:<8} T=S={r['T']:<6} indexer {a['indexer'] / 1e12:9.2f}  attention fwd "
+      f"{a['attention_fwd'] / 1e12:9.2f}  bwd {a['attention_bwd'] / 1e12:9.2f}  total {a['total'] / 1e12:9.2f}" + extra
+    )
   by_t = {}
   for r in reports:
     by_t.setdefault(r["T"], {})[r["approach"]] = r
@@ -296,15 +327,19 @@ def main():
   sizes = [n for n in (args.seq_len, args.small_seq_len) if n]
   devices = topology.tpu_topology_devices(args.topology)
   gen = topology.generation_of(devices[0])
-  print(f"{args.topology} ({devices[0].device_kind}), one chip: usable HBM "
-        f"{topology.HBM_USABLE_BYTES[gen] / GiB:.2f} GiB; B={args.batch} topk={args.topk} {jnp.dtype(dtype).name}; "
-        f"H={HEADS} D={DIM} v={V_DIM} sm_scale={SM_SCALE:.6g} H_I={INDEX_HEADS} D_I={INDEX_DIM}")
+  print(
+    f"{args.topology} ({devices[0].device_kind}), one chip: usable HBM "
+    f"{topology.HBM_USABLE_BYTES[gen] / GiB:.2f} GiB; B={args.batch} topk={args.topk} {jnp.dtype(dtype).name}; "
+    f"H={HEADS} D={DIM} v={V_DIM} sm_scale={SM_SCALE:.6g} H_I={INDEX_HEADS} D_I={INDEX_DIM}"
+  )
   reports = []
   for t_len in sizes:
     for name in names:
       r = measure(name, args.topology, devices, t_len, t_len, args.topk, dtype, args.batch)
-      print(f"  compiled {name} T=S={t_len}: {status(r)} (lower {r['lower_seconds']} s, compile "
-            f"{r['compile_seconds']} s)", flush=True)
+      print(
+        f"  compiled {name} T=S={t_len}: {status(r)} (lower {r['lower_seconds']} s, compile {r['compile_seconds']} s)",
+        flush=True,
+      )
       reports.append(r)
   print()
   print_table(reports)
@@ -312,8 +347,10 @@ def main():
   failed = [r for r in reports if r["error"] is not None and "oom" not in r]
   for r in failed:
     print(f"\n{r['approach']} T=S={r['T']} failed:\n{r['error'][:4000]}")
-  print("\nXLA TFLOP: cost analysis of the compiled program; Pallas custom calls count 0 there, so for the kernels "
-        "it is only the glue around them.")
+  print(
+    "\nXLA TFLOP: cost analysis of the compiled program; Pallas custom calls count 0 there, so for the kernels "
+    "it is only the glue around them."
+  )
   print()
   for r in reports:
     r = dict(r, error=None if r["error"] is None else r["error"].splitlines()[0][:2000])

@@ -26,48 +26,75 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # name -> (config, overrides)
 ROWS = {
-    "4k_dense": ("configs/glm5_744b.py", ["--config.optimizer.name=adamw"]),
-    "4k_sparse": ("configs/glm5_744b.py", ["--config.train.dsa_stage=sparse"]),
-    "128k_sparse": ("configs/glm5_744b_128k.py", []),
-    "128k_warmup": ("configs/glm5_744b_128k.py:warmup", []),
-    "200k_sparse": ("configs/glm5_744b_200k.py", []),
-    "200k_warmup": ("configs/glm5_744b_200k.py:warmup", []),
-    # 4 slices joined by DCN: the data axis across them, each slice the 4k_dense layout with its own 1024 sequences
-    "4k_dense_4slices": ("configs/glm5_744b.py", ["--config.optimizer.name=adamw", "--num_slices=4",
-                                                  "--config.data.batch_size=4096"]),
+  "4k_dense": ("configs/glm5_744b.py", ["--config.optimizer.name=adamw"]),
+  "4k_sparse": ("configs/glm5_744b.py", ["--config.train.dsa_stage=sparse"]),
+  "128k_sparse": ("configs/glm5_744b_128k.py", []),
+  "128k_warmup": ("configs/glm5_744b_128k.py:warmup", []),
+  "200k_sparse": ("configs/glm5_744b_200k.py", []),
+  "200k_warmup": ("configs/glm5_744b_200k.py:warmup", []),
+  # 4 slices joined by DCN: the data axis across them, each slice the 4k_dense layout with its own 1024 sequences
+  "4k_dense_4slices": (
+    "configs/glm5_744b.py",
+    ["--config.optimizer.name=adamw", "--num_slices=4", "--config.data.batch_size=4096"],
+  ),
 }
 
 # The levers of the 4K dense step, each turned off in turn (experiments/results/pod_levers.jsonl; not run by default),
 # at one sequence a chip as they were measured
 LEVER_ROWS = {
-    "4k_dense_unfilled_only": ("configs/glm5_744b.py", ["--config.optimizer.name=adamw", "--config.data.batch_size=512",
-                                                        "--config.model.moe_buffer_factor=0",
-                                                        "--config.train.xla_flags="]),
-    "4k_dense_no_fast_path": ("configs/glm5_744b.py", ["--config.optimizer.name=adamw", "--config.data.batch_size=512",
-                                                       "--config.model.moe_buffer_factor=0"]),
-    "4k_dense_no_xla_flags": ("configs/glm5_744b.py", ["--config.optimizer.name=adamw", "--config.data.batch_size=512",
-                                                       "--config.train.xla_flags="]),
-    # Tokens a chip (MaxText's measured recipe runs 40,960): one sequence a chip (the config before), and four
-    "4k_dense_1_a_chip": ("configs/glm5_744b.py", ["--config.optimizer.name=adamw", "--config.data.batch_size=512"]),
-    "4k_dense_4_a_chip": ("configs/glm5_744b.py", ["--config.optimizer.name=adamw", "--config.data.batch_size=2048"]),
+  "4k_dense_unfilled_only": (
+    "configs/glm5_744b.py",
+    [
+      "--config.optimizer.name=adamw",
+      "--config.data.batch_size=512",
+      "--config.model.moe_buffer_factor=0",
+      "--config.train.xla_flags=",
+    ],
+  ),
+  "4k_dense_no_fast_path": (
+    "configs/glm5_744b.py",
+    ["--config.optimizer.name=adamw", "--config.data.batch_size=512", "--config.model.moe_buffer_factor=0"],
+  ),
+  "4k_dense_no_xla_flags": (
+    "configs/glm5_744b.py",
+    ["--config.optimizer.name=adamw", "--config.data.batch_size=512", "--config.train.xla_flags="],
+  ),
+  # Tokens a chip (MaxText's measured recipe runs 40,960): one sequence a chip (the config before), and four
+  "4k_dense_1_a_chip": ("configs/glm5_744b.py", ["--config.optimizer.name=adamw", "--config.data.batch_size=512"]),
+  "4k_dense_4_a_chip": ("configs/glm5_744b.py", ["--config.optimizer.name=adamw", "--config.data.batch_size=2048"]),
 }
 ORDER = list(ROWS) + list(LEVER_ROWS)
 
 _ROWS = flags.DEFINE_list("rows", list(ROWS), f"Rows to compile, of {list(ROWS)} (and the levers' {list(LEVER_ROWS)}).")
 _TOPOLOGY = flags.DEFINE_string("topology", "v5p:8x8x8", "The slice.")
 _OUT = flags.DEFINE_string("out", os.path.join(ROOT, "experiments/results/pod_costs.jsonl"), "JSON lines, one a row.")
-_HLO_DIR = flags.DEFINE_string("hlo_dir", os.path.join(ROOT, "experiments/results/hlo"),
-                               "Where each row's shallow compiled programs are kept (not committed: tens of MB).")
+_HLO_DIR = flags.DEFINE_string(
+  "hlo_dir",
+  os.path.join(ROOT, "experiments/results/hlo"),
+  "Where each row's shallow compiled programs are kept (not committed: tens of MB).",
+)
 _TABLE_ONLY = flags.DEFINE_bool("table_only", False, "Print the table from --out without compiling.")
 _EXTRA = flags.DEFINE_multi_string("extra", [], "More --config.* overrides for every row.")
-_RECALIBRATE = flags.DEFINE_bool("recalibrate", False, "Redo --out's calibrated figures with hlo_cost.CALIBRATION "
-                                 "as it is now (the scheduled steps as they are), rewrite it, print the table.")
+_RECALIBRATE = flags.DEFINE_bool(
+  "recalibrate",
+  False,
+  "Redo --out's calibrated figures with hlo_cost.CALIBRATION "
+  "as it is now (the scheduled steps as they are), rewrite it, print the table.",
+)
 
 
 def run_row(name: str) -> dict:
   config, overrides = {**ROWS, **LEVER_ROWS}[name]
-  cmd = [sys.executable, os.path.join(ROOT, "launch/compile.py"), f"--config={config}", f"--topology={_TOPOLOGY.value}",
-         "--flops", f"--hlo_dir={os.path.join(_HLO_DIR.value, name)}", *overrides, *_EXTRA.value]
+  cmd = [
+    sys.executable,
+    os.path.join(ROOT, "launch/compile.py"),
+    f"--config={config}",
+    f"--topology={_TOPOLOGY.value}",
+    "--flops",
+    f"--hlo_dir={os.path.join(_HLO_DIR.value, name)}",
+    *overrides,
+    *_EXTRA.value,
+  ]
   t0 = time.perf_counter()
   proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
   lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -79,8 +106,10 @@ def run_row(name: str) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-  head = ("| row | per chip | compiled / useful | serial step | scheduled step | calibrated step | MFU (useful) | "
-          "tokens/s a chip | hot routing step |")
+  head = (
+    "| row | per chip | compiled / useful | serial step | scheduled step | calibrated step | MFU (useful) | "
+    "tokens/s a chip | hot routing step |"
+  )
   out = [head, "|---" * (head.count("|") - 1) + "|"]
   for r in rows:
     if "per_chip_gib" not in r:  # XLA refused it: out of HBM
@@ -90,12 +119,14 @@ def table(rows: list[dict]) -> str:
     bal, hot = cost.get("balanced", {}), cost.get("hot", {})
     cal = bal.get("calibrated_step_seconds")
     gib = f"{r['per_chip_gib']['total']:.2f} GiB" + ("" if r.get("fits", True) else " (over HBM)")
-    out.append(f"| {r['row_name']} | {gib} | {bal.get('compiled_over_useful_step')} | "
-               f"{bal.get('serial_step_seconds')} s | {bal.get('estimated_step_seconds')} s | "
-               f"{f'{cal} s' if cal is not None else 'n/a'} | "
-               f"{100 * (bal.get('calibrated_mfu') or bal.get('estimated_mfu') or 0):.1f}% | "
-               f"{bal.get('calibrated_tokens_per_s_per_chip') or bal.get('tokens_per_s_per_chip')} | "
-               f"{hot.get('estimated_step_seconds')} s |")
+    out.append(
+      f"| {r['row_name']} | {gib} | {bal.get('compiled_over_useful_step')} | "
+      f"{bal.get('serial_step_seconds')} s | {bal.get('estimated_step_seconds')} s | "
+      f"{f'{cal} s' if cal is not None else 'n/a'} | "
+      f"{100 * (bal.get('calibrated_mfu') or bal.get('estimated_mfu') or 0):.1f}% | "
+      f"{bal.get('calibrated_tokens_per_s_per_chip') or bal.get('tokens_per_s_per_chip')} | "
+      f"{hot.get('estimated_step_seconds')} s |"
+    )
   return "\n".join(out)
 
 
@@ -109,8 +140,16 @@ def recalibrated(row: dict) -> dict:
     return row
   cost["calibration"] = hlo_cost.CALIBRATION
   for entry in cost["routings"].values():
-    entry.update(step_figures(entry["estimated_step_seconds"], hlo_cost.CALIBRATION, cost["useful_flops_per_step"],
-                              row["chips"], row["tokens_per_step"], cost["peaks"]["bf16_flops"]))
+    entry.update(
+      step_figures(
+        entry["estimated_step_seconds"],
+        hlo_cost.CALIBRATION,
+        cost["useful_flops_per_step"],
+        row["chips"],
+        row["tokens_per_step"],
+        cost["peaks"]["bf16_flops"],
+      )
+    )
   return row
 
 

@@ -36,10 +36,21 @@ _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed runs after the compiling on
 def model_config() -> ModelConfig:
   m = glm5_tiny.get_config().model.to_dict()
   h = _HIDDEN.value
-  m.update(hidden_size=h, intermediate_size=2 * h, moe_intermediate_size=h // 2, num_hidden_layers=_LAYERS.value,
-           num_attention_heads=max(h // 16, 1), num_key_value_heads=max(h // 16, 1), q_lora_rank=h // 2,
-           kv_lora_rank=h // 2, index_topk=_TOPK.value, dtype=_DTYPE.value, initializer_range=0.2,
-           max_position_embeddings=max(4096, _PROMPT.value + _NEW.value), vocab_size=max(512, h * 4))
+  m.update(
+    hidden_size=h,
+    intermediate_size=2 * h,
+    moe_intermediate_size=h // 2,
+    num_hidden_layers=_LAYERS.value,
+    num_attention_heads=max(h // 16, 1),
+    num_key_value_heads=max(h // 16, 1),
+    q_lora_rank=h // 2,
+    kv_lora_rank=h // 2,
+    index_topk=_TOPK.value,
+    dtype=_DTYPE.value,
+    initializer_range=0.2,
+    max_position_embeddings=max(4096, _PROMPT.value + _NEW.value),
+    vocab_size=max(512, h * 4),
+  )
   return ModelConfig.from_dict(m)
 
 
@@ -77,10 +88,12 @@ def main(argv):
 
   buffer = jnp.zeros((b, p + n), jnp.int32).at[:, :p].set(jnp.asarray(prompts, jnp.int32))
   plain, compile_n, best_n = timed(lambda: no_cache(params, rest, buffer), _REPEATS.value)
-  same = bool(np.array_equal(np.asarray(cached)[:, :p + n], np.asarray(plain)))
-  print(f"device {jax.devices()[0].device_kind}; model {cfg.num_hidden_layers} layers x {cfg.hidden_size}, "
-        f"{cfg.dtype}; batch {b}, prompt {p}, new {n}, index_topk {cfg.index_topk}; "
-        f"cache {cache_bytes_per_token(cfg)} bytes a token")
+  same = bool(np.array_equal(np.asarray(cached)[:, : p + n], np.asarray(plain)))
+  print(
+    f"device {jax.devices()[0].device_kind}; model {cfg.num_hidden_layers} layers x {cfg.hidden_size}, "
+    f"{cfg.dtype}; batch {b}, prompt {p}, new {n}, index_topk {cfg.index_topk}; "
+    f"cache {cache_bytes_per_token(cfg)} bytes a token"
+  )
   print(f"kv cache : {b * n / best_c:10.1f} tokens/s  ({best_c * 1e3:.1f} ms a run, compile {compile_c:.1f} s)")
   print(f"no cache : {b * n / best_n:10.1f} tokens/s  ({best_n * 1e3:.1f} ms a run, compile {compile_n:.1f} s)")
   print(f"speedup {best_n / best_c:.2f}x; same greedy tokens: {same}")

@@ -46,8 +46,10 @@ def held_out_prompts(config, tokenizer, n: int, length: int) -> list[list[int]]:
         rows.append(first[:length].tolist())
       if len(rows) == n:
         return rows
-  raise ValueError(f"--batch={n} --prompt_len={length}: the eval split has only {len(rows)} documents of "
-                   f"{length} tokens or more (data.eval_batches={config.data.eval_batches})")
+  raise ValueError(
+    f"--batch={n} --prompt_len={length}: the eval split has only {len(rows)} documents of "
+    f"{length} tokens or more (data.eval_batches={config.data.eval_batches})"
+  )
 
 
 def timed(run, repeats: int):
@@ -71,8 +73,10 @@ def main(argv):
   prompts = held_out_prompts(config, run.tokenizer, _BATCH.value, _PROMPT.value)
   args = (run.state.params, run.state.rest, prompts)
   made = _BATCH.value * _NEW.value
-  print(f"device {jax.devices()[0].device_kind}; step {run.step}; batch {_BATCH.value}, prompt {_PROMPT.value}, "
-        f"new {_NEW.value}")
+  print(
+    f"device {jax.devices()[0].device_kind}; step {run.step}; batch {_BATCH.value}, prompt {_PROMPT.value}, "
+    f"new {_NEW.value}"
+  )
   report = {"step": run.step, "batch": _BATCH.value, "prompt_len": _PROMPT.value, "new_tokens": _NEW.value}
   for mode, temperature in (("greedy", 0.0), (f"T={_TEMPERATURE.value:g}", _TEMPERATURE.value)):
     sampling = SamplingParams(max_new_tokens=_NEW.value, temperature=temperature)
@@ -85,8 +89,10 @@ def main(argv):
       out, best = timed(lambda: sampler(*args, jax.random.key(0)), _REPEATS.value)
       same = "" if temperature else f"; same tokens as plain: {np.array_equal(out.tokens, plain.tokens)}"
       length = acceptance_length(out)
-      print(f"{mode:>8} k={k}       : {made / best:9.1f} tokens/s ({base / best:.2f}x), acceptance length "
-            f"{length:.2f} of {k + 1}{same}")
+      print(
+        f"{mode:>8} k={k}       : {made / best:9.1f} tokens/s ({base / best:.2f}x), acceptance length "
+        f"{length:.2f} of {k + 1}{same}"
+      )
       report[mode][f"k{k}"] = {"acceptance_length": length, "tokens_per_s": made / best, "speedup": base / best}
   print(json.dumps(report))
 

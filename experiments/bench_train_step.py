@@ -148,9 +148,11 @@ def medium_config(base):
 
 def random_batch(b: int, t: int, vocab: int, seed: int) -> dict[str, jax.Array]:
   rng = np.random.default_rng(seed)
-  return {"input_ids": jnp.asarray(rng.integers(0, vocab, (b, t)), jnp.int32),
-          "segment_ids": jnp.ones((b, t), jnp.int32),
-          "positions": jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))}
+  return {
+    "input_ids": jnp.asarray(rng.integers(0, vocab, (b, t)), jnp.int32),
+    "segment_ids": jnp.ones((b, t), jnp.int32),
+    "positions": jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)),
+  }
 
 
 def bench(config, args) -> dict:
@@ -193,7 +195,8 @@ def bench(config, args) -> dict:
   unrolled_flops, unrolled_compile = None, None
   if args.unrolled_cost:
     graphdef_u, state_u, optimizer_u, schedule_u = trainer.create_train_state(
-        config, model_cfg.replace(scan_unroll=True))
+      config, model_cfg.replace(scan_unroll=True)
+    )
     step_u = step_lib.make_train_step(graphdef_u, optimizer_u, schedule_u, config.train)
     t0 = time.perf_counter()
     compiled_u = step_u.lower(state_u, batch).compile()
@@ -209,39 +212,44 @@ def bench(config, args) -> dict:
   step_seconds = statistics.median(times)
   xla = unrolled_flops if unrolled_flops is not None else raw_flops
   row = {
-      "name": config.get("name", "?"),
-      "params_total": counts["total"], "params_active": counts["active"], "params_mtp": counts["mtp"],
-      "batch_size": b, "seq_len": t, "dsa_stage": stage,
-      "compile_seconds": round(compile_seconds, 2),
-      "step_seconds": round(step_seconds, 4),
-      "step_seconds_min": round(min(times), 4), "step_seconds_max": round(max(times), 4),
-      "timed_steps": len(times),
-      "tokens_per_s": round(b * t / step_seconds, 1),
-      "xla_flops_per_step": xla,
-      "xla_flops_per_step_raw": raw_flops,
-      "xla_flops_source": "unrolled layer scans" if unrolled_flops is not None else "raw (while bodies counted once)",
-      "xla_dot_flops_per_step": dots["total"],
-      "xla_dot_flops_by_phase": dots["by_phase"],
-      "analytic_flops_per_step": an,
-      "muon_ns_flops_per_step": ns_flops,
-      "ratio": round(xla / an, 3),
-      "ratio_with_optimizer": round(xla / (an + ns_flops), 3),
-      "dot_ratio": round(dots["total"] / an, 3),
-      "dot_ratio_with_optimizer": round(dots["total"] / (an + ns_flops), 3),
-      "known_waste": {"ragged_dot_cpu_all_experts_extra_flops": extra},
-      "dot_ratio_after_known_waste": round(dots["total"] / (an + ns_flops + extra), 3),
-      "non_dot_flops_share": round(1 - dots["total"] / xla, 3) if unrolled_flops is not None else None,
-      "xla_flops_per_s": round(xla / step_seconds / 1e9, 2),
-      "xla_flops_per_s_unit": "GFLOP/s",
-      "analytic_flops_per_s_gflops": round(an / step_seconds / 1e9, 2),
-      "analytic_breakdown": analytic,
-      "matmul_params_per_token": matmul_params(model_cfg),
-      "muon_matrices": ns_matrices,
-      "while_loops_in_timed_step": dots["while_loops"],
-      "unrolled_compile_seconds": None if unrolled_compile is None else round(unrolled_compile, 2),
-      "loss_last_step": round(loss, 4),
-      "loadavg_1min_before_after": [round(load_before, 2), round(load_after, 2)],
-      "cpu_count": os.cpu_count(),
+    "name": config.get("name", "?"),
+    "params_total": counts["total"],
+    "params_active": counts["active"],
+    "params_mtp": counts["mtp"],
+    "batch_size": b,
+    "seq_len": t,
+    "dsa_stage": stage,
+    "compile_seconds": round(compile_seconds, 2),
+    "step_seconds": round(step_seconds, 4),
+    "step_seconds_min": round(min(times), 4),
+    "step_seconds_max": round(max(times), 4),
+    "timed_steps": len(times),
+    "tokens_per_s": round(b * t / step_seconds, 1),
+    "xla_flops_per_step": xla,
+    "xla_flops_per_step_raw": raw_flops,
+    "xla_flops_source": "unrolled layer scans" if unrolled_flops is not None else "raw (while bodies counted once)",
+    "xla_dot_flops_per_step": dots["total"],
+    "xla_dot_flops_by_phase": dots["by_phase"],
+    "analytic_flops_per_step": an,
+    "muon_ns_flops_per_step": ns_flops,
+    "ratio": round(xla / an, 3),
+    "ratio_with_optimizer": round(xla / (an + ns_flops), 3),
+    "dot_ratio": round(dots["total"] / an, 3),
+    "dot_ratio_with_optimizer": round(dots["total"] / (an + ns_flops), 3),
+    "known_waste": {"ragged_dot_cpu_all_experts_extra_flops": extra},
+    "dot_ratio_after_known_waste": round(dots["total"] / (an + ns_flops + extra), 3),
+    "non_dot_flops_share": round(1 - dots["total"] / xla, 3) if unrolled_flops is not None else None,
+    "xla_flops_per_s": round(xla / step_seconds / 1e9, 2),
+    "xla_flops_per_s_unit": "GFLOP/s",
+    "analytic_flops_per_s_gflops": round(an / step_seconds / 1e9, 2),
+    "analytic_breakdown": analytic,
+    "matmul_params_per_token": matmul_params(model_cfg),
+    "muon_matrices": ns_matrices,
+    "while_loops_in_timed_step": dots["while_loops"],
+    "unrolled_compile_seconds": None if unrolled_compile is None else round(unrolled_compile, 2),
+    "loss_last_step": round(loss, 4),
+    "loadavg_1min_before_after": [round(load_before, 2), round(load_after, 2)],
+    "cpu_count": os.cpu_count(),
   }
   if args.unrolled_cost:
     row["xla_dot_flops_unrolled_check"] = dots_u["total"]
@@ -261,8 +269,12 @@ def main():
   parser.add_argument("--batch_size", type=int, default=0, help="override data.batch_size (0: the config's)")
   parser.add_argument("--seq_len", type=int, default=0, help="override data.seq_len (0: the config's)")
   parser.add_argument("--dsa_stage", choices=step_lib.STAGES, default=None, help="override train.dsa_stage")
-  parser.add_argument("--no_unrolled_cost", dest="unrolled_cost", action="store_false",
-                      help="skip the extra compile with unrolled layer scans (xla_flops is then the raw figure)")
+  parser.add_argument(
+    "--no_unrolled_cost",
+    dest="unrolled_cost",
+    action="store_false",
+    help="skip the extra compile with unrolled layer scans (xla_flops is then the raw figure)",
+  )
   parser.add_argument("--verbose", action="store_true", help="list the largest dot groups on stderr")
   args = parser.parse_args()
   base = load_config(args.config)
@@ -275,10 +287,13 @@ def main():
   for config in configs:
     row = bench(config, args)
     print(strict_json.dumps(row), flush=True)
-    print(f"# {row['name']}: {row['tokens_per_s']:.0f} tokens/s ({row['step_seconds']} s/step, load "
-          f"{row['loadavg_1min_before_after']}); ratio {row['ratio']} ({row['ratio_with_optimizer']} with Muon NS), "
-          f"dots {row['dot_ratio']}, dots after ragged_dot waste {row['dot_ratio_after_known_waste']}",
-          file=sys.stderr, flush=True)
+    print(
+      f"# {row['name']}: {row['tokens_per_s']:.0f} tokens/s ({row['step_seconds']} s/step, load "
+      f"{row['loadavg_1min_before_after']}); ratio {row['ratio']} ({row['ratio_with_optimizer']} with Muon NS), "
+      f"dots {row['dot_ratio']}, dots after ragged_dot waste {row['dot_ratio_after_known_waste']}",
+      file=sys.stderr,
+      flush=True,
+    )
 
 
 if __name__ == "__main__":

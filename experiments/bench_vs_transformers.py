@@ -49,11 +49,30 @@ _WARMUP = flags.DEFINE_integer("warmup", 2, "Untimed steps first (jax compiles i
 _BATCH = flags.DEFINE_integer("batch_size", 8, "Sequences a step.")
 _SEQ = flags.DEFINE_integer("seq_len", 256, "Tokens a sequence.")
 
-MODEL = dict(vocab_size=8192, hidden_size=256, intermediate_size=1024, moe_intermediate_size=256,
-             num_hidden_layers=4, first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4,
-             n_routed_experts=16, num_experts_per_tok=4, n_shared_experts=1, q_lora_rank=128, kv_lora_rank=64,
-             qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, index_n_heads=4, index_head_dim=32,
-             num_nextn_predict_layers=0, max_position_embeddings=4096, dtype="float32", param_dtype="float32")
+MODEL = dict(
+  vocab_size=8192,
+  hidden_size=256,
+  intermediate_size=1024,
+  moe_intermediate_size=256,
+  num_hidden_layers=4,
+  first_k_dense_replace=1,
+  num_attention_heads=4,
+  num_key_value_heads=4,
+  n_routed_experts=16,
+  num_experts_per_tok=4,
+  n_shared_experts=1,
+  q_lora_rank=128,
+  kv_lora_rank=64,
+  qk_nope_head_dim=32,
+  qk_rope_head_dim=16,
+  v_head_dim=32,
+  index_n_heads=4,
+  index_head_dim=32,
+  num_nextn_predict_layers=0,
+  max_position_embeddings=4096,
+  dtype="float32",
+  param_dtype="float32",
+)
 LR, BETAS, EPS, WEIGHT_DECAY, CLIP = 1e-4, (0.9, 0.95), 1e-8, 0.1, 1.0
 
 
@@ -78,13 +97,24 @@ def jax_stepper(cfg: ModelConfig, ids: np.ndarray) -> Callable[[], float]:
   config = ml_collections.ConfigDict()
   config.model = ml_collections.ConfigDict(cfg.to_dict())
   config.train = common.train(grad_clip_norm=CLIP, spike_factor=0.0)
-  config.optimizer = common.optimizer(name="adamw", lr=LR, warmup_steps=0, schedule="constant", b1=BETAS[0],
-                                      b2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY)
+  config.optimizer = common.optimizer(
+    name="adamw",
+    lr=LR,
+    warmup_steps=0,
+    schedule="constant",
+    b1=BETAS[0],
+    b2=BETAS[1],
+    eps=EPS,
+    weight_decay=WEIGHT_DECAY,
+  )
   graphdef, state, optimizer, schedule = create_train_state(config, cfg.replace(use_dsa=False))
   step = step_lib.make_train_step(graphdef, optimizer, schedule, config.train)
   b, t = ids.shape
-  batch = {"input_ids": jnp.asarray(ids), "segment_ids": jnp.ones((b, t), jnp.int32),
-           "positions": jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))}
+  batch = {
+    "input_ids": jnp.asarray(ids),
+    "segment_ids": jnp.ones((b, t), jnp.int32),
+    "positions": jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)),
+  }
   carry = {"state": state}
 
   def one():
@@ -150,16 +180,30 @@ def main(argv):
     flops = analytic_flops(cfg.replace(use_dsa=False), _BATCH.value, _SEQ.value, "dense")["total"]
     torch_step, experts_impl = torch_stepper(cfg, ids)
     jax_s, torch_s = interleaved_medians([jax_stepper(cfg, ids), torch_step], _WARMUP.value, _STEPS.value)
-    print(strict_json.dumps({
-        "config": which, "layers": f"{cfg.num_dense_layers} dense + {cfg.num_moe_layers} MoE",
-        "experts": f"{cfg.n_routed_experts} top-{cfg.num_experts_per_tok}", "tokens_per_step": tokens,
-        "jax_step_s": round(jax_s, 4), "torch_step_s": round(torch_s, 4),
-        "jax_tokens_per_s": round(tokens / jax_s), "torch_tokens_per_s": round(tokens / torch_s),
-        "jax_over_torch": round(torch_s / jax_s, 3), "analytic_gflop_per_step": round(flops / 1e9, 2),
-        "jax_gflop_per_s": round(flops / jax_s / 1e9, 1), "torch_gflop_per_s": round(flops / torch_s / 1e9, 1),
-        "cpu_fp32_gemm_gflop_per_s": round(gemm / 1e9, 1), "torch_over_gemm_bound": round(torch_s * gemm / flops, 3),
-        "torch_experts_implementation": experts_impl, "cpu_count": os.cpu_count(),
-        "load_avg_1min": round(os.getloadavg()[0], 2)}), flush=True)
+    print(
+      strict_json.dumps(
+        {
+          "config": which,
+          "layers": f"{cfg.num_dense_layers} dense + {cfg.num_moe_layers} MoE",
+          "experts": f"{cfg.n_routed_experts} top-{cfg.num_experts_per_tok}",
+          "tokens_per_step": tokens,
+          "jax_step_s": round(jax_s, 4),
+          "torch_step_s": round(torch_s, 4),
+          "jax_tokens_per_s": round(tokens / jax_s),
+          "torch_tokens_per_s": round(tokens / torch_s),
+          "jax_over_torch": round(torch_s / jax_s, 3),
+          "analytic_gflop_per_step": round(flops / 1e9, 2),
+          "jax_gflop_per_s": round(flops / jax_s / 1e9, 1),
+          "torch_gflop_per_s": round(flops / torch_s / 1e9, 1),
+          "cpu_fp32_gemm_gflop_per_s": round(gemm / 1e9, 1),
+          "torch_over_gemm_bound": round(torch_s * gemm / flops, 3),
+          "torch_experts_implementation": experts_impl,
+          "cpu_count": os.cpu_count(),
+          "load_avg_1min": round(os.getloadavg()[0], 2),
+        }
+      ),
+      flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -35,9 +35,12 @@ sys.path.insert(0, ROOT)
 
 from experiments.maxtext_cost import cost_maxtext_program, read_hlo  # noqa: E402
 
-_HLO = flags.DEFINE_string("hlo", os.path.join(ROOT, "tests/sharding/maxtext_deepseek3_671b_v5p1024_b5.hlo.txt.xz"),
-                           "MaxText's compiled train step (compiled.as_text(); .xz or .gz read as such). The default is "
-                           "experiments/maxtext/out/671b_pdbs5.hlo.txt as compile.sh wrote it, compressed.")
+_HLO = flags.DEFINE_string(
+  "hlo",
+  os.path.join(ROOT, "tests/sharding/maxtext_deepseek3_671b_v5p1024_b5.hlo.txt.xz"),
+  "MaxText's compiled train step (compiled.as_text(); .xz or .gz read as such). The default is "
+  "experiments/maxtext/out/671b_pdbs5.hlo.txt as compile.sh wrote it, compressed.",
+)
 _TOPOLOGY = flags.DEFINE_string("topology", "v5p:8x8x8", "The slice it was compiled for.")
 _MEASURED = flags.DEFINE_float("measured_seconds", 90.7, "The measured step time, at --measured_batch.")
 _MEASURED_BATCH = flags.DEFINE_integer("measured_batch", 6, "Sequences a chip of the measured run.")
@@ -66,23 +69,26 @@ def main(argv):
     by_kind[o.kind] = by_kind.get(o.kind, 0.0) + o.compute_seconds + o.wire_seconds
   top = sorted(by_kind.items(), key=lambda kv: -kv[1])[:12]
   report = {
-      "hlo": os.path.relpath(_HLO.value, ROOT), "topology": topo.name, "chips": topo.num_chips,
-      "tokens_per_chip": tokens, "measured_seconds_at_measured_batch": _MEASURED.value,
-      "measured_seconds_scaled": round(measured, 3),
-      "model_serial_seconds": round(timed["serial_seconds"], 3),
-      "model_scheduled_seconds": round(timed["seconds"], 3),
-      "model_compute_seconds": round(totals["compute_seconds"], 3),
-      "model_collective_seconds": round(totals["collective_seconds"], 3),
-      "model_exposed_collective_seconds": round(timed["exposed_collective_seconds"], 3),
-      "realism_factor": round(measured / timed["seconds"], 4),
-      "realism_factor_serial": round(measured / timed["serial_seconds"], 4),
-      "program_matmul_flops_per_chip": totals["flops"],
-      "maxtext_model_flops_per_chip": model_flops,
-      "wire_bytes_per_chip": totals["wire_bytes"],
-      "hbm_bytes_per_chip": totals["hbm_bytes"],
-      "seconds_by_kind": {k: round(v, 3) for k, v in top},
-      "timing_sources": {t: sum(1 for o in ops if o.timing == t) for t in {o.timing for o in ops}},
-      "analysis_seconds": round(time.perf_counter() - t0, 1),
+    "hlo": os.path.relpath(_HLO.value, ROOT),
+    "topology": topo.name,
+    "chips": topo.num_chips,
+    "tokens_per_chip": tokens,
+    "measured_seconds_at_measured_batch": _MEASURED.value,
+    "measured_seconds_scaled": round(measured, 3),
+    "model_serial_seconds": round(timed["serial_seconds"], 3),
+    "model_scheduled_seconds": round(timed["seconds"], 3),
+    "model_compute_seconds": round(totals["compute_seconds"], 3),
+    "model_collective_seconds": round(totals["collective_seconds"], 3),
+    "model_exposed_collective_seconds": round(timed["exposed_collective_seconds"], 3),
+    "realism_factor": round(measured / timed["seconds"], 4),
+    "realism_factor_serial": round(measured / timed["serial_seconds"], 4),
+    "program_matmul_flops_per_chip": totals["flops"],
+    "maxtext_model_flops_per_chip": model_flops,
+    "wire_bytes_per_chip": totals["wire_bytes"],
+    "hbm_bytes_per_chip": totals["hbm_bytes"],
+    "seconds_by_kind": {k: round(v, 3) for k, v in top},
+    "timing_sources": {t: sum(1 for o in ops if o.timing == t) for t in {o.timing for o in ops}},
+    "analysis_seconds": round(time.perf_counter() - t0, 1),
   }
   os.makedirs(os.path.dirname(_OUT.value), exist_ok=True)
   with open(_OUT.value, "w") as f:

@@ -63,7 +63,7 @@ def main(argv):
   def run(name, config):
     t = time.perf_counter()
     out = train_and_evaluate(config, os.path.join(root, name))
-    stage_wall[name] = round(time.perf_counter() - t, 1)    # a stage finished earlier only restores: seconds
+    stage_wall[name] = round(time.perf_counter() - t, 1)  # a stage finished earlier only restores: seconds
     return out
 
   dense_dir, warmup_dir = os.path.join(root, "dense"), os.path.join(root, "warmup")
@@ -76,22 +76,30 @@ def main(argv):
   rows = plots.read_metrics(warmup_dir)
   kl = [r["indexer_kl"] for r in rows if r.get("indexer_kl") is not None]
   summary = {
-      "seq_len": 2048, "batch_size": _BATCH.value, "dense_steps": _DENSE_STEPS.value,
-      "warmup_steps": _WARMUP_STEPS.value, "branch_steps": _STEPS.value,
-      "warmup_indexer_kl": {"first": kl[0], "last": kl[-1]} if kl else None,
-      "warmup_eval_loss": warm["eval_loss"],
-      "eval_loss": {name: s["eval_loss"] for name, s in branches.items()},
-      "eval_loss_minus_dense": {name: s["eval_loss"] - branches["dense"]["eval_loss"] for name, s in branches.items()},
-      "unigram_entropy": warm["unigram_entropy"], "wall_s_this_invocation": round(wall, 1),
-      "stage_wall_s": stage_wall,
+    "seq_len": 2048,
+    "batch_size": _BATCH.value,
+    "dense_steps": _DENSE_STEPS.value,
+    "warmup_steps": _WARMUP_STEPS.value,
+    "branch_steps": _STEPS.value,
+    "warmup_indexer_kl": {"first": kl[0], "last": kl[-1]} if kl else None,
+    "warmup_eval_loss": warm["eval_loss"],
+    "eval_loss": {name: s["eval_loss"] for name, s in branches.items()},
+    "eval_loss_minus_dense": {name: s["eval_loss"] - branches["dense"]["eval_loss"] for name, s in branches.items()},
+    "unigram_entropy": warm["unigram_entropy"],
+    "wall_s_this_invocation": round(wall, 1),
+    "stage_wall_s": stage_wall,
   }
   os.makedirs(os.path.dirname(os.path.abspath(_RESULTS.value)), exist_ok=True)
   with open(_RESULTS.value, "w") as f:
     json.dump(summary, f, indent=1)
-  fig = plots.curves({name: os.path.join(root, f"branch_{name}") for name in branches}, "lm_loss", width=6.5,
-                     title=f"dense vs DSA after {_WARMUP_STEPS.value} warm-up steps, 2,048-token rows")
+  fig = plots.curves(
+    {name: os.path.join(root, f"branch_{name}") for name in branches},
+    "lm_loss",
+    width=6.5,
+    title=f"dense vs DSA after {_WARMUP_STEPS.value} warm-up steps, 2,048-token rows",
+  )
   ax = fig.axes[0]
-  for i, (name, s) in enumerate(branches.items()):
+  for i, s in enumerate(branches.values()):
     ax.axhline(s["eval_loss"], ls=":", lw=1, color=f"C{i}")
   ax.set_ylabel("lm_loss (dotted: held-out loss at the end)")
   plots.save(fig, _FIGURE.value)

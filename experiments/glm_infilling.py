@@ -61,16 +61,28 @@ def blanks_of(batch: dict[str, np.ndarray]) -> list[dict]:
         last = mask_pos + 1
       doc += a[last:].tolist()
       for (mask_pos, b), st in zip(groups, starts):
-        out.append({"row": r, "doc": doc, "start": st, "span": batch["input_ids"][r, b[1:]].tolist(), "b": b,
-                    "mask": int(a[mask_pos])})
+        out.append(
+          {
+            "row": r,
+            "doc": doc,
+            "start": st,
+            "span": batch["input_ids"][r, b[1:]].tolist(),
+            "b": b,
+            "mask": int(a[mask_pos]),
+          }
+        )
   return out
 
 
 def _blank_row(blank: dict, lp: np.ndarray, names: dict[int, str]) -> dict:
   """One scored blank: lp [L, V] the log-probs that predict its L tokens."""
   span = np.asarray(blank["span"])
-  return {"kind": names[blank["mask"]], "len": len(span), "nll": -float(lp[np.arange(len(span)), span].sum()),
-          "exact": bool((lp.argmax(-1) == span).all())}
+  return {
+    "kind": names[blank["mask"]],
+    "len": len(span),
+    "nll": -float(lp[np.arange(len(span)), span].sum()),
+    "exact": bool((lp.argmax(-1) == span).all()),
+  }
 
 
 def score_glm(run, batches) -> list[dict]:
@@ -102,21 +114,27 @@ def score_causal(run, batches, seq_len: int, names: dict[int, str]) -> list[dict
     items = [b for b in blanks_of(batch) if b["span"]]
     ids = np.zeros((len(items), seq_len), np.int32)
     for i, blank in enumerate(items):
-      ids[i, :len(blank["doc"])] = blank["doc"]
+      ids[i, : len(blank["doc"])] = blank["doc"]
     logp = np.asarray(forward(run.state.params, run.state.rest, jnp.asarray(ids)))
     for i, blank in enumerate(items):
       st = blank["start"]
       if st > 0:
-        rows.append(_blank_row(blank, logp[i, st - 1:st - 1 + len(blank["span"])], names))
+        rows.append(_blank_row(blank, logp[i, st - 1 : st - 1 + len(blank["span"])], names))
   return rows
 
 
 def summarize(rows: list[dict]) -> dict:
   """span NLL per token, exact-match rate, counts: over all blanks and by mask kind and length."""
+
   def stats(sel):
     tokens = sum(r["len"] for r in sel)
-    return {"span_nll": sum(r["nll"] for r in sel) / tokens, "exact": sum(r["exact"] for r in sel) / len(sel),
-            "blanks": len(sel), "span_tokens": tokens}
+    return {
+      "span_nll": sum(r["nll"] for r in sel) / tokens,
+      "exact": sum(r["exact"] for r in sel) / len(sel),
+      "blanks": len(sel),
+      "span_tokens": tokens,
+    }
+
   groups = {}
   for r in rows:
     bucket = "1" if r["len"] == 1 else "2-3" if r["len"] <= 3 else "4+"
@@ -151,13 +169,17 @@ def main(argv):
       f.write(json.dumps(row) + "\n")
   print(f"{'model':8s} {'span NLL':>9s} {'exact':>7s} {'blanks':>7s} {'tokens':>7s} {'eval_loss':>9s}")
   for row in rows:
-    print(f"{row['model']:8s} {row['span_nll']:9.4f} {row['exact']:7.3f} {row['blanks']:7d} {row['span_tokens']:7d} "
-          f"{row['summary']['eval_loss']:9.4f}")
+    print(
+      f"{row['model']:8s} {row['span_nll']:9.4f} {row['exact']:7.3f} {row['blanks']:7d} {row['span_tokens']:7d} "
+      f"{row['summary']['eval_loss']:9.4f}"
+    )
   print(f"\n{'blanks':18s} {'count':>6s} " + " ".join(f"{m + ' NLL':>11s} {m + ' exact':>12s}" for m in configs))
   for kind in rows[0]["by_kind"]:
     cells = [row["by_kind"].get(kind) for row in rows]
-    print(f"{kind:18s} {cells[0]['blanks']:6d} " + " ".join(
-        f"{c['span_nll']:11.3f} {c['exact']:12.3f}" if c else f"{'-':>11s} {'-':>12s}" for c in cells))
+    print(
+      f"{kind:18s} {cells[0]['blanks']:6d} "
+      + " ".join(f"{c['span_nll']:11.3f} {c['exact']:12.3f}" if c else f"{'-':>11s} {'-':>12s}" for c in cells)
+    )
 
 
 if __name__ == "__main__":

@@ -27,10 +27,10 @@ _FIGURE = flags.DEFINE_string("figure", "experiments/figures/glm_stability.png",
 _RESULTS = flags.DEFINE_string("results", "experiments/results/glm_stability.jsonl", "JSON lines of the runs.")
 
 RUNS = {  # label -> (norm_style, embedding_grad_shrink)
-    "Pre-LN": ("prenorm", 1.0),
-    "Pre-LN + EGS": ("prenorm", 0.1),
-    "DeepNorm": ("deepnorm", 1.0),
-    "DeepNorm + EGS": ("deepnorm", 0.1),
+  "Pre-LN": ("prenorm", 1.0),
+  "Pre-LN + EGS": ("prenorm", 0.1),
+  "DeepNorm": ("deepnorm", 1.0),
+  "DeepNorm + EGS": ("deepnorm", 0.1),
 }
 
 
@@ -58,8 +58,11 @@ def spikes(losses: list[float]) -> dict:
       jump = max(jump, loss - best) if np.isfinite(best) else jump
       over += int(np.isfinite(best) and loss > 1.5 * best)
       best = min(best, loss)
-  return {"max_jump": round(float(jump), 4), "steps_over_1.5x_best": over,
-          "non_finite": int(sum(not np.isfinite(x) for x in losses))}
+  return {
+    "max_jump": round(float(jump), 4),
+    "steps_over_1.5x_best": over,
+    "non_finite": int(sum(not np.isfinite(x) for x in losses)),
+  }
 
 
 def main(argv):
@@ -70,10 +73,16 @@ def main(argv):
     workdir = os.path.join(_WORKDIR.value, f"{norm_style}_egs{egs}")
     workdirs[label] = workdir
     summary = train_and_evaluate(config_for(norm_style, egs), workdir)
-    losses = [float("nan") if r.get("loss") is None else r["loss"] for r in plots.read_metrics(workdir)
-              if "loss" in r]
-    rows.append({"run": label, "lr": _LR.value, "eval_loss": summary["eval_loss"],
-                 "eval_span_exact": summary.get("eval_span_exact"), **spikes(losses)})
+    losses = [float("nan") if r.get("loss") is None else r["loss"] for r in plots.read_metrics(workdir) if "loss" in r]
+    rows.append(
+      {
+        "run": label,
+        "lr": _LR.value,
+        "eval_loss": summary["eval_loss"],
+        "eval_span_exact": summary.get("eval_span_exact"),
+        **spikes(losses),
+      }
+    )
   plots.save(plots.curves(workdirs, "loss", title=f"glm130b_tiny, AdamW lr {_LR.value:g}, no clipping"), _FIGURE.value)
   os.makedirs(os.path.dirname(_RESULTS.value) or ".", exist_ok=True)
   with open(_RESULTS.value, "w") as f:

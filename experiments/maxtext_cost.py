@@ -11,8 +11,7 @@ def read_hlo(path: str) -> str:
     return f.read()
 
 
-def cost_maxtext_program(text: str, topology: str, tokens_per_chip: int, experts_per_token: int,
-                         splash_block: int):
+def cost_maxtext_program(text: str, topology: str, tokens_per_chip: int, experts_per_token: int, splash_block: int):
   """Our cost model on a MaxText program as on ours (calibrate_maxtext.py's docstring): (ops, summarize's totals,
   schedule's times). MaxText's MoE is pure FSDP here, so a chip's grouped matmuls take its own tokens x K rows."""
   from glm_jax.sharding import hlo_cost

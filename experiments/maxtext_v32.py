@@ -30,12 +30,17 @@ sys.path.insert(0, ROOT)
 
 from experiments.maxtext_cost import cost_maxtext_program, read_hlo  # noqa: E402
 
-_PROGRAMS = flags.DEFINE_list("programs", [], "MaxText programs as HLO_PATH:BATCH_A_CHIP:SEQ_LEN; each HLO_PATH's "
-                              "compile JSON is HLO_PATH with .hlo.txt replaced by .json.")
+_PROGRAMS = flags.DEFINE_list(
+  "programs",
+  [],
+  "MaxText programs as HLO_PATH:BATCH_A_CHIP:SEQ_LEN; each HLO_PATH's "
+  "compile JSON is HLO_PATH with .hlo.txt replaced by .json.",
+)
 _TOPOLOGY = flags.DEFINE_string("topology", "v5p:8x8x8", "The slice they were compiled for.")
 _SPLASH_BLOCK = flags.DEFINE_integer("splash_block", 2048, "The recipe's sa_block_* sizes.")
-_OURS = flags.DEFINE_string("ours", os.path.join(ROOT, "experiments/results/pod_costs.jsonl"),
-                            "glm5_744b's pod rows (experiments/bench_pod.py).")
+_OURS = flags.DEFINE_string(
+  "ours", os.path.join(ROOT, "experiments/results/pod_costs.jsonl"), "glm5_744b's pod rows (experiments/bench_pod.py)."
+)
 _OUT = flags.DEFINE_string("out", os.path.join(ROOT, "experiments/results/maxtext_v32.jsonl"), "JSON lines.")
 
 GIB = 2**30
@@ -54,12 +59,18 @@ def maxtext_row(spec: str) -> dict:
   calibrated = timed["seconds"] * factor
   memory = compiled.get("memory_analysis_per_chip") or {}
   total = memory.get("total_hbm_bytes_args_plus_out_plus_temp_minus_alias")
-  return {"program": "MaxText deepseek3.2-671b", "hlo": os.path.relpath(path, ROOT), "seq_len": seq,
-          "tokens_per_chip": batch * seq, "per_chip_gib": round(total / GIB, 2) if total else None,
-          "scheduled_seconds": round(timed["seconds"], 3), "serial_seconds": round(timed["serial_seconds"], 3),
-          "collective_seconds": round(totals["collective_seconds"], 3),
-          "calibrated_seconds": round(calibrated, 3),
-          "calibrated_tokens_per_s_per_chip": round(batch * seq / calibrated, 1)}
+  return {
+    "program": "MaxText deepseek3.2-671b",
+    "hlo": os.path.relpath(path, ROOT),
+    "seq_len": seq,
+    "tokens_per_chip": batch * seq,
+    "per_chip_gib": round(total / GIB, 2) if total else None,
+    "scheduled_seconds": round(timed["seconds"], 3),
+    "serial_seconds": round(timed["serial_seconds"], 3),
+    "collective_seconds": round(totals["collective_seconds"], 3),
+    "calibrated_seconds": round(calibrated, 3),
+    "calibrated_tokens_per_s_per_chip": round(batch * seq / calibrated, 1),
+  }
 
 
 def ours(seq: int) -> list[dict]:
@@ -69,12 +80,18 @@ def ours(seq: int) -> list[dict]:
       r = json.loads(line)
       bal = r.get("cost", {}).get("routings", {}).get("balanced", {})
       if r["seq_len"] == seq and r["dsa_stage"] == "sparse" and r.get("num_slices", 1) == 1 and bal:
-        rows.append({"program": f"glm5_744b {r['row_name']}", "seq_len": seq,
-                     "tokens_per_chip": r["tokens_per_step"] // r["chips"],
-                     "per_chip_gib": r["per_chip_gib"]["total"],
-                     "scheduled_seconds": bal["estimated_step_seconds"], "serial_seconds": bal["serial_step_seconds"],
-                     "calibrated_seconds": bal["calibrated_step_seconds"],
-                     "calibrated_tokens_per_s_per_chip": bal["calibrated_tokens_per_s_per_chip"]})
+        rows.append(
+          {
+            "program": f"glm5_744b {r['row_name']}",
+            "seq_len": seq,
+            "tokens_per_chip": r["tokens_per_step"] // r["chips"],
+            "per_chip_gib": r["per_chip_gib"]["total"],
+            "scheduled_seconds": bal["estimated_step_seconds"],
+            "serial_seconds": bal["serial_step_seconds"],
+            "calibrated_seconds": bal["calibrated_step_seconds"],
+            "calibrated_tokens_per_s_per_chip": bal["calibrated_tokens_per_s_per_chip"],
+          }
+        )
   return rows
 
 
@@ -91,8 +108,10 @@ def main(argv):
   print("|---|---|---|---|---|---|---|---|")
   for r in out:
     gib = f"{r['per_chip_gib']:.2f} GiB" if r.get("per_chip_gib") is not None else "n/a"
-    print(f"| {r['program']} | {r['seq_len']} | {r['tokens_per_chip']} | {gib} | {r['scheduled_seconds']} s | "
-          f"{r['serial_seconds']} s | {r['calibrated_seconds']} s | {r['calibrated_tokens_per_s_per_chip']} |")
+    print(
+      f"| {r['program']} | {r['seq_len']} | {r['tokens_per_chip']} | {gib} | {r['scheduled_seconds']} s | "
+      f"{r['serial_seconds']} s | {r['calibrated_seconds']} s | {r['calibrated_tokens_per_s_per_chip']} |"
+    )
 
 
 if __name__ == "__main__":

@@ -25,9 +25,14 @@ _CHIPS = flags.DEFINE_list("chips", ["64", "256", "512"], "Chip counts to spread
 _SERVE_DTYPE = flags.DEFINE_string("serve_dtype", "bfloat16", "The dtype of the unquantized parameters served.")
 _GROUP = flags.DEFINE_integer("group_size", 128, "int4's group size (GLM-5 / slime: 128).")
 
-SCHEMES = [("bf16", "none", ""), ("int4 experts (GLM-5 QAT)", "int4", ""),
-           ("int4 all linear, groups", "int4", "routed_experts,shared_experts,dense_mlp,attention"),
-           ("int4_row (GLM-130B)", "int4_row", ""), ("w8a8", "w8a8", ""), ("w4a8 (Ascend mix)", "w4a8", "")]
+SCHEMES = [
+  ("bf16", "none", ""),
+  ("int4 experts (GLM-5 QAT)", "int4", ""),
+  ("int4 all linear, groups", "int4", "routed_experts,shared_experts,dense_mlp,attention"),
+  ("int4_row (GLM-130B)", "int4_row", ""),
+  ("w8a8", "w8a8", ""),
+  ("w4a8 (Ascend mix)", "w4a8", ""),
+]
 
 
 def main(argv):
@@ -41,8 +46,16 @@ def main(argv):
     q.scheme, q.group_size, q.scope = scheme, _GROUP.value, scope
     packed = params if scheme == "none" else jax.eval_shape(lambda p, q=q: pack_params(p, quant_plan(p, q)), params)
     total = weight_bytes(packed)
-    print(json.dumps({"scheme": name, "total_GiB": round(total / 2**30, 1),
-                      **{f"per_chip_GiB_{c}": round(total / c / 2**30, 2) for c in chips}}), flush=True)
+    print(
+      json.dumps(
+        {
+          "scheme": name,
+          "total_GiB": round(total / 2**30, 1),
+          **{f"per_chip_GiB_{c}": round(total / c / 2**30, 2) for c in chips},
+        }
+      ),
+      flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -33,11 +33,11 @@ _RESULTS = flags.DEFINE_string("results", "experiments/results/quant_table.jsonl
 
 # (row name, scheme, group size, scope): the post-training schemes applied to the fp32 SFT model.
 PTQ = [
-    ("int4_g32_experts", "int4", 32, "routed_experts"),  # GLM-5's QAT format (groups of 128 there)
-    ("int4_g32_all", "int4", 32, "routed_experts,shared_experts,dense_mlp,attention"),
-    ("int4_row_all", "int4_row", 0, ""),  # GLM-130B: per-row INT4 on every linear layer
-    ("w8a8", "w8a8", 0, ""),
-    ("w4a8", "w4a8", 0, ""),  # the Ascend mix
+  ("int4_g32_experts", "int4", 32, "routed_experts"),  # GLM-5's QAT format (groups of 128 there)
+  ("int4_g32_all", "int4", 32, "routed_experts,shared_experts,dense_mlp,attention"),
+  ("int4_row_all", "int4_row", 0, ""),  # GLM-130B: per-row INT4 on every linear layer
+  ("w8a8", "w8a8", 0, ""),
+  ("w4a8", "w4a8", 0, ""),  # the Ascend mix
 ]
 QAT = [row for row in PTQ if row[1] in ("int4", "int4_row")]
 
@@ -63,7 +63,9 @@ def served_loss(config, workdir: str, scheme: str, group_size: int, scope: str) 
   if scheme != "none":
     params = pack_params(params, quant_plan(params, q))
   batches = data_lib.make_eval_batches(config.data, run.tokenizer)
-  loss = evaluate(step_lib.make_eval_step(run.graphdef), types.SimpleNamespace(params=params, rest=run.state.rest), batches)
+  loss = evaluate(
+    step_lib.make_eval_step(run.graphdef), types.SimpleNamespace(params=params, rest=run.state.rest), batches
+  )
   return {"eval_loss": loss, "weight_bytes": weight_bytes(params)}
 
 
@@ -80,14 +82,16 @@ def main(argv):
   train_and_evaluate(sft_config(base), sft_dir)
   rows = [dict(model="sft fp32", served="fp32", **served_loss(sft_config(base), sft_dir, "none", 0, ""))]
   for name, scheme, group, scope in PTQ:
-    rows.append(dict(model="sft fp32", served=f"PTQ {name}", **served_loss(sft_config(base), sft_dir, scheme, group,
-                                                                         scope)))
+    rows.append(
+      dict(model="sft fp32", served=f"PTQ {name}", **served_loss(sft_config(base), sft_dir, scheme, group, scope))
+    )
   for name, scheme, group, scope in QAT:
     config = sft_config(base, scheme, group, scope)
     qat_dir = os.path.join(root, f"qat_{name}")
     train_and_evaluate(config, qat_dir)
-    rows.append(dict(model=f"sft QAT {name}", served=f"packed {name}",
-                     **served_loss(config, qat_dir, scheme, group, scope)))
+    rows.append(
+      dict(model=f"sft QAT {name}", served=f"packed {name}", **served_loss(config, qat_dir, scheme, group, scope))
+    )
   fp32 = rows[0]["eval_loss"]
   os.makedirs(os.path.dirname(os.path.abspath(_RESULTS.value)), exist_ok=True)
   with open(_RESULTS.value, "w") as f:

@@ -22,8 +22,15 @@ def summary(rows: list[dict], metric: str, window: int) -> dict | None:
   if not values:
     return None
   head, tail = values[:window], values[-window:]
-  return {"first": sum(head) / len(head), "last": sum(tail) / len(tail), "mean": sum(values) / len(values),
-          "max": max(values), "final": values[-1], "final_step": steps[-1], "n": len(values)}
+  return {
+    "first": sum(head) / len(head),
+    "last": sum(tail) / len(tail),
+    "mean": sum(values) / len(values),
+    "max": max(values),
+    "final": values[-1],
+    "final_step": steps[-1],
+    "n": len(values),
+  }
 
 
 def main(argv):

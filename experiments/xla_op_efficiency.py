@@ -49,16 +49,20 @@ def main(argv):
     roof = max(2 * m * k * n / chip.bf16_flops, 2 * (m * k + k * n + m * n) / chip.hbm_bytes_per_s)
     eff = roof / (cycles / clock)
     rows["matmul"].append(eff)
-    print(f"matmul {m:>6} x {k:>5} x {n:>5}  XLA {cycles / clock * 1e6:9.1f} us  roofline {roof * 1e6:9.1f} us  "
-          f"efficiency {eff:.3f}")
+    print(
+      f"matmul {m:>6} x {k:>5} x {n:>5}  XLA {cycles / clock * 1e6:9.1f} us  roofline {roof * 1e6:9.1f} us  "
+      f"efficiency {eff:.3f}"
+    )
   for size in ELEMENTWISE:
     a = jax.ShapeDtypeStruct((size,), jnp.float32, sharding=s)
     cycles = _estimate(jax.jit(lambda x: jnp.tanh(x) * 2 + 1).lower(a).compile().as_text())
     roof = 8 * size / chip.hbm_bytes_per_s
     eff = roof / (cycles / clock)
     rows["hbm"].append(eff)
-    print(f"elementwise f32[{size:>9}]      XLA {cycles / clock * 1e6:9.1f} us  roofline {roof * 1e6:9.1f} us  "
-          f"efficiency {eff:.3f}")
+    print(
+      f"elementwise f32[{size:>9}]      XLA {cycles / clock * 1e6:9.1f} us  roofline {roof * 1e6:9.1f} us  "
+      f"efficiency {eff:.3f}"
+    )
   print({k: round(statistics.mean(v), 3) for k, v in rows.items()})
 
 

@@ -90,8 +90,14 @@ def _labelled(runs: Mapping[str, str] | Sequence[str]) -> dict[str, str]:
   return {os.path.basename(os.path.normpath(w)) or w: w for w in runs}
 
 
-def curves(runs: Mapping[str, str] | Sequence[str] | str, metrics: Sequence[str] | str, *,
-           title: str | None = None, logy: bool = False, width: float = 5.0) -> Figure:
+def curves(
+  runs: Mapping[str, str] | Sequence[str] | str,
+  metrics: Sequence[str] | str,
+  *,
+  title: str | None = None,
+  logy: bool = False,
+  width: float = 5.0,
+) -> Figure:
   """One panel a metric, one line a run: the metric over steps. `runs` is {label: workdir} or workdirs (labelled
   by their directory names). Raises ValueError, before drawing, naming a metric that no run logged."""
   metrics = [metrics] if isinstance(metrics, str) else list(metrics)
@@ -103,8 +109,9 @@ def curves(runs: Mapping[str, str] | Sequence[str] | str, metrics: Sequence[str]
   for metric in metrics:
     if not any(series(rows, metric)[0] for rows in data.values()):
       logged = sorted(set().union(*(logged_columns(rows) for rows in data.values())))
-      raise ValueError(f"metric {metric!r}: no run logged it (runs: {list(_labelled(runs).values())}); "
-                       f"the columns logged: {logged}")
+      raise ValueError(
+        f"metric {metric!r}: no run logged it (runs: {list(_labelled(runs).values())}); the columns logged: {logged}"
+      )
   fig = Figure(figsize=(width * len(metrics), 3.6), layout="constrained")
   for i, metric in enumerate(metrics):
     ax = fig.add_subplot(1, len(metrics), i + 1)
@@ -153,8 +160,15 @@ def _as_number(text: str) -> float | None:
     return None
 
 
-def sweep_plot(sweep: str | Sequence[dict], metric: str, against: str, *, by: Sequence[str] | None = None,
-               title: str | None = None, logx: bool | None = None) -> Figure:
+def sweep_plot(
+  sweep: str | Sequence[dict],
+  metric: str,
+  against: str,
+  *,
+  by: Sequence[str] | None = None,
+  title: str | None = None,
+  logx: bool | None = None,
+) -> Figure:
   """A sweep's final `metric` (a key of each run's final JSON line) against the override `against`, one line for
   each combination of the overrides in `by` (default: all the sweep's other axes). Numeric override values go on
   a numeric axis (logarithmic when they are positive and span 10x or more, unless `logx` says), others are

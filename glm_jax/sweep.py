@@ -49,6 +49,7 @@ _OPEN, _CLOSE = "([{", ")]}"
 @dataclasses.dataclass(frozen=True)
 class Axis:
   """One axis of a sweep: a dotted config field and the values (as command-line text) it takes."""
+
   field: str
   values: tuple[str, ...]
 
@@ -144,9 +145,11 @@ def check_config(config: ml_collections.ConfigDict) -> None:
   kind = config.get("trainer", "pretrain")
   if kind in ("pretrain", "sft"):
     from glm_jax.train.trainer import check_config as check_pretrain
+
     check_pretrain(config)
   else:
     from glm_jax.rl.config import TRAINERS, validate_rl_config
+
     if kind not in TRAINERS:
       raise ValueError(f"config.trainer={kind!r} is invalid; one of {TRAINERS}")
     validate_rl_config(config)
@@ -188,9 +191,11 @@ def plan(config_arg: str, workdir: str, axes: Sequence[Axis], shared: Sequence[s
   recorded = _read_json(os.path.join(workdir, SWEEP_FILE))
   want = {"config": config_arg, "shared_overrides": list(shared)}
   if recorded is not None and {k: recorded.get(k) for k in want} != want:
-    raise ValueError(f"--workdir={workdir!r} holds a sweep of config {recorded.get('config')!r} with shared "
-                     f"overrides {recorded.get('shared_overrides')}, not {config_arg!r} with {list(shared)}; "
-                     "use another --workdir")
+    raise ValueError(
+      f"--workdir={workdir!r} holds a sweep of config {recorded.get('config')!r} with shared "
+      f"overrides {recorded.get('shared_overrides')}, not {config_arg!r} with {list(shared)}; "
+      "use another --workdir"
+    )
   return runs
 
 
@@ -248,24 +253,41 @@ TRAIN_SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 
 def train_command(config_arg: str, shared: Sequence[str], run: Run) -> list[str]:
   """The command of one run: launch/train.py of the checkout this package is in."""
-  return [sys.executable, TRAIN_SCRIPT, f"--config={config_arg}", *shared, *point_flags(run.overrides),
-          f"--workdir={run.workdir}"]
+  return [
+    sys.executable,
+    TRAIN_SCRIPT,
+    f"--config={config_arg}",
+    *shared,
+    *point_flags(run.overrides),
+    f"--workdir={run.workdir}",
+  ]
 
 
-def run_sweep(config_arg: str, workdir: str, axes: Sequence[Axis], shared: Sequence[str] = (), *,
-              parallel: int = 1, log: Callable[[str], None] = print,
-              command: Callable[[str, Sequence[str], Run], list[str]] = train_command) -> tuple[list[dict], list[str]]:
+def run_sweep(
+  config_arg: str,
+  workdir: str,
+  axes: Sequence[Axis],
+  shared: Sequence[str] = (),
+  *,
+  parallel: int = 1,
+  log: Callable[[str], None] = print,
+  command: Callable[[str, Sequence[str], Run], list[str]] = train_command,
+) -> tuple[list[dict], list[str]]:
   """Runs every unfinished point of the sweep, `parallel` processes at a time; returns (results rows, names of
   the runs that failed). A failed run is reported with its last error line and retried on the next rerun."""
   if not isinstance(parallel, int) or parallel < 1:
     raise ValueError(f"--parallel={parallel!r} is invalid; a positive number of runs at a time")
   if command is train_command and not os.path.isfile(TRAIN_SCRIPT):
-    raise ValueError(f"{TRAIN_SCRIPT} does not exist: sweeps run launch/train.py from a checkout of the repository "
-                     "(pip install -e of a clone), not from an installed copy of the package")
+    raise ValueError(
+      f"{TRAIN_SCRIPT} does not exist: sweeps run launch/train.py from a checkout of the repository "
+      "(pip install -e of a clone), not from an installed copy of the package"
+    )
   runs = plan(config_arg, workdir, axes, shared)
   os.makedirs(workdir, exist_ok=True)
-  _write_json(os.path.join(workdir, SWEEP_FILE),
-              {"config": config_arg, "shared_overrides": list(shared), "axes": [dataclasses.asdict(a) for a in axes]})
+  _write_json(
+    os.path.join(workdir, SWEEP_FILE),
+    {"config": config_arg, "shared_overrides": list(shared), "axes": [dataclasses.asdict(a) for a in axes]},
+  )
   # The runs share one persistent compilation cache (unless the environment names one): points that differ only
   # in values the programs do not depend on (seeds, data, logging) compile once.
   env = dict(os.environ)
@@ -290,8 +312,10 @@ def run_sweep(config_arg: str, workdir: str, axes: Sequence[Axis], shared: Seque
         run = queue.pop(0)
         os.makedirs(run.workdir, exist_ok=True)
         log(f"[sweep] {run.name}: started ({len(runs) - len(queue) - len(active)}/{len(runs)})")
-        with open(os.path.join(run.workdir, "stdout.log"), "w") as out, \
-             open(os.path.join(run.workdir, "stderr.log"), "w") as err:
+        with (
+          open(os.path.join(run.workdir, "stdout.log"), "w") as out,
+          open(os.path.join(run.workdir, "stderr.log"), "w") as err,
+        ):
           proc = subprocess.Popen(command(config_arg, shared, run), stdout=out, stderr=err, env=env)
         active[proc] = (run, time.perf_counter())
       time.sleep(0.2)
@@ -301,8 +325,9 @@ def run_sweep(config_arg: str, workdir: str, axes: Sequence[Axis], shared: Seque
         with open(os.path.join(run.workdir, "stdout.log")) as f:
           summary = last_json_line(f.read())
         if proc.returncode == 0 and summary is not None:
-          _write_json(run.result_path, {"run": run.name, "overrides": run.overrides, "result": summary,
-                                        "wall_s": round(wall, 1)})
+          _write_json(
+            run.result_path, {"run": run.name, "overrides": run.overrides, "result": summary, "wall_s": round(wall, 1)}
+          )
           log(f"[sweep] {run.name}: done in {wall:.0f} s")
           collect(workdir, runs)
         else:

@@ -73,16 +73,31 @@ _NUM_SLICES = flags.DEFINE_integer("num_slices", 1, "Slices joined by DCN (multi
 _DECODE = flags.DEFINE_bool("decode", False, "Compile the decode step and prefill instead of the train step.")
 _BATCH = flags.DEFINE_integer("batch_size", 64, "--decode: rows decoded together.")
 _CACHE_LEN = flags.DEFINE_integer("cache_len", 8192, "--decode: the cache's slots a row (prompt + response).")
-_SPECULATE = flags.DEFINE_integer("speculate", 0, "--decode: also compile a speculative round with k MTP drafts "
-                                  "(the verification, a draft step, the MTP rewrite) and report its roofline.")
-_PREFILL_LEN = flags.DEFINE_integer("prefill_len", None, "--decode: prompt tokens a row the prefill compiles for "
-                                    "(default min(1024, --cache_len); 0: no prefill).")
-_HLO_DIR = flags.DEFINE_string("hlo_dir", None, "--flops: keep the shallow copies' compiled HLO and the step's memory "
-                                "report in this folder, and reuse them when it holds them (the cost model again, no "
-                                "compile).")
-_FLOPS = flags.DEFINE_bool("flops", False, "Also count the compiled step's cost at full depth: FLOPs, bytes, a "
-                           "roofline time and MFU (four more, shallow, unrolled compiles; aot.cost_report; minutes "
-                           "for glm5_744b).")
+_SPECULATE = flags.DEFINE_integer(
+  "speculate",
+  0,
+  "--decode: also compile a speculative round with k MTP drafts "
+  "(the verification, a draft step, the MTP rewrite) and report its roofline.",
+)
+_PREFILL_LEN = flags.DEFINE_integer(
+  "prefill_len",
+  None,
+  "--decode: prompt tokens a row the prefill compiles for (default min(1024, --cache_len); 0: no prefill).",
+)
+_HLO_DIR = flags.DEFINE_string(
+  "hlo_dir",
+  None,
+  "--flops: keep the shallow copies' compiled HLO and the step's memory "
+  "report in this folder, and reuse them when it holds them (the cost model again, no "
+  "compile).",
+)
+_FLOPS = flags.DEFINE_bool(
+  "flops",
+  False,
+  "Also count the compiled step's cost at full depth: FLOPs, bytes, a "
+  "roofline time and MFU (four more, shallow, unrolled compiles; aot.cost_report; minutes "
+  "for glm5_744b).",
+)
 
 
 def main(argv):
@@ -99,8 +114,7 @@ def main(argv):
     if _NUM_SLICES.value < 1:
       raise ValueError(f"--num_slices={_NUM_SLICES.value} is invalid; a positive integer")
     if not topology.libtpu_installed():
-      raise ModuleNotFoundError(f"launch/compile.py needs libtpu to compile for {topo.name}: "
-                                f"{topology.install_hint()}")
+      raise ModuleNotFoundError(f"launch/compile.py needs libtpu to compile for {topo.name}: {topology.install_hint()}")
     if _DECODE.value:
       decode(config, topo)
       return
@@ -144,8 +158,12 @@ def step_memory_report(config, topo, devices, result, flops, topology_seconds) -
   from glm_jax.train import aot
 
   gen = topo.generation.name
-  report = {"topology": topo.name, "num_slices": _NUM_SLICES.value, "chips": len(devices),
-            "device_kind": devices[0].device_kind}
+  report = {
+    "topology": topo.name,
+    "num_slices": _NUM_SLICES.value,
+    "chips": len(devices),
+    "device_kind": devices[0].device_kind,
+  }
   report.update(aot.step_report(config, result, flops))
   report["topology_seconds"] = round(topology_seconds, 1)
   usable = topology.HBM_USABLE_BYTES[gen]
@@ -153,8 +171,9 @@ def step_memory_report(config, topo, devices, result, flops, topology_seconds) -
   report["hbm_usable_bytes"] = usable
   if result.compiled is not None:
     mem = topology.compiled_memory(result.compiled)
-    report["per_chip_bytes"] = {k: mem[k] for k in ("arguments", "outputs", "temporaries", "generated_code",
-                                                    "aliased", "total", "peak")}
+    report["per_chip_bytes"] = {
+      k: mem[k] for k in ("arguments", "outputs", "temporaries", "generated_code", "aliased", "total", "peak")
+    }
     report["per_chip_gib"] = {k: round(v / topology.GiB, 2) for k, v in report["per_chip_bytes"].items()}
     report["fits"] = mem["total"] <= usable and mem["peak"] <= usable
     report["hbm_headroom_gib"] = round((usable - max(mem["total"], mem["peak"])) / topology.GiB, 2)
@@ -172,11 +191,21 @@ def decode(config, topo):
 
   require_sections(config, ("model", "mesh"), "compiling the decode step", "configs/glm5_tiny.py")
   devices = topology.tpu_topology_devices(topo.name, num_slices=_NUM_SLICES.value)
-  result = serving.compile_decode(config, devices, batch_size=_BATCH.value, cache_len=_CACHE_LEN.value,
-                                  prefill_len=(min(1024, _CACHE_LEN.value) if _PREFILL_LEN.value is None
-                                               else _PREFILL_LEN.value), speculate=_SPECULATE.value)
-  report = {"topology": topo.name, "num_slices": _NUM_SLICES.value, "chips": len(devices),
-            "device_kind": devices[0].device_kind, "config": config.get("name", "?")}
+  result = serving.compile_decode(
+    config,
+    devices,
+    batch_size=_BATCH.value,
+    cache_len=_CACHE_LEN.value,
+    prefill_len=(min(1024, _CACHE_LEN.value) if _PREFILL_LEN.value is None else _PREFILL_LEN.value),
+    speculate=_SPECULATE.value,
+  )
+  report = {
+    "topology": topo.name,
+    "num_slices": _NUM_SLICES.value,
+    "chips": len(devices),
+    "device_kind": devices[0].device_kind,
+    "config": config.get("name", "?"),
+  }
   usable = topology.HBM_USABLE_BYTES[topo.generation.name]
   report.update(serving.decode_report(result, usable))
   report["hbm_usable_bytes"] = usable

@@ -28,8 +28,12 @@ from glm_jax.convert import stream
 
 _HF_DIR = flags.DEFINE_string("hf_dir", None, "A Hugging Face GLM-5 directory (config.json + safetensors) to read.")
 _OUT_DIR = flags.DEFINE_string("out_dir", None, "Where to write (must not exist or be empty, unless --overwrite).")
-_CONFIG = config_flags.DEFINE_config_file("config", None, "The run config the checkpoint is for (its model must be "
-                                          "the checkpoint's; its mesh chunks the arrays).", lock_config=True)
+_CONFIG = config_flags.DEFINE_config_file(
+  "config",
+  None,
+  "The run config the checkpoint is for (its model must be the checkpoint's; its mesh chunks the arrays).",
+  lock_config=True,
+)
 _DEVICES = flags.DEFINE_integer("devices", None, "Devices of the target slice, for a -1 axis of --config's mesh.")
 _TO_HF = flags.DEFINE_bool("to_hf", False, "Orbax -> HF: write --workdir's checkpoint as a HF directory.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "With --to_hf: the run (or converted) directory to read.")
@@ -52,16 +56,28 @@ def main(argv):
       raise ValueError("--to_hf reads --workdir (not --hf_dir) and writes --out_dir")
     if _MAX_SHARD_GB.value <= 0:
       raise ValueError(f"--max_shard_gb={_MAX_SHARD_GB.value} is invalid; a positive size in GiB")
-    report = stream.orbax_to_hf(_WORKDIR.value, _OUT_DIR.value, step=_STEP.value, dtype=_DTYPE.value,
-                                max_shard_bytes=int(_MAX_SHARD_GB.value * 2**30), overwrite=_OVERWRITE.value,
-                                progress=progress)
+    report = stream.orbax_to_hf(
+      _WORKDIR.value,
+      _OUT_DIR.value,
+      step=_STEP.value,
+      dtype=_DTYPE.value,
+      max_shard_bytes=int(_MAX_SHARD_GB.value * 2**30),
+      overwrite=_OVERWRITE.value,
+      progress=progress,
+    )
   else:
     if _HF_DIR.value is None:
       raise ValueError("--hf_dir is required (or --to_hf with --workdir)")
     if _DEVICES.value is not None and _DEVICES.value < 1:
       raise ValueError(f"--devices={_DEVICES.value} is invalid; a positive number of devices")
-    report = stream.hf_to_orbax(_HF_DIR.value, _OUT_DIR.value, _CONFIG.value, devices=_DEVICES.value,
-                                overwrite=_OVERWRITE.value, progress=progress)
+    report = stream.hf_to_orbax(
+      _HF_DIR.value,
+      _OUT_DIR.value,
+      _CONFIG.value,
+      devices=_DEVICES.value,
+      overwrite=_OVERWRITE.value,
+      progress=progress,
+    )
   report["peak_rss_bytes"] = stream.rss_peak_bytes()
   print(strict_json.dumps(report), flush=True)
 

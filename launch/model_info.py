@@ -32,8 +32,10 @@ def main(argv):
   info = {"config": config.get("name", "?"), **param_counts(cfg)}
   if _FORWARD_TOKENS.value > 0:
     if info["total"] > _MAX_FORWARD_PARAMS:
-      raise app.UsageError(f"--forward_tokens: the model has {info['total']:.3e} parameters; forward passes "
-                           f"here are for configs under {_MAX_FORWARD_PARAMS:.0e}")
+      raise app.UsageError(
+        f"--forward_tokens: the model has {info['total']:.3e} parameters; forward passes "
+        f"here are for configs under {_MAX_FORWARD_PARAMS:.0e}"
+      )
     graphdef, state = nnx.split(GlmMoeDsa(cfg, nnx.Rngs(0)))
     ids = jax.random.randint(jax.random.key(1), (1, _FORWARD_TOKENS.value), 0, cfg.vocab_size)
 
@@ -46,8 +48,12 @@ def main(argv):
     loss(state, ids)  # compile
     start = time.perf_counter()
     logits, value = jax.block_until_ready(loss(state, ids))
-    info.update(logits_shape=list(logits.shape), init_loss=float(value), ln_vocab=float(jnp.log(cfg.vocab_size)),
-                forward_seconds=round(time.perf_counter() - start, 4))
+    info.update(
+      logits_shape=list(logits.shape),
+      init_loss=float(value),
+      ln_vocab=float(jnp.log(cfg.vocab_size)),
+      forward_seconds=round(time.perf_counter() - start, 4),
+    )
   print(strict_json.dumps(info))
 
 

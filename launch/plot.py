@@ -18,12 +18,14 @@ from glm_jax import cli, plots
 
 _WORKDIRS = flags.DEFINE_list("workdirs", [], "Run directories (each with a metrics.jsonl).")
 _LABELS = flags.DEFINE_list("labels", [], "Legend labels for --workdirs (default: the directory names).")
-_METRICS = flags.DEFINE_list("metrics", ["loss"], "metrics.jsonl columns, a panel each (curves: --workdirs, or "
-                             "--sweep without --against).")
+_METRICS = flags.DEFINE_list(
+  "metrics", ["loss"], "metrics.jsonl columns, a panel each (curves: --workdirs, or --sweep without --against)."
+)
 _SWEEP = flags.DEFINE_string("sweep", None, "A sweep's directory (launch/sweep.py --workdir) or its results.jsonl.")
 _METRIC = flags.DEFINE_string("metric", "eval_loss", "A key of the runs' final JSON line (with --sweep).")
-_AGAINST = flags.DEFINE_string("against", None, "The override on the x axis (with --sweep; without it, --sweep "
-                               "draws its runs' curves of --metrics).")
+_AGAINST = flags.DEFINE_string(
+  "against", None, "The override on the x axis (with --sweep; without it, --sweep draws its runs' curves of --metrics)."
+)
 _BY = flags.DEFINE_list("by", None, "Overrides that get a line each (with --sweep; default: the other axes).")
 _TITLE = flags.DEFINE_string("title", None, "The figure's title.")
 _LOGY = flags.DEFINE_bool("logy", False, "Logarithmic y axis (with --workdirs).")

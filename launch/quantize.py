@@ -27,8 +27,11 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "The run's configs/*.p
 _WORKDIR = flags.DEFINE_string("workdir", None, "The run's directory (default: workdirs/<config name>).")
 _OUT = flags.DEFINE_string("out", None, "The packed model's directory (must not exist).")
 _SCHEME = flags.DEFINE_enum("scheme", None, [s for s in SCHEMES if s != "none"], "The quantization scheme.")
-_GROUP = flags.DEFINE_integer("group_size", None, "int4's group along a weight's input (0: per output channel); "
-                              "default: the config's quant.group_size, else 128.")
+_GROUP = flags.DEFINE_integer(
+  "group_size",
+  None,
+  "int4's group along a weight's input (0: per output channel); default: the config's quant.group_size, else 128.",
+)
 _SCOPE = flags.DEFINE_string("scope", None, "Which weights: groups or re:<regex>; default: the scheme's scope.")
 
 
@@ -55,11 +58,30 @@ def main(argv):
   q = quant_section(config)
   workdir = _WORKDIR.value or f"workdirs/{config.get('name', 'run')}"
   run = restore_run(config, workdir)
-  meta = save_packed(_OUT.value, run.state.params, run.state.rest, quant=q, config=config.to_dict(),
-                     tokenizer=run.tokenizer.record(), source={"workdir": workdir, "step": run.step})
-  print(json.dumps({"scheme": q.scheme, "group_size": q.group_size, "scope": q.scope, "out": _OUT.value,
-                    "packed_params": len(meta["plan"]), "weight_bytes": meta["weight_bytes"],
-                    "unpacked_weight_bytes": meta["unpacked_weight_bytes"], "source_step": run.step}), flush=True)
+  meta = save_packed(
+    _OUT.value,
+    run.state.params,
+    run.state.rest,
+    quant=q,
+    config=config.to_dict(),
+    tokenizer=run.tokenizer.record(),
+    source={"workdir": workdir, "step": run.step},
+  )
+  print(
+    json.dumps(
+      {
+        "scheme": q.scheme,
+        "group_size": q.group_size,
+        "scope": q.scope,
+        "out": _OUT.value,
+        "packed_params": len(meta["plan"]),
+        "weight_bytes": meta["weight_bytes"],
+        "unpacked_weight_bytes": meta["unpacked_weight_bytes"],
+        "source_step": run.step,
+      }
+    ),
+    flush=True,
+  )
 
 
 if __name__ == "__main__":

@@ -46,8 +46,11 @@ _TOP_P = flags.DEFINE_float("top_p", 1.0, "Nucleus sampling: the smallest set of
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
 _SPECULATE = flags.DEFINE_integer("speculate", None, "MTP speculative decoding: tokens drafted a round (>= 1).")
 _PACKED = flags.DEFINE_string("packed", None, "A packed (quantized) model's directory (launch/quantize.py).")
-_INFILL = flags.DEFINE_bool("infill", False, "Fill the prompt's [MASK] / [sMASK] / [gMASK] blanks (GLM's blank "
-                            "infilling); without one, [gMASK] is appended.")
+_INFILL = flags.DEFINE_bool(
+  "infill",
+  False,
+  "Fill the prompt's [MASK] / [sMASK] / [gMASK] blanks (GLM's blank infilling); without one, [gMASK] is appended.",
+)
 _BLANKS = {"[MASK]": "mask", "[sMASK]": "smask", "[gMASK]": "gmask"}
 
 
@@ -95,17 +98,19 @@ def main(argv):
       logging.warning("--infill with a model without model.rope_2d: it was not trained with GLM's blank infilling")
     context = encode_with_blanks(tokenizer, _PROMPT.value)
     sampling = dataclasses.replace(sampling, stop_ids=(tokenizer.eop_id, tokenizer.eos_id), pad_id=tokenizer.pad_id)
-    filled, spans = fill_blanks(Sampler(graphdef, model_cfg, sampling), params, rest, context, tokenizer.special_ids,
-                                jax.random.key(_SEED.value))
+    filled, spans = fill_blanks(
+      Sampler(graphdef, model_cfg, sampling), params, rest, context, tokenizer.special_ids, jax.random.key(_SEED.value)
+    )
     print(f"[{tag}] " + tokenizer.decode(filled))
     for i, span in enumerate(spans):
       print(f"  blank {i + 1}: {tokenizer.decode(span)!r}")
     return
   prompt = tokenizer.encode(_PROMPT.value) or [tokenizer.eos_id]
   sampling = dataclasses.replace(sampling, stop_ids=(tokenizer.eos_id,), pad_id=tokenizer.pad_id)
-  out = Sampler(graphdef, model_cfg, sampling, speculate=_SPECULATE.value)(params, rest, [prompt],
-                                                                          jax.random.key(_SEED.value))
-  print(f"[{tag}] " + tokenizer.decode(np.asarray(out.tokens[0, :int(out.lengths[0])]).tolist()))
+  out = Sampler(graphdef, model_cfg, sampling, speculate=_SPECULATE.value)(
+    params, rest, [prompt], jax.random.key(_SEED.value)
+  )
+  print(f"[{tag}] " + tokenizer.decode(np.asarray(out.tokens[0, : int(out.lengths[0])]).tolist()))
   if _SPECULATE.value:
     print(f"acceptance length {acceptance_length(out):.2f} tokens a round (k={_SPECULATE.value})")
 

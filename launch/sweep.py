@@ -25,8 +25,9 @@ from ml_collections import config_flags
 from glm_jax import cli, sweep
 
 # A config flag, so the shared --config.* overrides are parsed (and refused when unknown) as launch/train.py would.
-_CONFIG = config_flags.DEFINE_config_file("config", None, "A configs/*.py file, optionally with a variant: "
-                                          "configs/glm5_tiny.py:long.", lock_config=True)
+_CONFIG = config_flags.DEFINE_config_file(
+  "config", None, "A configs/*.py file, optionally with a variant: configs/glm5_tiny.py:long.", lock_config=True
+)
 _WORKDIR = flags.DEFINE_string("workdir", None, "The sweep's directory: a run directory a point, results.jsonl.")
 _SWEEP = flags.DEFINE_string("sweep", None, "Axes 'field=v1,v2;field2=w1,w2' (the product is swept).")
 _PARALLEL = flags.DEFINE_integer("parallel", 1, "Runs at a time.")
@@ -53,8 +54,10 @@ def main(argv):
     raise app.UsageError(str(e)) from e
   config_arg = config_flags.get_config_filename(flags.FLAGS["config"])  # the path as given, with its :variant
   rows, failed = sweep.run_sweep(config_arg, _WORKDIR.value, axes, shared, parallel=_PARALLEL.value)
-  print(f"[sweep] {len(rows)} of {len(sweep.points(axes))} runs finished; results in "
-        f"{_WORKDIR.value}/{sweep.RESULTS_FILE}", flush=True)
+  print(
+    f"[sweep] {len(rows)} of {len(sweep.points(axes))} runs finished; results in {_WORKDIR.value}/{sweep.RESULTS_FILE}",
+    flush=True,
+  )
   if failed:
     cli.fail(f"{len(failed)} run(s) failed: {failed} (rerun the same command to retry them)")
 

@@ -46,9 +46,13 @@ from glm_jax.train.trainer import train_and_evaluate
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (default: workdirs/<config name>).")
-_DISTRIBUTED = flags.DEFINE_enum("distributed", "auto", distributed.MODES,
-                                 "jax.distributed.initialize: auto (when the environment names a multi-process "
-                                 "job, or the three flags below are given), on, off.")
+_DISTRIBUTED = flags.DEFINE_enum(
+  "distributed",
+  "auto",
+  distributed.MODES,
+  "jax.distributed.initialize: auto (when the environment names a multi-process "
+  "job, or the three flags below are given), on, off.",
+)
 _COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (multi-process runs).")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Number of processes (multi-process runs).")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index (multi-process runs).")
@@ -60,8 +64,12 @@ def main(argv):
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO; -v 0 brings it back
   try:
-    distributed.maybe_initialize(_DISTRIBUTED.value, coordinator_address=_COORDINATOR.value,
-                                 num_processes=_NUM_PROCESSES.value, process_id=_PROCESS_ID.value)
+    distributed.maybe_initialize(
+      _DISTRIBUTED.value,
+      coordinator_address=_COORDINATOR.value,
+      num_processes=_NUM_PROCESSES.value,
+      process_id=_PROCESS_ID.value,
+    )
   except ValueError as e:
     raise app.UsageError(str(e)) from e
   config = _CONFIG.value
@@ -77,8 +85,10 @@ def main(argv):
     print(strict_json.dumps(summary), flush=True)
   bad = [k for k in ("eval_loss", "train_loss") if isinstance(summary.get(k), float) and not math.isfinite(summary[k])]
   if bad:  # the run ended diverged (with fewer skipped steps in a row than train.max_consecutive_skips)
-    raise Diverged(f"the run ended with a non-finite {' and '.join(bad)} (step {summary['step']}, "
-                   f"{summary['skipped_steps']} steps skipped in all); see {workdir}/metrics.jsonl")
+    raise Diverged(
+      f"the run ended with a non-finite {' and '.join(bad)} (step {summary['step']}, "
+      f"{summary['skipped_steps']} steps skipped in all); see {workdir}/metrics.jsonl"
+    )
 
 
 if __name__ == "__main__":

@@ -82,13 +82,16 @@ class IndexerBlockSizes:
   block_k: keys per grid step = the size of the tile sorted at once: a power of two >= 8. Capped at S rounded
     up to a power of two. Per key, the network is cheapest at block_k = Kp (topk rounded up to a power of 2).
   """
+
   block_q: int = 128
   block_k: int = 2048
 
   def __post_init__(self):
     if self.block_q <= 0 or (self.block_q % 8):
-      raise ValueError(f"IndexerBlockSizes.block_q={self.block_q}; must be a positive multiple of 8 "
-                       "(a multiple of 128 unless one block holds all queries)")
+      raise ValueError(
+        f"IndexerBlockSizes.block_q={self.block_q}; must be a positive multiple of 8 "
+        "(a multiple of 128 unless one block holds all queries)"
+      )
     if self.block_k < 8 or (self.block_k & (self.block_k - 1)):
       raise ValueError(f"IndexerBlockSizes.block_k={self.block_k}; must be a power of two >= 8")
 
@@ -218,9 +221,20 @@ def _bitonic_merge(k_ref, i_ref, base: int, n: int, best_first: bool, c: int) ->
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _indexer_topk_kernel(*refs, num_heads: int, block_q: int, block_k: int, kp: int, s_len: int, causal: bool,
-                         has_segments: bool, has_prefix: bool, chunk: int, score_chunk: int,
-                         precision: lax.Precision | None):
+def _indexer_topk_kernel(
+  *refs,
+  num_heads: int,
+  block_q: int,
+  block_k: int,
+  kp: int,
+  s_len: int,
+  causal: bool,
+  has_segments: bool,
+  has_prefix: bool,
+  chunk: int,
+  score_chunk: int,
+  precision: lax.Precision | None,
+):
   # scalar prefetch, in SMEM: [q_offset] or, with a prefix, [q_offset, reach of (batch 0, query block 0), ...]
   off_ref, q_ref, k_ref, w_ref, *refs = refs
   qseg_ref = kvseg_ref = pe_ref = None
@@ -284,11 +298,10 @@ def _indexer_topk_kernel(*refs, num_heads: int, block_q: int, block_k: int, kp: 
       ci_ref[rows] = s_idx
       return jnp.maximum(tile_max, jnp.max(key, axis=0, keepdims=True))
 
-    tile_max = lax.fori_loop(0, block_k // score_chunk, mask_chunk,
-                             jnp.full((1, block_q), _NEG_INF_KEY, jnp.int32))
+    tile_max = lax.fori_loop(0, block_k // score_chunk, mask_chunk, jnp.full((1, block_q), _NEG_INF_KEY, jnp.int32))
 
     # 2. merge only when some lane has a tile key that can enter its running top-k
-    worst = rk_ref[kp - 1:kp, :]
+    worst = rk_ref[kp - 1 : kp, :]
     enters = jnp.max(jnp.where(tile_max >= worst, 1, 0)) > 0
 
     @pl.when(enters)
@@ -319,10 +332,10 @@ def _indexer_topk_kernel(*refs, num_heads: int, block_q: int, block_k: int, kp: 
   def _emit():
     width = min(kp, 128)
     for c0 in range(0, kp, width):
-      key = rk_ref[c0:c0 + width, :]
-      idx = jnp.where(key == _NEG_INF_KEY, -1, ri_ref[c0:c0 + width, :])
-      oidx_ref[0, :, c0:c0 + width] = idx.T
-      oval_ref[0, :, c0:c0 + width] = _key_to_f32(key).T
+      key = rk_ref[c0 : c0 + width, :]
+      idx = jnp.where(key == _NEG_INF_KEY, -1, ri_ref[c0 : c0 + width, :])
+      oidx_ref[0, :, c0 : c0 + width] = idx.T
+      oval_ref[0, :, c0 : c0 + width] = _key_to_f32(key).T
 
 
 def _resolve_blocks(block_sizes: IndexerBlockSizes | None, t_len: int, s_len: int) -> tuple[int, int]:
@@ -330,8 +343,10 @@ def _resolve_blocks(block_sizes: IndexerBlockSizes | None, t_len: int, s_len: in
   if t_len <= bs.block_q:
     block_q = round_up(t_len, 8)
   elif bs.block_q % 128:
-    raise ValueError(f"IndexerBlockSizes.block_q={bs.block_q} with T={t_len} queries: queries lie on the 128 "
-                     f"lanes, so a block smaller than T must be a multiple of 128 (or block_q >= {t_len})")
+    raise ValueError(
+      f"IndexerBlockSizes.block_q={bs.block_q} with T={t_len} queries: queries lie on the 128 "
+      f"lanes, so a block smaller than T must be a multiple of 128 (or block_q >= {t_len})"
+    )
   else:
     block_q = bs.block_q
   block_k = min(bs.block_k, max(8, _next_pow2(s_len)))
@@ -343,13 +358,20 @@ def _chunk_rows(block_q: int) -> int:
   return max(8, min(32, 4096 // max(block_q, 128)))
 
 
-def lightning_indexer_topk(q_BTHD: jax.Array, k_BSD: jax.Array, w_BTH: jax.Array, *, topk: int,
-                           causal: bool = True, q_offset: int = 0,
-                           q_segment_ids: jax.Array | None = None,
-                           kv_segment_ids: jax.Array | None = None,
-                           q_prefix_end: jax.Array | None = None,
-                           block_sizes: IndexerBlockSizes | None = None,
-                           interpret=None) -> tuple[jax.Array, jax.Array]:
+def lightning_indexer_topk(
+  q_BTHD: jax.Array,
+  k_BSD: jax.Array,
+  w_BTH: jax.Array,
+  *,
+  topk: int,
+  causal: bool = True,
+  q_offset: int = 0,
+  q_segment_ids: jax.Array | None = None,
+  kv_segment_ids: jax.Array | None = None,
+  q_prefix_end: jax.Array | None = None,
+  block_sizes: IndexerBlockSizes | None = None,
+  interpret=None,
+) -> tuple[jax.Array, jax.Array]:
   """Top-`topk` keys per query by lightning-indexer score: (indices [B, T, topk] int32, scores [B, T, topk] fp32),
   descending score, ties to the lower key index, -1 / -inf where fewer than topk keys are visible.
 
@@ -365,41 +387,75 @@ def lightning_indexer_topk(q_BTHD: jax.Array, k_BSD: jax.Array, w_BTH: jax.Array
   """
   if isinstance(topk, bool) or not isinstance(topk, (int, np.integer)) or topk <= 0:
     raise ValueError(f"lightning_indexer_topk: topk={topk!r}; must be a positive integer")
-  if isinstance(q_offset, bool) or not (isinstance(q_offset, (int, np.integer)) or (
-      hasattr(q_offset, "dtype") and jnp.issubdtype(q_offset.dtype, jnp.integer) and jnp.ndim(q_offset) == 0)):
+  if isinstance(q_offset, bool) or not (
+    isinstance(q_offset, (int, np.integer))
+    or (hasattr(q_offset, "dtype") and jnp.issubdtype(q_offset.dtype, jnp.integer) and jnp.ndim(q_offset) == 0)
+  ):
     raise TypeError(f"lightning_indexer_topk: q_offset={q_offset!r}; must be an int or an integer scalar array")
   check_block_sizes("lightning_indexer_topk", block_sizes, IndexerBlockSizes)
   check_ranks("lightning_indexer_topk", q=(q_BTHD, "[B, T, H, D]"), k=(k_BSD, "[B, S, D]"), w=(w_BTH, "[B, T, H]"))
   b, t_len, num_heads, dim = q_BTHD.shape
   s_len = k_BSD.shape[1]
   if k_BSD.shape != (b, s_len, dim) or w_BTH.shape != (b, t_len, num_heads):
-    raise ValueError(f"lightning_indexer_topk: q {q_BTHD.shape} needs k [{b}, S, {dim}] and w [{b}, {t_len}, "
-                     f"{num_heads}]; got k {k_BSD.shape}, w {w_BTH.shape}")
+    raise ValueError(
+      f"lightning_indexer_topk: q {q_BTHD.shape} needs k [{b}, S, {dim}] and w [{b}, {t_len}, "
+      f"{num_heads}]; got k {k_BSD.shape}, w {w_BTH.shape}"
+    )
   if (q_segment_ids is None) != (kv_segment_ids is None):
     raise ValueError("lightning_indexer_topk: give both q_segment_ids and kv_segment_ids, or neither")
   if q_segment_ids is not None and (q_segment_ids.shape != (b, t_len) or kv_segment_ids.shape != (b, s_len)):
-    raise ValueError(f"lightning_indexer_topk: segment ids must be q [{b}, {t_len}] and kv [{b}, {s_len}]; got "
-                     f"{q_segment_ids.shape}, {kv_segment_ids.shape}")
+    raise ValueError(
+      f"lightning_indexer_topk: segment ids must be q [{b}, {t_len}] and kv [{b}, {s_len}]; got "
+      f"{q_segment_ids.shape}, {kv_segment_ids.shape}"
+    )
   if q_prefix_end is not None:
     q_prefix_end = jnp.asarray(q_prefix_end)
     if not causal:
-      raise ValueError("lightning_indexer_topk: q_prefix_end given with causal=False; a prefix widens the causal "
-                       "mask only (a non-causal mask already shows every key): pass causal=True or q_prefix_end=None")
+      raise ValueError(
+        "lightning_indexer_topk: q_prefix_end given with causal=False; a prefix widens the causal "
+        "mask only (a non-causal mask already shows every key): pass causal=True or q_prefix_end=None"
+      )
     if q_prefix_end.shape != (b, t_len):
-      raise ValueError(f"lightning_indexer_topk: q_prefix_end shape {q_prefix_end.shape}; want [B, T] = [{b}, "
-                       f"{t_len}] (each query's prefix end)")
+      raise ValueError(
+        f"lightning_indexer_topk: q_prefix_end shape {q_prefix_end.shape}; want [B, T] = [{b}, "
+        f"{t_len}] (each query's prefix end)"
+      )
     if not jnp.issubdtype(q_prefix_end.dtype, jnp.integer):
-      raise ValueError(f"lightning_indexer_topk: q_prefix_end dtype {q_prefix_end.dtype}; want an integer dtype "
-                       "(a key position)")
+      raise ValueError(
+        f"lightning_indexer_topk: q_prefix_end dtype {q_prefix_end.dtype}; want an integer dtype (a key position)"
+      )
   interpret = resolve_interpret(interpret)
   q_BTHD, k_BSD, w_BTH = (lax.stop_gradient(x) for x in (q_BTHD, k_BSD, w_BTH))
   q_offset_1 = jnp.asarray(q_offset, jnp.int32).reshape(1)
-  return _indexer_topk(q_BTHD, k_BSD, w_BTH, q_segment_ids, kv_segment_ids, q_prefix_end, q_offset_1,
-                       topk=int(topk), causal=bool(causal), block_sizes=block_sizes, interpret=interpret)
+  return _indexer_topk(
+    q_BTHD,
+    k_BSD,
+    w_BTH,
+    q_segment_ids,
+    kv_segment_ids,
+    q_prefix_end,
+    q_offset_1,
+    topk=int(topk),
+    causal=bool(causal),
+    block_sizes=block_sizes,
+    interpret=interpret,
+  )
 
 
-def _indexer_cost(*, b: int, t_pad: int, s_pad: int, num_heads: int, dim: int, kp: int, block_q: int, block_k: int,
-                  itemsize: int, has_segments: bool, has_prefix: bool) -> pl.CostEstimate:
+def _indexer_cost(
+  *,
+  b: int,
+  t_pad: int,
+  s_pad: int,
+  num_heads: int,
+  dim: int,
+  kp: int,
+  block_q: int,
+  block_k: int,
+  itemsize: int,
+  has_segments: bool,
+  has_prefix: bool,
+) -> pl.CostEstimate:
   """What the grid (b, n_q = t_pad / block_q, n_k = s_pad / block_k) statically runs, for XLA's cost model.
 
   flops: the MXU products only, 2 * H * D * block_q * block_k per tile (one [block_k, D] @ [D, block_q] a head),
@@ -431,8 +487,9 @@ def _indexer_cost(*, b: int, t_pad: int, s_pad: int, num_heads: int, dim: int, k
 
 
 @functools.partial(jax.jit, static_argnames=("topk", "causal", "block_sizes", "interpret"))
-def _indexer_topk(q_BTHD, k_BSD, w_BTH, q_segment_ids, kv_segment_ids, q_prefix_end, q_offset_1, *, topk, causal,
-                  block_sizes, interpret):
+def _indexer_topk(
+  q_BTHD, k_BSD, w_BTH, q_segment_ids, kv_segment_ids, q_prefix_end, q_offset_1, *, topk, causal, block_sizes, interpret
+):
   b, t_len, num_heads, dim = q_BTHD.shape
   s_len = k_BSD.shape[1]
   has_segments = q_segment_ids is not None
@@ -467,23 +524,29 @@ def _indexer_topk(q_BTHD, k_BSD, w_BTH, q_segment_ids, kv_segment_ids, q_prefix_
 
   # Index maps get the program ids (bi, i, j) and the scalar-prefetched SMEM ref as their last argument.
   if causal:  # key blocks past the reach repeat the last needed block: Pallas skips the copy
+
     def k_block(bi, i, j, sc_ref):  # lax.div: no floor_divide (it lowers through sign, which needs a TPU attached)
       reach = sc_ref[1 + bi * n_q + i] if has_prefix else (i + 1) * block_q - 1 + sc_ref[0]
       last = lax.div(jnp.maximum(reach, 0), block_k)
       return jnp.minimum(jnp.minimum(j, last), n_k - 1)
   else:
+
     def k_block(bi, i, j, sc_ref):
       return j
 
-  in_specs = [pl.BlockSpec((1, num_heads, dim, block_q), lambda bi, i, j, sc: (bi, 0, 0, i)),
-              pl.BlockSpec((1, block_k, dim), lambda bi, i, j, sc: (bi, k_block(bi, i, j, sc), 0)),
-              pl.BlockSpec((1, num_heads, block_q), lambda bi, i, j, sc: (bi, 0, i))]
+  in_specs = [
+    pl.BlockSpec((1, num_heads, dim, block_q), lambda bi, i, j, sc: (bi, 0, 0, i)),
+    pl.BlockSpec((1, block_k, dim), lambda bi, i, j, sc: (bi, k_block(bi, i, j, sc), 0)),
+    pl.BlockSpec((1, num_heads, block_q), lambda bi, i, j, sc: (bi, 0, i)),
+  ]
   args = [q_BHDT, k_BSD, w_BHT]
   if has_segments:
     qseg_B1T = jnp.pad(q_segment_ids.astype(jnp.int32), ((0, 0), (0, t_pad - t_len)))[:, None, :]
     kvseg_BS1 = jnp.pad(kv_segment_ids.astype(jnp.int32), ((0, 0), (0, s_pad - s_len)))[:, :, None]
-    in_specs += [pl.BlockSpec((1, 1, block_q), lambda bi, i, j, sc: (bi, 0, i)),
-                 pl.BlockSpec((1, block_k, 1), lambda bi, i, j, sc: (bi, k_block(bi, i, j, sc), 0))]
+    in_specs += [
+      pl.BlockSpec((1, 1, block_q), lambda bi, i, j, sc: (bi, 0, i)),
+      pl.BlockSpec((1, block_k, 1), lambda bi, i, j, sc: (bi, k_block(bi, i, j, sc), 0)),
+    ]
     args += [qseg_B1T, kvseg_BS1]
   if has_prefix:
     in_specs.append(pl.BlockSpec((1, 1, block_q), lambda bi, i, j, sc: (bi, 0, i)))
@@ -491,31 +554,61 @@ def _indexer_topk(q_BTHD, k_BSD, w_BTH, q_segment_ids, kv_segment_ids, q_prefix_
   out_spec = pl.BlockSpec((1, block_q, kp), lambda bi, i, j, sc: (bi, i, 0))
 
   itemsize = jnp.dtype(dtype).itemsize
-  vmem_bytes = (2 * (num_heads * dim * block_q + block_k * dim) * itemsize + 2 * num_heads * block_q * 4
-                + 2 * 2 * block_q * kp * 4 + 3 * block_k * block_q * 4 + 2 * kp * block_q * 4
-                + (2 * block_k * 128 * 4 if has_segments else 0)  # [block_k, 1] kv segment ids: 128 lanes wide
-                + 2 * 8 * block_q * 4 * (int(has_segments) + int(has_prefix)))  # [1, block_q] blocks: 8 sublanes
-  kernel = functools.partial(_indexer_topk_kernel, num_heads=num_heads, block_q=block_q, block_k=block_k, kp=kp,
-                             s_len=s_len, causal=causal, has_segments=has_segments, has_prefix=has_prefix,
-                             chunk=chunk, score_chunk=score_chunk, precision=precision)
+  vmem_bytes = (
+    2 * (num_heads * dim * block_q + block_k * dim) * itemsize
+    + 2 * num_heads * block_q * 4
+    + 2 * 2 * block_q * kp * 4
+    + 3 * block_k * block_q * 4
+    + 2 * kp * block_q * 4
+    + (2 * block_k * 128 * 4 if has_segments else 0)  # [block_k, 1] kv segment ids: 128 lanes wide
+    + 2 * 8 * block_q * 4 * (int(has_segments) + int(has_prefix))
+  )  # [1, block_q] blocks: 8 sublanes
+  kernel = functools.partial(
+    _indexer_topk_kernel,
+    num_heads=num_heads,
+    block_q=block_q,
+    block_k=block_k,
+    kp=kp,
+    s_len=s_len,
+    causal=causal,
+    has_segments=has_segments,
+    has_prefix=has_prefix,
+    chunk=chunk,
+    score_chunk=score_chunk,
+    precision=precision,
+  )
   idx_BTK, val_BTK = pl.pallas_call(
-      kernel,
-      grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=1,
-          grid=(b, n_q, n_k),
-          in_specs=in_specs,
-          out_specs=[out_spec, out_spec],
-          scratch_shapes=[pltpu.VMEM((block_k, block_q), jnp.float32),  # score accumulator
-                          pltpu.VMEM((block_k, block_q), jnp.int32),  # tile keys
-                          pltpu.VMEM((block_k, block_q), jnp.int32),  # tile key indices
-                          pltpu.VMEM((kp, block_q), jnp.int32),  # running top-k keys, best first
-                          pltpu.VMEM((kp, block_q), jnp.int32)]),  # running top-k key indices
-      out_shape=[jax.ShapeDtypeStruct((b, t_pad, kp), jnp.int32), jax.ShapeDtypeStruct((b, t_pad, kp), jnp.float32)],
-      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"),
-                                           vmem_limit_bytes=vmem_limit(vmem_bytes)),
-      cost_estimate=_indexer_cost(b=b, t_pad=t_pad, s_pad=s_pad, num_heads=num_heads, dim=dim, kp=kp,
-                                  block_q=block_q, block_k=block_k, itemsize=itemsize, has_segments=has_segments,
-                                  has_prefix=has_prefix),
-      interpret=interpret,
+    kernel,
+    grid_spec=pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=1,
+      grid=(b, n_q, n_k),
+      in_specs=in_specs,
+      out_specs=[out_spec, out_spec],
+      scratch_shapes=[
+        pltpu.VMEM((block_k, block_q), jnp.float32),  # score accumulator
+        pltpu.VMEM((block_k, block_q), jnp.int32),  # tile keys
+        pltpu.VMEM((block_k, block_q), jnp.int32),  # tile key indices
+        pltpu.VMEM((kp, block_q), jnp.int32),  # running top-k keys, best first
+        pltpu.VMEM((kp, block_q), jnp.int32),
+      ],
+    ),  # running top-k key indices
+    out_shape=[jax.ShapeDtypeStruct((b, t_pad, kp), jnp.int32), jax.ShapeDtypeStruct((b, t_pad, kp), jnp.float32)],
+    compiler_params=pltpu.CompilerParams(
+      dimension_semantics=("parallel", "parallel", "arbitrary"), vmem_limit_bytes=vmem_limit(vmem_bytes)
+    ),
+    cost_estimate=_indexer_cost(
+      b=b,
+      t_pad=t_pad,
+      s_pad=s_pad,
+      num_heads=num_heads,
+      dim=dim,
+      kp=kp,
+      block_q=block_q,
+      block_k=block_k,
+      itemsize=itemsize,
+      has_segments=has_segments,
+      has_prefix=has_prefix,
+    ),
+    interpret=interpret,
   )(scalars, *args)
   return idx_BTK[:, :t_len, :topk], val_BTK[:, :t_len, :topk]

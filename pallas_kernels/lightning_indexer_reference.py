@@ -23,20 +23,30 @@ def _check_prefix_end(fn: str, q_prefix_end, b: int | None, t_len: int, causal: 
   """q_prefix_end as an array, or a ValueError naming it: [b, t_len] (any B when b is None), integer, causal."""
   q_prefix_end = jnp.asarray(q_prefix_end)
   if not causal:
-    raise ValueError(f"{fn}: q_prefix_end given with causal=False; a prefix widens the causal mask only "
-                     "(a non-causal mask already shows every key): pass causal=True or q_prefix_end=None")
+    raise ValueError(
+      f"{fn}: q_prefix_end given with causal=False; a prefix widens the causal mask only "
+      "(a non-causal mask already shows every key): pass causal=True or q_prefix_end=None"
+    )
   if q_prefix_end.ndim != 2 or q_prefix_end.shape[1] != t_len or (b is not None and q_prefix_end.shape[0] != b):
-    raise ValueError(f"{fn}: q_prefix_end shape {q_prefix_end.shape}; want [B, T] = [{'B' if b is None else b}, "
-                     f"{t_len}] (each query's prefix end)")
+    raise ValueError(
+      f"{fn}: q_prefix_end shape {q_prefix_end.shape}; want [B, T] = [{'B' if b is None else b}, "
+      f"{t_len}] (each query's prefix end)"
+    )
   if not jnp.issubdtype(q_prefix_end.dtype, jnp.integer):
     raise ValueError(f"{fn}: q_prefix_end dtype {q_prefix_end.dtype}; want an integer dtype (a key position)")
   return q_prefix_end
 
 
-def visible_mask(t_len: int, s_len: int, *, causal: bool = True, q_offset: int = 0,
-                 q_segment_ids: jax.Array | None = None,
-                 kv_segment_ids: jax.Array | None = None,
-                 q_prefix_end: jax.Array | None = None) -> jax.Array:
+def visible_mask(
+  t_len: int,
+  s_len: int,
+  *,
+  causal: bool = True,
+  q_offset: int = 0,
+  q_segment_ids: jax.Array | None = None,
+  kv_segment_ids: jax.Array | None = None,
+  q_prefix_end: jax.Array | None = None,
+) -> jax.Array:
   """[B or 1, T, S] bool: which keys each query may see (the rule in the module docstring); [B, T, S] with segment
   ids or q_prefix_end [B, T]."""
   t = jnp.arange(t_len)[:, None] + q_offset
@@ -62,11 +72,18 @@ def lightning_indexer_scores(q_BTHD: jax.Array, k_BSD: jax.Array, w_BTH: jax.Arr
   return jnp.where(scores_BTS == 0, 0.0, scores_BTS)
 
 
-def lightning_indexer_topk(q_BTHD: jax.Array, k_BSD: jax.Array, w_BTH: jax.Array, *, topk: int,
-                           causal: bool = True, q_offset: int = 0,
-                           q_segment_ids: jax.Array | None = None,
-                           kv_segment_ids: jax.Array | None = None,
-                           q_prefix_end: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+def lightning_indexer_topk(
+  q_BTHD: jax.Array,
+  k_BSD: jax.Array,
+  w_BTH: jax.Array,
+  *,
+  topk: int,
+  causal: bool = True,
+  q_offset: int = 0,
+  q_segment_ids: jax.Array | None = None,
+  kv_segment_ids: jax.Array | None = None,
+  q_prefix_end: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
   """Returns (indices [B, T, topk] int32, scores [B, T, topk] fp32); index -1 and score -inf where fewer
   than topk keys are visible. Indices come in descending score order. q_prefix_end [B, T]: each query's
   bidirectional prefix (module docstring; causal only)."""
@@ -77,8 +94,15 @@ def lightning_indexer_topk(q_BTHD: jax.Array, k_BSD: jax.Array, w_BTH: jax.Array
   if q_prefix_end is not None:
     q_prefix_end = _check_prefix_end("lightning_indexer_topk", q_prefix_end, b, t_len, causal)
   scores_BTS = lightning_indexer_scores(q_BTHD, k_BSD, w_BTH)
-  mask = visible_mask(t_len, s_len, causal=causal, q_offset=q_offset,
-                      q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, q_prefix_end=q_prefix_end)
+  mask = visible_mask(
+    t_len,
+    s_len,
+    causal=causal,
+    q_offset=q_offset,
+    q_segment_ids=q_segment_ids,
+    kv_segment_ids=kv_segment_ids,
+    q_prefix_end=q_prefix_end,
+  )
   scores_BTS = jnp.where(mask, scores_BTS, -jnp.inf)
   k_eff = min(topk, s_len)
   vals_BTK, idx_BTK = jax.lax.top_k(scores_BTS, k_eff)

@@ -67,6 +67,7 @@ class SparseAttentionBlockSizes:
   block_t: queries per grid step (a multiple of 8; T is padded up to a multiple of it).
   block_kv: selected keys gathered per inner step, one DMA each (a multiple of 8; K is padded up to a multiple).
   """
+
   block_t: int = 8
   block_kv: int = 128
 
@@ -80,6 +81,7 @@ class SparseAttentionBlockSizes:
 @dataclasses.dataclass(frozen=True)
 class _Layout:
   """How q and kv are laid out for the kernels (static)."""
+
   b: int
   t_len: int
   t_pad: int
@@ -126,9 +128,20 @@ def _layout(q, kv, idx, v_dim, blocks: SparseAttentionBlockSizes) -> _Layout:
   packed = dtype == jnp.bfloat16 and dim % 2 == 0 and v_dim % 2 == 0
   block_kv = min(blocks.block_kv, round_up(idx.shape[-1], 8))
   block_t = min(blocks.block_t, round_up(t_len, 8))
-  return _Layout(b=b, t_len=t_len, t_pad=round_up(t_len, block_t), heads=heads, dim=dim, s_len=kv.shape[1],
-                 kp=round_up(idx.shape[-1], block_kv), v_dim=v_dim, block_t=block_t, block_kv=block_kv,
-                 packed=packed, dtype=jnp.dtype(jnp.bfloat16 if packed else jnp.float32))
+  return _Layout(
+    b=b,
+    t_len=t_len,
+    t_pad=round_up(t_len, block_t),
+    heads=heads,
+    dim=dim,
+    s_len=kv.shape[1],
+    kp=round_up(idx.shape[-1], block_kv),
+    v_dim=v_dim,
+    block_t=block_t,
+    block_kv=block_kv,
+    packed=packed,
+    dtype=jnp.dtype(jnp.bfloat16 if packed else jnp.float32),
+  )
 
 
 def _pad_t(x, lay: _Layout, value=0):
@@ -139,8 +152,11 @@ def _take_columns(x: jax.Array, cols: np.ndarray) -> jax.Array:
   """x[..., cols] as a concatenation of static slices (one per run of consecutive columns), not a gather."""
   breaks = np.flatnonzero(np.diff(cols) != 1) + 1
   runs = np.split(cols, breaks)
-  return jnp.concatenate([x[..., r[0]:r[-1] + 1] for r in runs], axis=-1) if len(runs) > 1 else (
-      x[..., cols[0]:cols[-1] + 1])
+  return (
+    jnp.concatenate([x[..., r[0] : r[-1] + 1] for r in runs], axis=-1)
+    if len(runs) > 1
+    else (x[..., cols[0] : cols[-1] + 1])
+  )
 
 
 def _q_parts(q, lay: _Layout) -> list[jax.Array]:
@@ -152,8 +168,10 @@ def _kv_words(kv, lay: _Layout) -> jax.Array:
   """kv as the rows the kernels DMA: fp32 [B, S, D], or int32 [B, S, D/2] with lo in the low 16 bits."""
   if not lay.packed:
     return kv.astype(jnp.float32)
-  lo, hi = (lax.bitcast_convert_type(_take_columns(kv.astype(jnp.bfloat16), cols), jnp.uint16).astype(jnp.uint32)
-            for cols in lay.part_columns())
+  lo, hi = (
+    lax.bitcast_convert_type(_take_columns(kv.astype(jnp.bfloat16), cols), jnp.uint16).astype(jnp.uint32)
+    for cols in lay.part_columns()
+  )
   return lax.bitcast_convert_type(lo | (hi << 16), jnp.int32)
 
 
@@ -270,8 +288,8 @@ def _probs(s, valid, lse_ref, t) -> jax.Array:
 def _fwd_kernel(*refs, lay: _Layout, sm_scale: float):
   n = lay.n_parts
   idx_ref, valid_ref = refs[:2]
-  q_refs = refs[2:2 + n]
-  kv_hbm, o_ref, lse_ref, kv_buf, sem, m_ref, l_ref, acc_ref = refs[2 + n:]
+  q_refs = refs[2 : 2 + n]
+  kv_hbm, o_ref, lse_ref, kv_buf, sem, m_ref, l_ref, acc_ref = refs[2 + n :]
   nkb, vp = lay.kp // lay.block_kv, lay.v_part
 
   def body(t, j, slot):
@@ -309,8 +327,10 @@ def _fwd_kernel(*refs, lay: _Layout, sm_scale: float):
 
 def _common_specs(lay: _Layout):
   nkb = lay.kp // lay.block_kv
-  return [pl.BlockSpec((1, lay.block_t, lay.kp), lambda b, i: (b, i, 0), memory_space=pltpu.SMEM),
-          pl.BlockSpec((1, lay.block_t, nkb, lay.block_kv), lambda b, i: (b, i, 0, 0))]
+  return [
+    pl.BlockSpec((1, lay.block_t, lay.kp), lambda b, i: (b, i, 0), memory_space=pltpu.SMEM),
+    pl.BlockSpec((1, lay.block_t, nkb, lay.block_kv), lambda b, i: (b, i, 0, 0)),
+  ]
 
 
 def _per_query(lay: _Layout, width: int) -> pl.BlockSpec:
@@ -350,8 +370,7 @@ def _common_bytes(lay: _Layout) -> int:
   gather: one DMA of one row per slot, -1 slots included (they fetch row 0): D * 2 bytes a row packed (bf16 pairs
   in int32 words), D * 4 in fp32."""
   kv_row = lay.dim * (2 if lay.packed else 4)
-  return (2 * _slots(lay) * 4 + lay.b * lay.t_pad * lay.heads * lay.dim * lay.dtype.itemsize
-          + _slots(lay) * kv_row)
+  return 2 * _slots(lay) * 4 + lay.b * lay.t_pad * lay.heads * lay.dim * lay.dtype.itemsize + _slots(lay) * kv_row
 
 
 def _forward_cost(lay: _Layout, out_dtype) -> pl.CostEstimate:
@@ -364,9 +383,10 @@ def _forward_cost(lay: _Layout, out_dtype) -> pl.CostEstimate:
   per_query = lay.b * lay.t_pad * lay.heads
   nkb = lay.kp // lay.block_kv
   return pl.CostEstimate(
-      flops=int(2 * _slots(lay) * lay.heads * (lay.dim + lay.v_dim)),
-      transcendentals=int(per_query * (lay.kp + nkb + 1)),
-      bytes_accessed=int(_common_bytes(lay) + per_query * (lay.v_dim * jnp.dtype(out_dtype).itemsize + 4)))
+    flops=int(2 * _slots(lay) * lay.heads * (lay.dim + lay.v_dim)),
+    transcendentals=int(per_query * (lay.kp + nkb + 1)),
+    bytes_accessed=int(_common_bytes(lay) + per_query * (lay.v_dim * jnp.dtype(out_dtype).itemsize + 4)),
+  )
 
 
 def _forward(q, kv, idx, *, sm_scale, v_dim, blocks, interpret, out_dtype):
@@ -375,21 +395,28 @@ def _forward(q, kv, idx, *, sm_scale, v_dim, blocks, interpret, out_dtype):
   q_parts = _q_parts(q, lay)
   kernel = functools.partial(_fwd_kernel, lay=lay, sm_scale=float(sm_scale))
   o, lse = pl.pallas_call(
-      kernel,
-      grid=(lay.b, lay.t_pad // lay.block_t),
-      in_specs=_common_specs(lay) + [_per_query(lay, lay.part_dim)] * lay.n_parts + [pl.BlockSpec(memory_space=pl.ANY)],
-      out_specs=[_per_query(lay, v_dim), _per_head(lay)],
-      out_shape=[jax.ShapeDtypeStruct((lay.b, lay.t_pad, lay.heads, v_dim), out_dtype),
-                 jax.ShapeDtypeStruct((lay.b, lay.t_pad, lay.heads), jnp.float32)],
-      scratch_shapes=[_kv_buf_shape(lay), pltpu.SemaphoreType.DMA((2,)),
-                      pltpu.VMEM((lay.heads, 1), jnp.float32), pltpu.VMEM((lay.heads, 1), jnp.float32),
-                      pltpu.VMEM((lay.heads, v_dim), jnp.float32)],
-      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel"),
-                                           vmem_limit_bytes=_vmem_limit(lay, 0)),
-      cost_estimate=_forward_cost(lay, out_dtype),
-      interpret=interpret,
+    kernel,
+    grid=(lay.b, lay.t_pad // lay.block_t),
+    in_specs=_common_specs(lay) + [_per_query(lay, lay.part_dim)] * lay.n_parts + [pl.BlockSpec(memory_space=pl.ANY)],
+    out_specs=[_per_query(lay, v_dim), _per_head(lay)],
+    out_shape=[
+      jax.ShapeDtypeStruct((lay.b, lay.t_pad, lay.heads, v_dim), out_dtype),
+      jax.ShapeDtypeStruct((lay.b, lay.t_pad, lay.heads), jnp.float32),
+    ],
+    scratch_shapes=[
+      _kv_buf_shape(lay),
+      pltpu.SemaphoreType.DMA((2,)),
+      pltpu.VMEM((lay.heads, 1), jnp.float32),
+      pltpu.VMEM((lay.heads, 1), jnp.float32),
+      pltpu.VMEM((lay.heads, v_dim), jnp.float32),
+    ],
+    compiler_params=pltpu.CompilerParams(
+      dimension_semantics=("parallel", "parallel"), vmem_limit_bytes=_vmem_limit(lay, 0)
+    ),
+    cost_estimate=_forward_cost(lay, out_dtype),
+    interpret=interpret,
   )(idx_smem, idx_vmem, *q_parts, _kv_words(kv, lay))
-  return o[:, :lay.t_len], lse[:, :lay.t_len]
+  return o[:, : lay.t_len], lse[:, : lay.t_len]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -400,8 +427,8 @@ def _forward(q, kv, idx, *, sm_scale, v_dim, blocks, interpret, out_dtype):
 def _probs_kernel(*refs, lay: _Layout, sm_scale: float):
   n = lay.n_parts
   idx_ref, valid_ref = refs[:2]
-  q_refs = refs[2:2 + n]
-  lse_ref, kv_hbm, p_ref, kv_buf, sem = refs[2 + n:]
+  q_refs = refs[2 : 2 + n]
+  lse_ref, kv_hbm, p_ref, kv_buf, sem = refs[2 + n :]
 
   def body(t, j, slot):
     kvs = _kv_parts(kv_buf, slot, lay)
@@ -411,16 +438,30 @@ def _probs_kernel(*refs, lay: _Layout, sm_scale: float):
   _loop_blocks(lay, body, idx_ref, kv_hbm, kv_buf, sem)
 
 
-def sparse_attention_head_probs(q_BTHD: jax.Array, kv_BSD: jax.Array, idx_BTK: jax.Array, lse_BTH: jax.Array, *,
-                                sm_scale: float, block_sizes: SparseAttentionBlockSizes | None = None,
-                                interpret=None) -> jax.Array:
+def sparse_attention_head_probs(
+  q_BTHD: jax.Array,
+  kv_BSD: jax.Array,
+  idx_BTK: jax.Array,
+  lse_BTH: jax.Array,
+  *,
+  sm_scale: float,
+  block_sizes: SparseAttentionBlockSizes | None = None,
+  interpret=None,
+) -> jax.Array:
   """sum_h p[t, h, k], p = exp(sm_scale * q[t, h] . kv[idx[t, k]] - lse[t, h]), the attention's probabilities of
   the selected keys summed over heads: [B, T, K] fp32, 0 where idx is skipped. A constant to autodiff (the
   sparse-stage indexer KL's target). lse from sparse_mla_attention; same inputs and rules otherwise."""
   interpret = resolve_interpret(interpret)
   q_BTHD, kv_BSD, lse_BTH = (lax.stop_gradient(x) for x in (q_BTHD, kv_BSD, lse_BTH))
-  return _head_probs(q_BTHD, kv_BSD, idx_BTK, lse_BTH, sm_scale=float(sm_scale),
-                     blocks=block_sizes or SparseAttentionBlockSizes(), interpret=interpret)
+  return _head_probs(
+    q_BTHD,
+    kv_BSD,
+    idx_BTK,
+    lse_BTH,
+    sm_scale=float(sm_scale),
+    blocks=block_sizes or SparseAttentionBlockSizes(),
+    interpret=interpret,
+  )
 
 
 def _head_probs_cost(lay: _Layout) -> pl.CostEstimate:
@@ -429,9 +470,10 @@ def _head_probs_cost(lay: _Layout) -> pl.CostEstimate:
   bytes_accessed: _common_bytes, plus lse [B, T_pad, H] fp32 read once, and the output [B, T_pad, Kp] fp32
   written once."""
   return pl.CostEstimate(
-      flops=int(2 * _slots(lay) * lay.heads * lay.dim),
-      transcendentals=int(_slots(lay) * lay.heads),
-      bytes_accessed=int(_common_bytes(lay) + lay.b * lay.t_pad * lay.heads * 4 + _slots(lay) * 4))
+    flops=int(2 * _slots(lay) * lay.heads * lay.dim),
+    transcendentals=int(_slots(lay) * lay.heads),
+    bytes_accessed=int(_common_bytes(lay) + lay.b * lay.t_pad * lay.heads * 4 + _slots(lay) * 4),
+  )
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "blocks", "interpret"))
@@ -441,19 +483,21 @@ def _head_probs(q, kv, idx, lse, *, sm_scale, blocks, interpret):
   nkb = lay.kp // lay.block_kv
   kernel = functools.partial(_probs_kernel, lay=lay, sm_scale=sm_scale)
   p = pl.pallas_call(
-      kernel,
-      grid=(lay.b, lay.t_pad // lay.block_t),
-      in_specs=_common_specs(lay) + [_per_query(lay, lay.part_dim)] * lay.n_parts
-      + [_per_head(lay), pl.BlockSpec(memory_space=pl.ANY)],
-      out_specs=pl.BlockSpec((1, lay.block_t, nkb, lay.block_kv), lambda b, i: (b, i, 0, 0)),
-      out_shape=jax.ShapeDtypeStruct((lay.b, lay.t_pad, nkb, lay.block_kv), jnp.float32),
-      scratch_shapes=[_kv_buf_shape(lay), pltpu.SemaphoreType.DMA((2,))],
-      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel"),
-                                           vmem_limit_bytes=_vmem_limit(lay, 0)),
-      cost_estimate=_head_probs_cost(lay),
-      interpret=interpret,
+    kernel,
+    grid=(lay.b, lay.t_pad // lay.block_t),
+    in_specs=_common_specs(lay)
+    + [_per_query(lay, lay.part_dim)] * lay.n_parts
+    + [_per_head(lay), pl.BlockSpec(memory_space=pl.ANY)],
+    out_specs=pl.BlockSpec((1, lay.block_t, nkb, lay.block_kv), lambda b, i: (b, i, 0, 0)),
+    out_shape=jax.ShapeDtypeStruct((lay.b, lay.t_pad, nkb, lay.block_kv), jnp.float32),
+    scratch_shapes=[_kv_buf_shape(lay), pltpu.SemaphoreType.DMA((2,))],
+    compiler_params=pltpu.CompilerParams(
+      dimension_semantics=("parallel", "parallel"), vmem_limit_bytes=_vmem_limit(lay, 0)
+    ),
+    cost_estimate=_head_probs_cost(lay),
+    interpret=interpret,
   )(idx_smem, idx_vmem, *_q_parts(q, lay), _pad_t(lse, lay, -jnp.inf), _kv_words(kv, lay))
-  return p.reshape(lay.b, lay.t_pad, lay.kp)[:, :lay.t_len, :idx.shape[-1]]
+  return p.reshape(lay.b, lay.t_pad, lay.kp)[:, : lay.t_len, : idx.shape[-1]]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -464,8 +508,8 @@ def _head_probs(q, kv, idx, lse, *, sm_scale, blocks, interpret):
 def _bwd_kernel(*refs, lay: _Layout, sm_scale: float):
   n = lay.n_parts
   idx_ref, valid_ref = refs[:2]
-  q_refs = refs[2:2 + n]
-  rest = refs[2 + n:]
+  q_refs = refs[2 : 2 + n]
+  rest = refs[2 + n :]
   if lay.packed:
     qfull_ref, rest = rest[0], rest[1:]
   else:
@@ -487,7 +531,7 @@ def _bwd_kernel(*refs, lay: _Layout, sm_scale: float):
     do = do_ref[0, t]  # [H, v]
     dp = None
     for i, kv in enumerate(kvs):
-      part = _dot(do[:, i * vp:(i + 1) * vp], kv[:, :vp], _NT, lay.precision)
+      part = _dot(do[:, i * vp : (i + 1) * vp], kv[:, :vp], _NT, lay.precision)
       dp = part if dp is None else dp + part
     ds = p * (dp - _col(delta_ref[0, pl.ds(t, 1), :]))
     dsc = ds.astype(lay.dtype)
@@ -522,12 +566,14 @@ def _bwd_kernel(*refs, lay: _Layout, sm_scale: float):
 
       lax.fori_loop(0, count, wait, 0)
 
-    copy_rows(lambda r, s_idx: pltpu.make_async_copy(dkv_hbm.at[b, pl.ds(s_idx, 1)], dkv_buf.at[pl.ds(r, 1)],
-                                                      rw_sem.at[0]))
+    copy_rows(
+      lambda r, s_idx: pltpu.make_async_copy(dkv_hbm.at[b, pl.ds(s_idx, 1)], dkv_buf.at[pl.ds(r, 1)], rw_sem.at[0])
+    )
     dkv_buf[...] += dkv_blk
-    dkv_buf[:, :lay.v_dim] += dkv_v
-    copy_rows(lambda r, s_idx: pltpu.make_async_copy(dkv_buf.at[pl.ds(r, 1)], dkv_hbm.at[b, pl.ds(s_idx, 1)],
-                                                      rw_sem.at[1]))
+    dkv_buf[:, : lay.v_dim] += dkv_v
+    copy_rows(
+      lambda r, s_idx: pltpu.make_async_copy(dkv_buf.at[pl.ds(r, 1)], dkv_hbm.at[b, pl.ds(s_idx, 1)], rw_sem.at[1])
+    )
 
   _loop_blocks(lay, body, idx_ref, kv_hbm, kv_buf, sem)
 
@@ -549,9 +595,10 @@ def _backward_cost(lay: _Layout, q_dtype, k_len: int) -> pl.CostEstimate:
   dq = per_query * lay.dim * jnp.dtype(q_dtype).itemsize
   dkv_rmw = 2 * lay.b * lay.t_len * k_len * lay.dim * 4
   return pl.CostEstimate(
-      flops=int(2 * _slots(lay) * lay.heads * (3 * lay.dim + 2 * lay.v_dim)),
-      transcendentals=int(_slots(lay) * lay.heads),
-      bytes_accessed=int(_common_bytes(lay) + reads + dq + dkv_rmw))
+    flops=int(2 * _slots(lay) * lay.heads * (3 * lay.dim + 2 * lay.v_dim)),
+    transcendentals=int(_slots(lay) * lay.heads),
+    bytes_accessed=int(_common_bytes(lay) + reads + dq + dkv_rmw),
+  )
 
 
 def _backward(q, kv, idx, o, lse, do, dlse, *, sm_scale, v_dim, blocks, interpret):
@@ -566,31 +613,46 @@ def _backward(q, kv, idx, o, lse, do, dlse, *, sm_scale, v_dim, blocks, interpre
   if lay.packed:
     args.append(_pad_t(q.astype(lay.dtype), lay))
     in_specs.append(_per_query(lay, lay.dim))
-  args += [_pad_t(do.astype(lay.dtype), lay), _pad_t(lse, lay, -jnp.inf), _pad_t(delta, lay), _kv_words(kv, lay),
-           jnp.zeros((lay.b, lay.s_len, lay.dim), jnp.float32)]
-  in_specs += [_per_query(lay, v_dim), _per_head(lay), _per_head(lay), pl.BlockSpec(memory_space=pl.ANY),
-               pl.BlockSpec(memory_space=pl.ANY)]
+  args += [
+    _pad_t(do.astype(lay.dtype), lay),
+    _pad_t(lse, lay, -jnp.inf),
+    _pad_t(delta, lay),
+    _kv_words(kv, lay),
+    jnp.zeros((lay.b, lay.s_len, lay.dim), jnp.float32),
+  ]
+  in_specs += [
+    _per_query(lay, v_dim),
+    _per_head(lay),
+    _per_head(lay),
+    pl.BlockSpec(memory_space=pl.ANY),
+    pl.BlockSpec(memory_space=pl.ANY),
+  ]
   kernel = functools.partial(_bwd_kernel, lay=lay, sm_scale=float(sm_scale))
   dq_shape = jax.ShapeDtypeStruct((lay.b, lay.t_pad, lay.heads, lay.part_dim), q.dtype)  # accumulated in fp32
   *dq_parts, dkv = pl.pallas_call(
-      kernel,
-      grid=(lay.b, lay.t_pad // lay.block_t),
-      in_specs=in_specs,
-      out_specs=[_per_query(lay, lay.part_dim)] * lay.n_parts + [pl.BlockSpec(memory_space=pl.ANY)],
-      out_shape=[dq_shape] * lay.n_parts + [jax.ShapeDtypeStruct((lay.b, lay.s_len, lay.dim), jnp.float32)],
-      input_output_aliases={len(args) - 1: lay.n_parts},
-      scratch_shapes=[_kv_buf_shape(lay), pltpu.SemaphoreType.DMA((2,)),
-                      pltpu.VMEM((lay.block_kv, lay.dim), jnp.float32), pltpu.SemaphoreType.DMA((2,))]
-                     + [pltpu.VMEM((lay.heads, lay.part_dim), jnp.float32)] * lay.n_parts,
-      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
-                                           vmem_limit_bytes=_vmem_limit(lay, 2 * lay.block_kv * lay.dim * 4)),
-      cost_estimate=_backward_cost(lay, q.dtype, idx.shape[-1]),
-      interpret=interpret,
+    kernel,
+    grid=(lay.b, lay.t_pad // lay.block_t),
+    in_specs=in_specs,
+    out_specs=[_per_query(lay, lay.part_dim)] * lay.n_parts + [pl.BlockSpec(memory_space=pl.ANY)],
+    out_shape=[dq_shape] * lay.n_parts + [jax.ShapeDtypeStruct((lay.b, lay.s_len, lay.dim), jnp.float32)],
+    input_output_aliases={len(args) - 1: lay.n_parts},
+    scratch_shapes=[
+      _kv_buf_shape(lay),
+      pltpu.SemaphoreType.DMA((2,)),
+      pltpu.VMEM((lay.block_kv, lay.dim), jnp.float32),
+      pltpu.SemaphoreType.DMA((2,)),
+    ]
+    + [pltpu.VMEM((lay.heads, lay.part_dim), jnp.float32)] * lay.n_parts,
+    compiler_params=pltpu.CompilerParams(
+      dimension_semantics=("parallel", "arbitrary"), vmem_limit_bytes=_vmem_limit(lay, 2 * lay.block_kv * lay.dim * 4)
+    ),
+    cost_estimate=_backward_cost(lay, q.dtype, idx.shape[-1]),
+    interpret=interpret,
   )(*args)
   dq = dq_parts[0]
   if lay.packed:  # [lo | hi] columns back to the original order
     dq = _take_columns(jnp.concatenate(dq_parts, axis=-1), np.argsort(np.concatenate(lay.part_columns())))
-  return dq[:, :lay.t_len].astype(q.dtype), dkv.astype(kv.dtype)
+  return dq[:, : lay.t_len].astype(q.dtype), dkv.astype(kv.dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -600,8 +662,7 @@ def _backward(q, kv, idx, o, lse, do, dlse, *, sm_scale, v_dim, blocks, interpre
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
 def _attend(q, kv, idx, sm_scale, v_dim, blocks, interpret):
-  return _forward(q, kv, idx, sm_scale=sm_scale, v_dim=v_dim, blocks=blocks, interpret=interpret,
-                  out_dtype=q.dtype)
+  return _forward(q, kv, idx, sm_scale=sm_scale, v_dim=v_dim, blocks=blocks, interpret=interpret, out_dtype=q.dtype)
 
 
 def _attend_fwd(q, kv, idx, sm_scale, v_dim, blocks, interpret):
@@ -612,17 +673,23 @@ def _attend_fwd(q, kv, idx, sm_scale, v_dim, blocks, interpret):
 def _attend_bwd(sm_scale, v_dim, blocks, interpret, res, cotangents):
   q, kv, idx, o, lse = res
   do, dlse = cotangents
-  dq, dkv = _backward(q, kv, idx, o, lse, do, dlse, sm_scale=sm_scale, v_dim=v_dim, blocks=blocks,
-                      interpret=interpret)
+  dq, dkv = _backward(q, kv, idx, o, lse, do, dlse, sm_scale=sm_scale, v_dim=v_dim, blocks=blocks, interpret=interpret)
   return dq, dkv, None
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)
 
 
-def sparse_mla_attention(q_BTHD: jax.Array, kv_BSD: jax.Array, idx_BTK: jax.Array, *, sm_scale: float, v_dim: int,
-                         block_sizes: SparseAttentionBlockSizes | None = None,
-                         interpret=None) -> tuple[jax.Array, jax.Array]:
+def sparse_mla_attention(
+  q_BTHD: jax.Array,
+  kv_BSD: jax.Array,
+  idx_BTK: jax.Array,
+  *,
+  sm_scale: float,
+  v_dim: int,
+  block_sizes: SparseAttentionBlockSizes | None = None,
+  interpret=None,
+) -> tuple[jax.Array, jax.Array]:
   """Sparse attention of each query over its selected keys: (out [B, T, H, v_dim] in q's dtype, lse [B, T, H]
   fp32). Differentiable in q and kv (custom_vjp with Pallas backward kernels for dq and dkv).
 
@@ -631,16 +698,20 @@ def sparse_mla_attention(q_BTHD: jax.Array, kv_BSD: jax.Array, idx_BTK: jax.Arra
   elsewhere; True, False or a pltpu.InterpretParams to force.
   """
   check_block_sizes("sparse_mla_attention", block_sizes, SparseAttentionBlockSizes)
-  check_ranks("sparse_mla_attention", q=(q_BTHD, "[B, T, H, D]"), kv=(kv_BSD, "[B, S, D]"),
-              indices=(idx_BTK, "[B, T, K]"))
+  check_ranks(
+    "sparse_mla_attention", q=(q_BTHD, "[B, T, H, D]"), kv=(kv_BSD, "[B, S, D]"), indices=(idx_BTK, "[B, T, K]")
+  )
   b, t_len, _, dim = q_BTHD.shape
   if kv_BSD.shape[0] != b or kv_BSD.shape[2] != dim or idx_BTK.shape[:2] != (b, t_len):
-    raise ValueError(f"sparse_mla_attention: q {q_BTHD.shape} needs kv [{b}, S, {dim}] and indices [{b}, {t_len}, "
-                     f"K]; got kv {kv_BSD.shape}, indices {idx_BTK.shape}")
+    raise ValueError(
+      f"sparse_mla_attention: q {q_BTHD.shape} needs kv [{b}, S, {dim}] and indices [{b}, {t_len}, "
+      f"K]; got kv {kv_BSD.shape}, indices {idx_BTK.shape}"
+    )
   if not jnp.issubdtype(idx_BTK.dtype, jnp.integer):
     raise TypeError(f"sparse_mla_attention: indices dtype {idx_BTK.dtype}; must be an integer type")
   if isinstance(v_dim, bool) or not isinstance(v_dim, (int, np.integer)) or not 0 < v_dim <= dim:
     raise ValueError(f"sparse_mla_attention: v_dim={v_dim!r}; must be an int in [1, D={dim}]")
   interpret = resolve_interpret(interpret)
-  return _attend(q_BTHD, kv_BSD, idx_BTK, float(sm_scale), int(v_dim), block_sizes or SparseAttentionBlockSizes(),
-                 interpret)
+  return _attend(
+    q_BTHD, kv_BSD, idx_BTK, float(sm_scale), int(v_dim), block_sizes or SparseAttentionBlockSizes(), interpret
+  )

@@ -26,8 +26,9 @@ def _selected_scores(q_BTHD, kv_BTKD, idx_BTK, s_len: int, sm_scale: float) -> j
   return jnp.where(valid_BTK[:, :, None, :], s_BTHK, -jnp.inf)
 
 
-def sparse_mla_attention(q_BTHD: jax.Array, kv_BSD: jax.Array, idx_BTK: jax.Array, *, sm_scale: float,
-                         v_dim: int) -> tuple[jax.Array, jax.Array]:
+def sparse_mla_attention(
+  q_BTHD: jax.Array, kv_BSD: jax.Array, idx_BTK: jax.Array, *, sm_scale: float, v_dim: int
+) -> tuple[jax.Array, jax.Array]:
   """Returns (out [B, T, H, v_dim] in q's dtype, lse [B, T, H] fp32)."""
   kv_BTKD = gather_kv(kv_BSD, idx_BTK)
   s_BTHK = _selected_scores(q_BTHD, kv_BTKD, idx_BTK, kv_BSD.shape[1], sm_scale)
@@ -36,14 +37,16 @@ def sparse_mla_attention(q_BTHD: jax.Array, kv_BSD: jax.Array, idx_BTK: jax.Arra
   p_BTHK = jnp.exp(s_BTHK - m_safe[..., None])
   l_BTH = jnp.sum(p_BTHK, axis=-1)
   p_BTHK = p_BTHK / jnp.where(l_BTH == 0, 1.0, l_BTH)[..., None]
-  out = jnp.einsum("bthk,btkv->bthv", p_BTHK.astype(kv_BSD.dtype), kv_BTKD[..., :v_dim],
-                   preferred_element_type=jnp.float32)
+  out = jnp.einsum(
+    "bthk,btkv->bthv", p_BTHK.astype(kv_BSD.dtype), kv_BTKD[..., :v_dim], preferred_element_type=jnp.float32
+  )
   lse_BTH = jnp.where(l_BTH == 0, -jnp.inf, m_safe + jnp.log(jnp.where(l_BTH == 0, 1.0, l_BTH)))
   return out.astype(q_BTHD.dtype), lse_BTH
 
 
-def sparse_attention_head_probs(q_BTHD: jax.Array, kv_BSD: jax.Array, idx_BTK: jax.Array, lse_BTH: jax.Array, *,
-                                sm_scale: float) -> jax.Array:
+def sparse_attention_head_probs(
+  q_BTHD: jax.Array, kv_BSD: jax.Array, idx_BTK: jax.Array, lse_BTH: jax.Array, *, sm_scale: float
+) -> jax.Array:
   """The attention's probabilities of the selected keys summed over heads, sum_h exp(s[t, h, k] - lse[t, h]):
   [B, T, K] fp32, 0 where the index is skipped (the sparse-stage indexer loss's target)."""
   s_BTHK = _selected_scores(q_BTHD, gather_kv(kv_BSD, idx_BTK), idx_BTK, kv_BSD.shape[1], sm_scale)

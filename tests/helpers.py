@@ -55,7 +55,9 @@ def persistent_compilation_cache(path: str):
   process's settings are restored afterwards. For tests that compile the same programs in several processes."""
   options = {"jax_compilation_cache_dir": path, "jax_persistent_cache_min_compile_time_secs": 0.0}
   saved = {name: getattr(jax.config, name) for name in (*options, "jax_persistent_cache_min_entry_size_bytes")}
-  env_saved = {k: os.environ.get(k) for k in ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS")}
+  env_saved = {
+    k: os.environ.get(k) for k in ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS")
+  }
   os.environ.update(JAX_COMPILATION_CACHE_DIR=path, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
   compilation_cache.reset_cache()
   for name, value in options.items():
@@ -76,8 +78,9 @@ def persistent_compilation_cache(path: str):
 def multi_device(devices: int):
   """A decorator for a test that needs `devices` devices: marked `multi_device` and skipped with fewer, it runs in the
   process rerun_on_simulated_devices starts (which runs only such tests)."""
-  skip = pytest.mark.skipif(jax.device_count() < devices,
-                            reason=f"runs inside the rerun on {devices} simulated devices")
+  skip = pytest.mark.skipif(
+    jax.device_count() < devices, reason=f"runs inside the rerun on {devices} simulated devices"
+  )
 
   def mark(test):
     return pytest.mark.multi_device(skip(test))
@@ -85,8 +88,9 @@ def multi_device(devices: int):
   return mark
 
 
-def rerun_on_simulated_devices(test_file: str, devices: int, cache_dir=None, *, select: str | None = None,
-                               timeout: int = 1800) -> str:
+def rerun_on_simulated_devices(
+  test_file: str, devices: int, cache_dir=None, *, select: str | None = None, timeout: int = 1800
+) -> str:
   """Runs the pytest module `test_file`'s multi-device tests (those marked by `multi_device`, or those selected by
   `-k select`) in a process with `devices` simulated CPU devices, and asserts they passed; returns pytest's summary
   line. The module's other tests ran in this process already and are not run again there. cache_dir: a
@@ -95,8 +99,14 @@ def rerun_on_simulated_devices(test_file: str, devices: int, cache_dir=None, *, 
   if cache_dir is not None:
     env.update(JAX_COMPILATION_CACHE_DIR=str(cache_dir), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
   args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(test_file)]
-  proc = subprocess.run(args + (["-k", select] if select else ["-m", "multi_device"]), cwd=ROOT, env=env,
-                        capture_output=True, text=True, timeout=timeout)
+  proc = subprocess.run(
+    args + (["-k", select] if select else ["-m", "multi_device"]),
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+  )
   print(proc.stdout[-3000:])
   assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
   summary = proc.stdout.splitlines()[-1]
@@ -108,9 +118,14 @@ def run_on_simulated_devices(script: str, *args: str, devices: int = 8, timeout:
   """Runs the test module `script` as a script (`python script args...`) in a process with `devices` simulated CPU
   devices and returns the JSON object its last line of output prints: for checks that need more devices than
   this test process has (jax's device count is fixed when it initialises)."""
-  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
-             PYTHONPATH=os.pathsep.join(filter(None, (ROOT, os.environ.get("PYTHONPATH")))))
-  proc = subprocess.run([sys.executable, os.path.abspath(script), *args], env=env, capture_output=True, text=True,
-                        timeout=timeout, cwd=ROOT)
+  env = dict(
+    os.environ,
+    XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+    JAX_PLATFORMS="cpu",
+    PYTHONPATH=os.pathsep.join(filter(None, (ROOT, os.environ.get("PYTHONPATH")))),
+  )
+  proc = subprocess.run(
+    [sys.executable, os.path.abspath(script), *args], env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT
+  )
   assert proc.returncode == 0, proc.stderr[-4000:]
   return json.loads(proc.stdout.strip().splitlines()[-1])

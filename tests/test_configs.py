@@ -15,11 +15,17 @@ from glm_jax.rl.config import default_rl_config
 from glm_jax.train.config import model_config_for_stage
 from tests.helpers import ROOT
 
-CONFIG_FILES = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "configs", "*.py"))
-                      if os.path.basename(p) not in ("__init__.py", "common.py"))
+CONFIG_FILES = sorted(
+  os.path.relpath(p, ROOT)
+  for p in glob.glob(os.path.join(ROOT, "configs", "*.py"))
+  if os.path.basename(p) not in ("__init__.py", "common.py")
+)
 # each config file with "" (no variant) and each of its VARIANTS
-CASES = [(path, variant) for path in CONFIG_FILES
-         for variant in ("", *getattr(importlib.import_module(f"configs.{os.path.basename(path)[:-3]}"), "VARIANTS", ()))]
+CASES = [
+  (path, variant)
+  for path in CONFIG_FILES
+  for variant in ("", *getattr(importlib.import_module(f"configs.{os.path.basename(path)[:-3]}"), "VARIANTS", ()))
+]
 
 
 def test_every_config_file_is_covered():
@@ -42,15 +48,19 @@ def test_the_sections_are_the_library_defaults():
   assert ModelConfig.from_dict(common.model()) == ModelConfig()  # GLM-5 744B-A40B as released
   assert ModelConfig.from_dict(common.model(hidden_size=96)) == ModelConfig(hidden_size=96)
   assert common.rl(group_size=4).to_dict() == {**default_rl_config().to_dict(), "group_size": 4}
-  with pytest.raises(ValueError, match=r"configs\.common\.model: unknown field\(s\) \['hiden_size'\]; valid fields: "
-                                       r"\[.*'hidden_size'"):
+  with pytest.raises(
+    ValueError,
+    match=r"configs\.common\.model: unknown field\(s\) \['hiden_size'\]; valid fields: "
+    r"\[.*'hidden_size'",
+  ):
     common.model(hiden_size=96)
 
 
 def test_a_none_default_takes_a_typed_flag():
   """Fields whose default is None (indexer_types, pad_token_id, ...) still take --config.model.<field>= values."""
-  config = sweep.load_config(os.path.join(ROOT, "configs/glm5_tiny.py"),
-                             ["--config.model.indexer_types=FSF", "--config.model.pad_token_id=3"])
+  config = sweep.load_config(
+    os.path.join(ROOT, "configs/glm5_tiny.py"), ["--config.model.indexer_types=FSF", "--config.model.pad_token_id=3"]
+  )
   model = ModelConfig.from_dict(config.model)
   assert model.indexer_types == ("full", "shared", "full") and model.pad_token_id == 3
 
@@ -59,11 +69,17 @@ def test_variants_parse_names_and_typed_values():
   v = common.variants("smoke, steps=50,fast=true", "configs/x.py", ("long", "smoke"), steps=int, fast=bool)
   assert (v.long, v.smoke, v.steps, v.fast) == (False, True, 50, True)
   assert common.variants("", "configs/x.py", ("long",), steps=int).to_dict() == {"long": False, "steps": None}
-  with pytest.raises(ValueError, match=r"configs/x\.py has no variant 'smok'; its variants: \['long', 'smoke'\], "
-                                       r"and steps=<int>"):
+  with pytest.raises(
+    ValueError,
+    match=r"configs/x\.py has no variant 'smok'; its variants: \['long', 'smoke'\], "
+    r"and steps=<int>",
+  ):
     common.variants("smok", "configs/x.py", ("long", "smoke"), steps=int)
   with pytest.raises(ValueError, match=r"configs/x\.py: variant 'steps=many': 'many' is not a int"):
     common.variants("steps=many", "configs/x.py", (), steps=int)
-  with pytest.raises(ValueError, match=r"configs/glm5_tiny\.py has no variant 'tiny'; its variants: \['long', "
-                                       r"'smoke'\]"):
+  with pytest.raises(
+    ValueError,
+    match=r"configs/glm5_tiny\.py has no variant 'tiny'; its variants: \['long', "
+    r"'smoke'\]",
+  ):
     sweep.load_config(os.path.join(ROOT, "configs/glm5_tiny.py:tiny"), [])

@@ -12,20 +12,37 @@ SCANNED = ("pallas_kernels", "glm_jax", "configs", "launch", "experiments")
 
 # Group (the longest matching module prefix) -> rank. An import must stay inside its group or go to a lower rank.
 RANKS = {
-    "pallas_kernels": 0,
-    "glm_jax": 1, "glm_jax.tree_paths": 1, "glm_jax.mesh_axes": 1, "glm_jax.strict_json": 1,  # leaf modules, by name
-    "glm_jax.plots": 1, "glm_jax.quant": 1,  # the quantizer: the model's matmuls take its packed weights
-    "glm_jax.model": 2, "glm_jax.data": 2, "glm_jax.sharding": 2,
-    "glm_jax.convert": 3, "glm_jax.inference": 3, "glm_jax.train": 3,
-    "glm_jax.rl": 4, "glm_jax.cli": 4,  # the launch scripts' error handling (reads train.guards)
-    "glm_jax.sweep": 5,  # checks each point's config with the pretraining and RL trainers' checks
-    "launch": 6, "experiments": 6,
+  "pallas_kernels": 0,
+  "glm_jax": 1,
+  "glm_jax.tree_paths": 1,
+  "glm_jax.mesh_axes": 1,
+  "glm_jax.strict_json": 1,  # leaf modules, by name
+  "glm_jax.plots": 1,
+  "glm_jax.quant": 1,  # the quantizer: the model's matmuls take its packed weights
+  "glm_jax.model": 2,
+  "glm_jax.data": 2,
+  "glm_jax.sharding": 2,
+  "glm_jax.convert": 3,
+  "glm_jax.inference": 3,
+  "glm_jax.train": 3,
+  "glm_jax.rl": 4,
+  "glm_jax.cli": 4,  # the launch scripts' error handling (reads train.guards)
+  "glm_jax.sweep": 5,  # checks each point's config with the pretraining and RL trainers' checks
+  "launch": 6,
+  "experiments": 6,
 }
 EXACT = {"glm_jax"}  # groups of one module: a new glm_jax subpackage or leaf module must be ranked here
 CONFIGS = "configs"  # experiment files: only entry points import them, and they import each other and these:
 # the library's default sections (configs/common.py)
-CONFIG_IMPORTS = {"glm_jax.data.config", "glm_jax.sharding.mesh", "glm_jax.train.config", "glm_jax.train.optimizer_config",
-                  "glm_jax.model.quantization", "glm_jax.model.config", "glm_jax.rl.config"}
+CONFIG_IMPORTS = {
+  "glm_jax.data.config",
+  "glm_jax.sharding.mesh",
+  "glm_jax.train.config",
+  "glm_jax.train.optimizer_config",
+  "glm_jax.model.quantization",
+  "glm_jax.model.config",
+  "glm_jax.rl.config",
+}
 
 
 def module_files(root: str = ROOT) -> dict[str, str]:
@@ -52,7 +69,7 @@ def imports_of(module: str, source: str, known: set[str], is_package: bool = Fal
     elif isinstance(node, ast.ImportFrom):
       base = node.module or ""
       if node.level:  # relative: resolved against this module's package
-        package = module.split(".")[:len(module.split(".")) - node.level + (1 if is_package else 0)]
+        package = module.split(".")[: len(module.split(".")) - node.level + (1 if is_package else 0)]
         base = ".".join(package + ([base] if base else []))
       targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
     else:
@@ -104,7 +121,7 @@ def cycles(edges: dict[str, set[str]], files: dict[str, str]) -> list[str]:
     stack.append(node)
     for nxt in sorted(edges.get(node, ())):
       if state.get(nxt) == "open":
-        loop = stack[stack.index(nxt):] + [nxt]
+        loop = stack[stack.index(nxt) :] + [nxt]
         found.append(" -> ".join(files[m] for m in loop))
       elif nxt not in state:
         visit(nxt)
@@ -137,23 +154,23 @@ def test_the_package_imports_only_downward_without_cycles():
 def test_the_checker_finds_cycles_upward_and_sideways_edges(tmp_path):
   """The rules on a small tree written here, with one of each fault, so the test above cannot pass vacuously."""
   sources = {
-      "pallas_kernels/__init__.py": "",
-      "pallas_kernels/k.py": "",
-      "glm_jax/__init__.py": "",
-      "glm_jax/tree_paths.py": "import pallas_kernels.k\n",
-      "glm_jax/model/__init__.py": "",
-      "glm_jax/model/a.py": "from glm_jax.model import b\n",
-      "glm_jax/model/b.py": "def f():\n  from glm_jax.model.a import x  # lazy, still an edge\n",
-      "glm_jax/data/__init__.py": "from glm_jax.model import a\n",  # sideways
-      "glm_jax/train/__init__.py": "from glm_jax import tree_paths\nfrom glm_jax.rl import loop\n",  # upward
-      "glm_jax/rl/__init__.py": "",
-      "glm_jax/rl/loop.py": "from glm_jax.train import x\nimport configs.c\n",  # configs from a library module
-      "configs/__init__.py": "",
-      "configs/c.py": "from configs import d\nfrom glm_jax.train.config import default_train_config\n",
-      "configs/d.py": "from glm_jax.model import a\n",  # a config reaching into the model
-      "glm_jax/train/config.py": "",
-      "launch/__init__.py": "",
-      "launch/run.py": "from configs import c\nfrom glm_jax.rl import loop\n",
+    "pallas_kernels/__init__.py": "",
+    "pallas_kernels/k.py": "",
+    "glm_jax/__init__.py": "",
+    "glm_jax/tree_paths.py": "import pallas_kernels.k\n",
+    "glm_jax/model/__init__.py": "",
+    "glm_jax/model/a.py": "from glm_jax.model import b\n",
+    "glm_jax/model/b.py": "def f():\n  from glm_jax.model.a import x  # lazy, still an edge\n",
+    "glm_jax/data/__init__.py": "from glm_jax.model import a\n",  # sideways
+    "glm_jax/train/__init__.py": "from glm_jax import tree_paths\nfrom glm_jax.rl import loop\n",  # upward
+    "glm_jax/rl/__init__.py": "",
+    "glm_jax/rl/loop.py": "from glm_jax.train import x\nimport configs.c\n",  # configs from a library module
+    "configs/__init__.py": "",
+    "configs/c.py": "from configs import d\nfrom glm_jax.train.config import default_train_config\n",
+    "configs/d.py": "from glm_jax.model import a\n",  # a config reaching into the model
+    "glm_jax/train/config.py": "",
+    "launch/__init__.py": "",
+    "launch/run.py": "from configs import c\nfrom glm_jax.rl import loop\n",
   }
   for rel, text in sources.items():
     path = tmp_path / rel
@@ -162,16 +179,16 @@ def test_the_checker_finds_cycles_upward_and_sideways_edges(tmp_path):
   edges, files = import_graph(str(tmp_path))
   assert edges["glm_jax.model.b"] == {"glm_jax.model.a"} and edges["glm_jax.tree_paths"] == {"pallas_kernels.k"}
   assert layering_violations(edges, files) == [
-      "configs/d.py imports glm_jax/model/a.py: configs import only configs and the library's default sections",
-      "glm_jax/data/__init__.py imports glm_jax/model/a.py: sideways: glm_jax.data (rank 2) may not import "
-      "glm_jax.model (rank 2)",
-      "glm_jax/rl/loop.py imports configs/c.py: only entry points (launch, experiments) import configs",
-      "glm_jax/train/__init__.py imports glm_jax/rl/loop.py: upward: glm_jax.train (rank 3) may not import "
-      "glm_jax.rl (rank 4)",
+    "configs/d.py imports glm_jax/model/a.py: configs import only configs and the library's default sections",
+    "glm_jax/data/__init__.py imports glm_jax/model/a.py: sideways: glm_jax.data (rank 2) may not import "
+    "glm_jax.model (rank 2)",
+    "glm_jax/rl/loop.py imports configs/c.py: only entry points (launch, experiments) import configs",
+    "glm_jax/train/__init__.py imports glm_jax/rl/loop.py: upward: glm_jax.train (rank 3) may not import "
+    "glm_jax.rl (rank 4)",
   ]
   assert cycles(edges, files) == [
-      "glm_jax/model/a.py -> glm_jax/model/b.py -> glm_jax/model/a.py",
-      "glm_jax/rl/loop.py -> glm_jax/train/__init__.py -> glm_jax/rl/loop.py",
+    "glm_jax/model/a.py -> glm_jax/model/b.py -> glm_jax/model/a.py",
+    "glm_jax/rl/loop.py -> glm_jax/train/__init__.py -> glm_jax/rl/loop.py",
   ]
 
 

@@ -9,10 +9,10 @@ import pytest
 from tests.helpers import ROOT
 
 
-
 def run_info(*args):
-  out = subprocess.run([sys.executable, "launch/model_info.py", *args], cwd=ROOT, check=True,
-                       capture_output=True, text=True, timeout=300).stdout
+  out = subprocess.run(
+    [sys.executable, "launch/model_info.py", *args], cwd=ROOT, check=True, capture_output=True, text=True, timeout=300
+  ).stdout
   return json.loads(out.strip().splitlines()[-1])
 
 

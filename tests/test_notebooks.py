@@ -16,12 +16,11 @@ NAMES = sorted(n for n in os.listdir(NOTEBOOKS) if n.endswith(".ipynb"))
 
 # Each notebook's parameters for a run of seconds (papermill's convention: a cell after the one tagged "parameters").
 SHRINK = {
-    "pretrain_dsa.ipynb": dict(DENSE_STEPS=4, WARMUP_STEPS=2, SPARSE_STEPS=2, MAX_NEW_TOKENS=4),
-    # the RL trainer tests' batch shapes (tests/rl/test_trainer.py), so the compilation cache serves both
-    "grpo_icepop.ipynb": dict(STEPS=2, SFT_STEPS=2, PROMPTS_PER_STEP=64, EVAL_PROMPTS=256),
-    "distillation.ipynb": dict(STEPS=2, TEACHER_SFT_STEPS=2, STUDENT_SFT_STEPS=2, PROMPTS_PER_STEP=32,
-                               EVAL_PROMPTS=8),
-    "dsa_kernels.ipynb": dict(T=64, TOPK=16, MEMORY_SEQ_LENS=[2048]),
+  "pretrain_dsa.ipynb": dict(DENSE_STEPS=4, WARMUP_STEPS=2, SPARSE_STEPS=2, MAX_NEW_TOKENS=4),
+  # the RL trainer tests' batch shapes (tests/rl/test_trainer.py), so the compilation cache serves both
+  "grpo_icepop.ipynb": dict(STEPS=2, SFT_STEPS=2, PROMPTS_PER_STEP=64, EVAL_PROMPTS=256),
+  "distillation.ipynb": dict(STEPS=2, TEACHER_SFT_STEPS=2, STUDENT_SFT_STEPS=2, PROMPTS_PER_STEP=32, EVAL_PROMPTS=8),
+  "dsa_kernels.ipynb": dict(T=64, TOPK=16, MEMORY_SEQ_LENS=[2048]),
 }
 
 

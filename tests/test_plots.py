@@ -22,13 +22,19 @@ def write_jsonl(path, rows):
 @pytest.fixture
 def two_runs(tmp_path):
   a, b = str(tmp_path / "dense"), str(tmp_path / "sparse")
-  write_jsonl(os.path.join(a, "metrics.jsonl"), [
+  write_jsonl(
+    os.path.join(a, "metrics.jsonl"),
+    [
       {"step": 10, "loss": 5.0, "lr": 1e-3, "expert_load_entropy": [1.0, 2.0]},
       {"step": 20, "loss": None, "nonfinite": ["loss"], "lr": 1e-3, "expert_load_entropy": [1.5, 2.5]},
       {"step": 20, "eval_loss": 4.5},
-      {"step": 30, "loss": 3.0, "lr": 5e-4, "expert_load_entropy": [1.7, 2.7]}])
-  write_jsonl(os.path.join(b, "metrics.jsonl"), [
-      {"step": 10, "loss": 6.0, "indexer_kl": 0.5}, {"step": 20, "loss": 4.0, "indexer_kl": 0.25}])
+      {"step": 30, "loss": 3.0, "lr": 5e-4, "expert_load_entropy": [1.7, 2.7]},
+    ],
+  )
+  write_jsonl(
+    os.path.join(b, "metrics.jsonl"),
+    [{"step": 10, "loss": 6.0, "indexer_kl": 0.5}, {"step": 20, "loss": 4.0, "indexer_kl": 0.25}],
+  )
   return a, b
 
 
@@ -68,11 +74,21 @@ def test_a_column_no_run_logged_is_refused_by_name(two_runs):
 
 def sweep_rows():
   rows = []
-  for lr, k, loss in [("1e-3", "16", 3.2), ("3e-3", "16", 3.0), ("1e-2", "16", 3.4), ("1e-3", "32", 3.1),
-                      ("3e-3", "32", 2.9), ("1e-2", "32", float("nan"))]:
-    rows.append({"run": f"optimizer.lr={lr},model.index_topk={k}",
-                 "overrides": {"optimizer.lr": lr, "model.index_topk": k},
-                 "result": {"eval_loss": None if loss != loss else loss, "step": 10}})
+  for lr, k, loss in [
+    ("1e-3", "16", 3.2),
+    ("3e-3", "16", 3.0),
+    ("1e-2", "16", 3.4),
+    ("1e-3", "32", 3.1),
+    ("3e-3", "32", 2.9),
+    ("1e-2", "32", float("nan")),
+  ]:
+    rows.append(
+      {
+        "run": f"optimizer.lr={lr},model.index_topk={k}",
+        "overrides": {"optimizer.lr": lr, "model.index_topk": k},
+        "result": {"eval_loss": None if loss != loss else loss, "step": 10},
+      }
+    )
   return rows
 
 
@@ -82,8 +98,10 @@ def test_sweep_plot_draws_the_final_metric_against_an_override(tmp_path):
   (ax,) = fig.axes
   assert ax.get_xlabel() == "optimizer.lr" and ax.get_ylabel() == "eval_loss"
   assert ax.get_xscale() == "log"  # positive values spanning 10x
-  assert lines_of(ax) == {"model.index_topk=16": ([1e-3, 3e-3, 1e-2], [3.2, 3.0, 3.4]),
-                          "model.index_topk=32": ([1e-3, 3e-3], [3.1, 2.9])}  # the null result is left out
+  assert lines_of(ax) == {
+    "model.index_topk=16": ([1e-3, 3e-3, 1e-2], [3.2, 3.0, 3.4]),
+    "model.index_topk=32": ([1e-3, 3e-3], [3.1, 2.9]),
+  }  # the null result is left out
 
 
 def test_sweep_plot_of_categorical_values_keeps_the_sweep_order():
@@ -93,13 +111,20 @@ def test_sweep_plot_of_categorical_values_keeps_the_sweep_order():
   assert [t.get_text() for t in ax.get_xticklabels()] == ["muon", "adamw"]
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(metric="eval_loss", against="optimizer.b1"),
-     "against='optimizer.b1' is not an override of the sweep; its overrides: ['optimizer.lr', 'model.index_topk']"),
+@pytest.mark.parametrize(
+  "kwargs, message",
+  [
+    (
+      dict(metric="eval_loss", against="optimizer.b1"),
+      "against='optimizer.b1' is not an override of the sweep; its overrides: ['optimizer.lr', 'model.index_topk']",
+    ),
     (dict(metric="eval_loss", against="optimizer.lr", by=["train.seed"]), "by=['train.seed'] are not overrides"),
-    (dict(metric="reward", against="optimizer.lr"),
-     "metric 'reward': no run of the sweep reported it; the runs' final JSON lines have ['eval_loss', 'step']"),
-])
+    (
+      dict(metric="reward", against="optimizer.lr"),
+      "metric 'reward': no run of the sweep reported it; the runs' final JSON lines have ['eval_loss', 'step']",
+    ),
+  ],
+)
 def test_sweep_plot_refuses_what_the_sweep_does_not_have(kwargs, message):
   with pytest.raises(ValueError) as e:
     plots.sweep_plot(sweep_rows(), **kwargs)
@@ -109,8 +134,9 @@ def test_sweep_plot_refuses_what_the_sweep_does_not_have(kwargs, message):
 @pytest.mark.slow  # two launch/plot.py processes
 def test_the_command_line_writes_a_png_or_one_error_line(two_runs, tmp_path):
   out = str(tmp_path / "c.png")
-  done = run_script("launch/plot.py", f"--workdirs={','.join(two_runs)}", "--labels=d,s", "--metrics=loss",
-                    f"--out={out}")
+  done = run_script(
+    "launch/plot.py", f"--workdirs={','.join(two_runs)}", "--labels=d,s", "--metrics=loss", f"--out={out}"
+  )
   assert done.returncode == 0, done.stderr
   with open(out, "rb") as f:
     assert f.read(8) == PNG_MAGIC
@@ -124,8 +150,16 @@ def test_summarize_windows_of_a_column_skip_nonfinite_rows(two_runs):
   """experiments/summarize.py's figures for the results table, against the hand-written rows: the loss column of
   the first run is 5.0 (step 10), non-finite (step 20, skipped), 3.0 (step 30)."""
   from experiments import summarize
+
   rows = plots.read_metrics(two_runs[0])
   assert summarize.summary(rows, "loss", window=1) == {
-      "first": 5.0, "last": 3.0, "mean": 4.0, "max": 5.0, "final": 3.0, "final_step": 30, "n": 2}
-  assert summarize.summary(rows, "loss", window=5)["first"] == 4.0      # a window longer than the run: all of it
+    "first": 5.0,
+    "last": 3.0,
+    "mean": 4.0,
+    "max": 5.0,
+    "final": 3.0,
+    "final_step": 30,
+    "n": 2,
+  }
+  assert summarize.summary(rows, "loss", window=5)["first"] == 4.0  # a window longer than the run: all of it
   assert summarize.summary(rows, "indexer_kl", window=1) is None

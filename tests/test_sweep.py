@@ -32,7 +32,9 @@ def test_values_with_commas_go_in_brackets_or_quotes():
   assert axis == sweep.Axis("model.x", ("(1, 2)", "[3,4]", "'a,b'"))
 
 
-@pytest.mark.parametrize("spec, message", [
+@pytest.mark.parametrize(
+  "spec, message",
+  [
     ("", "--sweep is empty"),
     ("optimizer.lr=1e-3;;model.index_topk=16", "axis 2 is empty"),
     ("optimizer.lr", "expected 'field=value1,value2,...'"),
@@ -43,30 +45,43 @@ def test_values_with_commas_go_in_brackets_or_quotes():
     ("optimizer.lr=1;optimizer.lr=2", "the field 'optimizer.lr' is already an axis"),
     ("model.x=(1,2", "unclosed bracket or quote"),
     ("model.x=1),2", "unbalanced ')'"),
-])
+  ],
+)
 def test_a_malformed_spec_is_refused_by_name(spec, message):
   with pytest.raises(ValueError) as e:
     sweep.parse_spec(spec)
   assert message in str(e.value)
 
 
-@pytest.mark.parametrize("config, spec, shared, message", [
-    (CONFIG, "optimizer.lr=1e-3;model.index_topk=16,32", ["--config.optimizer.nope=1"],
-     "sweep point 'optimizer.lr=1e-3,model.index_topk=16':"),
+@pytest.mark.parametrize(
+  "config, spec, shared, message",
+  [
+    (
+      CONFIG,
+      "optimizer.lr=1e-3;model.index_topk=16,32",
+      ["--config.optimizer.nope=1"],
+      "sweep point 'optimizer.lr=1e-3,model.index_topk=16':",
+    ),
     (CONFIG, "optimizer.lrr=1e-3,3e-3", [], "sweep point 'optimizer.lrr=1e-3':"),
     (CONFIG, "model.index_topk=16,sixteen", [], "sweep point 'model.index_topk=sixteen':"),
     (CONFIG, "model.index_topk=16,0", [], "model.index_topk=0"),
     (CONFIG, "train.dsa_stage=dense,sparsest", [], "train.dsa_stage='sparsest' is invalid"),
-    (CONFIG + ":huge", "train.seed=1,2", [], "configs/glm5_tiny.py has no variant 'huge'; its variants: "
-                                              "['long', 'smoke']"),
+    (
+      CONFIG + ":huge",
+      "train.seed=1,2",
+      [],
+      "configs/glm5_tiny.py has no variant 'huge'; its variants: ['long', 'smoke']",
+    ),
     ("configs/grpo_tiny.py", "rl.group_size=8,1", [], "rl.group_size=1 is invalid"),
     (CONFIG, "train.seed=1", ["--config.train.steps"], "write each as --config.<section>.<field>=<value>"),
-])
+  ],
+)
 def test_every_point_is_checked_before_anything_runs(tmp_path, config, spec, shared, message):
   workdir = tmp_path / "sweep"
   with pytest.raises(ValueError) as e:
-    sweep.run_sweep(config, str(workdir), sweep.parse_spec(spec), shared,
-                    command=lambda *a: pytest.fail("a run started"))
+    sweep.run_sweep(
+      config, str(workdir), sweep.parse_spec(spec), shared, command=lambda *a: pytest.fail("a run started")
+    )
   assert message in str(e.value)
   assert not workdir.exists()
 
@@ -95,9 +110,11 @@ def test_a_failed_run_is_reported_and_retried(tmp_path):
   def fake(config_arg, shared, run):  # a stand-in for launch/train.py that fails for seed 2 on its first attempt
     marker = os.path.join(run.workdir, "attempted")
     fail = run.overrides["train.seed"] == "2" and not os.path.exists(marker)
-    code = (f"open({marker!r}, 'w').close(); import sys; "
-            + ("sys.stderr.write('error: disk full\\n'); sys.exit(1)" if fail
-               else f"print('noise'); print('{{\"step\": 3, \"seed\": {run.overrides['train.seed']}}}')"))
+    code = f"open({marker!r}, 'w').close(); import sys; " + (
+      "sys.stderr.write('error: disk full\\n'); sys.exit(1)"
+      if fail
+      else f"print('noise'); print('{{\"step\": 3, \"seed\": {run.overrides['train.seed']}}}')"
+    )
     return [sys.executable, "-c", code]
 
   lines = []
@@ -124,10 +141,17 @@ def test_a_killed_sweep_finishes_only_its_missing_runs(tmp_path, data_cache_dir)
   workdir = str(tmp_path / "sweep")
   shared = [*runs.flag_args(data_cache_dir, **{"train.steps": 4, "train.checkpoint_every": 4})]
   shared = [a for a in shared if not a.startswith(("--config.train.log_every", "--config.train.seed"))]
-  args = [sys.executable, "launch/sweep.py", f"--config={CONFIG}", f"--workdir={workdir}",
-          "--sweep=train.seed=1,2;train.log_every=1,2", *shared]
-  proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          start_new_session=True)
+  args = [
+    sys.executable,
+    "launch/sweep.py",
+    f"--config={CONFIG}",
+    f"--workdir={workdir}",
+    "--sweep=train.seed=1,2;train.log_every=1,2",
+    *shared,
+  ]
+  proc = subprocess.Popen(
+    args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+  )
   first = os.path.join(workdir, "train.seed=1,train.log_every=1", sweep.RESULT_FILE)
   deadline = time.time() + 400
   while not os.path.exists(first) and proc.poll() is None and time.time() < deadline:
@@ -163,11 +187,18 @@ def test_a_killed_sweep_finishes_only_its_missing_runs(tmp_path, data_cache_dir)
 
 
 @pytest.mark.slow  # three launch/sweep.py processes; the in-process tests above check the same errors
-@pytest.mark.parametrize("args, code, message", [
-    (["--sweep=optimizer.lr=1e-3,,3e-3"], 2, "error: --sweep axis 1 ('optimizer.lr=1e-3,,3e-3'): value(s) [2] are empty"),
+@pytest.mark.parametrize(
+  "args, code, message",
+  [
+    (
+      ["--sweep=optimizer.lr=1e-3,,3e-3"],
+      2,
+      "error: --sweep axis 1 ('optimizer.lr=1e-3,,3e-3'): value(s) [2] are empty",
+    ),
     (["--sweep=optimizer.lrr=1e-3"], 1, "error: sweep point 'optimizer.lrr=1e-3':"),
     (["--sweep=train.seed=1", "--config.train.stepz=3"], 2, "error: --config.train.stepz=3: the config has no field"),
-])
+  ],
+)
 def test_the_command_line_fails_in_one_line_and_creates_nothing(tmp_path, args, code, message):
   done = runs.run_script("launch/sweep.py", f"--config={CONFIG}", f"--workdir={tmp_path}/sweep", *args)
   assert done.returncode == code, done.stderr

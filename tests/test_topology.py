@@ -9,8 +9,16 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from glm_jax.sharding import topology
-from glm_jax.sharding.topology import (HBM_USABLE_BYTES, compiled_flops, compiled_memory, generation_of,
-                                       install_hint, libtpu_installed, parse_topology, tpu_topology_devices)
+from glm_jax.sharding.topology import (
+  HBM_USABLE_BYTES,
+  compiled_flops,
+  compiled_memory,
+  generation_of,
+  install_hint,
+  libtpu_installed,
+  parse_topology,
+  tpu_topology_devices,
+)
 
 needs_libtpu = pytest.mark.skipif(not libtpu_installed(), reason=f"libtpu is not installed: {install_hint()}")
 MiB = 1 << 20
@@ -28,12 +36,15 @@ def test_topology_names():
   assert parse_topology("v6e-256").num_chips == 256
 
 
-@pytest.mark.parametrize("name, message", [
+@pytest.mark.parametrize(
+  "name, message",
+  [
     ("v7p:2x2x1", r"(?s)unknown TPU topology 'v7p:2x2x1'\.\nKnown TPU topologies:\n.*v5p-1024 \(v5p:8x8x8\)"),
     ("v5p-7", r"unknown TPU topology 'v5p-7'"),
     ("v5p:8x8", r"v5p has a 3-D chip grid, got 8x8"),
     ("v6e:32x32", r"1024 chips, more than the largest v6e slice \(256 chips\)"),
-])
+  ],
+)
 def test_unknown_topology_names_the_known_ones(name, message):
   with pytest.raises(ValueError, match=message):
     tpu_topology_devices(name)
@@ -41,17 +52,27 @@ def test_unknown_topology_names_the_known_ones(name, message):
 
 def test_missing_libtpu_says_what_to_install(monkeypatch):
   monkeypatch.setattr(topology, "libtpu_installed", lambda: False)
-  with pytest.raises(ModuleNotFoundError, match=r"TPU topology 'v5p:2x2x1' needs libtpu.*pip install -r "
-                     r"requirements-tpu\.txt.*pip install 'libtpu==0\.0\.42"):
+  with pytest.raises(
+    ModuleNotFoundError,
+    match=r"TPU topology 'v5p:2x2x1' needs libtpu.*pip install -r "
+    r"requirements-tpu\.txt.*pip install 'libtpu==0\.0\.42",
+  ):
     tpu_topology_devices("v5p:2x2x1")
 
 
 @needs_libtpu
-@pytest.mark.parametrize("name, chips, kind", [
-    ("v5p:2x2x1", 4, "TPU v5"), ("v5p-1024", 512, "TPU v5"), ("v5p:16x16x24", 6144, "TPU v5"),
+@pytest.mark.parametrize(
+  "name, chips, kind",
+  [
+    ("v5p:2x2x1", 4, "TPU v5"),
+    ("v5p-1024", 512, "TPU v5"),
+    ("v5p:16x16x24", 6144, "TPU v5"),
     ("v4:2x2x1", 4, "TPU v4"),  # megacore: one device per chip, not per TensorCore
-    ("v5e:2x2", 4, "TPU v5 lite"), ("v5e:1x1", 1, "TPU v5 lite"), ("v6e:16x16", 256, "TPU v6 lite"),
-])
+    ("v5e:2x2", 4, "TPU v5 lite"),
+    ("v5e:1x1", 1, "TPU v5 lite"),
+    ("v6e:16x16", 256, "TPU v6 lite"),
+  ],
+)
 def test_one_compile_only_device_per_chip(name, chips, kind):
   devices = tpu_topology_devices(name)
   assert len(devices) == chips == parse_topology(name).num_chips

@@ -31,16 +31,16 @@ _OUT_DIR = flags.DEFINE_string("out_dir", "out", "Folder for the outputs.")
 
 # Fields of jax's CompiledMemoryStats worth keeping (all in bytes, one chip).
 _MEMORY_FIELDS = (
-    "argument_size_in_bytes",
-    "output_size_in_bytes",
-    "alias_size_in_bytes",
-    "temp_size_in_bytes",
-    "generated_code_size_in_bytes",
-    "host_argument_size_in_bytes",
-    "host_output_size_in_bytes",
-    "host_alias_size_in_bytes",
-    "host_temp_size_in_bytes",
-    "peak_memory_in_bytes",
+  "argument_size_in_bytes",
+  "output_size_in_bytes",
+  "alias_size_in_bytes",
+  "temp_size_in_bytes",
+  "generated_code_size_in_bytes",
+  "host_argument_size_in_bytes",
+  "host_output_size_in_bytes",
+  "host_alias_size_in_bytes",
+  "host_temp_size_in_bytes",
+  "peak_memory_in_bytes",
 )
 
 
@@ -52,8 +52,11 @@ def _memory_analysis(compiled):
   out = {f: getattr(stats, f) for f in _MEMORY_FIELDS if hasattr(stats, f)}
   # What XLA itself adds up for "does it fit in HBM": arguments + outputs + temps - aliased.
   out["total_hbm_bytes_args_plus_out_plus_temp_minus_alias"] = (
-      out.get("argument_size_in_bytes", 0) + out.get("output_size_in_bytes", 0)
-      + out.get("temp_size_in_bytes", 0) - out.get("alias_size_in_bytes", 0))
+    out.get("argument_size_in_bytes", 0)
+    + out.get("output_size_in_bytes", 0)
+    + out.get("temp_size_in_bytes", 0)
+    - out.get("alias_size_in_bytes", 0)
+  )
   out["GiB"] = {k: round(v / 2**30, 3) for k, v in out.items() if isinstance(v, int)}
   return out
 
@@ -79,15 +82,15 @@ def _save(compiled, seconds, maxtext_argv):
   with open(hlo_path, "w") as f:
     f.write(text)
   summary = {
-      "name": _NAME.value,
-      "lower_and_compile_seconds": round(seconds, 1),
-      "hlo_path": hlo_path,
-      "hlo_bytes": len(text),
-      "memory_analysis_per_chip": _memory_analysis(compiled),
-      "cost_analysis_per_chip": _cost_analysis(compiled),
-      "maxtext_argv": maxtext_argv,
-      "LIBTPU_INIT_ARGS": os.environ.get("LIBTPU_INIT_ARGS", ""),
-      "XLA_FLAGS": os.environ.get("XLA_FLAGS", ""),
+    "name": _NAME.value,
+    "lower_and_compile_seconds": round(seconds, 1),
+    "hlo_path": hlo_path,
+    "hlo_bytes": len(text),
+    "memory_analysis_per_chip": _memory_analysis(compiled),
+    "cost_analysis_per_chip": _cost_analysis(compiled),
+    "maxtext_argv": maxtext_argv,
+    "LIBTPU_INIT_ARGS": os.environ.get("LIBTPU_INIT_ARGS", ""),
+    "XLA_FLAGS": os.environ.get("XLA_FLAGS", ""),
   }
   json_path = os.path.join(_OUT_DIR.value, f"{_NAME.value}.json")
   with open(json_path, "w") as f:

@@ -29,15 +29,22 @@ def block_size(quantization_config: Mapping[str, Any] | None, where: str) -> tup
     raise ValueError(f"{where}: quantization_config={qc!r}; expected an object")
   method = qc.get("quant_method")
   if method != "fp8":
-    raise ValueError(f"{where}: quantization_config.quant_method={method!r}; only 'fp8' (block-wise e4m3, "
-                     "DeepSeek-V3's format) is read; load a BF16 checkpoint otherwise")
+    raise ValueError(
+      f"{where}: quantization_config.quant_method={method!r}; only 'fp8' (block-wise e4m3, "
+      "DeepSeek-V3's format) is read; load a BF16 checkpoint otherwise"
+    )
   if qc.get("fmt", "e4m3") != "e4m3":
     raise ValueError(f"{where}: quantization_config.fmt={qc['fmt']!r}; only 'e4m3' is read")
   block = qc.get("weight_block_size")
-  if (not isinstance(block, (list, tuple)) or len(block) != 2
-      or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
-    raise ValueError(f"{where}: quantization_config.weight_block_size={block!r}; expected two positive integers "
-                     "such as [128, 128] (per-tensor or per-channel FP8 is not read)")
+  if (
+    not isinstance(block, (list, tuple))
+    or len(block) != 2
+    or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
+  ):
+    raise ValueError(
+      f"{where}: quantization_config.weight_block_size={block!r}; expected two positive integers "
+      "such as [128, 128] (per-tensor or per-channel FP8 is not read)"
+    )
   return int(block[0]), int(block[1])
 
 
@@ -52,11 +59,13 @@ def dequantize(q: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int], nam
     raise ValueError(f"{name}: an FP8 weight must be 2-D [out, in], found shape {list(q.shape)}")
   want = scale_shape(q.shape, block)
   if tuple(scale_inv.shape) != want:
-    raise ValueError(f"{name}{SCALE_SUFFIX} has shape {list(scale_inv.shape)}; a {list(q.shape)} weight in "
-                     f"{block[0]} x {block[1]} blocks needs {list(want)}")
+    raise ValueError(
+      f"{name}{SCALE_SUFFIX} has shape {list(scale_inv.shape)}; a {list(q.shape)} weight in "
+      f"{block[0]} x {block[1]} blocks needs {list(want)}"
+    )
   out = np.empty(q.shape, np.float32)
   scale = np.asarray(scale_inv, np.float32)
   for i in range(want[0]):
     rows = slice(i * block[0], (i + 1) * block[0])
-    out[rows] = np.asarray(q[rows], np.float32) * np.repeat(scale[i], block[1])[:q.shape[1]]
+    out[rows] = np.asarray(q[rows], np.float32) * np.repeat(scale[i], block[1])[: q.shape[1]]
   return out

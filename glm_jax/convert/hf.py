@@ -58,6 +58,7 @@ class TensorSpec:
   """One HF tensor and where it lives in our state: the leaf's path and its index along stacked axes
   (layer, expert). kind: "plain" (same layout), "linear" (HF [out, in] <-> ours [in..., out...] with
   `n_in` leading input dims), "fused_gate_up" / "fused_down" (transformers' fused expert tensors)."""
+
   hf_name: str
   path: tuple[str | int, ...]
   index: tuple[int, ...] = ()
@@ -66,8 +67,16 @@ class TensorSpec:
   mtp: int | None = None  # which MTP layer the tensor belongs to, if any
 
 
-def _layer_specs(cfg: ModelConfig, prefix: str, path: tuple, index: tuple, moe: bool, mtp: int | None,
-                 fused_experts: bool, indexer: bool = True) -> Iterator[TensorSpec]:
+def _layer_specs(
+  cfg: ModelConfig,
+  prefix: str,
+  path: tuple,
+  index: tuple,
+  moe: bool,
+  mtp: int | None,
+  fused_experts: bool,
+  indexer: bool = True,
+) -> Iterator[TensorSpec]:
   def spec(hf_suffix, sub, kind="plain", n_in=1, expert=()):
     return TensorSpec(f"{prefix}.{hf_suffix}", path + sub, index + expert, kind, n_in, mtp)
 
@@ -103,8 +112,10 @@ def _layer_specs(cfg: ModelConfig, prefix: str, path: tuple, index: tuple, moe: 
 
 def tensor_specs(cfg: ModelConfig, *, fused_experts: bool = False) -> list[TensorSpec]:
   """Every tensor of a GlmMoeDsaForCausalLM checkpoint for `cfg`, MTP layers included."""
-  specs = [TensorSpec("model.embed_tokens.weight", ("embed_tokens", "embedding")),
-           TensorSpec("model.norm.weight", ("norm", "weight"))]
+  specs = [
+    TensorSpec("model.embed_tokens.weight", ("embed_tokens", "embedding")),
+    TensorSpec("model.norm.weight", ("norm", "weight")),
+  ]
   if not cfg.tie_word_embeddings:
     specs.append(TensorSpec("lm_head.weight", ("lm_head",), kind="linear"))
   for i, shared in enumerate(cfg.shared_indexer_layers):
@@ -114,10 +125,12 @@ def tensor_specs(cfg: ModelConfig, *, fused_experts: bool = False) -> list[Tenso
   for k in range(cfg.num_nextn_predict_layers):
     i = cfg.num_hidden_layers + k
     p, base = f"model.layers.{i}", ("mtp", k)
-    specs += [TensorSpec(f"{p}.enorm.weight", base + ("enorm", "weight"), mtp=k),
-              TensorSpec(f"{p}.hnorm.weight", base + ("hnorm", "weight"), mtp=k),
-              TensorSpec(f"{p}.eh_proj.weight", base + ("eh_proj",), kind="linear", mtp=k),
-              TensorSpec(f"{p}.shared_head.norm.weight", base + ("shared_head_norm", "weight"), mtp=k)]
+    specs += [
+      TensorSpec(f"{p}.enorm.weight", base + ("enorm", "weight"), mtp=k),
+      TensorSpec(f"{p}.hnorm.weight", base + ("hnorm", "weight"), mtp=k),
+      TensorSpec(f"{p}.eh_proj.weight", base + ("eh_proj",), kind="linear", mtp=k),
+      TensorSpec(f"{p}.shared_head.norm.weight", base + ("shared_head_norm", "weight"), mtp=k),
+    ]
     specs += _layer_specs(cfg, p, base + ("layer",), (), i >= cfg.first_k_dense_replace, k, fused_experts)
   return specs
 
@@ -135,8 +148,8 @@ def shared_copies(cfg: ModelConfig) -> dict[str, str]:
 
 def slice_shape(spec: TensorSpec, leaves: dict[tuple, jax.ShapeDtypeStruct]) -> tuple[int, ...]:
   if spec.kind == "fused_gate_up":
-    return leaves[spec.path + ("gate_proj",)].shape[len(spec.index):]
-  return leaves[spec.path].shape[len(spec.index):]
+    return leaves[spec.path + ("gate_proj",)].shape[len(spec.index) :]
+  return leaves[spec.path].shape[len(spec.index) :]
 
 
 def hf_shape(spec: TensorSpec, ours: tuple[int, ...]) -> tuple[int, ...]:
@@ -144,7 +157,7 @@ def hf_shape(spec: TensorSpec, ours: tuple[int, ...]) -> tuple[int, ...]:
   if spec.kind == "plain":
     return ours
   if spec.kind == "linear":
-    return (math.prod(ours[spec.n_in:]), math.prod(ours[:spec.n_in]))
+    return (math.prod(ours[spec.n_in :]), math.prod(ours[: spec.n_in]))
   if spec.kind == "fused_gate_up":  # ours [E, D, I] (gate and up alike) -> HF [E, 2I, D]
     return (ours[0], 2 * ours[2], ours[1])
   if spec.kind == "fused_down":  # ours [E, I, D] -> HF [E, D, I]
@@ -160,8 +173,10 @@ def to_ours(spec: TensorSpec, t: np.ndarray, ours: tuple[int, ...]) -> dict[tupl
     return {spec.path: t.T.reshape(ours)}
   if spec.kind == "fused_gate_up":
     i = ours[2]
-    return {spec.path + ("gate_proj",): t[:, :i].transpose(0, 2, 1),
-            spec.path + ("up_proj",): t[:, i:].transpose(0, 2, 1)}
+    return {
+      spec.path + ("gate_proj",): t[:, :i].transpose(0, 2, 1),
+      spec.path + ("up_proj",): t[:, i:].transpose(0, 2, 1),
+    }
   if spec.kind == "fused_down":
     return {spec.path: t.transpose(0, 2, 1)}
   raise ValueError(f"unknown tensor kind {spec.kind!r}")
@@ -179,7 +194,7 @@ def to_hf(spec: TensorSpec, ours: np.ndarray) -> np.ndarray:
   if spec.kind == "plain":
     return ours
   if spec.kind == "linear":
-    return ours.reshape(math.prod(ours.shape[:spec.n_in]), -1).T
+    return ours.reshape(math.prod(ours.shape[: spec.n_in]), -1).T
   raise ValueError(f"to_hf: kind {spec.kind!r} is read-only")
 
 
@@ -222,8 +237,9 @@ class Reader:
 
   def names(self) -> set[str]:
     """The tensors, without the FP8 scales (read with their weights)."""
-    return {n for n in self.file_of
-            if not (n.endswith(fp8.SCALE_SUFFIX) and n.removesuffix(fp8.SCALE_SUFFIX) in self.file_of)}
+    return {
+      n for n in self.file_of if not (n.endswith(fp8.SCALE_SUFFIX) and n.removesuffix(fp8.SCALE_SUFFIX) in self.file_of)
+    }
 
   def shape(self, name: str) -> tuple[int, ...]:
     return self._files[self.file_of[name]].shape(name)
@@ -248,14 +264,18 @@ class Reader:
     if found in fp8.FP8_DTYPES:
       scale = name + fp8.SCALE_SUFFIX
       if self.fp8_block is None:
-        raise ValueError(f"{fname}: tensor {name} has dtype {found}, but config.json has no quantization_config "
-                         "(an FP8 checkpoint's config names its block size)")
+        raise ValueError(
+          f"{fname}: tensor {name} has dtype {found}, but config.json has no quantization_config "
+          "(an FP8 checkpoint's config names its block size)"
+        )
       if scale not in self.file_of:
         raise ValueError(f"{fname}: tensor {name} has dtype {found} but no {scale} (its block scales)")
       scale_file = self._files[self.file_of[scale]]
       if scale_file.dtype(scale) not in _FLOAT_DTYPES:
-        raise ValueError(f"{self.file_of[scale]}: tensor {scale} has dtype {scale_file.dtype(scale)}; expected one "
-                         f"of {', '.join(_FLOAT_DTYPES)}")
+        raise ValueError(
+          f"{self.file_of[scale]}: tensor {scale} has dtype {scale_file.dtype(scale)}; expected one "
+          f"of {', '.join(_FLOAT_DTYPES)}"
+        )
       return fp8.dequantize(f.read(name), scale_file.read(scale), self.fp8_block, name).astype(dtype, copy=False)
     if found not in _FLOAT_DTYPES:
       raise ValueError(f"{fname}: tensor {name} has dtype {found}; expected one of {', '.join(_FLOAT_DTYPES)}")
@@ -290,8 +310,9 @@ def load_config(path: str, **overrides: Any) -> ModelConfig:
   return read_config(path, **overrides)[0]
 
 
-def checked_specs(path: str, cfg: ModelConfig, reader: Reader, seed: int = 0
-                  ) -> tuple[list[TensorSpec], dict[tuple, Any], dict[int, bool]]:
+def checked_specs(
+  path: str, cfg: ModelConfig, reader: Reader, seed: int = 0
+) -> tuple[list[TensorSpec], dict[tuple, Any], dict[int, bool]]:
   """(the specs of the tensors present, the model's abstract leaves {path: variable}, {MTP layer: present}) for a
   HF directory, after checking its tensors against `cfg` without reading any: an unexpected, missing or wrongly
   shaped tensor raises ValueError naming it (with both shapes). MTP layers may be absent as a whole."""
@@ -303,15 +324,18 @@ def checked_specs(path: str, cfg: ModelConfig, reader: Reader, seed: int = 0
   expected = {s.hf_name for s in specs} | set(shared_copies(cfg))
   unexpected = sorted(n for n in names - expected if not n.endswith(_IGNORED_SUFFIXES))
   if unexpected:
-    raise ValueError(f"{path}: unexpected tensor(s) {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''} "
-                     f"for this config ({len(unexpected)} in all)")
-  mtp_present = {k: any(s.hf_name in names for s in specs if s.mtp == k)
-                 for k in range(cfg.num_nextn_predict_layers)}
+    raise ValueError(
+      f"{path}: unexpected tensor(s) {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''} "
+      f"for this config ({len(unexpected)} in all)"
+    )
+  mtp_present = {k: any(s.hf_name in names for s in specs if s.mtp == k) for k in range(cfg.num_nextn_predict_layers)}
   missing = [s for s in specs if s.hf_name not in names and (s.mtp is None or mtp_present[s.mtp])]
   if missing:
     s = missing[0]
-    raise ValueError(f"{path}: missing tensor {s.hf_name} (expected shape "
-                     f"{list(hf_shape(s, slice_shape(s, leaves)))}); {len(missing)} missing in all")
+    raise ValueError(
+      f"{path}: missing tensor {s.hf_name} (expected shape "
+      f"{list(hf_shape(s, slice_shape(s, leaves)))}); {len(missing)} missing in all"
+    )
   present = [s for s in specs if s.hf_name in names]
   for s in present:
     want, found = hf_shape(s, slice_shape(s, leaves)), reader.shape(s.hf_name)
@@ -334,8 +358,7 @@ def load(path: str, *, seed: int = 0, **overrides: Any) -> tuple[ModelConfig, Gl
   reader = Reader(path, block)
   try:
     specs, leaves, mtp_present = checked_specs(path, cfg, reader, seed)
-    arrays = {p: np.zeros(v.shape, v.dtype) for p, v in leaves.items()
-              if p[0] != "mtp" or mtp_present[p[1]]}
+    arrays = {p: np.zeros(v.shape, v.dtype) for p, v in leaves.items() if p[0] != "mtp" or mtp_present[p[1]]}
     for s in specs:
       ours = slice_shape(s, leaves)
       for leaf_path, value in to_ours(s, reader.get(s.hf_name, np.float32), ours).items():
@@ -350,20 +373,39 @@ def load(path: str, *, seed: int = 0, **overrides: Any) -> tuple[ModelConfig, Gl
   model = nnx.merge(graphdef, nnx.from_flat_state(list(leaves.items())))
   for k, present in mtp_present.items():
     if not present:
-      log.warning("%s: no MTP tensors for model.layers.%d; MTP layer %d is freshly initialized",
-                  path, cfg.num_hidden_layers + k, k)
+      log.warning(
+        "%s: no MTP tensors for model.layers.%d; MTP layer %d is freshly initialized",
+        path,
+        cfg.num_hidden_layers + k,
+        k,
+      )
       model.mtp[k] = fresh_mtp_layer(cfg, k, seed)
   return cfg, model
 
 
-def save(cfg: ModelConfig, model: GlmMoeDsa, path: str, *, max_shard_bytes: int = 5 * 2**30,
-         dtype: str | None = None, overwrite: bool = False) -> dict[str, Any]:
+def save(
+  cfg: ModelConfig,
+  model: GlmMoeDsa,
+  path: str,
+  *,
+  max_shard_bytes: int = 5 * 2**30,
+  dtype: str | None = None,
+  overwrite: bool = False,
+) -> dict[str, Any]:
   """Writes `model` as a HF checkpoint directory (`write`'s format). An existing non-empty `path` is replaced only
   with overwrite=True; a failure leaves it as it was."""
   cfg.to_hf_dict()  # refuses, before anything is written, a model glm_moe_dsa cannot express (DeepNorm, 2-D rope)
   leaves = {p: v[...] for p, v in nnx.to_flat_state(nnx.state(model))}
-  return write(cfg, path, leaves, lambda s: np.asarray(leaves[s.path][s.index] if s.index else leaves[s.path]),
-               dtype=dtype, max_shard_bytes=max_shard_bytes, overwrite=overwrite, arg="path")
+  return write(
+    cfg,
+    path,
+    leaves,
+    lambda s: np.asarray(leaves[s.path][s.index] if s.index else leaves[s.path]),
+    dtype=dtype,
+    max_shard_bytes=max_shard_bytes,
+    overwrite=overwrite,
+    arg="path",
+  )
 
 
 def checked_out_dir(out_dir: str, overwrite: bool, arg: str = "--out_dir") -> str:
@@ -388,9 +430,18 @@ def commit(tmp: str, out_dir: str) -> None:
   os.replace(tmp, out_dir)
 
 
-def write(cfg: ModelConfig, out_dir: str, leaves: Mapping[tuple, Any], tensor: Callable[[TensorSpec], np.ndarray], *,
-          dtype: str | None = None, max_shard_bytes: int = 5 * 2**30, overwrite: bool = False,
-          progress: Callable[[str], None] | None = None, arg: str = "--out_dir") -> dict[str, Any]:
+def write(
+  cfg: ModelConfig,
+  out_dir: str,
+  leaves: Mapping[tuple, Any],
+  tensor: Callable[[TensorSpec], np.ndarray],
+  *,
+  dtype: str | None = None,
+  max_shard_bytes: int = 5 * 2**30,
+  overwrite: bool = False,
+  progress: Callable[[str], None] | None = None,
+  arg: str = "--out_dir",
+) -> dict[str, Any]:
   """The one HF export: config.json and safetensors (sharded, with model.safetensors.index.json, past
   max_shard_bytes), per-expert layout, MTP layers at model.layers.{num_hidden_layers + k}, in `dtype` (default:
   the model's param_dtype; the experts' score-correction bias stays float32). leaves: our parameters' shapes

@@ -21,10 +21,18 @@ import ml_dtypes
 import numpy as np
 
 DTYPES = {
-    "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
-    "BF16": np.dtype(ml_dtypes.bfloat16), "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
-    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2), "I64": np.dtype(np.int64), "I32": np.dtype(np.int32),
-    "I16": np.dtype(np.int16), "I8": np.dtype(np.int8), "U8": np.dtype(np.uint8), "BOOL": np.dtype(np.bool_),
+  "F64": np.dtype(np.float64),
+  "F32": np.dtype(np.float32),
+  "F16": np.dtype(np.float16),
+  "BF16": np.dtype(ml_dtypes.bfloat16),
+  "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+  "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+  "I64": np.dtype(np.int64),
+  "I32": np.dtype(np.int32),
+  "I16": np.dtype(np.int16),
+  "I8": np.dtype(np.int8),
+  "U8": np.dtype(np.uint8),
+  "BOOL": np.dtype(np.bool_),
 }
 NAMES = {dtype: name for name, dtype in DTYPES.items()}
 _MAX_HEADER = 100 * 2**20  # the format's own limit
@@ -92,8 +100,12 @@ class SafetensorsFile:
     return np.memmap(self.path, DTYPES[dtype], "r", offset=self._data_start + begin, shape=shape)
 
 
-def write(path: str, specs: Sequence[tuple[str, np.dtype, tuple[int, ...]]],
-          produce: Callable[[str], np.ndarray], metadata: dict[str, str] | None = None) -> int:
+def write(
+  path: str,
+  specs: Sequence[tuple[str, np.dtype, tuple[int, ...]]],
+  produce: Callable[[str], np.ndarray],
+  metadata: dict[str, str] | None = None,
+) -> int:
   """Writes `path` with the tensors `specs` ((name, dtype, shape), in file order), asking `produce(name)` for each
   in turn, so only one tensor is held at a time. A produced array of another shape is an error naming it; it is
   cast to the spec's dtype. Returns the bytes of tensor data written."""

@@ -52,12 +52,16 @@ def rss_peak_bytes() -> int:
 
 # ------------------------------------------------------------------------------------------------- HF -> Orbax
 
+
 def _same_model(run: ModelConfig, found: ModelConfig, hf_dir: str) -> None:
   """Raises ValueError naming each field where the run config's model differs from the HF checkpoint's (fields
   that only say how it is stored or computed, such as dtypes, may differ)."""
   a, b = run.to_hf_dict(), found.to_hf_dict()
-  diffs = [f"{k}: config {a.get(k)!r}, checkpoint {b.get(k)!r}" for k in sorted(set(a) | set(b))
-           if k not in _BOOKKEEPING and a.get(k) != b.get(k)]
+  diffs = [
+    f"{k}: config {a.get(k)!r}, checkpoint {b.get(k)!r}"
+    for k in sorted(set(a) | set(b))
+    if k not in _BOOKKEEPING and a.get(k) != b.get(k)
+  ]
   if diffs:
     raise ValueError(f"--config's model is not the one in {hf_dir}/config.json: " + "; ".join(diffs))
 
@@ -94,15 +98,26 @@ class _SizesMesh:
 def _zarr3_spec(path: str, shape: tuple[int, ...], dtype, shard: tuple[int, ...], chunk: tuple[int, ...]) -> dict:
   codecs = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "zstd", "configuration": {"level": 1}}]
   return {
-      "driver": "zarr3", "kvstore": {"driver": "file", "path": path}, "create": True,
-      "store_data_equal_to_fill_value": True,  # Orbax reads a missing chunk as an error, not as zeros
-      "metadata": {
-          "shape": list(shape), "data_type": np.dtype(dtype).name,
-          "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(shard)}},
-          "codecs": [{"name": "sharding_indexed", "configuration": {
-              "chunk_shape": list(chunk), "codecs": codecs, "index_location": "end",
-              "index_codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]}}],
-      },
+    "driver": "zarr3",
+    "kvstore": {"driver": "file", "path": path},
+    "create": True,
+    "store_data_equal_to_fill_value": True,  # Orbax reads a missing chunk as an error, not as zeros
+    "metadata": {
+      "shape": list(shape),
+      "data_type": np.dtype(dtype).name,
+      "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(shard)}},
+      "codecs": [
+        {
+          "name": "sharding_indexed",
+          "configuration": {
+            "chunk_shape": list(chunk),
+            "codecs": codecs,
+            "index_location": "end",
+            "index_codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}],
+          },
+        }
+      ],
+    },
   }
 
 
@@ -115,31 +130,54 @@ def _write_step_files(step_dir: str, tree_metadata: dict, config_item: dict) -> 
   """The files beside the arrays that make step_dir an Orbax step of a CheckpointManager: the state item's
   `_METADATA` tree and the config item (JsonCheckpointHandler's file), and the step's `_CHECKPOINT_METADATA`."""
   state_dir, config_dir = os.path.join(step_dir, "state"), os.path.join(step_dir, "config")
-  _write_json(os.path.join(state_dir, METADATA), {
-      "tree_metadata": tree_metadata, "use_ocdbt": False, "use_zarr3": True,
-      "store_array_data_equal_to_fill_value": True, "custom_metadata": None})
+  _write_json(
+    os.path.join(state_dir, METADATA),
+    {
+      "tree_metadata": tree_metadata,
+      "use_ocdbt": False,
+      "use_zarr3": True,
+      "store_array_data_equal_to_fill_value": True,
+      "custom_metadata": None,
+    },
+  )
   os.makedirs(config_dir, exist_ok=True)
   _write_json(os.path.join(config_dir, "metadata"), config_item)
   now = time.time_ns()
   handlers = "orbax.checkpoint._src.handlers"
-  _write_json(os.path.join(step_dir, "_CHECKPOINT_METADATA"), {
-      "item_handlers": {"config": f"{handlers}.json_checkpoint_handler.JsonCheckpointHandler",
-                        "state": f"{handlers}.standard_checkpoint_handler.StandardCheckpointHandler"},
-      "metrics": {}, "performance_metrics": {}, "init_timestamp_nsecs": now, "commit_timestamp_nsecs": now,
-      "custom_metadata": {}})
+  _write_json(
+    os.path.join(step_dir, "_CHECKPOINT_METADATA"),
+    {
+      "item_handlers": {
+        "config": f"{handlers}.json_checkpoint_handler.JsonCheckpointHandler",
+        "state": f"{handlers}.standard_checkpoint_handler.StandardCheckpointHandler",
+      },
+      "metrics": {},
+      "performance_metrics": {},
+      "init_timestamp_nsecs": now,
+      "commit_timestamp_nsecs": now,
+      "custom_metadata": {},
+    },
+  )
 
 
-def hf_to_orbax(hf_dir: str, out_dir: str, config: ml_collections.ConfigDict | None = None, *,
-                devices: int | None = None, overwrite: bool = False, seed: int = 0,
-                progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+def hf_to_orbax(
+  hf_dir: str,
+  out_dir: str,
+  config: ml_collections.ConfigDict | None = None,
+  *,
+  devices: int | None = None,
+  overwrite: bool = False,
+  seed: int = 0,
+  progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
   """Converts a HF GlmMoeDsaForCausalLM directory (BF16/FP32, or FP8 with block scales; single file or sharded)
   into a weights-only Orbax checkpoint at <out_dir>/checkpoints/0, one tensor at a time.
 
   config: the run config the checkpoint is for. Its model must be the checkpoint's (compared field by field;
   dtypes may differ: arrays are stored in its model.param_dtype) and its mesh (a -1 axis taking `devices`) sets the
-  chunking. Without it, the model is config.json's, stored in its dtype, and each array is one chunk a tensor. MTP layers the checkpoint
-  lacks are initialized (hf.load does the same). Returns a report: tensors, bytes read and written, the largest
-  tensor's bytes, seconds."""
+  chunking. Without it, the model is config.json's, stored in its dtype, and each array is one chunk a tensor.
+  MTP layers the checkpoint lacks are initialized (hf.load does the same). Returns a report: tensors, bytes read
+  and written, the largest tensor's bytes, seconds."""
   t0 = time.perf_counter()
   found, block = hf.read_config(hf_dir)
   if config is not None:
@@ -177,9 +215,10 @@ def hf_to_orbax(hf_dir: str, out_dir: str, config: ml_collections.ConfigDict | N
       stores[p] = ts.open(_zarr3_spec(os.path.join(state_dir, name), tuple(v.shape), v.dtype, shard, chunk)).result()
       covered[p] = np.zeros(v.shape[:n], bool)
       keys = tree_keys(kind_of[p], p)
-      tree_metadata[str(keys)] = {"key_metadata": [{"key": k, "key_type": 2} for k in keys],
-                                  "value_metadata": {"value_type": "jax.Array", "skip_deserialize": False,
-                                                     "write_shape": list(shard)}}
+      tree_metadata[str(keys)] = {
+        "key_metadata": [{"key": k, "key_type": 2} for k in keys],
+        "value_metadata": {"value_type": "jax.Array", "skip_deserialize": False, "write_shape": list(shard)},
+      }
 
     def put(p, index, value):
       stores[p][index].write(np.asarray(value, leaves[p].dtype)).result()
@@ -202,7 +241,7 @@ def hf_to_orbax(hf_dir: str, out_dir: str, config: ml_collections.ConfigDict | N
           put(("mtp", k, *p), (), v.get_value())
     for p, done in covered.items():  # slices no HF tensor holds: the unused indexers of shared-indexer layers
       for index in zip(*np.nonzero(~done)) if done.ndim else ([()] if not done else []):
-        put(p, tuple(int(i) for i in index), np.zeros(leaves[p].shape[len(index):], np.float32))
+        put(p, tuple(int(i) for i in index), np.zeros(leaves[p].shape[len(index) :], np.float32))
     _write_step_files(step_dir, tree_metadata, config_item)
     hf.commit(tmp, out_dir)
   except BaseException:
@@ -211,12 +250,21 @@ def hf_to_orbax(hf_dir: str, out_dir: str, config: ml_collections.ConfigDict | N
   finally:
     reader.close()
   written = sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in leaves.values())
-  return {"hf_dir": os.path.abspath(hf_dir), "out_dir": out_dir, "fp8_block": block, "tensors": len(specs),
-          "bytes_read": bytes_read, "bytes_written": written, "largest_tensor_bytes": largest,
-          "mesh": sizes, "seconds": round(time.perf_counter() - t0, 2)}
+  return {
+    "hf_dir": os.path.abspath(hf_dir),
+    "out_dir": out_dir,
+    "fp8_block": block,
+    "tensors": len(specs),
+    "bytes_read": bytes_read,
+    "bytes_written": written,
+    "largest_tensor_bytes": largest,
+    "mesh": sizes,
+    "seconds": round(time.perf_counter() - t0, 2),
+  }
 
 
 # ------------------------------------------------------------------------------------------------- Orbax -> HF
+
 
 def _latest_step_dir(workdir: str, step: int | None) -> tuple[str, int]:
   directory = os.path.join(os.path.abspath(workdir), "checkpoints")
@@ -240,9 +288,16 @@ def saved_model_config(step_dir: str) -> ModelConfig:
     raise ValueError(f"{path}: no readable model config ({e})") from e
 
 
-def orbax_to_hf(workdir: str, out_dir: str, *, step: int | None = None, dtype: str | None = None,
-                max_shard_bytes: int = 5 * 2**30, overwrite: bool = False,
-                progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+def orbax_to_hf(
+  workdir: str,
+  out_dir: str,
+  *,
+  step: int | None = None,
+  dtype: str | None = None,
+  max_shard_bytes: int = 5 * 2**30,
+  overwrite: bool = False,
+  progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
   """Writes a checkpoint's weights (a training run's or a converted one; its latest step by default) as a HF
   GlmMoeDsaForCausalLM directory, as hf.write writes one (in `dtype`, default the model's param_dtype, in shards of
   at most max_shard_bytes). Each tensor is read as its slice of the stored array and written straight into its
@@ -263,11 +318,19 @@ def orbax_to_hf(workdir: str, out_dir: str, *, step: int | None = None, dtype: s
         raise ValueError(f"{step_dir}: no array at {path_str(p)} for this model")
       opened[p] = arrays.open(kind_of[p], p)
       if tuple(opened[p].shape) != tuple(leaves[p].shape):
-        raise ValueError(f"{step_dir}: {path_str(p)} has shape {list(opened[p].shape)}, the model expects "
-                         f"{list(leaves[p].shape)}")
+        raise ValueError(
+          f"{step_dir}: {path_str(p)} has shape {list(opened[p].shape)}, the model expects {list(leaves[p].shape)}"
+        )
     return opened[p]
 
-  report = hf.write(cfg, out_dir, leaves, lambda s: read_slice(stored(s.path), s.index, np.float32), dtype=dtype,
-                    max_shard_bytes=max_shard_bytes, overwrite=overwrite, progress=progress)
-  return {"workdir": os.path.abspath(workdir), "step": step, **report,
-          "seconds": round(time.perf_counter() - t0, 2)}
+  report = hf.write(
+    cfg,
+    out_dir,
+    leaves,
+    lambda s: read_slice(stored(s.path), s.index, np.float32),
+    dtype=dtype,
+    max_shard_bytes=max_shard_bytes,
+    overwrite=overwrite,
+    progress=progress,
+  )
+  return {"workdir": os.path.abspath(workdir), "step": step, **report, "seconds": round(time.perf_counter() - t0, 2)}

@@ -29,6 +29,13 @@ from glm_jax.data.special_tokens import SPECIAL_TOKENS
 from glm_jax.data.tokenizer import Tokenizer, check_vocab, load_tokenizer
 
 __all__ = [
-    "SPECIAL_TOKENS", "Tokenizer", "check_vocab", "default_data_config", "load_tokenizer",
-    "make_eval_batches", "make_train_iterator", "unigram_entropy", "validate_data_config",
+  "SPECIAL_TOKENS",
+  "Tokenizer",
+  "check_vocab",
+  "default_data_config",
+  "load_tokenizer",
+  "make_eval_batches",
+  "make_train_iterator",
+  "unigram_entropy",
+  "validate_data_config",
 ]

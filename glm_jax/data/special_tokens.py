@@ -9,11 +9,11 @@ there (glm_jax/data/tokenizer.py); the data config's checks read SPECIAL_TOKENS 
 PAD, EOS, MASK, GMASK, SOP, EOP, SMASK = "<|pad|>", "<|endoftext|>", "[MASK]", "[gMASK]", "<sop>", "<eop>", "[sMASK]"
 SPECIAL_TOKENS = (PAD, EOS, MASK, GMASK, SOP, EOP, SMASK)  # ids 0..6 of the trained BPE, in this order.
 ROLES = {  # role -> (the token added when missing, the names accepted for it in a given tokenizer.json)
-    "pad": (PAD, (PAD, "<pad>", "[PAD]")),
-    "eos": (EOS, (EOS, "</s>", "<eos>", "<|end_of_text|>")),
-    "mask": (MASK, (MASK,)),
-    "gmask": (GMASK, (GMASK,)),
-    "sop": (SOP, (SOP, "[sop]")),
-    "eop": (EOP, (EOP, "[eop]")),
-    "smask": (SMASK, (SMASK,)),
+  "pad": (PAD, (PAD, "<pad>", "[PAD]")),
+  "eos": (EOS, (EOS, "</s>", "<eos>", "<|end_of_text|>")),
+  "mask": (MASK, (MASK,)),
+  "gmask": (GMASK, (GMASK,)),
+  "sop": (SOP, (SOP, "[sop]")),
+  "eop": (EOP, (EOP, "[eop]")),
+  "smask": (SMASK, (SMASK,)),
 }

@@ -29,13 +29,13 @@ _FORMAT = 1
 
 @dataclass(frozen=True)
 class TokenizedCorpus:
-  tokens: np.ndarray      # [num_tokens] int32, every document followed by eos
-  offsets: np.ndarray     # [num_docs + 1] int64
-  train_idx: np.ndarray   # document indices of the training split, ascending
-  eval_idx: np.ndarray    # document indices of the held-out split, ascending
+  tokens: np.ndarray  # [num_tokens] int32, every document followed by eos
+  offsets: np.ndarray  # [num_docs + 1] int64
+  train_idx: np.ndarray  # document indices of the training split, ascending
+  eval_idx: np.ndarray  # document indices of the held-out split, ascending
 
   def doc(self, d: int) -> np.ndarray:
-    return self.tokens[self.offsets[d]:self.offsets[d + 1]]
+    return self.tokens[self.offsets[d] : self.offsets[d + 1]]
 
   def split_tokens(self, doc_idx: np.ndarray) -> np.ndarray:
     """The tokens of the given documents, concatenated."""
@@ -50,8 +50,9 @@ _MEMO: dict[tuple[str, str], TokenizedCorpus] = {}
 def tokenize_corpus(data_cfg: ml_collections.ConfigDict, tokenizer: tokenizer_lib.Tokenizer) -> TokenizedCorpus:
   """The configured corpus tokenized by `tokenizer` (from data.cache_dir when it was done before)."""
   corpus = sources.load_corpus(data_cfg)
-  key = hashlib.sha256(f"{sources.corpus_hash(corpus.hashes)}|{tokenizer.fingerprint}|"
-                       f"{tokenizer.eos_id}|{_FORMAT}".encode()).hexdigest()[:24]
+  key = hashlib.sha256(
+    f"{sources.corpus_hash(corpus.hashes)}|{tokenizer.fingerprint}|{tokenizer.eos_id}|{_FORMAT}".encode()
+  ).hexdigest()[:24]
   path = os.path.join(tokenizer_lib.cache_dir(data_cfg), "tokenized", f"{key}.npz")
   memo_key = (key, path)
   if memo_key in _MEMO:
@@ -62,8 +63,13 @@ def tokenize_corpus(data_cfg: ml_collections.ConfigDict, tokenizer: tokenizer_li
   else:
     start = time.perf_counter()
     tokens, offsets = _tokenize(corpus.docs, tokenizer)
-    logging.info("tokenized %d documents into %d tokens in %.2f s -> %s", len(corpus.docs), len(tokens),
-                 time.perf_counter() - start, path)
+    logging.info(
+      "tokenized %d documents into %d tokens in %.2f s -> %s",
+      len(corpus.docs),
+      len(tokens),
+      time.perf_counter() - start,
+      path,
+    )
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}.npz"
     np.savez(tmp, tokens=tokens, offsets=offsets)
@@ -76,11 +82,11 @@ def tokenize_corpus(data_cfg: ml_collections.ConfigDict, tokenizer: tokenizer_li
 
 @dataclass(frozen=True)
 class TokenizedExamples:
-  tokens: np.ndarray       # [num_tokens] int32: each example's prompt, response and eos tokens, end to end
-  offsets: np.ndarray      # [num_examples + 1] int64
+  tokens: np.ndarray  # [num_tokens] int32: each example's prompt, response and eos tokens, end to end
+  offsets: np.ndarray  # [num_examples + 1] int64
   prompt_lens: np.ndarray  # [num_examples] int64: how many of example i's tokens are its prompt's
-  train_idx: np.ndarray    # example indices of the training split, ascending
-  eval_idx: np.ndarray     # example indices of the held-out split, ascending
+  train_idx: np.ndarray  # example indices of the training split, ascending
+  eval_idx: np.ndarray  # example indices of the held-out split, ascending
 
   def lengths(self, idx: np.ndarray) -> np.ndarray:
     """[len(idx)] int64: the token counts of the given examples (eos included, before any truncation)."""
@@ -96,21 +102,24 @@ class TokenizedExamples:
 
   def loss_tokens(self, idx: np.ndarray, max_len: int) -> np.ndarray:
     """The tokens with loss_mask 1 (response and eos) among the first max_len of each given example."""
-    parts = [self.tokens[self.offsets[i] + self.prompt_lens[i]:min(self.offsets[i + 1], self.offsets[i] + max_len)]
-             for i in idx]
+    parts = [
+      self.tokens[self.offsets[i] + self.prompt_lens[i] : min(self.offsets[i + 1], self.offsets[i] + max_len)]
+      for i in idx
+    ]
     return np.concatenate(parts) if parts else np.zeros(0, np.int32)
 
 
 _EXAMPLES_MEMO: dict[tuple[str, str], TokenizedExamples] = {}
 
 
-def tokenize_examples(data_cfg: ml_collections.ConfigDict, tokenizer: tokenizer_lib.Tokenizer
-                      ) -> TokenizedExamples:
+def tokenize_examples(data_cfg: ml_collections.ConfigDict, tokenizer: tokenizer_lib.Tokenizer) -> TokenizedExamples:
   """The configured format-"sft" examples tokenized by `tokenizer` (from data.cache_dir when done before)."""
   ex = sources.load_examples(data_cfg)
-  key = hashlib.sha256(f"sft|{data_cfg.source}|{data_cfg.prompt_field}|{data_cfg.response_field}|"
-                       f"{sources.corpus_hash(ex.hashes)}|{tokenizer.fingerprint}|{tokenizer.eos_id}|"
-                       f"{_FORMAT}".encode()).hexdigest()[:24]
+  key = hashlib.sha256(
+    f"sft|{data_cfg.source}|{data_cfg.prompt_field}|{data_cfg.response_field}|"
+    f"{sources.corpus_hash(ex.hashes)}|{tokenizer.fingerprint}|{tokenizer.eos_id}|"
+    f"{_FORMAT}".encode()
+  ).hexdigest()[:24]
   path = os.path.join(tokenizer_lib.cache_dir(data_cfg), "tokenized", f"sft-{key}.npz")
   memo_key = (key, path)
   if memo_key not in _EXAMPLES_MEMO:
@@ -120,8 +129,13 @@ def tokenize_examples(data_cfg: ml_collections.ConfigDict, tokenizer: tokenizer_
     else:
       start = time.perf_counter()
       arrays = _tokenize_examples(ex.prompts, ex.responses, tokenizer)
-      logging.info("tokenized %d examples into %d tokens in %.2f s -> %s", len(ex.prompts), len(arrays["tokens"]),
-                   time.perf_counter() - start, path)
+      logging.info(
+        "tokenized %d examples into %d tokens in %.2f s -> %s",
+        len(ex.prompts),
+        len(arrays["tokens"]),
+        time.perf_counter() - start,
+        path,
+      )
       _save_atomic(path, arrays)
     _EXAMPLES_MEMO.clear()
     _EXAMPLES_MEMO[memo_key] = TokenizedExamples(**arrays, train_idx=ex.train_idx, eval_idx=ex.eval_idx)
@@ -129,16 +143,17 @@ def tokenize_examples(data_cfg: ml_collections.ConfigDict, tokenizer: tokenizer_
   return TokenizedExamples(te.tokens, te.offsets, te.prompt_lens, ex.train_idx, ex.eval_idx)
 
 
-def _tokenize_examples(prompts: list[str], responses: list[str], tokenizer: tokenizer_lib.Tokenizer
-                       ) -> dict[str, np.ndarray]:
+def _tokenize_examples(
+  prompts: list[str], responses: list[str], tokenizer: tokenizer_lib.Tokenizer
+) -> dict[str, np.ndarray]:
   enc_p, enc_r = tokenizer.encode_batch(prompts), tokenizer.encode_batch(responses)
   prompt_lens = np.array([len(e) for e in enc_p], dtype=np.int64)
   lengths = prompt_lens + np.array([len(e) + 1 for e in enc_r], dtype=np.int64)
   offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
   tokens = np.empty(offsets[-1], dtype=np.int32)
   for p, r, start, n_p, end in zip(enc_p, enc_r, offsets[:-1], prompt_lens, offsets[1:]):
-    tokens[start:start + n_p] = p
-    tokens[start + n_p:end - 1] = r
+    tokens[start : start + n_p] = p
+    tokens[start + n_p : end - 1] = r
     tokens[end - 1] = tokenizer.eos_id
   return {"tokens": tokens, "offsets": offsets, "prompt_lens": prompt_lens}
 
@@ -160,6 +175,6 @@ def _tokenize(docs: list[str], tokenizer: tokenizer_lib.Tokenizer) -> tuple[np.n
   offsets = np.concatenate([[0], np.cumsum(lengths)])
   tokens = np.empty(offsets[-1], dtype=np.int32)
   for e, start, end in zip(encoded, offsets[:-1], offsets[1:]):
-    tokens[start:end - 1] = e
+    tokens[start : end - 1] = e
     tokens[end - 1] = tokenizer.eos_id
   return tokens, offsets

@@ -39,8 +39,10 @@ class Tokenizer:
     if missing:
       logging.warning("tokenizer %s lacks %s; adding them as special tokens", name, missing)
       backend.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False) for t in missing])
-    ids = {role: next(backend.token_to_id(n) for n in names if backend.token_to_id(n) is not None)
-           for role, (_, names) in ROLES.items()}
+    ids = {
+      role: next(backend.token_to_id(n) for n in names if backend.token_to_id(n) is not None)
+      for role, (_, names) in ROLES.items()
+    }
     self.pad_id, self.eos_id = ids["pad"], ids["eos"]
     self.mask_id, self.gmask_id, self.sop_id, self.eop_id = ids["mask"], ids["gmask"], ids["sop"], ids["eop"]
     self.smask_id = ids["smask"]
@@ -52,8 +54,15 @@ class Tokenizer:
 
   @property
   def special_ids(self) -> dict[str, int]:
-    return {"pad": self.pad_id, "eos": self.eos_id, "mask": self.mask_id, "gmask": self.gmask_id,
-            "sop": self.sop_id, "eop": self.eop_id, "smask": self.smask_id}
+    return {
+      "pad": self.pad_id,
+      "eos": self.eos_id,
+      "mask": self.mask_id,
+      "gmask": self.gmask_id,
+      "sop": self.sop_id,
+      "eop": self.eop_id,
+      "smask": self.smask_id,
+    }
 
   def encode(self, text: str) -> list[int]:
     return self.backend.encode(text, add_special_tokens=False).ids
@@ -66,16 +75,17 @@ class Tokenizer:
 
   def record(self) -> dict:
     """What a checkpoint saves of this tokenizer (from_record rebuilds it): name, sha256, vocab_size, json."""
-    return {"name": self.name, "sha256": self.fingerprint, "vocab_size": self.vocab_size,
-            "json": self.backend.to_str()}
+    return {"name": self.name, "sha256": self.fingerprint, "vocab_size": self.vocab_size, "json": self.backend.to_str()}
 
   @classmethod
   def from_record(cls, record: dict) -> "Tokenizer":
     """The tokenizer a checkpoint recorded (see record); raises ValueError when the record does not rebuild it."""
     tok = cls(tokenizers.Tokenizer.from_str(record["json"]), record["name"])
     if tok.fingerprint != record["sha256"]:
-      raise ValueError(f"recorded tokenizer {record['name']!r}: its JSON hashes to {tok.fingerprint[:12]}, the record "
-                       f"says {record['sha256'][:12]}")
+      raise ValueError(
+        f"recorded tokenizer {record['name']!r}: its JSON hashes to {tok.fingerprint[:12]}, the record "
+        f"says {record['sha256'][:12]}"
+      )
     return tok
 
   def __repr__(self) -> str:
@@ -91,18 +101,29 @@ def load_tokenizer(data_cfg: ml_collections.ConfigDict) -> Tokenizer:
   if data_cfg.tokenizer:
     return _from_file(data_cfg.tokenizer)
   train_docs, train_hashes = sources.bpe_training_documents(data_cfg)
-  key = hashlib.sha256(json.dumps({
-      "corpus": sources.corpus_hash(train_hashes),
-      "vocab_size": data_cfg.bpe_vocab_size, "special_tokens": SPECIAL_TOKENS, "format": _BPE_FORMAT,
-  }).encode()).hexdigest()[:24]
+  key = hashlib.sha256(
+    json.dumps(
+      {
+        "corpus": sources.corpus_hash(train_hashes),
+        "vocab_size": data_cfg.bpe_vocab_size,
+        "special_tokens": SPECIAL_TOKENS,
+        "format": _BPE_FORMAT,
+      }
+    ).encode()
+  ).hexdigest()[:24]
   path = os.path.join(cache_dir(data_cfg), "tokenizers", f"bpe{data_cfg.bpe_vocab_size}-{key}.json")
   if os.path.exists(path):
     return Tokenizer(tokenizers.Tokenizer.from_file(path), path)
   start = time.perf_counter()
   backend = train_bpe(train_docs, data_cfg.bpe_vocab_size)
-  logging.info("trained a %d-token byte-level BPE on %d documents of %s in %.2f s -> %s",
-               data_cfg.bpe_vocab_size, len(train_docs), sources.corpus_version(data_cfg),
-               time.perf_counter() - start, path)
+  logging.info(
+    "trained a %d-token byte-level BPE on %d documents of %s in %.2f s -> %s",
+    data_cfg.bpe_vocab_size,
+    len(train_docs),
+    sources.corpus_version(data_cfg),
+    time.perf_counter() - start,
+    path,
+  )
   os.makedirs(os.path.dirname(path), exist_ok=True)
   tmp = f"{path}.tmp{os.getpid()}"
   backend.save(tmp)
@@ -117,8 +138,11 @@ def train_bpe(docs: Sequence[str], vocab_size: int) -> tokenizers.Tokenizer:
   backend.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
   backend.decoder = tokenizers.decoders.ByteLevel()
   trainer = tokenizers.trainers.BpeTrainer(
-      vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
-      initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    vocab_size=vocab_size,
+    special_tokens=list(SPECIAL_TOKENS),
+    show_progress=False,
+    initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
+  )
   backend.train_from_iterator(docs, trainer, length=len(docs))
   return backend
 
@@ -126,9 +150,11 @@ def train_bpe(docs: Sequence[str], vocab_size: int) -> tokenizers.Tokenizer:
 def check_vocab(tokenizer: Tokenizer, model_vocab_size: int) -> None:
   """Raises ValueError when the tokenizer can emit ids the model's embedding does not have."""
   if tokenizer.vocab_size > model_vocab_size:
-    raise ValueError(f"tokenizer vocab_size={tokenizer.vocab_size} ({tokenizer.name}) is larger than "
-                     f"model.vocab_size={model_vocab_size}; raise model.vocab_size to at least "
-                     f"{tokenizer.vocab_size} or lower data.bpe_vocab_size")
+    raise ValueError(
+      f"tokenizer vocab_size={tokenizer.vocab_size} ({tokenizer.name}) is larger than "
+      f"model.vocab_size={model_vocab_size}; raise model.vocab_size to at least "
+      f"{tokenizer.vocab_size} or lower data.bpe_vocab_size"
+    )
 
 
 def cache_dir(data_cfg: ml_collections.ConfigDict) -> str:

@@ -78,18 +78,29 @@ def abstract_cache(cfg: ModelConfig, batch: int, cache_len: int, sharding, mtp_s
   dt = dtype_of(cfg.dtype)
 
   def stack(lead, shard):
-    index_k = (jax.ShapeDtypeStruct((*lead, batch, cache_len, cfg.index_head_dim), dt, sharding=shard)
-               if cfg.use_dsa else None)
-    return LayerCache(kv=jax.ShapeDtypeStruct((*lead, batch, cache_len, cfg.kv_latent_dim), dt, sharding=shard),
-                      index_k=index_k)
+    index_k = (
+      jax.ShapeDtypeStruct((*lead, batch, cache_len, cfg.index_head_dim), dt, sharding=shard) if cfg.use_dsa else None
+    )
+    return LayerCache(
+      kv=jax.ShapeDtypeStruct((*lead, batch, cache_len, cfg.kv_latent_dim), dt, sharding=shard), index_k=index_k
+    )
 
-  return KVCache(dense=stack((cfg.num_dense_layers,), sharding) if cfg.num_dense_layers else None,
-                 moe=stack((cfg.num_moe_layers,), sharding) if cfg.num_moe_layers else None,
-                 mtp=None if mtp_sharding is None else stack((), mtp_sharding))
+  return KVCache(
+    dense=stack((cfg.num_dense_layers,), sharding) if cfg.num_dense_layers else None,
+    moe=stack((cfg.num_moe_layers,), sharding) if cfg.num_moe_layers else None,
+    mtp=None if mtp_sharding is None else stack((), mtp_sharding),
+  )
 
 
-def compile_decode(config: ml_collections.ConfigDict, devices: Sequence[Any], *, batch_size: int, cache_len: int,
-                   prefill_len: int = 0, speculate: int = 0) -> CompiledServing:
+def compile_decode(
+  config: ml_collections.ConfigDict,
+  devices: Sequence[Any],
+  *,
+  batch_size: int,
+  cache_len: int,
+  prefill_len: int = 0,
+  speculate: int = 0,
+) -> CompiledServing:
   """Compiles the decode step (and, with prefill_len > 0, the prefill of prefill_len tokens a row; with speculate=k,
   a speculative round's programs: module docstring) for config.mesh over `devices`. Bad sizes (a cache past
   max_position_embeddings, a batch or head count the mesh does not divide, a prefill longer than the cache, k < 0
@@ -127,12 +138,14 @@ def compile_decode(config: ml_collections.ConfigDict, devices: Sequence[Any], *,
     return logits[:, -1], jax.lax.with_sharding_constraint(cache, cache_rows)
 
   token = jax.ShapeDtypeStruct((batch_size,), jnp.int32, sharding=rows)
-  programs = {"decode": (jax.jit(decode, donate_argnums=(4,), out_shardings=(vocab, cache_rows)),
-                         (*weights, token, token, cache))}
+  programs = {
+    "decode": (jax.jit(decode, donate_argnums=(4,), out_shardings=(vocab, cache_rows)), (*weights, token, token, cache))
+  }
   if prefill_len:
     prompts = jax.ShapeDtypeStruct((batch_size, prefill_len), jnp.int32, sharding=rows)
     programs["prefill"] = (jax.jit(prefill, out_shardings=(vocab, cache_rows)), (*weights, prompts))
   if speculate:  # a round: k draft steps (one token), the verification (k + 1 tokens), the MTP rewrite (k tokens)
+
     def verify(params, rest, tokens_BT, pos_B, cache):
       logits, h, cache = nnx.merge(graphdef, params, rest).decode_tokens(tokens_BT, pos_B, cache)
       return logits, h, cache
@@ -148,8 +161,10 @@ def compile_decode(config: ml_collections.ConfigDict, devices: Sequence[Any], *,
 
     programs["verify"] = (jax.jit(verify, donate_argnums=(4,)), (*weights, tokens(speculate + 1), token, cache))
     programs["draft"] = (jax.jit(draft, donate_argnums=(5,)), (*weights, hidden(1), tokens(1), token, cache))
-    programs["rewrite"] = (jax.jit(draft, donate_argnums=(5,)),
-                           (*weights, hidden(speculate), tokens(speculate), token, cache))
+    programs["rewrite"] = (
+      jax.jit(draft, donate_argnums=(5,)),
+      (*weights, hidden(speculate), tokens(speculate), token, cache),
+    )
   compiled, errors, seconds = {}, {}, {}
   for name, (fn, args) in programs.items():
     t0 = time.perf_counter()
@@ -160,9 +175,21 @@ def compile_decode(config: ml_collections.ConfigDict, devices: Sequence[Any], *,
     except jax.errors.JaxRuntimeError as e:
       errors[name] = str(e)
     seconds[name] = time.perf_counter() - t0
-  return CompiledServing(compiled.get("decode"), compiled.get("prefill"), errors, mesh, cfg, batch_size, cache_len,
-                         prefill_len, _chip_bytes(weights), _chip_bytes(cache), seconds, speculate,
-                         {name: compiled.get(name) for name in ("verify", "draft", "rewrite") if speculate})
+  return CompiledServing(
+    compiled.get("decode"),
+    compiled.get("prefill"),
+    errors,
+    mesh,
+    cfg,
+    batch_size,
+    cache_len,
+    prefill_len,
+    _chip_bytes(weights),
+    _chip_bytes(cache),
+    seconds,
+    speculate,
+    {name: compiled.get(name) for name in ("verify", "draft", "rewrite") if speculate},
+  )
 
 
 def decode_report(result: CompiledServing, usable_bytes: int) -> dict[str, Any]:
@@ -171,12 +198,19 @@ def decode_report(result: CompiledServing, usable_bytes: int) -> dict[str, Any]:
   cfg, b, s = result.model_cfg, result.batch_size, result.cache_len
   counts = param_counts(cfg)
   report: dict[str, Any] = {
-      "params_total": counts["total"], "params_active": counts["active"], "weights_dtype": cfg.param_dtype,
-      "mesh": {a: int(result.mesh.shape[a]) for a in MESH_AXES}, "devices": result.mesh.size,
-      "batch_size": b, "cache_len": s, "prefill_len": result.prefill_len,
-      "dsa_selects": cfg.dsa_selects(s), "attention_impl": cfg.attention_impl,
-      "weights_bytes_per_chip": result.weight_bytes_per_chip, "cache_bytes_per_chip": result.cache_bytes_per_chip,
-      "compile_seconds": {k: round(v, 1) for k, v in result.seconds.items()},
+    "params_total": counts["total"],
+    "params_active": counts["active"],
+    "weights_dtype": cfg.param_dtype,
+    "mesh": {a: int(result.mesh.shape[a]) for a in MESH_AXES},
+    "devices": result.mesh.size,
+    "batch_size": b,
+    "cache_len": s,
+    "prefill_len": result.prefill_len,
+    "dsa_selects": cfg.dsa_selects(s),
+    "attention_impl": cfg.attention_impl,
+    "weights_bytes_per_chip": result.weight_bytes_per_chip,
+    "cache_bytes_per_chip": result.cache_bytes_per_chip,
+    "compile_seconds": {k: round(v, 1) for k, v in result.seconds.items()},
   }
   fits = True
   for name in ("decode", "prefill", *result.rounds):
@@ -187,8 +221,9 @@ def decode_report(result: CompiledServing, usable_bytes: int) -> dict[str, Any]:
         report[f"{name}_error"] = result.errors[name].strip().splitlines()[0][:2000]
       continue
     mem = topology.compiled_memory(compiled)
-    report[f"{name}_per_chip_bytes"] = {k: mem[k] for k in ("arguments", "outputs", "temporaries", "generated_code",
-                                                            "aliased", "total", "peak")}
+    report[f"{name}_per_chip_bytes"] = {
+      k: mem[k] for k in ("arguments", "outputs", "temporaries", "generated_code", "aliased", "total", "peak")
+    }
     fits &= mem["total"] <= usable_bytes and mem["peak"] <= usable_bytes
   report["fits"] = fits
   if result.decode is not None:
@@ -206,8 +241,18 @@ def decode_report(result: CompiledServing, usable_bytes: int) -> dict[str, Any]:
       chip = hlo_cost.Chip.of(gen, topology.torus_of(list(result.mesh.devices.flat)))
       peaks = chip.peaks
       step = hlo_cost.program_time(result.decode.as_text(), chip)
-      report["decode_step"] = {k: step[k] for k in ("flops", "hbm_bytes", "wire_bytes", "compute_seconds",
-                                                    "collective_seconds", "seconds", "scheduled_seconds")}
+      report["decode_step"] = {
+        k: step[k]
+        for k in (
+          "flops",
+          "hbm_bytes",
+          "wire_bytes",
+          "compute_seconds",
+          "collective_seconds",
+          "seconds",
+          "scheduled_seconds",
+        )
+      }
       seconds = step["scheduled_seconds"]
       report["roofline_ms_per_token"] = round(seconds * 1e3, 3)  # each row gets one token a step
       report["serial_ms_per_token"] = round(step["seconds"] * 1e3, 3)
@@ -215,17 +260,21 @@ def decode_report(result: CompiledServing, usable_bytes: int) -> dict[str, Any]:
         report["calibrated_ms_per_token"] = round(seconds * hlo_cost.CALIBRATION["realism_factor"] * 1e3, 3)
       report["tokens_per_s"] = round(b / seconds, 1)
       report["weights_and_cache_read_ms"] = round(
-          (result.weight_bytes_per_chip + result.cache_bytes_per_chip) / peaks.hbm_bytes_per_s * 1e3, 3)
+        (result.weight_bytes_per_chip + result.cache_bytes_per_chip) / peaks.hbm_bytes_per_s * 1e3, 3
+      )
       report["peaks_source"] = peaks.source
       if result.rounds and all(result.rounds.values()):
         k = result.speculate
-        secs = {name: hlo_cost.program_time(c.as_text(), chip)["scheduled_seconds"]
-                for name, c in result.rounds.items()}
+        secs = {
+          name: hlo_cost.program_time(c.as_text(), chip)["scheduled_seconds"] for name, c in result.rounds.items()
+        }
         round_s = secs["verify"] + k * secs["draft"] + secs["rewrite"]
         report["speculative"] = {
-            "k": k, **{f"{name}_ms": round(v * 1e3, 4) for name, v in secs.items()},
-            "round_ms": round(round_s * 1e3, 4),
-            # A round makes (acceptance length) tokens a row; plain decoding one a step.
-            "break_even_acceptance_length": round(round_s / seconds, 3),
-            "tokens_per_s_per_unit_acceptance_length": round(b / round_s, 1)}
+          "k": k,
+          **{f"{name}_ms": round(v * 1e3, 4) for name, v in secs.items()},
+          "round_ms": round(round_s * 1e3, 4),
+          # A round makes (acceptance length) tokens a row; plain decoding one a step.
+          "break_even_acceptance_length": round(round_s / seconds, 3),
+          "tokens_per_s_per_unit_acceptance_length": round(b / round_s, 1),
+        }
   return report

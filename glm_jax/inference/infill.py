@@ -23,14 +23,17 @@ def blank_positions(context: Sequence[int], special_ids: Mapping[str, int]) -> l
   return [i for i, t in enumerate(context) if int(t) in masks]
 
 
-def infill_prompt(context: Sequence[int], filled: Sequence[Sequence[int]], special_ids: Mapping[str, int]
-                  ) -> tuple[list[int], list[int], list[int], int]:
+def infill_prompt(
+  context: Sequence[int], filled: Sequence[Sequence[int]], special_ids: Mapping[str, int]
+) -> tuple[list[int], list[int], list[int], int]:
   """The prompt that generates blank number len(filled) of `context`, the earlier ones filled with `filled`:
   (tokens, positions, block_positions, prefix_len). Raises ValueError when there is no such blank."""
   blanks = blank_positions(context, special_ids)
   if len(filled) >= len(blanks):
-    raise ValueError(f"the context has {len(blanks)} blank(s) ([MASK], [sMASK] or [gMASK] tokens); asked for blank "
-                     f"number {len(filled) + 1}")
+    raise ValueError(
+      f"the context has {len(blanks)} blank(s) ([MASK], [sMASK] or [gMASK] tokens); asked for blank "
+      f"number {len(filled) + 1}"
+    )
   tokens, positions, blocks = list(map(int, context)), list(range(len(context))), [0] * len(context)
   sop = special_ids["sop"]
   for blank, span in zip(blanks, list(filled) + [[]]):
@@ -41,8 +44,9 @@ def infill_prompt(context: Sequence[int], filled: Sequence[Sequence[int]], speci
   return tokens, positions, blocks, len(context)
 
 
-def fill_blanks(sampler, params, rest, context: Sequence[int], special_ids: Mapping[str, int], key: jax.Array
-                ) -> tuple[list[int], list[list[int]]]:
+def fill_blanks(
+  sampler, params, rest, context: Sequence[int], special_ids: Mapping[str, int], key: jax.Array
+) -> tuple[list[int], list[list[int]]]:
   """Fills every blank of one context with `sampler` (a glm_jax.inference.Sampler whose stop_ids include <eop>):
   (the context with each mask token replaced by its span, the spans). A span ends at <eop> (not kept) or after
   the sampler's max_new_tokens."""
@@ -52,8 +56,15 @@ def fill_blanks(sampler, params, rest, context: Sequence[int], special_ids: Mapp
   for _ in blank_positions(context, special_ids):
     tokens, positions, blocks, prefix = infill_prompt(context, spans, special_ids)
     key, sub = jax.random.split(key)
-    out = sampler(params, rest, [tokens], sub, positions=[positions],
-                  block_positions=[blocks] if sampler.cfg.rope_2d else None, prefix_lens=[prefix])
+    out = sampler(
+      params,
+      rest,
+      [tokens],
+      sub,
+      positions=[positions],
+      block_positions=[blocks] if sampler.cfg.rope_2d else None,
+      prefix_lens=[prefix],
+    )
     start, end = len(tokens), int(out.lengths[0])
     span = [int(t) for t in out.tokens[0, start:end]]
     if span and span[-1] == special_ids["eop"]:

@@ -26,8 +26,10 @@ class SamplingParams:
     if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
       raise ValueError(f"max_new_tokens={self.max_new_tokens!r}; must be a positive integer")
     if not (self.temperature == 0 or self.temperature >= MIN_TEMPERATURE):
-      raise ValueError(f"temperature={self.temperature!r}; must be 0 (greedy) or at least {MIN_TEMPERATURE} (smaller "
-                       "ones are not normal fp32 numbers: XLA flushes them to zero)")
+      raise ValueError(
+        f"temperature={self.temperature!r}; must be 0 (greedy) or at least {MIN_TEMPERATURE} (smaller "
+        "ones are not normal fp32 numbers: XLA flushes them to zero)"
+      )
     if not 0 < self.top_p <= 1:
       raise ValueError(f"top_p={self.top_p!r}; must be in (0, 1]")
 
@@ -58,8 +60,7 @@ def tempered_log_softmax(logits: jax.Array, temperature: float) -> jax.Array:
   return jax.nn.log_softmax(shifted / temperature, axis=-1)
 
 
-def sample_token(logits_BV: jax.Array, key: jax.Array, temperature: float, top_p: float
-                 ) -> tuple[jax.Array, jax.Array]:
+def sample_token(logits_BV: jax.Array, key: jax.Array, temperature: float, top_p: float) -> tuple[jax.Array, jax.Array]:
   """(token [B] int32, its log-probability [B] fp32 under softmax(logits / temperature))."""
   logp_BV, draw_BV = draw_log_probs(logits_BV, temperature, top_p)
   if temperature == 0:

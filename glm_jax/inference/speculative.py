@@ -49,8 +49,7 @@ from glm_jax.model.transformer import check_draft
 def check(cfg: ModelConfig, k) -> None:
   """A speculation depth k must be an integer >= 1 and the model must have an MTP layer to draft with."""
   if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
-    raise ValueError(f"speculate={k!r}: the drafted tokens a round must be an integer >= 1 (0 or None: plain "
-                     "decoding)")
+    raise ValueError(f"speculate={k!r}: the drafted tokens a round must be an integer >= 1 (0 or None: plain decoding)")
   check_draft(cfg)
 
 
@@ -68,8 +67,14 @@ def residual(p_V: jax.Array, q_V: jax.Array) -> jax.Array:
   return jnp.where(total > 0, r / jnp.where(total > 0, total, 1.0), p_V)
 
 
-def accept(p_logits_BJV: jax.Array, q_logits_BKV: jax.Array, drafts_BK: jax.Array, key: jax.Array,
-           temperature: float, top_p: float) -> tuple[jax.Array, jax.Array]:
+def accept(
+  p_logits_BJV: jax.Array,
+  q_logits_BKV: jax.Array,
+  drafts_BK: jax.Array,
+  key: jax.Array,
+  temperature: float,
+  top_p: float,
+) -> tuple[jax.Array, jax.Array]:
   """The acceptance rule (module docstring) for a round's k drafts: p_logits [B, k + 1, V] the main model's logits
   for the slots after x_n, q_logits [B, k, V] the draft's the drafts were drawn from. Returns (a [B]: the leading
   drafts kept, next [B] int32: the token drawn at slot n + a + 1)."""
@@ -91,8 +96,21 @@ def accept(p_logits_BJV: jax.Array, q_logits_BKV: jax.Array, drafts_BK: jax.Arra
   return kept_B, nxt
 
 
-def generate(graphdef, params, rest, prompts_BT, prompt_lens_B, key, layout=None, *, sampling, k: int,
-             cache_len: int, return_logits: bool, constrain_cache=None) -> SampleOutput:
+def generate(
+  graphdef,
+  params,
+  rest,
+  prompts_BT,
+  prompt_lens_B,
+  key,
+  layout=None,
+  *,
+  sampling,
+  k: int,
+  cache_len: int,
+  return_logits: bool,
+  constrain_cache=None,
+) -> SampleOutput:
   """The speculative generation, one jit: prompts [B, T] right-padded, prompt_lens [B] (layout: None, plain
   prompts; the sampler's signature); returns the SampleOutput of
   glm_jax/inference/sampler.py over cache_len slots, with `rounds` [B]: the verification rounds each row took
@@ -113,11 +131,19 @@ def generate(graphdef, params, rest, prompts_BT, prompt_lens_B, key, layout=None
   x_B, logp_B = sample_token(first_BV, sub, t_, top_p)  # the first token, at slot prompt_len: from the prefill
   tokens = jnp.full((b, size), sampling.pad_id, jnp.int32).at[:, :p].set(prompts_BT)
   tokens = jnp.where(jnp.arange(size)[None] < prompt_lens_B[:, None], tokens, sampling.pad_id)
-  st = dict(tokens=tokens.at[rows, prompt_lens_B].set(x_B),
-            logp=jnp.zeros((b, size), jnp.float32).at[rows, prompt_lens_B].set(logp_B),
-            mask=jnp.zeros((b, size), bool).at[rows, prompt_lens_B].set(True),
-            n=prompt_lens_B, x=x_B, h=h_BTD[rows, last], count=jnp.ones((b,), jnp.int32),
-            stopped=jnp.isin(x_B, stop_ids), rounds=jnp.zeros((b,), jnp.int32), cache=cache, key=key)
+  st = dict(
+    tokens=tokens.at[rows, prompt_lens_B].set(x_B),
+    logp=jnp.zeros((b, size), jnp.float32).at[rows, prompt_lens_B].set(logp_B),
+    mask=jnp.zeros((b, size), bool).at[rows, prompt_lens_B].set(True),
+    n=prompt_lens_B,
+    x=x_B,
+    h=h_BTD[rows, last],
+    count=jnp.ones((b,), jnp.int32),
+    stopped=jnp.isin(x_B, stop_ids),
+    rounds=jnp.zeros((b,), jnp.int32),
+    cache=cache,
+    key=key,
+  )
   st["done"] = st["stopped"] | (max_new <= 1)
   if return_logits:
     st["logits"] = jnp.zeros((b, size, first_BV.shape[-1]), jnp.float32).at[rows, prompt_lens_B].set(first_BV)
@@ -151,13 +177,21 @@ def generate(graphdef, params, rest, prompts_BT, prompt_lens_B, key, layout=None
     r = rows[:, None]
     count = st["count"] + jnp.sum(keep_BJ, axis=1)
     stopped = st["stopped"] | jnp.any(keep_BJ & is_stop, axis=1)
-    new = dict(st, key=key, cache=cache, count=count,
-               tokens=st["tokens"].at[r, slots_BJ].set(cand_BJ, mode="drop"),
-               logp=st["logp"].at[r, slots_BJ].set(logp_BJ, mode="drop"),
-               mask=st["mask"].at[r, slots_BJ].set(True, mode="drop"),
-               stopped=stopped, done=stopped | (count >= max_new),
-               n=jnp.where(live, n + kept_B + 1, n), x=jnp.where(live, next_B, st["x"]),
-               h=jnp.where(live[:, None], h_BJD[rows, kept_B], st["h"]), rounds=st["rounds"] + live)
+    new = dict(
+      st,
+      key=key,
+      cache=cache,
+      count=count,
+      tokens=st["tokens"].at[r, slots_BJ].set(cand_BJ, mode="drop"),
+      logp=st["logp"].at[r, slots_BJ].set(logp_BJ, mode="drop"),
+      mask=st["mask"].at[r, slots_BJ].set(True, mode="drop"),
+      stopped=stopped,
+      done=stopped | (count >= max_new),
+      n=jnp.where(live, n + kept_B + 1, n),
+      x=jnp.where(live, next_B, st["x"]),
+      h=jnp.where(live[:, None], h_BJD[rows, kept_B], st["h"]),
+      rounds=st["rounds"] + live,
+    )
     if return_logits:
       new["logits"] = st["logits"].at[r, slots_BJ].set(p_BJV, mode="drop")
     return new
@@ -165,9 +199,16 @@ def generate(graphdef, params, rest, prompts_BT, prompt_lens_B, key, layout=None
   st = jax.lax.while_loop(lambda s: ~jnp.all(s["done"]), body, st)
   response_lens = jnp.sum(st["mask"], axis=-1).astype(jnp.int32)
   trim = lambda x: None if x is None else x[:, :cache_len]  # noqa: E731
-  return SampleOutput(tokens=trim(st["tokens"]), logp=trim(st["logp"]), response_mask=trim(st["mask"]),
-                      prompt_lens=prompt_lens_B, lengths=prompt_lens_B + response_lens, finished=st["stopped"],
-                      logits=trim(st.get("logits")), rounds=st["rounds"])
+  return SampleOutput(
+    tokens=trim(st["tokens"]),
+    logp=trim(st["logp"]),
+    response_mask=trim(st["mask"]),
+    prompt_lens=prompt_lens_B,
+    lengths=prompt_lens_B + response_lens,
+    finished=st["stopped"],
+    logits=trim(st.get("logits")),
+    rounds=st["rounds"],
+  )
 
 
 def acceptance_length(out) -> float:

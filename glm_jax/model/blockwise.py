@@ -39,10 +39,21 @@ def safe_softmax(s: jax.Array) -> jax.Array:
   return p / jnp.where(total == 0, 1.0, total)
 
 
-def latent_attention_and_kl(q_BTHA: jax.Array, kv_BSA: jax.Array, indexer: tuple | None, *, sm_scale: float,
-                            v_dim: int, chunk: int, segment_ids_BT: jax.Array, prefix_end_BT: jax.Array | None,
-                            out_dtype, piece_offsets=(0,), kv_segment_ids_BS: jax.Array | None = None,
-                            head_axis: str | None = None) -> tuple[jax.Array, jax.Array | None]:
+def latent_attention_and_kl(
+  q_BTHA: jax.Array,
+  kv_BSA: jax.Array,
+  indexer: tuple | None,
+  *,
+  sm_scale: float,
+  v_dim: int,
+  chunk: int,
+  segment_ids_BT: jax.Array,
+  prefix_end_BT: jax.Array | None,
+  out_dtype,
+  piece_offsets=(0,),
+  kv_segment_ids_BS: jax.Array | None = None,
+  head_axis: str | None = None,
+) -> tuple[jax.Array, jax.Array | None]:
   """Causal (prefix-bidirectional with prefix_end) dense attention of the absorbed queries q [B, T, H, A] against
   the shared keys kv [B, S, A], `chunk` query rows at a time. Returns (the latent output [B, T, H, v_dim] in
   out_dtype, and with indexer = (q_i [B, T, Hi, Di], k_i [B, S, Di], w_i [B, T, Hi]) each query's KL of the
@@ -57,9 +68,11 @@ def latent_attention_and_kl(q_BTHA: jax.Array, kv_BSA: jax.Array, indexer: tuple
   s_len = kv_BSA.shape[1]
   pieces = len(piece_offsets)
   if t_len % (pieces * chunk):
-    raise ValueError(f"model.attention_chunk={chunk} does not divide the {t_len // pieces} query rows of a "
-                     f"piece (sequence length {t_len} in {pieces} piece(s)); use a divisor of it (or 0: every "
-                     "query at once)")
+    raise ValueError(
+      f"model.attention_chunk={chunk} does not divide the {t_len // pieces} query rows of a "
+      f"piece (sequence length {t_len} in {pieces} piece(s)); use a divisor of it (or 0: every "
+      "query at once)"
+    )
   n = t_len // chunk
   per_piece = n // pieces
   kv_segment_ids_BS = segment_ids_BT if kv_segment_ids_BS is None else kv_segment_ids_BS
@@ -74,12 +87,19 @@ def latent_attention_and_kl(q_BTHA: jax.Array, kv_BSA: jax.Array, indexer: tuple
 
   @jax.checkpoint
   def one(carry, x):
-    mask_BCS = visible_mask(chunk, s_len, q_offset=x["offset"], q_segment_ids=x["seg"],
-                            kv_segment_ids=kv_segment_ids_BS, q_prefix_end=x.get("prefix_end"))
+    mask_BCS = visible_mask(
+      chunk,
+      s_len,
+      q_offset=x["offset"],
+      q_segment_ids=x["seg"],
+      kv_segment_ids=kv_segment_ids_BS,
+      q_prefix_end=x.get("prefix_end"),
+    )
     s_BHCS = jnp.einsum("bchl,bsl->bhcs", x["q"], kv_BSA, preferred_element_type=jnp.float32)
     p_BHCS = safe_softmax(jnp.where(mask_BCS[:, None], s_BHCS * sm_scale, -jnp.inf))
-    o_BCHR = jnp.einsum("bhcs,bsr->bchr", p_BHCS.astype(kv_BSA.dtype), kv_BSA[..., :v_dim],
-                        preferred_element_type=jnp.float32).astype(out_dtype)
+    o_BCHR = jnp.einsum(
+      "bhcs,bsr->bchr", p_BHCS.astype(kv_BSA.dtype), kv_BSA[..., :v_dim], preferred_element_type=jnp.float32
+    ).astype(out_dtype)
     if indexer is None:
       return carry, (o_BCHR, None)
     p_BCS = jnp.sum(p_BHCS, axis=1)

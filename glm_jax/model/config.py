@@ -143,9 +143,7 @@ class ModelConfig:
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(d) - names)
     if unknown:
-      raise ValueError(
-          f"model config: unknown field(s) {unknown}; valid fields are: {', '.join(sorted(names))}"
-      )
+      raise ValueError(f"model config: unknown field(s) {unknown}; valid fields are: {', '.join(sorted(names))}")
     return cls(**d)
 
   def to_dict(self) -> dict[str, Any]:
@@ -185,7 +183,7 @@ class ModelConfig:
       rope_type = rope.get("rope_type", rope.get("type", "default"))
       if rope_type != "default":
         raise ValueError(
-            f"config.json: rope_parameters.rope_type={rope_type!r}; only 'default' (no YaRN scaling) is implemented"
+          f"config.json: rope_parameters.rope_type={rope_type!r}; only 'default' (no YaRN scaling) is implemented"
         )
       if "rope_theta" in rope:
         kwargs["rope_theta"] = rope["rope_theta"]
@@ -200,26 +198,32 @@ class ModelConfig:
     """The HF GlmMoeDsaConfig dict for this config (what `hf.save` writes as config.json)."""
     for field, plain in (("norm_style", "prenorm"), ("rope_2d", False)):
       if getattr(self, field) != plain:
-        raise ValueError(f"model config: {field}={getattr(self, field)!r} has no counterpart in transformers' "
-                         f"glm_moe_dsa (its layers are {plain!r}-only); such a model cannot be written as a HF "
-                         "checkpoint")
+        raise ValueError(
+          f"model config: {field}={getattr(self, field)!r} has no counterpart in transformers' "
+          f"glm_moe_dsa (its layers are {plain!r}-only); such a model cannot be written as a HF "
+          "checkpoint"
+        )
     d = {k: getattr(self, k) for k in self.hf_fields()}  # ours stay out of config.json
     d.update(
-        model_type="glm_moe_dsa",
-        architectures=["GlmMoeDsaForCausalLM"],
-        rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
-        mlp_layer_types=["dense"] * self.num_dense_layers + ["sparse"] * self.num_moe_layers,
-        indexer_types=[("shared" if s else "full") for s in self.shared_indexer_layers],
-        head_dim=self.qk_rope_head_dim,
-        dtype=self.param_dtype,
+      model_type="glm_moe_dsa",
+      architectures=["GlmMoeDsaForCausalLM"],
+      rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
+      mlp_layer_types=["dense"] * self.num_dense_layers + ["sparse"] * self.num_moe_layers,
+      indexer_types=[("shared" if s else "full") for s in self.shared_indexer_layers],
+      head_dim=self.qk_rope_head_dim,
+      dtype=self.param_dtype,
     )
     return d
 
 
 def _check_hf_supported(hf: Mapping[str, Any], kwargs: dict[str, Any]) -> None:
   """Rejects, by name, config.json settings that change the math in ways this codebase does not implement."""
-  for key, supported in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc"), ("rope_scaling", None),
-                         ("quantization_config", None)):
+  for key, supported in (
+    ("scoring_func", "sigmoid"),
+    ("topk_method", "noaux_tc"),
+    ("rope_scaling", None),
+    ("quantization_config", None),
+  ):
     if key in hf and hf[key] not in (supported, None):
       what = f"only {supported!r}" if supported else "only none (load a bf16/fp32 checkpoint)"
       raise ValueError(f"config.json: {key}={hf[key]!r}; {what} is implemented")
@@ -228,8 +232,8 @@ def _check_hf_supported(hf: Mapping[str, Any], kwargs: dict[str, Any]) -> None:
   mlp_types = hf.get("mlp_layer_types")
   if mlp_types is not None and list(mlp_types) != ["dense"] * k + ["sparse"] * (n - k):
     raise ValueError(
-        f"config.json: mlp_layer_types={mlp_types}; only first_k_dense_replace={k} dense layers followed by "
-        "MoE layers is implemented"
+      f"config.json: mlp_layer_types={mlp_types}; only first_k_dense_replace={k} dense layers followed by "
+      "MoE layers is implemented"
     )
   if hf.get("hidden_act", "silu") != "silu":
     raise ValueError(f"config.json: hidden_act={hf['hidden_act']!r}; only 'silu' is implemented")
@@ -259,10 +263,27 @@ def _validate(c: ModelConfig) -> None:
   def fail(field: str, valid: str):
     raise ValueError(f"model config: {field}={getattr(c, field)!r} is invalid; {valid}")
 
-  for f in ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
-            "num_attention_heads", "n_routed_experts", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim",
-            "v_head_dim", "qk_nope_head_dim", "n_group", "topk_group", "num_experts_per_tok", "index_topk",
-            "index_head_dim", "index_n_heads", "max_position_embeddings"):
+  for f in (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "n_routed_experts",
+    "kv_lora_rank",
+    "q_lora_rank",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "qk_nope_head_dim",
+    "n_group",
+    "topk_group",
+    "num_experts_per_tok",
+    "index_topk",
+    "index_head_dim",
+    "index_n_heads",
+    "max_position_embeddings",
+  ):
     v = getattr(c, f)
     if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
       fail(f, "must be a positive integer")
@@ -281,8 +302,10 @@ def _validate(c: ModelConfig) -> None:
   if c.n_group > 1 and c.n_routed_experts // c.n_group < 2:
     fail("n_group", "group-limited routing scores a group by its top-2 experts, so each group needs >= 2 experts")
   if c.n_group > 1 and c.num_experts_per_tok > c.topk_group * (c.n_routed_experts // c.n_group):
-    fail("num_experts_per_tok", f"must be <= topk_group * experts per group = "
-         f"{c.topk_group * (c.n_routed_experts // c.n_group)}")
+    fail(
+      "num_experts_per_tok",
+      f"must be <= topk_group * experts per group = {c.topk_group * (c.n_routed_experts // c.n_group)}",
+    )
   if c.qk_rope_head_dim % 2:
     fail("qk_rope_head_dim", "must be even (rope rotates pairs)")
   if c.index_head_dim < c.qk_rope_head_dim:
@@ -301,12 +324,18 @@ def _validate(c: ModelConfig) -> None:
     fail("attention_impl", f"one of {ATTENTION_IMPLS}")
   cf = c.moe_capacity_factor
   if isinstance(cf, bool) or not isinstance(cf, (int, float)) or not (cf == 0 or cf >= 1 / c.num_experts_per_tok):
-    fail("moe_capacity_factor", f"0 (dropless) or a number >= 1 / num_experts_per_tok = "
-         f"{1 / c.num_experts_per_tok:.4g} (below that an expert could not even take its share of one slot)")
+    fail(
+      "moe_capacity_factor",
+      f"0 (dropless) or a number >= 1 / num_experts_per_tok = "
+      f"{1 / c.num_experts_per_tok:.4g} (below that an expert could not even take its share of one slot)",
+    )
   bf = c.moe_buffer_factor
   if isinstance(bf, bool) or not isinstance(bf, (int, float)) or not (bf == 0 or bf >= 1):
-    fail("moe_buffer_factor", "0 (the worst-case receive buffer only) or a number >= 1 (the fast path's buffer in "
-         "multiples of the balanced load)")
+    fail(
+      "moe_buffer_factor",
+      "0 (the worst-case receive buffer only) or a number >= 1 (the fast path's buffer in "
+      "multiples of the balanced load)",
+    )
   if c.norm_style not in NORM_STYLES:
     fail("norm_style", f"one of {NORM_STYLES}")
   if not isinstance(c.rope_2d, bool):
@@ -322,21 +351,29 @@ def _validate(c: ModelConfig) -> None:
     types = c.indexer_types
     if isinstance(types, str):  # the pattern form of transformers' index_topk_pattern: "FSSF..."
       if set(types) - {"F", "S"}:
-        fail("indexer_types", "None, a pattern of 'F' (full) and 'S' (shared) such as 'FSS', or a sequence of "
-             "'full' / 'shared', one per decoder layer")
+        fail(
+          "indexer_types",
+          "None, a pattern of 'F' (full) and 'S' (shared) such as 'FSS', or a sequence of "
+          "'full' / 'shared', one per decoder layer",
+        )
       types = ["full" if t == "F" else "shared" for t in types]
     if not all(isinstance(t, str) for t in types):
       fail("indexer_types", "None, a pattern such as 'FSS', or a sequence of 'full' / 'shared', one per layer")
     object.__setattr__(c, "indexer_types", tuple(types))  # hashable, whatever form it came in
     if len(c.indexer_types) != c.num_hidden_layers:
-      fail("indexer_types", f"one entry per decoder layer: {len(c.indexer_types)} given, num_hidden_layers="
-           f"{c.num_hidden_layers}")
+      fail(
+        "indexer_types",
+        f"one entry per decoder layer: {len(c.indexer_types)} given, num_hidden_layers={c.num_hidden_layers}",
+      )
     bad = sorted({t for t in c.indexer_types if t not in ("full", "shared")})
     if bad:
       fail("indexer_types", f"each entry 'full' or 'shared', not {bad}")
     if c.indexer_types[0] != "full":
-      fail("indexer_types", "the first layer must be 'full': a 'shared' layer reuses the previous full layer's "
-           "top-k, and layer 0 has none before it")
+      fail(
+        "indexer_types",
+        "the first layer must be 'full': a 'shared' layer reuses the previous full layer's "
+        "top-k, and layer 0 has none before it",
+      )
     if "shared" not in c.indexer_types:  # every layer full: the same model as None, and equal to it
       object.__setattr__(c, "indexer_types", None)
   for f in ("bos_token_id", "eos_token_id", "pad_token_id"):

@@ -27,7 +27,7 @@ from glm_jax.model import blockwise, dsa
 
 # The reference path's largest array under context parallelism is the indexer's [T / c, T] scores (fp32) a
 # sequence; past this many bytes `check` refuses it (the Pallas kernels hold nothing [T, S]).
-REFERENCE_LIMIT_BYTES = 2 ** 31
+REFERENCE_LIMIT_BYTES = 2**31
 
 
 def context_size() -> int:
@@ -47,17 +47,23 @@ def check(seq_len: int, c: int, cfg) -> None:
     return
   attention_chunk, attention_impl = cfg.attention_chunk, cfg.attention_impl
   if seq_len % (2 * c):
-    raise ValueError(f"context parallelism: seq_len={seq_len} must divide into 2 x mesh.context = {2 * c} equal "
-                     "chunks (each device holds an early and a late chunk); use a multiple of it")
+    raise ValueError(
+      f"context parallelism: seq_len={seq_len} must divide into 2 x mesh.context = {2 * c} equal "
+      "chunks (each device holds an early and a late chunk); use a multiple of it"
+    )
   piece = seq_len // (2 * c)
   if attention_chunk and piece % attention_chunk:
-    raise ValueError(f"context parallelism: model.attention_chunk={attention_chunk} must divide each device's "
-                     f"chunk of seq_len / (2 x mesh.context) = {seq_len} / {2 * c} = {piece} tokens")
+    raise ValueError(
+      f"context parallelism: model.attention_chunk={attention_chunk} must divide each device's "
+      f"chunk of seq_len / (2 x mesh.context) = {seq_len} / {2 * c} = {piece} tokens"
+    )
   scores = seq_len // c * seq_len * 4
   if attention_impl == "reference" and cfg.use_dsa and seq_len > cfg.index_topk and scores > REFERENCE_LIMIT_BYTES:
-    raise ValueError(f"context parallelism: attention_impl='reference' builds the indexer's [T / c, T] fp32 scores, "
-                     f"{seq_len // c} x {seq_len} x 4 B = {scores / 2**30:.1f} GiB a sequence at seq_len={seq_len}, "
-                     f"mesh.context={c} (limit {REFERENCE_LIMIT_BYTES / 2**30:.0f} GiB); use attention_impl='pallas'")
+    raise ValueError(
+      f"context parallelism: attention_impl='reference' builds the indexer's [T / c, T] fp32 scores, "
+      f"{seq_len // c} x {seq_len} x 4 B = {scores / 2**30:.1f} GiB a sequence at seq_len={seq_len}, "
+      f"mesh.context={c} (limit {REFERENCE_LIMIT_BYTES / 2**30:.0f} GiB); use attention_impl='pallas'"
+    )
 
 
 def to_zigzag(x: jax.Array, c: int, axis: int = 1) -> jax.Array:
@@ -82,10 +88,23 @@ def from_zigzag(x: jax.Array, c: int, axis: int = 1) -> jax.Array:
   return jnp.moveaxis(y.reshape(x.shape), 0, axis)
 
 
-def attention(impl: str, q_BTHA: jax.Array, kv_BTA: jax.Array, indexer: tuple | None, *, segment_ids: jax.Array,
-              prefix_end: jax.Array | None, sparse: bool, indexer_loss: bool, sm_scale: float, v_dim: int,
-              topk: int, chunk: int, out_dtype, share: dsa.IndexShare | None = None
-              ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
+def attention(
+  impl: str,
+  q_BTHA: jax.Array,
+  kv_BTA: jax.Array,
+  indexer: tuple | None,
+  *,
+  segment_ids: jax.Array,
+  prefix_end: jax.Array | None,
+  sparse: bool,
+  indexer_loss: bool,
+  sm_scale: float,
+  v_dim: int,
+  topk: int,
+  chunk: int,
+  out_dtype,
+  share: dsa.IndexShare | None = None,
+) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
   """MLA's attention in the absorbed form under the context axis. Every [B, T, ...] operand is in the zig-zag
   layout: q [B, T, H, A] (absorbed queries), kv [B, T, A] (the shared key; its first v_dim numbers are the value),
   indexer = (q_i [B, T, Hi, Di], k_i [B, T, Di], w_i [B, T, Hi]) or None, segment_ids and prefix_end [B, T].
@@ -112,18 +131,39 @@ def attention(impl: str, q_BTHA: jax.Array, kv_BTA: jax.Array, indexer: tuple | 
     k_i_all = None if k_i is None else gather(k_i)
     if not sparse:
       o, kl = blockwise.latent_attention_and_kl(
-          q, kv_all, (q_i, k_i_all, w_i) if indexer_loss else None, sm_scale=sm_scale, v_dim=v_dim,
-          chunk=chunk or piece, segment_ids_BT=seg, prefix_end_BT=pe, out_dtype=out_dtype, piece_offsets=offsets,
-          kv_segment_ids_BS=seg_all, head_axis=heads)
+        q,
+        kv_all,
+        (q_i, k_i_all, w_i) if indexer_loss else None,
+        sm_scale=sm_scale,
+        v_dim=v_dim,
+        chunk=chunk or piece,
+        segment_ids_BT=seg,
+        prefix_end_BT=pe,
+        out_dtype=out_dtype,
+        piece_offsets=offsets,
+        kv_segment_ids_BS=seg_all,
+        head_axis=heads,
+      )
       return o, None, kl
 
     def rows(x, j):
-      return None if x is None else x[:, j * piece:(j + 1) * piece]
+      return None if x is None else x[:, j * piece : (j + 1) * piece]
 
     def select():
-      picks = [dsa.select_topk(impl, rows(q_i, j), k_i_all, rows(w_i, j), topk=topk, q_offset=offsets[j],
-                               q_segment_ids=rows(seg, j), kv_segment_ids=seg_all, q_prefix_end=rows(pe, j))
-               for j in (0, 1)]
+      picks = [
+        dsa.select_topk(
+          impl,
+          rows(q_i, j),
+          k_i_all,
+          rows(w_i, j),
+          topk=topk,
+          q_offset=offsets[j],
+          q_segment_ids=rows(seg, j),
+          kv_segment_ids=seg_all,
+          q_prefix_end=rows(pe, j),
+        )
+        for j in (0, 1)
+      ]
       idx = jnp.concatenate([p[0] for p in picks], axis=1)
       if mode == "reference":
         return idx, jnp.concatenate([p[1] for p in picks], axis=1)
@@ -152,8 +192,13 @@ def attention(impl: str, q_BTHA: jax.Array, kv_BTA: jax.Array, indexer: tuple | 
     return tuple(x for x, r in zip(outs, returned) if r)
 
   out_specs = (P(batch, CONTEXT, heads, None), tok, tok)
-  outs = iter(jax.shard_map(body, in_specs=tuple(s for s, p in zip(specs, present) if p),
-                            out_specs=tuple(s for s, r in zip(out_specs, returned) if r), check_vma=False,
-                            )(*(x for x in operands if x is not None)))
+  outs = iter(
+    jax.shard_map(
+      body,
+      in_specs=tuple(s for s, p in zip(specs, present) if p),
+      out_specs=tuple(s for s, r in zip(out_specs, returned) if r),
+      check_vma=False,
+    )(*(x for x in operands if x is not None))
+  )
   o, idx, kl = (next(outs) if r else None for r in returned)
   return o, idx, kl

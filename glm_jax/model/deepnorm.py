@@ -48,13 +48,13 @@ def xavier_std(fan_in: int, fan_out: int, gain: float) -> float:
   return gain * math.sqrt(2.0 / (fan_in + fan_out))
 
 
-def init_rules(names: tuple[str, ...], axes: tuple[str | None, ...], shape: tuple[int, ...], cfg: ModelConfig
-               ) -> list[tuple[slice, int, int, float]] | None:
+def init_rules(
+  names: tuple[str, ...], axes: tuple[str | None, ...], shape: tuple[int, ...], cfg: ModelConfig
+) -> list[tuple[slice, int, int, float]] | None:
   """How DeepNorm draws the parameter at path `names` (its logical `axes`, its `shape`): a list of (a slice of its
   last axis, fan_in, fan_out, gain), one entry per logical matrix in it; None when it keeps the default
   initialisation."""
-  if names[-1] not in _FFN + _ATTENTION or "indexer" in names or names[0] not in ("dense_layers", "moe_layers",
-                                                                                   "mtp"):
+  if names[-1] not in _FFN + _ATTENTION or "indexer" in names or names[0] not in ("dense_layers", "moe_layers", "mtp"):
     return None
   stack = 0
   while stack < len(axes) and axes[stack] in _STACK_AXES:

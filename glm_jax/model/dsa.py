@@ -53,8 +53,11 @@ def kernel_mode(impl: str) -> str:
     if mode == "interpret":
       logging.info("attention_impl='pallas' on %s: the DSA kernels run in Pallas interpret mode (exact, slow)", backend)
     elif mode == "reference":
-      logging.warning("attention_impl='pallas' on %s: no compiled variant of the DSA kernels for this backend; "
-                      "running the pure-jnp reference instead", backend)
+      logging.warning(
+        "attention_impl='pallas' on %s: no compiled variant of the DSA kernels for this backend; "
+        "running the pure-jnp reference instead",
+        backend,
+      )
   return mode
 
 
@@ -83,37 +86,57 @@ def _spec(batch: tuple[str, ...], *rest) -> P:
 class IndexShare:
   """A layer's part in GLM-5.2's IndexShare (model.indexer_types): `shared` (a traced bool scalar: the layers of a
   stack share one compiled body) and `prev_topk` [B, T, K], the previous full layer's selection."""
+
   shared: jax.Array
   prev_topk: jax.Array
 
   def select(self, own):
     """(indices, scores) of this layer: prev_topk and zero scores when shared, else own()'s; only one branch
     runs (lax.cond), so a shared layer's indexer does no scoring."""
-    return jax.lax.cond(self.shared,
-                        lambda: (self.prev_topk, jnp.zeros(self.prev_topk.shape, jnp.float32)),
-                        lambda: tuple(x.astype(d) for x, d in zip(own(), (self.prev_topk.dtype, jnp.float32))))
+    return jax.lax.cond(
+      self.shared,
+      lambda: (self.prev_topk, jnp.zeros(self.prev_topk.shape, jnp.float32)),
+      lambda: tuple(x.astype(d) for x, d in zip(own(), (self.prev_topk.dtype, jnp.float32))),
+    )
 
 
-def select_topk(impl: str, q_BTJZ: jax.Array, k_BSZ: jax.Array, w_BTJ: jax.Array, *, topk: int, q_offset: int = 0,
-                q_segment_ids: jax.Array | None = None, kv_segment_ids: jax.Array | None = None,
-                q_prefix_end: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+def select_topk(
+  impl: str,
+  q_BTJZ: jax.Array,
+  k_BSZ: jax.Array,
+  w_BTJ: jax.Array,
+  *,
+  topk: int,
+  q_offset: int = 0,
+  q_segment_ids: jax.Array | None = None,
+  kv_segment_ids: jax.Array | None = None,
+  q_prefix_end: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
   """The causal top-`topk` keys per query: (indices [B, T, topk] int32, scores [B, T, topk] fp32), -1 / -inf
   where fewer are visible. The scores carry the indexer's gradient on the reference path only. q_prefix_end
   [B, T] (GLM's blank infilling): query t also sees the keys s < q_prefix_end[t], bidirectionally; None is causal."""
   kw = dict(topk=topk, causal=True, q_offset=q_offset)
   mode = kernel_mode(impl)
   if mode == "reference":
-    return lightning_indexer_reference.lightning_indexer_topk(q_BTJZ, k_BSZ, w_BTJ, q_segment_ids=q_segment_ids,
-                                                              kv_segment_ids=kv_segment_ids,
-                                                              q_prefix_end=q_prefix_end, **kw)
+    return lightning_indexer_reference.lightning_indexer_topk(
+      q_BTJZ, k_BSZ, w_BTJ, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, q_prefix_end=q_prefix_end, **kw
+    )
   kernel = functools.partial(lightning_indexer.lightning_indexer_topk, interpret=mode == "interpret", **kw)
   batch = _batch_axes(q_BTJZ.shape[0])
   if not batch:
-    return kernel(q_BTJZ, k_BSZ, w_BTJ, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-                  q_prefix_end=q_prefix_end)
+    return kernel(
+      q_BTJZ, k_BSZ, w_BTJ, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, q_prefix_end=q_prefix_end
+    )
   # The optional [B, T] / [B, S] operands are split over the batch like q; None ones stay out of the shard_map.
-  optional = {name: x for name, x in (("q_segment_ids", q_segment_ids), ("kv_segment_ids", kv_segment_ids),
-                                      ("q_prefix_end", q_prefix_end)) if x is not None}
+  optional = {
+    name: x
+    for name, x in (
+      ("q_segment_ids", q_segment_ids),
+      ("kv_segment_ids", kv_segment_ids),
+      ("q_prefix_end", q_prefix_end),
+    )
+    if x is not None
+  }
   args = [q_BTJZ, k_BSZ, w_BTJ, *optional.values()]
   specs = [_spec(batch, None, None, None), _spec(batch, None, None), _spec(batch)] + [_spec(batch)] * len(optional)
 
@@ -123,26 +146,37 @@ def select_topk(impl: str, q_BTJZ: jax.Array, k_BSZ: jax.Array, w_BTJ: jax.Array
   return jax.shard_map(local, in_specs=tuple(specs), out_specs=(_spec(batch), _spec(batch)), check_vma=False)(*args)
 
 
-def attend(impl: str, q_BTHA: jax.Array, kv_BSA: jax.Array, idx_BTK: jax.Array, *, sm_scale: float, v_dim: int
-           ) -> tuple[jax.Array, jax.Array]:
+def attend(
+  impl: str, q_BTHA: jax.Array, kv_BSA: jax.Array, idx_BTK: jax.Array, *, sm_scale: float, v_dim: int
+) -> tuple[jax.Array, jax.Array]:
   """Sparse absorbed-MQA attention over the selected keys: (out [B, T, H, v_dim], lse [B, T, H] fp32)."""
   mode = kernel_mode(impl)
   if mode == "reference":
-    return sparse_mla_attention_reference.sparse_mla_attention(q_BTHA, kv_BSA, idx_BTK, sm_scale=sm_scale,
-                                                               v_dim=v_dim)
-  kernel = functools.partial(sparse_mla_attention.sparse_mla_attention, sm_scale=sm_scale, v_dim=v_dim,
-                             interpret=mode == "interpret")
+    return sparse_mla_attention_reference.sparse_mla_attention(q_BTHA, kv_BSA, idx_BTK, sm_scale=sm_scale, v_dim=v_dim)
+  kernel = functools.partial(
+    sparse_mla_attention.sparse_mla_attention, sm_scale=sm_scale, v_dim=v_dim, interpret=mode == "interpret"
+  )
   batch = _batch_axes(q_BTHA.shape[0])
   heads = split_axes(q_BTHA.shape[2], (TENSOR,)) or None
   if not batch and not heads:
     return kernel(q_BTHA, kv_BSA, idx_BTK)
-  return jax.shard_map(kernel, in_specs=(_spec(batch, None, heads, None), _spec(batch), _spec(batch)),
-                       out_specs=(_spec(batch, None, heads, None), _spec(batch, None, heads)),
-                       check_vma=False)(q_BTHA, kv_BSA, idx_BTK)
+  return jax.shard_map(
+    kernel,
+    in_specs=(_spec(batch, None, heads, None), _spec(batch), _spec(batch)),
+    out_specs=(_spec(batch, None, heads, None), _spec(batch, None, heads)),
+    check_vma=False,
+  )(q_BTHA, kv_BSA, idx_BTK)
 
 
-def dense_causal_attend(q_BTHP: jax.Array, k_BTHP: jax.Array, v_BTHO: jax.Array, segment_ids_BT: jax.Array | None,
-                        *, sm_scale: float, interpret: bool) -> jax.Array:
+def dense_causal_attend(
+  q_BTHP: jax.Array,
+  k_BTHP: jax.Array,
+  v_BTHO: jax.Array,
+  segment_ids_BT: jax.Array | None,
+  *,
+  sm_scale: float,
+  interpret: bool,
+) -> jax.Array:
   """The dense stage's causal MHA with the splash kernel (glm_jax/model/splash.py): o [B, T, H, O]; batch and heads
   split over the mesh as for `attend`. For attention_impl "pallas" where kernel_mode is not "reference"."""
   kernel = functools.partial(splash.causal_attention, sm_scale=sm_scale, interpret=interpret)
@@ -152,20 +186,24 @@ def dense_causal_attend(q_BTHP: jax.Array, k_BTHP: jax.Array, v_BTHO: jax.Array,
   if not batch and not heads:
     return kernel(q_BTHP, k_BTHP, v_BTHO, seg)
   qkv = _spec(batch, None, heads, None)
-  return jax.shard_map(kernel, in_specs=(qkv, qkv, qkv, _spec(batch)), out_specs=qkv,
-                       check_vma=False)(q_BTHP, k_BTHP, v_BTHO, seg)
+  return jax.shard_map(kernel, in_specs=(qkv, qkv, qkv, _spec(batch)), out_specs=qkv, check_vma=False)(
+    q_BTHP, k_BTHP, v_BTHO, seg
+  )
 
 
-def head_probs(impl: str, q_BTHA: jax.Array, kv_BSA: jax.Array, idx_BTK: jax.Array, lse_BTH: jax.Array, *,
-               sm_scale: float) -> jax.Array:
+def head_probs(
+  impl: str, q_BTHA: jax.Array, kv_BSA: jax.Array, idx_BTK: jax.Array, lse_BTH: jax.Array, *, sm_scale: float
+) -> jax.Array:
   """The sparse attention's probabilities of the selected keys summed over heads: [B, T, K] fp32 (the
   sparse-stage indexer KL's target; a constant to autodiff on the kernel path)."""
   mode = kernel_mode(impl)
   if mode == "reference":
-    return sparse_mla_attention_reference.sparse_attention_head_probs(q_BTHA, kv_BSA, idx_BTK, lse_BTH,
-                                                                      sm_scale=sm_scale)
-  kernel = functools.partial(sparse_mla_attention.sparse_attention_head_probs, sm_scale=sm_scale,
-                             interpret=mode == "interpret")
+    return sparse_mla_attention_reference.sparse_attention_head_probs(
+      q_BTHA, kv_BSA, idx_BTK, lse_BTH, sm_scale=sm_scale
+    )
+  kernel = functools.partial(
+    sparse_mla_attention.sparse_attention_head_probs, sm_scale=sm_scale, interpret=mode == "interpret"
+  )
   batch = _batch_axes(q_BTHA.shape[0])
   heads = split_axes(q_BTHA.shape[2], (TENSOR,))
   if not batch and not heads:
@@ -175,13 +213,17 @@ def head_probs(impl: str, q_BTHA: jax.Array, kv_BSA: jax.Array, idx_BTK: jax.Arr
     p = kernel(q, kv, idx, lse)
     return jax.lax.psum(p, heads) if heads else p
 
-  return jax.shard_map(local, in_specs=(_spec(batch, None, heads or None, None), _spec(batch), _spec(batch),
-                                        _spec(batch, None, heads or None)),
-                       out_specs=_spec(batch), check_vma=False)(q_BTHA, kv_BSA, idx_BTK, lse_BTH)
+  return jax.shard_map(
+    local,
+    in_specs=(_spec(batch, None, heads or None, None), _spec(batch), _spec(batch), _spec(batch, None, heads or None)),
+    out_specs=_spec(batch),
+    check_vma=False,
+  )(q_BTHA, kv_BSA, idx_BTK, lse_BTH)
 
 
-def selected_index_scores(q_BTJZ: jax.Array, k_BSZ: jax.Array, w_BTJ: jax.Array, idx_BTK: jax.Array, *,
-                          chunk: int = 512) -> jax.Array:
+def selected_index_scores(
+  q_BTJZ: jax.Array, k_BSZ: jax.Array, w_BTJ: jax.Array, idx_BTK: jax.Array, *, chunk: int = 512
+) -> jax.Array:
   """The indexer's scores of the selected keys, differentiable: [B, T, K] fp32, -inf where idx is -1.
   I[t, k] = sum_h w[t, h] relu(q[t, h] . k[idx[t, k]])                                  (DS32 Eq. 1)
   Over chunks of `chunk` queries, each rematerialized in the backward pass: the gathered keys take
@@ -195,8 +237,9 @@ def selected_index_scores(q_BTJZ: jax.Array, k_BSZ: jax.Array, w_BTJ: jax.Array,
     x = jnp.pad(x, [(0, 0), (0, n * chunk - t_len)] + [(0, 0)] * (x.ndim - 2))
     return jnp.moveaxis(x.reshape(b, n, chunk, *x.shape[2:]), 1, 0)
 
-  scores = jax.lax.map(jax.checkpoint(lambda a: _selected_scores(a[0], k_BSZ, a[1], a[2])),
-                       (split(q_BTJZ), split(w_BTJ), split(idx_BTK)))
+  scores = jax.lax.map(
+    jax.checkpoint(lambda a: _selected_scores(a[0], k_BSZ, a[1], a[2])), (split(q_BTJZ), split(w_BTJ), split(idx_BTK))
+  )
   return jnp.moveaxis(scores, 0, 1).reshape(b, n * chunk, -1)[:, :t_len]
 
 

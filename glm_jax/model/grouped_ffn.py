@@ -23,9 +23,17 @@ from glm_jax.model.tiled_swiglu import tiled_swiglu
 from glm_jax.quant.packed import PackedWeight, dequantize_weight, int_grouped_matmul
 
 
-def expert_swiglu(xs: jax.Array, group_sizes: jax.Array, gate_EDI: jax.Array, up_EDI: jax.Array,
-                  down_EID: jax.Array, dtype: jnp.dtype, out_dtype: jnp.dtype = jnp.float32, *,
-                  zero_past: bool = True) -> jax.Array:
+def expert_swiglu(
+  xs: jax.Array,
+  group_sizes: jax.Array,
+  gate_EDI: jax.Array,
+  up_EDI: jax.Array,
+  down_EID: jax.Array,
+  dtype: jnp.dtype,
+  out_dtype: jnp.dtype = jnp.float32,
+  *,
+  zero_past: bool = True,
+) -> jax.Array:
   """Row m through the SwiGLU expert of its group (rows sorted by expert; rows past the last group give 0), one
   grouped matmul per projection, matmuls in `dtype` accumulated in fp32; the result in out_dtype (fp32 by default;
   `dtype` when the rows travel on in `dtype` anyway, which also keeps their gradient in `dtype`). When traced for
@@ -48,12 +56,14 @@ def expert_swiglu(xs: jax.Array, group_sizes: jax.Array, gate_EDI: jax.Array, up
   return gmm(h, down_EID, out_dtype)
 
 
-def _int_expert_swiglu(xs, group_sizes, gate: PackedWeight, up: PackedWeight, down: PackedWeight, dtype,
-                       out_dtype) -> jax.Array:
+def _int_expert_swiglu(
+  xs, group_sizes, gate: PackedWeight, up: PackedWeight, down: PackedWeight, dtype, out_dtype
+) -> jax.Array:
   """W8A8 / W4A8 experts: each projection's input quantized per row (int8), integer grouped matmuls."""
   platform = current_platform()
   h = jax.nn.silu(int_grouped_matmul(xs, gate, group_sizes, platform)) * int_grouped_matmul(
-      xs, up, group_sizes, platform)
+    xs, up, group_sizes, platform
+  )
   return int_grouped_matmul(h.astype(dtype), down, group_sizes, platform).astype(out_dtype)
 
 
@@ -73,9 +83,16 @@ def capacity_ranks(flat_e: jax.Array, order: jax.Array, n_experts: int) -> jax.A
   return jnp.arange(flat_e.shape[0], dtype=jnp.int32) - starts[flat_e[order]]
 
 
-def grouped_ffn_f32(x_ND: jax.Array, w_NX: jax.Array, idx_NX: jax.Array, gate_EDI: jax.Array,
-                    up_EDI: jax.Array, down_EID: jax.Array, dtype: jnp.dtype, capacity_factor: float = 0.0
-                    ) -> tuple[jax.Array, jax.Array]:
+def grouped_ffn_f32(
+  x_ND: jax.Array,
+  w_NX: jax.Array,
+  idx_NX: jax.Array,
+  gate_EDI: jax.Array,
+  up_EDI: jax.Array,
+  down_EID: jax.Array,
+  dtype: jnp.dtype,
+  capacity_factor: float = 0.0,
+) -> tuple[jax.Array, jax.Array]:
   """(sum_k w[n, k] * SwiGLU_{idx[n, k]}(x[n]) in fp32 [N, D], dropped pairs: int32 scalar).
 
   The pairs are sorted by expert and each projection is one grouped matmul over the per-expert groups. With a
@@ -100,9 +117,16 @@ def grouped_ffn_f32(x_ND: jax.Array, w_NX: jax.Array, idx_NX: jax.Array, gate_ED
   return jnp.zeros((n, x_ND.shape[-1]), jnp.float32).at[token_of].add(ys), dropped
 
 
-def grouped_ffn(x_ND: jax.Array, w_NX: jax.Array, idx_NX: jax.Array, gate_EDI: jax.Array,
-                up_EDI: jax.Array, down_EID: jax.Array, dtype: jnp.dtype, capacity_factor: float = 0.0
-                ) -> tuple[jax.Array, jax.Array]:
+def grouped_ffn(
+  x_ND: jax.Array,
+  w_NX: jax.Array,
+  idx_NX: jax.Array,
+  gate_EDI: jax.Array,
+  up_EDI: jax.Array,
+  down_EID: jax.Array,
+  dtype: jnp.dtype,
+  capacity_factor: float = 0.0,
+) -> tuple[jax.Array, jax.Array]:
   """grouped_ffn_f32 with y in `dtype`: the MoE's routed experts on one device."""
   y, dropped = grouped_ffn_f32(x_ND, w_NX, idx_NX, gate_EDI, up_EDI, down_EID, dtype, capacity_factor)
   return y.astype(dtype), dropped

@@ -44,8 +44,14 @@ def tpu_tiling(k: int, n: int) -> tuple[int, int, int]:
   return TPU_ROW_TILE, t, t
 
 
-def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
-                   preferred_element_type: jnp.dtype = jnp.float32, *, zero_past: bool = True) -> jax.Array:
+def grouped_matmul(
+  x: jax.Array,
+  w: jax.Array,
+  group_sizes: jax.Array,
+  preferred_element_type: jnp.dtype = jnp.float32,
+  *,
+  zero_past: bool = True,
+) -> jax.Array:
   """jax.lax.ragged_dot(x [rows, in], w [groups, in, out], group_sizes [groups]) -> [rows, out], by backend.
   zero_past=False: the rows past the last group (in y and in dx) may be left undefined where that saves a pass
   over them (megablox leaves them unwritten), for a caller that never reads them."""
@@ -57,10 +63,16 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
   return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=preferred_element_type)
 
 
-def megablox_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
-                            preferred_element_type: jnp.dtype = jnp.float32, *,
-                            tiling: tuple[int, int, int] | None = None, interpret: bool = False,
-                            zero_past: bool = True) -> jax.Array:
+def megablox_grouped_matmul(
+  x: jax.Array,
+  w: jax.Array,
+  group_sizes: jax.Array,
+  preferred_element_type: jnp.dtype = jnp.float32,
+  *,
+  tiling: tuple[int, int, int] | None = None,
+  interpret: bool = False,
+  zero_past: bool = True,
+) -> jax.Array:
   """ragged_dot's result with megablox's gmm / tgmm kernels; interpret=True runs them in Pallas interpret mode (any
   backend). The rows are padded to a whole number of row tiles; rows past the groups, which the kernels leave
   unwritten (in y and in dx), are set to 0, or left undefined with zero_past=False (whatever x holds there: tgmm
@@ -70,8 +82,15 @@ def megablox_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
   rows = x.shape[0]
   tiling = tiling or tpu_tiling(x.shape[1], w.shape[2])
   pad = -rows % tiling[0]
-  y = _megablox(jnp.pad(x, ((0, pad), (0, 0))), w, group_sizes.astype(jnp.int32),
-                jnp.dtype(preferred_element_type), tuple(tiling), interpret, zero_past)
+  y = _megablox(
+    jnp.pad(x, ((0, pad), (0, 0))),
+    w,
+    group_sizes.astype(jnp.int32),
+    jnp.dtype(preferred_element_type),
+    tuple(tiling),
+    interpret,
+    zero_past,
+  )
   return y[:rows]
 
 
@@ -97,8 +116,9 @@ def _megablox_bwd(out_dtype, tiling, interpret, zero_past, res, dy):
   dy = dy.astype(x.dtype)
   dx = megablox_gmm(dy, w, group_sizes, x.dtype, tiling, transpose_rhs=True, interpret=interpret)
   dx = zero_past_groups(dx, group_sizes) if zero_past else dx
-  dw = megablox_tgmm(x.swapaxes(0, 1), dy, group_sizes, jnp.float32, tiling, num_actual_groups=w.shape[0],
-                     interpret=interpret)
+  dw = megablox_tgmm(
+    x.swapaxes(0, 1), dy, group_sizes, jnp.float32, tiling, num_actual_groups=w.shape[0], interpret=interpret
+  )
   return dx, dw.astype(w.dtype), None
 
 
@@ -168,8 +188,9 @@ def _forward(x, w, group_sizes, tile, out_dtype):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def tiled_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, tile: int = CPU_TILE,
-                         out_dtype: jnp.dtype = jnp.float32) -> jax.Array:
+def tiled_grouped_matmul(
+  x: jax.Array, w: jax.Array, group_sizes: jax.Array, tile: int = CPU_TILE, out_dtype: jnp.dtype = jnp.float32
+) -> jax.Array:
   """ragged_dot's result computed tile by tile (see the module docstring); differentiable in x and w."""
   return _forward(x, w, group_sizes, tile, out_dtype)
 
@@ -208,9 +229,17 @@ def summed_like(ct: jax.Array, primal: jax.Array) -> jax.Array:
 tiled_grouped_matmul.defvjp(_fwd, _bwd)
 
 
-def megablox_grid_cost(kernel: str, m: int, k: int, n: int, group_sizes, *,
-                       tiling: tuple[int, int, int] | None = None, in_bytes: int = 2, out_bytes: int = 4
-                       ) -> tuple[float, float]:
+def megablox_grid_cost(
+  kernel: str,
+  m: int,
+  k: int,
+  n: int,
+  group_sizes,
+  *,
+  tiling: tuple[int, int, int] | None = None,
+  in_bytes: int = 2,
+  out_bytes: int = 4,
+) -> tuple[float, float]:
   """(FLOPs, HBM bytes) of one megablox call as its grid runs for these group sizes (a host-side count, for cost
   reports; megablox's own cost_estimate assumes every row of the static buffer is real).
 
@@ -222,8 +251,14 @@ def megablox_grid_cost(kernel: str, m: int, k: int, n: int, group_sizes, *,
   output tile is written once per visit."""
   tm, tk, tn = tiling or tpu_tiling(k, n)
   group_sizes = jnp.asarray(group_sizes, jnp.int32)
-  _, tiles = make_group_metadata(group_sizes=group_sizes, m=-(-m // tm) * tm, tm=tm, start_group=0,
-                                 num_nonzero_groups=group_sizes.shape[0], visit_empty_groups=kernel == "tgmm")
+  _, tiles = make_group_metadata(
+    group_sizes=group_sizes,
+    m=-(-m // tm) * tm,
+    tm=tm,
+    start_group=0,
+    num_nonzero_groups=group_sizes.shape[0],
+    visit_empty_groups=kernel == "tgmm",
+  )
   tiles = int(tiles)
   tiles_k, tiles_n = -(-k // tk), -(-n // tn)
   steps = tiles * tiles_k * tiles_n

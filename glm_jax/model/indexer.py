@@ -19,7 +19,6 @@ from glm_jax.model.layers import LayerNorm, apply_rope, dense, dtype_of, param
 
 
 class Indexer(nnx.Module):
-
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     self.cfg = cfg
     self.dtype = dtype_of(cfg.dtype)
@@ -34,8 +33,9 @@ class Indexer(nnx.Module):
     x_rot = apply_rope(x[..., :r], cos, sin, self.cfg.indexer_rope_interleave)
     return jnp.concatenate([x_rot, x[..., r:]], axis=-1)
 
-  def __call__(self, x_BTD: jax.Array, cq_BTQ: jax.Array, cos: jax.Array, sin: jax.Array
-               ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  def __call__(
+    self, x_BTD: jax.Array, cq_BTQ: jax.Array, cos: jax.Array, sin: jax.Array
+  ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Returns (q [B, T, J, Z], k [B, T, Z], w [B, T, J] fp32), ready for the scorer."""
     cfg = self.cfg
     q_BTJZ = dense(cq_BTQ, self.wq_b, self.dtype, "btr,rhd->bthd")

@@ -37,8 +37,7 @@ class LayerCache:
     """One layer's cache with row b's T new entries at slots pos[b], ..., pos[b] + T - 1."""
     b, t = kv_BTA.shape[:2]
     rows, slots = jnp.arange(b)[:, None], pos_B[:, None] + jnp.arange(t)
-    index_k = (None if self.index_k is None
-               else self.index_k.at[rows, slots].set(index_k_BTZ.astype(self.index_k.dtype)))
+    index_k = None if self.index_k is None else self.index_k.at[rows, slots].set(index_k_BTZ.astype(self.index_k.dtype))
     return LayerCache(kv=self.kv.at[rows, slots].set(kv_BTA.astype(self.kv.dtype)), index_k=index_k)
 
 
@@ -49,6 +48,7 @@ class KVCache:
   [B, S, W] cache (no layer axis) when the cache serves speculative decoding (GlmMoeDsa.prefill(draft=True)),
   else None. Slot s of the MTP cache holds the MTP layer's entry for the main model's hidden state at s and the
   token at s + 1 (glm_jax/inference/speculative.py)."""
+
   dense: LayerCache | None
   moe: LayerCache | None
   mtp: LayerCache | None = None

@@ -24,8 +24,9 @@ def dtype_of(name: str) -> jnp.dtype:
   return jnp.dtype(name)
 
 
-def param(rngs: nnx.Rngs, shape: Sequence[int], axes: Sequence[str | None], cfg: ModelConfig,
-          init: str = "normal") -> nnx.Param:
+def param(
+  rngs: nnx.Rngs, shape: Sequence[int], axes: Sequence[str | None], cfg: ModelConfig, init: str = "normal"
+) -> nnx.Param:
   """A parameter initialized like HF (normal(0, initializer_range), ones for norm scales, zeros for biases)."""
   dtype = dtype_of(cfg.param_dtype)
   if init == "normal":
@@ -45,7 +46,7 @@ def _contracted(spec: str) -> int | None:
   ins, out = spec.replace("...", "").split("->")
   xs, ws = ins.split(",")
   k = len([c for c in xs if c not in out])
-  if k == 0 or xs[len(xs) - k:] != ws[:k] or out != xs[:len(xs) - k] + ws[k:]:
+  if k == 0 or xs[len(xs) - k :] != ws[:k] or out != xs[: len(xs) - k] + ws[k:]:
     return None
   return k
 
@@ -71,7 +72,7 @@ def dense_fp32(x: jax.Array, w: nnx.Param, dtype: jnp.dtype, spec: str = "...d,d
   k = _contracted(spec) if current_platform() == "cpu" else None
   if k is None:
     return jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
-  lead, free = x.shape[:x.ndim - k], w.shape[k:]
+  lead, free = x.shape[: x.ndim - k], w.shape[k:]
   y = jnp.dot(x.reshape(math.prod(lead), -1), w.reshape(-1, math.prod(free)), preferred_element_type=jnp.float32)
   return y.reshape(lead + free)
 
@@ -81,7 +82,7 @@ def _int_dense(x: jax.Array, w: PackedWeight, spec: str) -> jax.Array:
   k = _contracted(spec)
   if k != w.contracted_axes:
     raise ValueError(f"spec {spec!r} contracts {k} axes of a packed weight quantized over {w.contracted_axes}")
-  lead = x.shape[:x.ndim - k]
+  lead = x.shape[: x.ndim - k]
   y = int_matmul(x.reshape(math.prod(lead), -1), w, current_platform())
   return y.reshape(lead + w.shape[k:])
 
@@ -102,7 +103,7 @@ class RMSNorm(nnx.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    return (y.astype(x.dtype) * self.weight[...].astype(x.dtype))
+    return y.astype(x.dtype) * self.weight[...].astype(x.dtype)
 
 
 class LayerNorm(nnx.Module):
@@ -128,8 +129,9 @@ def rope_angles(positions_BT: jax.Array, dim: int, theta: float) -> tuple[jax.Ar
   return jnp.cos(angles), jnp.sin(angles)
 
 
-def rope_angles_2d(positions_BT: jax.Array, block_positions_BT: jax.Array, dim: int, theta: float
-                   ) -> tuple[jax.Array, jax.Array]:
+def rope_angles_2d(
+  positions_BT: jax.Array, block_positions_BT: jax.Array, dim: int, theta: float
+) -> tuple[jax.Array, jax.Array]:
   """GLM-130B's 2-D rotary: cos, sin [B, T, dim/2] whose first dim/4 pairs rotate by the position and whose last
   dim/4 pairs by the block position, each set a rotary of width dim/2 (inv_freq_i = theta^(-4i/dim)). With
   interleaved pairs (GLM-5's layout) that is the first and the second half of the rotated dims, as GLM-130B splits

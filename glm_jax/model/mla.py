@@ -28,6 +28,7 @@ from pallas_kernels.lightning_indexer_reference import lightning_indexer_scores
 @dataclasses.dataclass
 class AttentionInputs:
   """Per-sequence tensors every layer shares: rope angles, segment ids and the dense visibility mask."""
+
   cos: jax.Array  # [B, T, qk_rope_head_dim / 2]
   sin: jax.Array
   segment_ids: jax.Array  # [B, T] int32; tokens attend only within their segment
@@ -37,7 +38,6 @@ class AttentionInputs:
 
 
 class MLA(nnx.Module):
-
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     self.cfg = cfg
     self.dtype = dtype_of(cfg.dtype)
@@ -47,8 +47,9 @@ class MLA(nnx.Module):
     self.q_b_proj = param(rngs, (cfg.q_lora_rank, h, cfg.qk_head_dim), ("q_lora", "heads", "qk_head_dim"), cfg)
     self.kv_a_proj_with_mqa = param(rngs, (d, cfg.kv_latent_dim), ("embed", "kv_lora"), cfg)
     self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.mla_norm_eps, cfg, rngs)
-    self.kv_b_proj = param(rngs, (cfg.kv_lora_rank, h, cfg.qk_nope_head_dim + cfg.v_head_dim),
-                           ("kv_lora", "heads", "kv_head_dim"), cfg)
+    self.kv_b_proj = param(
+      rngs, (cfg.kv_lora_rank, h, cfg.qk_nope_head_dim + cfg.v_head_dim), ("kv_lora", "heads", "kv_head_dim"), cfg
+    )
     self.o_proj = param(rngs, (h, cfg.v_head_dim, d), ("heads", "v_head_dim", "embed"), cfg)
     self.indexer = Indexer(cfg, rngs)
 
@@ -60,18 +61,18 @@ class MLA(nnx.Module):
     cfg = self.cfg
     cq_BTQ = self.q_a_layernorm(dense(x_BTD, self.q_a_proj, self.dtype))
     q_BTHP = dense(cq_BTQ, self.q_b_proj, self.dtype, "btr,rhk->bthk")
-    q_nope, q_rope = q_BTHP[..., :cfg.qk_nope_head_dim], q_BTHP[..., cfg.qk_nope_head_dim:]
+    q_nope, q_rope = q_BTHP[..., : cfg.qk_nope_head_dim], q_BTHP[..., cfg.qk_nope_head_dim :]
     q_rope = apply_rope(q_rope, inp.cos, inp.sin, cfg.rope_interleave)
     kv_BTA = dense(x_BTD, self.kv_a_proj_with_mqa, self.dtype)
-    ckv_BTC = self.kv_a_layernorm(kv_BTA[..., :cfg.kv_lora_rank])
-    k_rope_BTR = apply_rope(kv_BTA[..., cfg.kv_lora_rank:], inp.cos, inp.sin, cfg.rope_interleave)
+    ckv_BTC = self.kv_a_layernorm(kv_BTA[..., : cfg.kv_lora_rank])
+    k_rope_BTR = apply_rope(kv_BTA[..., cfg.kv_lora_rank :], inp.cos, inp.sin, cfg.rope_interleave)
     return cq_BTQ, q_nope, q_rope, ckv_BTC, k_rope_BTR
 
   def mha_qkv(self, q_nope, q_rope, ckv_BSC, k_rope_BSR) -> tuple[jax.Array, jax.Array, jax.Array]:
     """MHA form's per-head operands: q [B, T, H, P] = [q_nope ; q_rope], k [B, S, H, P] = [k_nope ; k_rope] (the
     shared rope key broadcast to every head) and v [B, S, H, O], k_nope and v expanded from the latent."""
     kv_up = dense(ckv_BSC, self.kv_b_proj, self.dtype, "bsr,rhk->bshk")
-    k_nope, v_BSHO = kv_up[..., :self.cfg.qk_nope_head_dim], kv_up[..., self.cfg.qk_nope_head_dim:]
+    k_nope, v_BSHO = kv_up[..., : self.cfg.qk_nope_head_dim], kv_up[..., self.cfg.qk_nope_head_dim :]
     k_rope = jnp.broadcast_to(k_rope_BSR[:, :, None], k_nope.shape[:3] + k_rope_BSR.shape[-1:]).astype(k_nope.dtype)
     return (jnp.concatenate([q_nope, q_rope], axis=-1), jnp.concatenate([k_nope, k_rope], axis=-1), v_BSHO)
 
@@ -92,21 +93,24 @@ class MLA(nnx.Module):
     return self._mha_out(p_BHTS, v_BSHO)
 
   def _mha_out(self, p_BHTS, v_BSHO) -> jax.Array:
-    return jnp.einsum("bhts,bshv->bthv", p_BHTS.astype(self.dtype), v_BSHO,
-                      preferred_element_type=jnp.float32).astype(self.dtype)
+    return jnp.einsum("bhts,bshv->bthv", p_BHTS.astype(self.dtype), v_BSHO, preferred_element_type=jnp.float32).astype(
+      self.dtype
+    )
 
   def absorbed_q_kv(self, q_nope, q_rope, ckv_BSC, k_rope_BSR) -> tuple[jax.Array, jax.Array]:
     """The absorbed query [B, T, H, A] and the shared key [B, S, A] (A = kv_lora_rank + rope)."""
-    w_uk = float_weight(self.kv_b_proj)[..., :self.cfg.qk_nope_head_dim]  # [R, H, dn]
-    q_lat = jnp.einsum("bthn,rhn->bthr", q_nope, w_uk.astype(self.dtype),
-                       preferred_element_type=jnp.float32).astype(self.dtype)
+    w_uk = float_weight(self.kv_b_proj)[..., : self.cfg.qk_nope_head_dim]  # [R, H, dn]
+    q_lat = jnp.einsum("bthn,rhn->bthr", q_nope, w_uk.astype(self.dtype), preferred_element_type=jnp.float32).astype(
+      self.dtype
+    )
     return (jnp.concatenate([q_lat, q_rope], axis=-1), jnp.concatenate([ckv_BSC, k_rope_BSR], axis=-1))
 
   def absorbed_out(self, o_lat_BTHC: jax.Array) -> jax.Array:
     """o_h = o_lat_h W_UV_h: [B, T, H, O]."""
-    w_uv = float_weight(self.kv_b_proj)[..., self.cfg.qk_nope_head_dim:]  # [R, H, dv]
-    return jnp.einsum("bthr,rhv->bthv", o_lat_BTHC, w_uv.astype(self.dtype),
-                      preferred_element_type=jnp.float32).astype(self.dtype)
+    w_uv = float_weight(self.kv_b_proj)[..., self.cfg.qk_nope_head_dim :]  # [R, H, dv]
+    return jnp.einsum("bthr,rhv->bthv", o_lat_BTHC, w_uv.astype(self.dtype), preferred_element_type=jnp.float32).astype(
+      self.dtype
+    )
 
   def absorbed_dense(self, q_nope, q_rope, ckv_BSC, k_rope_BSR, mask_BTS) -> jax.Array:
     """Dense attention computed in the absorbed form (equal to `mha`; the decode path's shape)."""
@@ -118,12 +122,24 @@ class MLA(nnx.Module):
     s_BHTS = jnp.einsum("bthl,bsl->bhts", q_BTHA, kv_BSA, preferred_element_type=jnp.float32)
     s_BHTS = jnp.where(mask_BTS[:, None], s_BHTS * self.cfg.softmax_scale, -jnp.inf)
     p_BHTS = blockwise.safe_softmax(s_BHTS)
-    return jnp.einsum("bhts,bsr->bthr", p_BHTS.astype(self.dtype), kv_BSA[..., :self.cfg.kv_lora_rank],
-                      preferred_element_type=jnp.float32).astype(self.dtype)
+    return jnp.einsum(
+      "bhts,bsr->bthr",
+      p_BHTS.astype(self.dtype),
+      kv_BSA[..., : self.cfg.kv_lora_rank],
+      preferred_element_type=jnp.float32,
+    ).astype(self.dtype)
 
-  def __call__(self, x_BTD: jax.Array, inp: AttentionInputs, *, form: str = "mha",
-               return_index_scores: bool = False, indexer_loss: bool = False, return_cache: bool = False,
-               share: dsa.IndexShare | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+  def __call__(
+    self,
+    x_BTD: jax.Array,
+    inp: AttentionInputs,
+    *,
+    form: str = "mha",
+    return_index_scores: bool = False,
+    indexer_loss: bool = False,
+    return_cache: bool = False,
+    share: dsa.IndexShare | None = None,
+  ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Returns (out [B, T, D], aux). With DSA active, aux["topk_indices"] [B, T, index_topk]; with
     return_index_scores, aux["index_scores"] [B, T, T] (fp32, -inf where not visible); with indexer_loss,
     aux["indexer_kl"]: the indexer's KL to the main attention, over the visible keys when attention is
@@ -140,9 +156,19 @@ class MLA(nnx.Module):
     aux: dict[str, jax.Array] = {}
     sparse = self.dsa_active(seq_len)
     if context_parallel.context_size() > 1:
-      return self._context_parallel(x_BTD, inp, cq_BTQ, q_nope, q_rope, ckv_BTC, k_rope_BTR, sparse=sparse,
-                                    indexer_loss=indexer_loss, share=share, unsupported=dict(
-                                        return_index_scores=return_index_scores, return_cache=return_cache))
+      return self._context_parallel(
+        x_BTD,
+        inp,
+        cq_BTQ,
+        q_nope,
+        q_rope,
+        ckv_BTC,
+        k_rope_BTR,
+        sparse=sparse,
+        indexer_loss=indexer_loss,
+        share=share,
+        unsupported=dict(return_index_scores=return_index_scores, return_cache=return_cache),
+      )
     if return_cache:
       aux["cache_kv"] = jnp.concatenate([ckv_BTC, k_rope_BTR], axis=-1)
 
@@ -155,8 +181,9 @@ class MLA(nnx.Module):
       q_i, k_i, w_i = own_indexer()
       if return_cache:
         aux["cache_index_k"] = k_i
-      if return_index_scores or (indexer_loss and not sparse and not (cfg.attention_chunk
-                                                                      and seq_len > cfg.attention_chunk)):
+      if return_index_scores or (
+        indexer_loss and not sparse and not (cfg.attention_chunk and seq_len > cfg.attention_chunk)
+      ):
         scores_BTS = jnp.where(inp.mask, lightning_indexer_scores(q_i, k_i, w_i), -jnp.inf)
       if return_index_scores:
         aux["index_scores"] = scores_BTS
@@ -165,8 +192,16 @@ class MLA(nnx.Module):
 
       def select():
         qi, ki, wi = own_indexer() if deferred else (q_i, k_i, w_i)
-        idx, vals = dsa.select_topk(impl, qi, ki, wi, topk=cfg.index_topk, q_segment_ids=inp.segment_ids,
-                                    kv_segment_ids=inp.segment_ids, q_prefix_end=inp.prefix_end)
+        idx, vals = dsa.select_topk(
+          impl,
+          qi,
+          ki,
+          wi,
+          topk=cfg.index_topk,
+          q_segment_ids=inp.segment_ids,
+          kv_segment_ids=inp.segment_ids,
+          q_prefix_end=inp.prefix_end,
+        )
         if indexer_loss and dsa.kernel_mode(impl) != "reference":  # the kernel's top-k scores carry no gradient
           vals = dsa.selected_index_scores(qi, ki, wi, idx)
         return idx, vals
@@ -179,22 +214,37 @@ class MLA(nnx.Module):
       if indexer_loss:
         p_BTK = dsa.head_probs(impl, q_BTHA, kv_BSA, idx_BTK, lse_BTH, sm_scale=cfg.softmax_scale)
         aux["indexer_kl"] = indexer_kl(p_BTK, vals_BTK, idx_BTK >= 0)
-    elif (form == "mha" and not indexer_loss and dsa.kernel_mode(cfg.attention_impl) != "reference"
-          and splash.fits(seq_len) and inp.prefix_end is None):
+    elif (
+      form == "mha"
+      and not indexer_loss
+      and dsa.kernel_mode(cfg.attention_impl) != "reference"
+      and splash.fits(seq_len)
+      and inp.prefix_end is None
+    ):
       # The dense stage on TPU (CPU: interpret mode): splash attention skips the blocks above the diagonal.
       # Sequences no block size divides (short prompts, odd lengths) take the reference below: same values. So
       # does a bidirectional prefix (GLM's blank infilling): splash's masks are static, the prefixes are data.
-      o_BTHO = dsa.dense_causal_attend(*self.mha_qkv(q_nope, q_rope, ckv_BTC, k_rope_BTR), inp.segment_ids,
-                                       sm_scale=cfg.softmax_scale,
-                                       interpret=dsa.kernel_mode(cfg.attention_impl) == "interpret")
+      o_BTHO = dsa.dense_causal_attend(
+        *self.mha_qkv(q_nope, q_rope, ckv_BTC, k_rope_BTR),
+        inp.segment_ids,
+        sm_scale=cfg.softmax_scale,
+        interpret=dsa.kernel_mode(cfg.attention_impl) == "interpret",
+      )
     elif form == "mha" and cfg.attention_chunk and seq_len > cfg.attention_chunk:
       # Long sequences: dense attention (and the warm-up's KL) a block of queries at a time, in the absorbed
       # form, never a [B, H, T, S] array (glm_jax/model/blockwise.py).
       q_BTHA, kv_BSA = self.absorbed_q_kv(q_nope, q_rope, ckv_BTC, k_rope_BTR)
       o_lat, kl = blockwise.latent_attention_and_kl(
-          q_BTHA, kv_BSA, (q_i, k_i, w_i) if indexer_loss else None, sm_scale=cfg.softmax_scale,
-          v_dim=cfg.kv_lora_rank, chunk=cfg.attention_chunk, segment_ids_BT=inp.segment_ids,
-          prefix_end_BT=inp.prefix_end, out_dtype=self.dtype)
+        q_BTHA,
+        kv_BSA,
+        (q_i, k_i, w_i) if indexer_loss else None,
+        sm_scale=cfg.softmax_scale,
+        v_dim=cfg.kv_lora_rank,
+        chunk=cfg.attention_chunk,
+        segment_ids_BT=inp.segment_ids,
+        prefix_end_BT=inp.prefix_end,
+        out_dtype=self.dtype,
+      )
       o_BTHO = self.absorbed_out(o_lat)
       if indexer_loss:
         aux["indexer_kl"] = jnp.mean(kl)
@@ -211,26 +261,51 @@ class MLA(nnx.Module):
       raise ValueError(f"MLA form={form!r}; one of 'mha', 'absorbed'")
     return dense(o_BTHO, self.o_proj, self.dtype, "bthv,hvd->btd"), aux
 
-
-  def _context_parallel(self, x_BTD, inp, cq_BTQ, q_nope, q_rope, ckv_BTC, k_rope_BTR, *, sparse: bool,
-                        indexer_loss: bool, share: dsa.IndexShare | None, unsupported: dict[str, bool]
-                        ) -> tuple[jax.Array, dict[str, jax.Array]]:
+  def _context_parallel(
+    self,
+    x_BTD,
+    inp,
+    cq_BTQ,
+    q_nope,
+    q_rope,
+    ckv_BTC,
+    k_rope_BTR,
+    *,
+    sparse: bool,
+    indexer_loss: bool,
+    share: dsa.IndexShare | None,
+    unsupported: dict[str, bool],
+  ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """__call__ under a mesh with a context axis (glm_jax/model/context_parallel.py): every [B, T] operand in the
     zig-zag layout, attention in the absorbed form (dense: blockwise; DSA: the indexer's top-k and sparse
     attention), each device's queries against the whole sequence's gathered keys."""
     cfg = self.cfg
     for name, asked in unsupported.items():
       if asked:
-        raise ValueError(f"MLA: {name}=True under context parallelism (mesh.context > 1): it needs whole-sequence "
-                         "[T, S] scores or a whole-sequence cache on one device; run it with mesh.context=1")
+        raise ValueError(
+          f"MLA: {name}=True under context parallelism (mesh.context > 1): it needs whole-sequence "
+          "[T, S] scores or a whole-sequence cache on one device; run it with mesh.context=1"
+        )
     indexer = None
     if sparse or indexer_loss:
       indexer = self.indexer(jax.lax.stop_gradient(x_BTD), jax.lax.stop_gradient(cq_BTQ), inp.cos, inp.sin)
     q_BTHA, kv_BTA = self.absorbed_q_kv(q_nope, q_rope, ckv_BTC, k_rope_BTR)
     o_lat, idx_BTK, kl_BT = context_parallel.attention(
-        cfg.attention_impl, q_BTHA, kv_BTA, indexer, segment_ids=inp.segment_ids, prefix_end=inp.prefix_end,
-        sparse=sparse, indexer_loss=indexer_loss, sm_scale=cfg.softmax_scale, v_dim=cfg.kv_lora_rank,
-        topk=cfg.index_topk, chunk=cfg.attention_chunk, out_dtype=self.dtype, share=share if sparse else None)
+      cfg.attention_impl,
+      q_BTHA,
+      kv_BTA,
+      indexer,
+      segment_ids=inp.segment_ids,
+      prefix_end=inp.prefix_end,
+      sparse=sparse,
+      indexer_loss=indexer_loss,
+      sm_scale=cfg.softmax_scale,
+      v_dim=cfg.kv_lora_rank,
+      topk=cfg.index_topk,
+      chunk=cfg.attention_chunk,
+      out_dtype=self.dtype,
+      share=share if sparse else None,
+    )
     aux = {}
     if sparse:
       aux["topk_indices"] = idx_BTK
@@ -238,8 +313,15 @@ class MLA(nnx.Module):
       aux["indexer_kl"] = jnp.mean(kl_BT)
     return dense(self.absorbed_out(o_lat), self.o_proj, self.dtype, "bthv,hvd->btd"), aux
 
-  def decode(self, x_BTD: jax.Array, cos: jax.Array, sin: jax.Array, pos_B: jax.Array, cache: LayerCache,
-             share: dsa.IndexShare | None = None) -> tuple[jax.Array, LayerCache, jax.Array | None]:
+  def decode(
+    self,
+    x_BTD: jax.Array,
+    cos: jax.Array,
+    sin: jax.Array,
+    pos_B: jax.Array,
+    cache: LayerCache,
+    share: dsa.IndexShare | None = None,
+  ) -> tuple[jax.Array, LayerCache, jax.Array | None]:
     """T new tokens a row against the cache, in the absorbed MQA form (T = 1: a decode step; T > 1: a speculative
     round's verification): writes token t's entries at slot pos[b] + t, then token t attends to slots
     0..pos[b] + t; with DSA, to the indexer's top index_topk of them when the cache is longer than index_topk
@@ -263,11 +345,14 @@ class MLA(nnx.Module):
       # Visibility as a prefix: with q_offset 0 the causal rule admits slots <= t, and q_prefix_end = reach + 1
       # widens each query's view to the slots up to its own (reach >= t), no further.
       def select():
-        return dsa.select_topk(cfg.attention_impl, q_i, cache.index_k, w_i, topk=cfg.index_topk,
-                               q_prefix_end=reach_BT + 1)
+        return dsa.select_topk(
+          cfg.attention_impl, q_i, cache.index_k, w_i, topk=cfg.index_topk, q_prefix_end=reach_BT + 1
+        )
+
       idx_BTK, _ = select() if share is None else share.select(select)
-      o_lat, _ = dsa.attend(cfg.attention_impl, q_BTHA, kv_BSA, idx_BTK, sm_scale=cfg.softmax_scale,
-                            v_dim=cfg.kv_lora_rank)
+      o_lat, _ = dsa.attend(
+        cfg.attention_impl, q_BTHA, kv_BSA, idx_BTK, sm_scale=cfg.softmax_scale, v_dim=cfg.kv_lora_rank
+      )
     else:
       o_lat = self._latent_attention(q_BTHA, kv_BSA, visible_BTS)
     o_BTHO = self.absorbed_out(o_lat)

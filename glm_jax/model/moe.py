@@ -30,8 +30,7 @@ class ExpertBias(nnx.Variable):
   """e_score_correction_bias: steers selection only; updated by the balance rule, never by gradient."""
 
 
-def route(logits_NE: jax.Array, bias_E: jax.Array, cfg: ModelConfig
-          ) -> tuple[jax.Array, jax.Array, jax.Array]:
+def route(logits_NE: jax.Array, bias_E: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Returns (gate weights [N, X] fp32, expert ids [N, X] int32, affinities s [N, E] fp32)."""
   s_NE = jax.nn.sigmoid(logits_NE.astype(jnp.float32))
   choice_NE = s_NE + bias_E.astype(jnp.float32)
@@ -55,24 +54,26 @@ def _unpacked_for_mesh(w):
   if not isinstance(w, PackedWeight):
     return w
   if w.act_bits is not None:
-    raise ValueError(f"routed experts packed with {w.bits}-bit weights and {w.act_bits}-bit activations run on one "
-                     "device (the sampler's path); under a mesh use a weight-only scheme")
+    raise ValueError(
+      f"routed experts packed with {w.bits}-bit weights and {w.act_bits}-bit activations run on one "
+      "device (the sampler's path); under a mesh use a weight-only scheme"
+    )
   return dequantize_weight(w)
 
 
 class MoE(nnx.Module):
-
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     self.cfg = cfg
     self.dtype = dtype_of(cfg.dtype)
     d, e, i = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
     self.router = param(rngs, (d, e), ("embed", "experts_router"), cfg)
-    self.e_score_correction_bias = ExpertBias(jnp.zeros((e,), jnp.float32), out_sharding=("experts_router",),
-                                              eager_sharding=False)
+    self.e_score_correction_bias = ExpertBias(
+      jnp.zeros((e,), jnp.float32), out_sharding=("experts_router",), eager_sharding=False
+    )
     self.gate_proj = param(rngs, (e, d, i), ("experts", "embed", "expert_mlp"), cfg)
     self.up_proj = param(rngs, (e, d, i), ("experts", "embed", "expert_mlp"), cfg)
     self.down_proj = param(rngs, (e, i, d), ("experts", "expert_mlp", "embed"), cfg)
-    self.shared_experts = (MLP(cfg, i * cfg.n_shared_experts, rngs) if cfg.n_shared_experts else None)
+    self.shared_experts = MLP(cfg, i * cfg.n_shared_experts, rngs) if cfg.n_shared_experts else None
 
   def __call__(self, x_BTD: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Returns (y [B, T, D], router stats): expert_counts [B, E] (selections per sequence, before any capacity
@@ -90,8 +91,13 @@ class MoE(nnx.Module):
       experts = experts[:3] + tuple(_unpacked_for_mesh(w) for w in experts[3:6]) + experts[6:]
       # Under a mesh the experts run in a shard_map: by ragged all-to-all over an expert axis, else each device on
       # its own tokens. (A Mosaic kernel, TPU's grouped matmul, cannot be partitioned by XLA.)
-      y_ND, dropped = expert_parallel_ffn(*experts, mesh=mesh, capacity_factor=cfg.moe_capacity_factor,
-                                          buffer_factor=cfg.moe_buffer_factor, token_axes=TOKEN_AXES)
+      y_ND, dropped = expert_parallel_ffn(
+        *experts,
+        mesh=mesh,
+        capacity_factor=cfg.moe_capacity_factor,
+        buffer_factor=cfg.moe_buffer_factor,
+        token_axes=TOKEN_AXES,
+      )
     else:
       y_ND, dropped = grouped_ffn(*experts, capacity_factor=cfg.moe_capacity_factor)
     y_BTD = y_ND.reshape(b, t, d)

@@ -63,8 +63,9 @@ __all__ = ["expert_parallel_ffn", "expert_parallel_specs", "FAST_PATH"]
 FAST_PATH = "moe_fast_buffer"  # the named scope of the fast path's ops (hlo_cost picks the branch a routing takes)
 
 
-def _resolved_axes(mesh: Mesh, expert_axis: str, token_axes: Sequence[str], tensor_axis: str | None
-                   ) -> tuple[tuple[str, ...], int, str | None]:
+def _resolved_axes(
+  mesh: Mesh, expert_axis: str, token_axes: Sequence[str], tensor_axis: str | None
+) -> tuple[tuple[str, ...], int, str | None]:
   """(token axes present in the mesh, with `expert` among them; expert axis size; tensor axis or None)."""
   names = tuple(mesh.axis_names)
   tokens = tuple(a for a in token_axes if a in names)
@@ -74,8 +75,10 @@ def _resolved_axes(mesh: Mesh, expert_axis: str, token_axes: Sequence[str], tens
   if tensor_axis is not None and (tensor_axis not in names or mesh.shape[tensor_axis] == 1):
     tensor_axis = None
   if tensor_axis is not None and (tensor_axis == expert_axis or tensor_axis in tokens):
-    raise ValueError(f"expert_parallel_ffn: tensor_axis={tensor_axis!r} must differ from expert_axis="
-                     f"{expert_axis!r} and from the token axes {tokens}")
+    raise ValueError(
+      f"expert_parallel_ffn: tensor_axis={tensor_axis!r} must differ from expert_axis="
+      f"{expert_axis!r} and from the token axes {tokens}"
+    )
   return tokens, n_expert, tensor_axis
 
 
@@ -85,22 +88,41 @@ def token_shards(mesh: Mesh, *, expert_axis: str = EXPERT, token_axes: Sequence[
   return math.prod(mesh.shape[a] for a in tokens)
 
 
-def expert_parallel_specs(mesh: Mesh, *, expert_axis: str = EXPERT, token_axes: Sequence[str] = BATCH_AXES,
-                          tensor_axis: str | None = TENSOR) -> dict[str, P]:
+def expert_parallel_specs(
+  mesh: Mesh, *, expert_axis: str = EXPERT, token_axes: Sequence[str] = BATCH_AXES, tensor_axis: str | None = TENSOR
+) -> dict[str, P]:
   """The PartitionSpecs expert_parallel_ffn works in, by argument name (x, w, idx, gate, up, down, y).
   Inputs sharded otherwise are resharded by XLA at the shard_map boundary (e.g. fsdp-sharded D all-gathered)."""
   tokens, _, tensor = _resolved_axes(mesh, expert_axis, token_axes, tensor_axis)
   e = expert_axis if expert_axis in mesh.axis_names else None
   tok = P(tokens if tokens else None, None)
-  return {"x": tok, "w": tok, "idx": tok, "y": tok,
-          "gate": P(e, None, tensor), "up": P(e, None, tensor), "down": P(e, tensor, None)}
+  return {
+    "x": tok,
+    "w": tok,
+    "idx": tok,
+    "y": tok,
+    "gate": P(e, None, tensor),
+    "up": P(e, None, tensor),
+    "down": P(e, tensor, None),
+  }
 
 
-def expert_parallel_ffn(x_ND: jax.Array, w_NX: jax.Array, idx_NX: jax.Array, gate_EDI: jax.Array,
-                        up_EDI: jax.Array, down_EID: jax.Array, dtype: jnp.dtype, *, mesh: Mesh,
-                        capacity_factor: float = 0.0, buffer_factor: float = 0.0, expert_axis: str = EXPERT,
-                        token_axes: Sequence[str] = BATCH_AXES, tensor_axis: str | None = TENSOR
-                        ) -> tuple[jax.Array, jax.Array]:
+def expert_parallel_ffn(
+  x_ND: jax.Array,
+  w_NX: jax.Array,
+  idx_NX: jax.Array,
+  gate_EDI: jax.Array,
+  up_EDI: jax.Array,
+  down_EID: jax.Array,
+  dtype: jnp.dtype,
+  *,
+  mesh: Mesh,
+  capacity_factor: float = 0.0,
+  buffer_factor: float = 0.0,
+  expert_axis: str = EXPERT,
+  token_axes: Sequence[str] = BATCH_AXES,
+  tensor_axis: str | None = TENSOR,
+) -> tuple[jax.Array, jax.Array]:
   """grouped_ffn(x, w, idx, gate, up, down, dtype) with the experts split over `expert_axis` of `mesh`.
 
   x_ND [N, D], w_NX [N, X] gate weights, idx_NX [N, X] int expert ids, gate_EDI / up_EDI [E, D, I],
@@ -132,21 +154,32 @@ def expert_parallel_ffn(x_ND: jax.Array, w_NX: jax.Array, idx_NX: jax.Array, gat
   tokens, n_shards, tensor = _resolved_axes(mesh, expert_axis, token_axes, tensor_axis)
   n_token_shards = math.prod(mesh.shape[a] for a in tokens)
   if x_ND.shape[0] != n or w_NX.shape != (n, k):
-    raise ValueError(f"expert_parallel_ffn: x_ND {x_ND.shape}, w_NX {w_NX.shape} and idx_NX {idx_NX.shape} "
-                     "must agree on N (and w, idx on K)")
+    raise ValueError(
+      f"expert_parallel_ffn: x_ND {x_ND.shape}, w_NX {w_NX.shape} and idx_NX {idx_NX.shape} "
+      "must agree on N (and w, idx on K)"
+    )
   if n % n_token_shards:
-    raise ValueError(f"expert_parallel_ffn: N={n} tokens must divide over the token axes {tokens} "
-                     f"({n_token_shards} shards)")
-  if isinstance(buffer_factor, bool) or not isinstance(buffer_factor, (int, float)) or not (
-      buffer_factor == 0 or buffer_factor >= 1):
-    raise ValueError(f"expert_parallel_ffn: buffer_factor={buffer_factor!r}; valid: 0 (the worst-case buffer only) or "
-                     "a number >= 1 (a fast path's buffer in multiples of the balanced load)")
+    raise ValueError(
+      f"expert_parallel_ffn: N={n} tokens must divide over the token axes {tokens} ({n_token_shards} shards)"
+    )
+  if (
+    isinstance(buffer_factor, bool)
+    or not isinstance(buffer_factor, (int, float))
+    or not (buffer_factor == 0 or buffer_factor >= 1)
+  ):
+    raise ValueError(
+      f"expert_parallel_ffn: buffer_factor={buffer_factor!r}; valid: 0 (the worst-case buffer only) or "
+      "a number >= 1 (a fast path's buffer in multiples of the balanced load)"
+    )
   if n_experts % n_shards:
-    raise ValueError(f"expert_parallel_ffn: n_routed_experts={n_experts} must divide over mesh axis "
-                     f"{expert_axis!r} of size {n_shards}")
+    raise ValueError(
+      f"expert_parallel_ffn: n_routed_experts={n_experts} must divide over mesh axis {expert_axis!r} of size {n_shards}"
+    )
   if tensor is not None and i % mesh.shape[tensor]:
-    raise ValueError(f"expert_parallel_ffn: moe_intermediate_size={i} must divide over mesh axis {tensor!r} "
-                     f"of size {mesh.shape[tensor]}")
+    raise ValueError(
+      f"expert_parallel_ffn: moe_intermediate_size={i} must divide over mesh axis {tensor!r} "
+      f"of size {mesh.shape[tensor]}"
+    )
   e_local = n_experts // n_shards
   specs = expert_parallel_specs(mesh, expert_axis=expert_axis, token_axes=token_axes, tensor_axis=tensor_axis)
 
@@ -174,8 +207,15 @@ def expert_parallel_ffn(x_ND: jax.Array, w_NX: jax.Array, idx_NX: jax.Array, gat
 
     back_from = (mine(expert_start)[None] + mine(before)).reshape(-1)  # where sender s's rows of my experts sit
     back_to = mine(exclusive_cumsum(all_counts, axis=1)).reshape(-1)  # where they sit in s's sorted order
-    index = (sorted_start, kept, expert_start + before[me], mine(kept_all).reshape(-1), mine(totals), back_from,
-             back_to)
+    index = (
+      sorted_start,
+      kept,
+      expert_start + before[me],
+      mine(kept_all).reshape(-1),
+      mine(totals),
+      back_from,
+      back_to,
+    )
     sent = x[order // k].astype(dtype)
     if fast_rows is None:
       back = round_trip(rows, sent, gate, up, down, index)
@@ -210,16 +250,34 @@ def expert_parallel_ffn(x_ND: jax.Array, w_NX: jax.Array, idx_NX: jax.Array, gat
     # The receive buffer is not filled: its rows past the received ones are read only by the grouped matmuls,
     # which keep them out of the real rows and the weight gradients (expert_swiglu's zero_past=False). Every sorted
     # row is sent unless an expert's capacity drops it; a dropped row's gradient must be 0.
-    xs = exchange_rows(sent, buffer_rows, sorted_start, kept, dest, kept_mine, axis_name=expert_axis,
-                       zero_unwritten=False, zero_unsent=cap is not None)
+    xs = exchange_rows(
+      sent,
+      buffer_rows,
+      sorted_start,
+      kept,
+      dest,
+      kept_mine,
+      axis_name=expert_axis,
+      zero_unwritten=False,
+      zero_unsent=cap is not None,
+    )
     out = expert_swiglu(xs, totals_mine, gate, up, down, dtype, out_dtype=dtype, zero_past=False)  # [rows, D]
     # Combine: slice (s, l), the rows sender s sent my expert l, goes back into s's sorted order; a dropped pair's
     # row stays 0. Each token's K rows are then gathered ([n, K, D], in `dtype`) and summed with the gate weights
     # in fp32, so the fp32 work (and the gradient flowing back into the exchanged rows) is n*K rows.
     # Dropless, every pair's row comes back, so `back` needs no fill; with a capacity a dropped pair's row must be 0.
     # The rows of `out` past the received ones are not sent back: their gradient is left undefined (see above).
-    return exchange_rows(out, pairs, back_from, kept_mine, back_to, kept, axis_name=expert_axis,
-                         zero_unwritten=cap is not None, zero_unsent=False)
+    return exchange_rows(
+      out,
+      pairs,
+      back_from,
+      kept_mine,
+      back_to,
+      kept,
+      axis_name=expert_axis,
+      zero_unwritten=cap is not None,
+      zero_unsent=False,
+    )
 
   def fast_round_trip(*args):
     with jax.named_scope(FAST_PATH):
@@ -241,8 +299,11 @@ def expert_parallel_ffn(x_ND: jax.Array, w_NX: jax.Array, idx_NX: jax.Array, gat
     def grads(trip):
       return lambda ct, *args: jax.vjp(lambda *a: trip(*a, index), *args)[1](ct)
 
-    return (None, *jax.lax.cond(fits, grads(fast_round_trip), grads(functools.partial(round_trip, rows)),
-                                ct, sent, gate, up, down), None)
+    return (
+      None,
+      *jax.lax.cond(fits, grads(fast_round_trip), grads(functools.partial(round_trip, rows)), ct, sent, gate, up, down),
+      None,
+    )
 
   fast_or_full.defvjp(fast_or_full_fwd, fast_or_full_bwd)
 
@@ -251,8 +312,11 @@ def expert_parallel_ffn(x_ND: jax.Array, w_NX: jax.Array, idx_NX: jax.Array, gat
   # they vary over, which check_vma=True rejects. Values and gradients in this mode are what the 8-device CPU
   # tests compare against grouped_ffn (tests/model/test_moe_parallel.py).
   sharded = jax.shard_map(
-      body, mesh=mesh,
-      in_specs=(specs["x"], specs["w"], specs["idx"], specs["gate"], specs["up"], specs["down"]),
-      out_specs=(specs["y"], P()), check_vma=False)
+    body,
+    mesh=mesh,
+    in_specs=(specs["x"], specs["w"], specs["idx"], specs["gate"], specs["up"], specs["down"]),
+    out_specs=(specs["y"], P()),
+    check_vma=False,
+  )
   # Expert weights cast before the boundary, so any all-gather (fsdp-sharded D) moves `dtype`, not fp32.
   return sharded(x_ND, w_NX, idx_NX, gate_EDI.astype(dtype), up_EDI.astype(dtype), down_EID.astype(dtype))

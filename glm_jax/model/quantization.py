@@ -41,16 +41,21 @@ from glm_jax.tree_paths import path_names, path_str
 SCHEMES = ("none", "int4", "int4_row", "w8a8", "w4a8")
 GROUPS = ("routed_experts", "shared_experts", "dense_mlp", "attention", "indexer", "mtp_proj", "lm_head")
 DEFAULT_SCOPE = {
-    "int4": ("routed_experts",),
-    "int4_row": ("routed_experts", "shared_experts", "dense_mlp", "attention"),
-    "w8a8": ("routed_experts", "shared_experts", "dense_mlp", "attention"),
-    "w4a8": ("routed_experts", "shared_experts", "dense_mlp", "attention"),
+  "int4": ("routed_experts",),
+  "int4_row": ("routed_experts", "shared_experts", "dense_mlp", "attention"),
+  "w8a8": ("routed_experts", "shared_experts", "dense_mlp", "attention"),
+  "w4a8": ("routed_experts", "shared_experts", "dense_mlp", "attention"),
 }
 WEIGHT_ONLY = ("int4", "int4_row")
 
 # The matmul weights: (contracted axes, free axes) at the end of the parameter (glm_jax/quant/packed.py's layout).
-_ATTENTION = {"q_a_proj": (1, 1), "q_b_proj": (1, 2), "kv_a_proj_with_mqa": (1, 1), "kv_b_proj": (1, 2),
-              "o_proj": (2, 1)}
+_ATTENTION = {
+  "q_a_proj": (1, 1),
+  "q_b_proj": (1, 2),
+  "kv_a_proj_with_mqa": (1, 1),
+  "kv_b_proj": (1, 2),
+  "o_proj": (2, 1),
+}
 _MLP = {"gate_proj": (1, 1), "up_proj": (1, 1), "down_proj": (1, 1)}
 _INDEXER = {"wq_b": (1, 2), "wk": (1, 1)}
 
@@ -108,8 +113,9 @@ def check_quant_config(q: ml_collections.ConfigDict) -> None:
   if q.scheme not in SCHEMES:
     raise ValueError(f"quant.scheme={q.scheme!r} is invalid; one of {list(SCHEMES)}")
   if not isinstance(q.group_size, int) or isinstance(q.group_size, bool) or q.group_size < 0:
-    raise ValueError(f"quant.group_size={q.group_size!r} is invalid; a positive integer, or 0 for one scale per "
-                     "output channel")
+    raise ValueError(
+      f"quant.group_size={q.group_size!r} is invalid; a positive integer, or 0 for one scale per output channel"
+    )
   if q.scope.startswith("re:"):
     try:
       re.compile(q.scope[3:])
@@ -118,8 +124,10 @@ def check_quant_config(q: ml_collections.ConfigDict) -> None:
   elif q.scope:
     unknown = [g for g in q.scope.split(",") if g.strip() not in GROUPS]
     if unknown:
-      raise ValueError(f"quant.scope={q.scope!r}: unknown group(s) {unknown}; groups are {list(GROUPS)}, or "
-                       "\"re:<regex>\" on parameter paths")
+      raise ValueError(
+        f"quant.scope={q.scope!r}: unknown group(s) {unknown}; groups are {list(GROUPS)}, or "
+        "\"re:<regex>\" on parameter paths"
+      )
 
 
 def quant_plan(params: Any, q: ml_collections.ConfigDict) -> dict[tuple, Rule]:
@@ -150,23 +158,29 @@ def quant_plan(params: Any, q: ml_collections.ConfigDict) -> dict[tuple, Rule]:
     _check_fits(names, x.shape, rule)
     plan[names] = rule
   if pattern is not None and matched_other:
-    raise ValueError(f"quant.scope={q.scope!r} matches {matched_other}, which are not matmul weights (embeddings, "
-                     "norms, biases, the router and the indexer's weights_proj stay unquantized)")
+    raise ValueError(
+      f"quant.scope={q.scope!r} matches {matched_other}, which are not matmul weights (embeddings, "
+      "norms, biases, the router and the indexer's weights_proj stay unquantized)"
+    )
   if not plan:
-    raise ValueError(f"quant.scope={q.scope or ','.join(groups)!r} matches no parameter of this model under scheme "
-                     f"{q.scheme!r}; its matmul weights are "
-                     f"{sorted(path_str(n) for n in paths if weight_group(n, paths))}")
+    raise ValueError(
+      f"quant.scope={q.scope or ','.join(groups)!r} matches no parameter of this model under scheme "
+      f"{q.scheme!r}; its matmul weights are "
+      f"{sorted(path_str(n) for n in paths if weight_group(n, paths))}"
+    )
   return plan
 
 
 def _check_fits(names: tuple, shape: tuple, rule: Rule) -> None:
   lead = len(shape) - rule.contracted_axes - rule.free_axes
   k = 1
-  for d in shape[lead:lead + rule.contracted_axes]:
+  for d in shape[lead : lead + rule.contracted_axes]:
     k *= d
   if rule.group_size is not None and k % rule.group_size:
-    raise ValueError(f"quant.group_size={rule.group_size} does not divide {path_str(names)}'s input of {k} "
-                     f"(shape {tuple(shape)}); use a divisor of {k}, or 0 for one scale per output channel")
+    raise ValueError(
+      f"quant.group_size={rule.group_size} does not divide {path_str(names)}'s input of {k} "
+      f"(shape {tuple(shape)}); use a divisor of {k}, or 0 for one scale per output channel"
+    )
   if rule.bits == 4 and shape[-1] % 2:
     raise ValueError(f"{path_str(names)}: int4 codes go two to a byte along the last axis, of odd size {shape[-1]}")
 
@@ -175,26 +189,41 @@ def _apply(params: Any, plan: dict[tuple, Rule], fn) -> Any:
   def one(path, x):
     rule = plan.get(path_names(path))
     return x if rule is None else fn(x, rule)
+
   return jax.tree_util.tree_map_with_path(one, params)
 
 
 def fake_quant_params(params: Any, plan: dict[tuple, Rule]) -> Any:
   """params with each planned weight fake-quantized (its packed values in the forward, the straight-through
   gradient in the backward). Only weight-only rules: activations are not fake-quantized in training."""
+
   def one(x, rule: Rule):
     if rule.act_bits is not None:
-      raise ValueError("quantization-aware training takes a weight-only scheme "
-                       f"({list(WEIGHT_ONLY)}); W8A8 / W4A8 are post-training schemes")
-    return fake_quant_weight(x, bits=rule.bits, group_size=rule.group_size, contracted_axes=rule.contracted_axes,
-                             free_axes=rule.free_axes)
+      raise ValueError(
+        "quantization-aware training takes a weight-only scheme "
+        f"({list(WEIGHT_ONLY)}); W8A8 / W4A8 are post-training schemes"
+      )
+    return fake_quant_weight(
+      x, bits=rule.bits, group_size=rule.group_size, contracted_axes=rule.contracted_axes, free_axes=rule.free_axes
+    )
+
   return _apply(params, plan, one)
 
 
 def pack_params(params: Any, plan: dict[tuple, Rule]) -> Any:
   """params with each planned weight replaced by its PackedWeight."""
-  return _apply(params, plan, lambda x, r: pack_weight(x, bits=r.bits, group_size=r.group_size,
-                                                        contracted_axes=r.contracted_axes, free_axes=r.free_axes,
-                                                        act_bits=r.act_bits))
+  return _apply(
+    params,
+    plan,
+    lambda x, r: pack_weight(
+      x,
+      bits=r.bits,
+      group_size=r.group_size,
+      contracted_axes=r.contracted_axes,
+      free_axes=r.free_axes,
+      act_bits=r.act_bits,
+    ),
+  )
 
 
 def weight_bytes(params: Any) -> int:

@@ -32,8 +32,16 @@ from glm_jax.model.platform import current_platform
 __all__ = ["ragged_all_to_all", "dense_ragged_all_to_all", "exchange_rows", "exclusive_cumsum", "unwritten"]
 
 
-def ragged_all_to_all(operand: jax.Array, output: jax.Array, input_offsets: jax.Array, send_sizes: jax.Array,
-                      output_offsets: jax.Array, recv_sizes: jax.Array, *, axis_name: str) -> jax.Array:
+def ragged_all_to_all(
+  operand: jax.Array,
+  output: jax.Array,
+  input_offsets: jax.Array,
+  send_sizes: jax.Array,
+  output_offsets: jax.Array,
+  recv_sizes: jax.Array,
+  *,
+  axis_name: str,
+) -> jax.Array:
   """jax.lax.ragged_all_to_all(...) where the traced-for backend has it (TPU), dense_ragged_all_to_all elsewhere.
   Call inside a shard_map over `axis_name`."""
   args = (operand, output, input_offsets, send_sizes, output_offsets, recv_sizes)
@@ -52,17 +60,36 @@ def unwritten(shape: tuple[int, ...], dtype: jnp.dtype) -> jax.Array:
 _UNWRITTEN = jax.lax.empty
 
 
-def exchange_rows(operand: jax.Array, rows: int, input_offsets: jax.Array, send_sizes: jax.Array,
-                  output_offsets: jax.Array, recv_sizes: jax.Array, *, axis_name: str, zero_unwritten: bool = True,
-                  zero_unsent: bool = True) -> jax.Array:
+def exchange_rows(
+  operand: jax.Array,
+  rows: int,
+  input_offsets: jax.Array,
+  send_sizes: jax.Array,
+  output_offsets: jax.Array,
+  recv_sizes: jax.Array,
+  *,
+  axis_name: str,
+  zero_unwritten: bool = True,
+  zero_unsent: bool = True,
+) -> jax.Array:
   """ragged_all_to_all(operand, <a new [rows, ...] buffer>, ...), differentiable in `operand`.
 
   zero_unwritten: rows of the result no slice writes are 0; False: undefined (the buffer is `unwritten`).
   zero_unsent: the gradient of the rows of `operand` no slice sends is 0; False: undefined, for a caller whose
   operand rows are all sent or whose unsent rows' gradient is never read. The gradient is the reverse exchange,
   as jax's transpose rule of ragged_all_to_all computes it, into a buffer filled or not by `zero_unsent`."""
-  return _exchange(operand, input_offsets, send_sizes, output_offsets, recv_sizes,
-                   rows, operand.shape[0], axis_name, zero_unwritten, zero_unsent)
+  return _exchange(
+    operand,
+    input_offsets,
+    send_sizes,
+    output_offsets,
+    recv_sizes,
+    rows,
+    operand.shape[0],
+    axis_name,
+    zero_unwritten,
+    zero_unsent,
+  )
 
 
 def _buffer(shape, dtype, zero: bool) -> jax.Array:
@@ -70,17 +97,47 @@ def _buffer(shape, dtype, zero: bool) -> jax.Array:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
-def _exchange(operand, input_offsets, send_sizes, output_offsets, recv_sizes, rows, operand_rows, axis_name,
-              zero_unwritten, zero_unsent):
+def _exchange(
+  operand,
+  input_offsets,
+  send_sizes,
+  output_offsets,
+  recv_sizes,
+  rows,
+  operand_rows,
+  axis_name,
+  zero_unwritten,
+  zero_unsent,
+):
   del operand_rows, zero_unsent
   out = _buffer((rows,) + operand.shape[1:], operand.dtype, zero_unwritten)
   return ragged_all_to_all(operand, out, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name=axis_name)
 
 
-def _exchange_fwd(operand, input_offsets, send_sizes, output_offsets, recv_sizes, rows, operand_rows, axis_name,
-                  zero_unwritten, zero_unsent):
-  out = _exchange(operand, input_offsets, send_sizes, output_offsets, recv_sizes, rows, operand_rows, axis_name,
-                  zero_unwritten, zero_unsent)
+def _exchange_fwd(
+  operand,
+  input_offsets,
+  send_sizes,
+  output_offsets,
+  recv_sizes,
+  rows,
+  operand_rows,
+  axis_name,
+  zero_unwritten,
+  zero_unsent,
+):
+  out = _exchange(
+    operand,
+    input_offsets,
+    send_sizes,
+    output_offsets,
+    recv_sizes,
+    rows,
+    operand_rows,
+    axis_name,
+    zero_unwritten,
+    zero_unsent,
+  )
   return out, (input_offsets, send_sizes, output_offsets, recv_sizes)
 
 
@@ -91,8 +148,15 @@ def _exchange_bwd(rows, operand_rows, axis_name, zero_unwritten, zero_unsent, re
   input_offsets, send_sizes, output_offsets, recv_sizes = res
   where_received = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)
   where_sent_from = jax.lax.all_to_all(input_offsets, axis_name, 0, 0, tiled=True)
-  d_operand = ragged_all_to_all(ct, _buffer((operand_rows,) + ct.shape[1:], ct.dtype, zero_unsent), where_received,
-                                recv_sizes, where_sent_from, send_sizes, axis_name=axis_name)
+  d_operand = ragged_all_to_all(
+    ct,
+    _buffer((operand_rows,) + ct.shape[1:], ct.dtype, zero_unsent),
+    where_received,
+    recv_sizes,
+    where_sent_from,
+    send_sizes,
+    axis_name=axis_name,
+  )
   return d_operand, None, None, None, None
 
 
@@ -116,15 +180,25 @@ def _slice_of_row(sizes_PS: jax.Array, rows: int) -> tuple[jax.Array, jax.Array,
   return slice_PR, within_PR, valid_PR
 
 
-def dense_ragged_all_to_all(operand: jax.Array, output: jax.Array, input_offsets: jax.Array, send_sizes: jax.Array,
-                            output_offsets: jax.Array, recv_sizes: jax.Array, *, axis_name: str) -> jax.Array:
+def dense_ragged_all_to_all(
+  operand: jax.Array,
+  output: jax.Array,
+  input_offsets: jax.Array,
+  send_sizes: jax.Array,
+  output_offsets: jax.Array,
+  recv_sizes: jax.Array,
+  *,
+  axis_name: str,
+) -> jax.Array:
   """jax.lax.ragged_all_to_all's result computed with one dense all_to_all of the rows and one of the offsets."""
   p = jax.lax.axis_size(axis_name)
   n = input_offsets.shape[0]
   if n % p or not (send_sizes.shape == output_offsets.shape == recv_sizes.shape == (n,)):
-    raise ValueError(f"ragged_all_to_all: offsets and sizes must all have one length divisible by the size {p} of "
-                     f"axis {axis_name!r}; got {input_offsets.shape}, {send_sizes.shape}, {output_offsets.shape}, "
-                     f"{recv_sizes.shape}")
+    raise ValueError(
+      f"ragged_all_to_all: offsets and sizes must all have one length divisible by the size {p} of "
+      f"axis {axis_name!r}; got {input_offsets.shape}, {send_sizes.shape}, {output_offsets.shape}, "
+      f"{recv_sizes.shape}"
+    )
   s = n // p
   cap = min(operand.shape[0], output.shape[0])  # rows one device can send to one other
 

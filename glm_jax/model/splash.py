@@ -31,28 +31,46 @@ def block_size(seq_len: int) -> int:
   for b in BLOCKS:
     if seq_len % b == 0:
       return b
-  raise ValueError(f"splash attention: seq_len={seq_len} must be a multiple of one of the block sizes {BLOCKS} "
-                   "(pad the sequence, or use attention_impl='reference')")
+  raise ValueError(
+    f"splash attention: seq_len={seq_len} must be a multiple of one of the block sizes {BLOCKS} "
+    "(pad the sequence, or use attention_impl='reference')"
+  )
 
 
 def _kernel(heads: int, seq_len: int, interpret: bool):
   """A splash kernel for this trace (splash caches the host-side block map of a mask itself: 0.45 s the first
   time for 64 heads at 4096 tokens, milliseconds after)."""
   b = block_size(seq_len)
-  sizes = splash.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b, block_kv_dkv=b,
-                            block_kv_dkv_compute=b, use_fused_bwd_kernel=True)
+  sizes = splash.BlockSizes(
+    block_q=b,
+    block_kv=b,
+    block_kv_compute=b,
+    block_q_dkv=b,
+    block_kv_dkv=b,
+    block_kv_dkv_compute=b,
+    use_fused_bwd_kernel=True,
+  )
   mask = masks.MultiHeadMask([masks.CausalMask((seq_len, seq_len)) for _ in range(heads)])
   return splash.make_splash_mha_single_device(mask, block_sizes=sizes, interpret=interpret)
 
 
-def causal_attention(q_BTHP: jax.Array, k_BTHP: jax.Array, v_BTHO: jax.Array, segment_ids_BT: jax.Array, *,
-                     sm_scale: float, interpret: bool = False) -> jax.Array:
+def causal_attention(
+  q_BTHP: jax.Array,
+  k_BTHP: jax.Array,
+  v_BTHO: jax.Array,
+  segment_ids_BT: jax.Array,
+  *,
+  sm_scale: float,
+  interpret: bool = False,
+) -> jax.Array:
   """softmax(q k^T * sm_scale over the visible keys) v, visible = causal and same segment (segment_ids [B, T]; all
   zeros for one document a row): o [B, T, H, O] in v's dtype (fp32 softmax and accumulation inside the kernel)."""
   b, t, h, p = q_BTHP.shape
   if k_BTHP.shape != (b, t, h, p) or v_BTHO.shape[:3] != (b, t, h):
-    raise ValueError(f"splash causal_attention: q {q_BTHP.shape}, k {k_BTHP.shape}, v {v_BTHO.shape}; want "
-                     "q, k [B, T, H, P] and v [B, T, H, O]")
+    raise ValueError(
+      f"splash causal_attention: q {q_BTHP.shape}, k {k_BTHP.shape}, v {v_BTHO.shape}; want "
+      "q, k [B, T, H, P] and v [B, T, H, O]"
+    )
   kernel = _kernel(h, t, interpret)
   seg = segment_ids_BT.astype(jnp.int32)
   heads_first = lambda x: jnp.swapaxes(x, 1, 2)  # [B, T, H, .] -> [B, H, T, .]
@@ -65,8 +83,9 @@ def causal_attention(q_BTHP: jax.Array, k_BTHP: jax.Array, v_BTHO: jax.Array, se
   return heads_first(o).astype(v_BTHO.dtype)
 
 
-def grid_cost(kernel: str, batch_heads: int, seq_len: int, p: int, o: int, itemsize: int, *,
-              block: int | None = None) -> tuple[float, float]:
+def grid_cost(
+  kernel: str, batch_heads: int, seq_len: int, p: int, o: int, itemsize: int, *, block: int | None = None
+) -> tuple[float, float]:
   """(matmul FLOPs, HBM bytes) of one splash call as its grid runs the causal mask (a host-side count for cost
   reports; jax's splash declares no cost_estimate). Of the n x n blocks (n = seq_len / block; block: ours,
   block_size, unless given) it visits the n (n + 1) / 2 on or below the diagonal, each a full block x block

@@ -86,9 +86,16 @@ def _forward(xs, group_sizes, gate, up, down, dtype, out_dtype, tile):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def tiled_swiglu(xs: jax.Array, group_sizes: jax.Array, gate_EDI: jax.Array, up_EDI: jax.Array,
-                 down_EID: jax.Array, dtype: jnp.dtype, out_dtype: jnp.dtype = jnp.float32,
-                 tile: int = CPU_TILE) -> jax.Array:
+def tiled_swiglu(
+  xs: jax.Array,
+  group_sizes: jax.Array,
+  gate_EDI: jax.Array,
+  up_EDI: jax.Array,
+  down_EID: jax.Array,
+  dtype: jnp.dtype,
+  out_dtype: jnp.dtype = jnp.float32,
+  tile: int = CPU_TILE,
+) -> jax.Array:
   """Row r of xs [rows, D] through the SwiGLU expert of its group: [rows, D] in out_dtype (module docstring)."""
   return _forward(xs, group_sizes, gate_EDI, up_EDI, down_EID, dtype, out_dtype, tile)[0]
 
@@ -120,18 +127,28 @@ def _bwd(dtype, out_dtype, tile, res, dy):
     sig = jax.nn.sigmoid(a)
     da = (dh * b * sig * (1 + a * (1 - sig))).astype(dtype)  # d silu(a) / da = sig(a) (1 + a (1 - sig(a)))
     db = (dh * silu_a).astype(dtype)
-    dx_t = (jnp.dot(da, w_gate[g].T, preferred_element_type=jnp.float32)
-            + jnp.dot(db, w_up[g].T, preferred_element_type=jnp.float32))
+    dx_t = jnp.dot(da, w_gate[g].T, preferred_element_type=jnp.float32) + jnp.dot(
+      db, w_up[g].T, preferred_element_type=jnp.float32
+    )
     add = lambda acc, lhs, rhs: acc.at[g].add(jnp.dot(lhs.T, rhs, preferred_element_type=jnp.float32))
     return _put(dx, dx_t, start), add(dgate, x_t, da), add(dup, x_t, db), add(ddown, h, dy_t)
 
   operands = (xs, dy, group_sizes, gate, up, down)
-  init = (jnp.zeros((rows + tile, xs.shape[1]), jnp.float32), jnp.zeros(gate.shape, jnp.float32),
-          jnp.zeros(up.shape, jnp.float32), jnp.zeros(down.shape, jnp.float32))
+  init = (
+    jnp.zeros((rows + tile, xs.shape[1]), jnp.float32),
+    jnp.zeros(gate.shape, jnp.float32),
+    jnp.zeros(up.shape, jnp.float32),
+    jnp.zeros(down.shape, jnp.float32),
+  )
   dx, dgate, dup, ddown = jax.lax.fori_loop(0, t.count, body, tuple(varying_like(z, *operands) for z in init))
   dx = zero_past_groups(dx[:rows], group_sizes).astype(xs.dtype)
-  return (summed_like(dx, xs), None, summed_like(dgate, gate).astype(gate.dtype),
-          summed_like(dup, up).astype(up.dtype), summed_like(ddown, down).astype(down.dtype))
+  return (
+    summed_like(dx, xs),
+    None,
+    summed_like(dgate, gate).astype(gate.dtype),
+    summed_like(dup, up).astype(up.dtype),
+    summed_like(ddown, down).astype(down.dtype),
+  )
 
 
 tiled_swiglu.defvjp(_fwd, _bwd)

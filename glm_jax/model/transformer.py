@@ -27,21 +27,34 @@ from glm_jax.model.config import ModelConfig
 from glm_jax.model.kv_cache import KVCache, LayerCache
 from glm_jax.model import context_parallel, deepnorm
 from glm_jax.model.dsa import IndexShare
-from glm_jax.model.layers import (MLP, Embed, RMSNorm, check_token_ids, dense, dense_fp32, dtype_of, param, rope_angles,
-                                  rope_angles_2d)
+from glm_jax.model.layers import (
+  MLP,
+  Embed,
+  RMSNorm,
+  check_token_ids,
+  dense,
+  dense_fp32,
+  dtype_of,
+  param,
+  rope_angles,
+  rope_angles_2d,
+)
 from glm_jax.model.mla import MLA, AttentionInputs
 from glm_jax.model.moe import MoE
 from pallas_kernels.lightning_indexer_reference import visible_mask
 
 # What jax.checkpoint saves under each of config.REMAT_POLICIES but "none" (which does not wrap the layer).
 CHECKPOINT_POLICIES: dict[str, Callable | None] = {
-    "full": None,  # save nothing: recompute the whole layer in the backward pass
-    "dots": jax.checkpoint_policies.checkpoint_dots,
-    "dots_with_no_batch_dims": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
-    # recompute the layer, and keep its input (the layer-boundary residual, [B, T, D] a layer) in host memory
-    "offload_layer_inputs": jax.checkpoint_policies.save_and_offload_only_these_names(
-        names_which_can_be_saved=[], names_which_can_be_offloaded=["layer_input"], offload_src="device",
-        offload_dst="pinned_host"),
+  "full": None,  # save nothing: recompute the whole layer in the backward pass
+  "dots": jax.checkpoint_policies.checkpoint_dots,
+  "dots_with_no_batch_dims": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+  # recompute the layer, and keep its input (the layer-boundary residual, [B, T, D] a layer) in host memory
+  "offload_layer_inputs": jax.checkpoint_policies.save_and_offload_only_these_names(
+    names_which_can_be_saved=[],
+    names_which_can_be_offloaded=["layer_input"],
+    offload_src="device",
+    offload_dst="pinned_host",
+  ),
 }
 
 
@@ -54,8 +67,10 @@ class ModelOutput:
   (with model.moe_capacity_factor), "topk_indices" [L, B, T, K] when DSA is active (an IndexShare layer's: the
   selection it reused), "index_scores" [L, B, T, T] when asked for, "indexer_kl" [L_full + n_mtp] when asked for:
   the layers that run their own indexer (all of them unless model.indexer_types has "shared" ones), the MTP layers
-  last; "mtp{k}_expert_*" [B, E] for MoE MTP layers. With return_hidden, logits and mtp_logits are None and hidden [B, T, D] / mtp_hidden [n_mtp, B, T, D] are the normed states the head
-  reads (GlmMoeDsa.head maps them to logits: a loss can then take them a chunk at a time)."""
+  last; "mtp{k}_expert_*" [B, E] for MoE MTP layers. With return_hidden, logits and mtp_logits are None and
+  hidden [B, T, D] / mtp_hidden [n_mtp, B, T, D] are the normed states the head reads (GlmMoeDsa.head maps them
+  to logits: a loss can then take them a chunk at a time)."""
+
   logits: jax.Array | None
   mtp_logits: jax.Array | None
   aux: dict[str, jax.Array]
@@ -64,7 +79,6 @@ class ModelOutput:
 
 
 class DecoderLayer(nnx.Module):
-
   def __init__(self, cfg: ModelConfig, moe: bool, rngs: nnx.Rngs):
     self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg, rngs)
     self.self_attn = MLA(cfg, rngs)
@@ -72,12 +86,29 @@ class DecoderLayer(nnx.Module):
     self.mlp = MoE(cfg, rngs) if moe else MLP(cfg, cfg.intermediate_size, rngs)
     self.alpha = deepnorm.alpha(cfg) if cfg.norm_style == "deepnorm" else None  # None: Pre-LN
 
-  def __call__(self, x_BTD: jax.Array, inp: AttentionInputs, *, form: str = "mha",
-               return_index_scores: bool = False, indexer_loss: bool = False, return_cache: bool = False,
-               share: IndexShare | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
-    return self._residuals(x_BTD, lambda xn: self.self_attn(
-        xn, inp, form=form, return_index_scores=return_index_scores, indexer_loss=indexer_loss,
-        return_cache=return_cache, share=share))
+  def __call__(
+    self,
+    x_BTD: jax.Array,
+    inp: AttentionInputs,
+    *,
+    form: str = "mha",
+    return_index_scores: bool = False,
+    indexer_loss: bool = False,
+    return_cache: bool = False,
+    share: IndexShare | None = None,
+  ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    return self._residuals(
+      x_BTD,
+      lambda xn: self.self_attn(
+        xn,
+        inp,
+        form=form,
+        return_index_scores=return_index_scores,
+        indexer_loss=indexer_loss,
+        return_cache=return_cache,
+        share=share,
+      ),
+    )
 
   def _residuals(self, x, attention) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The two sublayers around `attention` (normed input -> (out, aux)): Pre-LN, or DeepNorm's Post-LN."""
@@ -96,10 +127,18 @@ class DecoderLayer(nnx.Module):
     m = self.mlp(xn_BTD)
     return m if isinstance(m, tuple) else (m, {})
 
-  def decode(self, x_BTD: jax.Array, cos: jax.Array, sin: jax.Array, pos_B: jax.Array, cache: LayerCache,
-             share: IndexShare | None = None) -> tuple[jax.Array, LayerCache, jax.Array | None]:
+  def decode(
+    self,
+    x_BTD: jax.Array,
+    cos: jax.Array,
+    sin: jax.Array,
+    pos_B: jax.Array,
+    cache: LayerCache,
+    share: IndexShare | None = None,
+  ) -> tuple[jax.Array, LayerCache, jax.Array | None]:
     """T tokens a row at slots pos[b].. against this layer's cache (MLA.decode): (x, the cache, the selected slots
     or None)."""
+
     def attention(xn):
       a, new_cache, idx = self.self_attn.decode(xn, cos, sin, pos_B, cache, share)
       return a, {"cache": new_cache, "topk": idx}
@@ -121,9 +160,16 @@ def stacked_layers(cfg: ModelConfig, moe: bool, n: int, rngs: nnx.Rngs) -> Decod
   return make(rngs)
 
 
-def scan_layers(stack: DecoderLayer | None, x_BTD: jax.Array, inp: AttentionInputs, remat_policy: str,
-                unroll: bool = False, shared: jax.Array | None = None, topk: jax.Array | None = None, **kwargs
-                ) -> tuple[jax.Array, dict[str, jax.Array], jax.Array | None]:
+def scan_layers(
+  stack: DecoderLayer | None,
+  x_BTD: jax.Array,
+  inp: AttentionInputs,
+  remat_policy: str,
+  unroll: bool = False,
+  shared: jax.Array | None = None,
+  topk: jax.Array | None = None,
+  **kwargs,
+) -> tuple[jax.Array, dict[str, jax.Array], jax.Array | None]:
   """Applies a stack layer by layer with jax.lax.scan; per-layer aux comes back stacked [L, ...]. IndexShare
   (model.indexer_types, DSA selecting): shared [L] bool says which layers reuse the selection before them, topk
   [B, T, K] is the last selection before the stack; each layer's goes on to the next. Returns (x, aux, the
@@ -146,9 +192,16 @@ def scan_layers(stack: DecoderLayer | None, x_BTD: jax.Array, inp: AttentionInpu
   return x, aux, topk
 
 
-def scan_decode(stack: DecoderLayer | None, x_BTD: jax.Array, cos: jax.Array, sin: jax.Array, pos_B: jax.Array,
-                cache: LayerCache | None, shared: jax.Array | None = None, topk: jax.Array | None = None
-                ) -> tuple[jax.Array, LayerCache | None, jax.Array | None]:
+def scan_decode(
+  stack: DecoderLayer | None,
+  x_BTD: jax.Array,
+  cos: jax.Array,
+  sin: jax.Array,
+  pos_B: jax.Array,
+  cache: LayerCache | None,
+  shared: jax.Array | None = None,
+  topk: jax.Array | None = None,
+) -> tuple[jax.Array, LayerCache | None, jax.Array | None]:
   """DecoderLayer.decode through a stack, each layer with its slice of the stacked cache; IndexShare's shared and
   topk [B, T, K] as in scan_layers. Returns (x, the cache, the stack's last selection or None)."""
   if stack is None:
@@ -169,9 +222,11 @@ def scan_decode(stack: DecoderLayer | None, x_BTD: jax.Array, cos: jax.Array, si
 def check_draft(cfg: ModelConfig) -> None:
   """Speculative decoding drafts with the first MTP layer: a model without one is refused by name."""
   if cfg.num_nextn_predict_layers < 1:
-    raise ValueError("speculative decoding drafts with the MTP layer, but model.num_nextn_predict_layers="
-                     f"{cfg.num_nextn_predict_layers}: use a model with an MTP layer (GLM-5 has 1), or decode without "
-                     "speculation")
+    raise ValueError(
+      "speculative decoding drafts with the MTP layer, but model.num_nextn_predict_layers="
+      f"{cfg.num_nextn_predict_layers}: use a model with an MTP layer (GLM-5 has 1), or decode without "
+      "speculation"
+    )
 
 
 class MTPLayer(nnx.Module):
@@ -187,16 +242,25 @@ class MTPLayer(nnx.Module):
     self.layer = DecoderLayer(cfg, layer_index >= cfg.first_k_dense_replace, rngs)
     self.shared_head_norm = RMSNorm(d, cfg.rms_norm_eps, cfg, rngs)
 
-  def __call__(self, h_BTD: jax.Array, emb_next_BTD: jax.Array, inp: AttentionInputs, *, form: str = "mha",
-               indexer_loss: bool = False, return_cache: bool = False
-               ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+  def __call__(
+    self,
+    h_BTD: jax.Array,
+    emb_next_BTD: jax.Array,
+    inp: AttentionInputs,
+    *,
+    form: str = "mha",
+    indexer_loss: bool = False,
+    return_cache: bool = False,
+  ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
     """Returns (the new hidden state h^k, its normed output for the head, aux); return_cache as in MLA.__call__."""
-    h, aux = self.layer(self._input(h_BTD, emb_next_BTD), inp, form=form, indexer_loss=indexer_loss,
-                        return_cache=return_cache)
+    h, aux = self.layer(
+      self._input(h_BTD, emb_next_BTD), inp, form=form, indexer_loss=indexer_loss, return_cache=return_cache
+    )
     return h, self.shared_head_norm(h), aux
 
-  def decode(self, h_BTD: jax.Array, emb_next_BTD: jax.Array, cos: jax.Array, sin: jax.Array, pos_B: jax.Array,
-             cache: LayerCache) -> tuple[jax.Array, jax.Array, LayerCache]:
+  def decode(
+    self, h_BTD: jax.Array, emb_next_BTD: jax.Array, cos: jax.Array, sin: jax.Array, pos_B: jax.Array, cache: LayerCache
+  ) -> tuple[jax.Array, jax.Array, LayerCache]:
     """__call__ for T positions a row at slots pos[b].. against the layer's cache (DecoderLayer.decode):
     (the new hidden state, its normed output for the head, the cache)."""
     h, cache, _ = self.layer.decode(self._input(h_BTD, emb_next_BTD), cos, sin, pos_B, cache)
@@ -217,10 +281,10 @@ class GlmMoeDsa(nnx.Module):
     self.dense_layers = stacked_layers(cfg, False, cfg.num_dense_layers, rngs)
     self.moe_layers = stacked_layers(cfg, True, cfg.num_moe_layers, rngs)
     self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg, rngs)
-    self.lm_head = (None if cfg.tie_word_embeddings
-                    else param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), cfg))
-    self.mtp = nnx.List([MTPLayer(cfg, cfg.num_hidden_layers + k, rngs)
-                         for k in range(cfg.num_nextn_predict_layers)])
+    self.lm_head = (
+      None if cfg.tie_word_embeddings else param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), cfg)
+    )
+    self.mtp = nnx.List([MTPLayer(cfg, cfg.num_hidden_layers + k, rngs) for k in range(cfg.num_nextn_predict_layers)])
     if cfg.norm_style == "deepnorm":
       deepnorm.init_weights(self, rngs)
 
@@ -231,11 +295,21 @@ class GlmMoeDsa(nnx.Module):
       return jnp.einsum("btd,vd->btv", x_BTD, w, preferred_element_type=jnp.float32)
     return dense_fp32(x_BTD, self.lm_head, self.dtype)
 
-  def __call__(self, input_ids: jax.Array, *, positions: jax.Array | None = None,
-               segment_ids: jax.Array | None = None, block_positions: jax.Array | None = None,
-               prefix_end: jax.Array | None = None, form: str = "mha", return_index_scores: bool = False,
-               indexer_loss: bool = False, compute_mtp: bool = True, embedding_grad_shrink: float = 1.0,
-               return_hidden: bool = False) -> ModelOutput:
+  def __call__(
+    self,
+    input_ids: jax.Array,
+    *,
+    positions: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
+    block_positions: jax.Array | None = None,
+    prefix_end: jax.Array | None = None,
+    form: str = "mha",
+    return_index_scores: bool = False,
+    indexer_loss: bool = False,
+    compute_mtp: bool = True,
+    embedding_grad_shrink: float = 1.0,
+    return_hidden: bool = False,
+  ) -> ModelOutput:
     """input_ids [B, T] int; positions [B, T] (default 0..T-1); segment_ids [B, T] (default one segment);
     block_positions [B, T] (GLM's second position id; model.rope_2d only; default 0); prefix_end [B, T] int
     (default None: causal): the end of the bidirectional prefix each token's document has.
@@ -245,8 +319,16 @@ class GlmMoeDsa(nnx.Module):
     unchanged, the gradient reaching the embedding table is a times the plain one (1.0: off).
     return_hidden: return the normed hidden states instead of the logits (ModelOutput)."""
     emb_BTD, inp, h, dense_aux, moe_aux = self._decoder(
-        input_ids, positions, segment_ids, block_positions, prefix_end, embedding_grad_shrink, form=form,
-        return_index_scores=return_index_scores, indexer_loss=indexer_loss)
+      input_ids,
+      positions,
+      segment_ids,
+      block_positions,
+      prefix_end,
+      embedding_grad_shrink,
+      form=form,
+      return_index_scores=return_index_scores,
+      indexer_loss=indexer_loss,
+    )
     # Under context parallelism the tokens are in the zig-zag layout inside the model (context_parallel.py); every
     # per-token output goes back to natural order here. (c = 1: both maps are the identity.)
     c = context_parallel.context_size()
@@ -269,9 +351,10 @@ class GlmMoeDsa(nnx.Module):
       for k, layer in enumerate(self.mtp):
         # Depth k+1 at position i reads the embedding of token i+k+1; positions past the end get a zero
         # embedding (their targets do not exist, the loss masks them).
-        emb_next = jnp.concatenate([emb_natural[:, k + 1:], jnp.zeros_like(emb_natural[:, :k + 1])], axis=1)
-        h, normed, mtp_aux = layer(h, context_parallel.to_zigzag(emb_next, c), inp, form=form,
-                                   indexer_loss=indexer_loss)
+        emb_next = jnp.concatenate([emb_natural[:, k + 1 :], jnp.zeros_like(emb_natural[:, : k + 1])], axis=1)
+        h, normed, mtp_aux = layer(
+          h, context_parallel.to_zigzag(emb_next, c), inp, form=form, indexer_loss=indexer_loss
+        )
         outs.append(context_parallel.from_zigzag(head(normed), c))
         aux.update({f"mtp{k}_{name}": v for name, v in mtp_aux.items() if name.startswith("expert_")})
         if indexer_loss:  # the MTP layer's own indexer learns the same KL
@@ -286,23 +369,30 @@ class GlmMoeDsa(nnx.Module):
     cfg = self.cfg
     if not cfg.rope_2d:
       if block_positions_BT is not None:
-        raise ValueError("block_positions given, but model.rope_2d is False: a 1-D rope has no block position "
-                         "(set model.rope_2d=True for GLM's 2-D positions)")
+        raise ValueError(
+          "block_positions given, but model.rope_2d is False: a 1-D rope has no block position "
+          "(set model.rope_2d=True for GLM's 2-D positions)"
+        )
       return rope_angles(positions_BT, cfg.qk_rope_head_dim, cfg.rope_theta)
     if block_positions_BT is None:
       block_positions_BT = jnp.zeros_like(positions_BT)
     return rope_angles_2d(positions_BT, block_positions_BT, cfg.qk_rope_head_dim, cfg.rope_theta)
 
-  def _decoder(self, input_ids, positions, segment_ids, block_positions=None, prefix_end=None,
-               embedding_grad_shrink=1.0, **kw):
+  def _decoder(
+    self, input_ids, positions, segment_ids, block_positions=None, prefix_end=None, embedding_grad_shrink=1.0, **kw
+  ):
     """Embedding and the two stacks: (emb [B, T, D], attention inputs, h [B, T, D], dense aux, MoE aux)."""
     cfg = self.cfg
     if input_ids.ndim != 2:
       raise ValueError(f"input_ids: shape {input_ids.shape}; expected [batch, seq_len]")
     check_token_ids(input_ids, cfg.vocab_size)
     b, t = input_ids.shape
-    for name, arr in (("positions", positions), ("segment_ids", segment_ids), ("block_positions", block_positions),
-                      ("prefix_end", prefix_end)):
+    for name, arr in (
+      ("positions", positions),
+      ("segment_ids", segment_ids),
+      ("block_positions", block_positions),
+      ("prefix_end", prefix_end),
+    ):
       if arr is not None and arr.shape != (b, t):
         raise ValueError(f"{name}: shape {arr.shape}; expected input_ids' shape {(b, t)}")
     if positions is None:
@@ -313,12 +403,14 @@ class GlmMoeDsa(nnx.Module):
     if c > 1:  # context parallelism: the tokens in the zig-zag layout, attention without a [T, T] mask
       context_parallel.check(t, c, cfg)
       input_ids, positions, segment_ids, block_positions, prefix_end = (
-          None if x is None else context_parallel.to_zigzag(x, c)
-          for x in (input_ids, positions, segment_ids, block_positions, prefix_end))
+        None if x is None else context_parallel.to_zigzag(x, c)
+        for x in (input_ids, positions, segment_ids, block_positions, prefix_end)
+      )
       mask = None
     else:
-      mask = visible_mask(t, t, causal=True, q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
-                          q_prefix_end=prefix_end)
+      mask = visible_mask(
+        t, t, causal=True, q_segment_ids=segment_ids, kv_segment_ids=segment_ids, q_prefix_end=prefix_end
+      )
     cos, sin = self.rope(positions, block_positions)
     inp = AttentionInputs(cos=cos, sin=sin, segment_ids=segment_ids, mask=mask, prefix_end=prefix_end)
     emb_BTD = self.embed_tokens(input_ids)
@@ -327,10 +419,12 @@ class GlmMoeDsa(nnx.Module):
       a = embedding_grad_shrink
       emb_BTD = a * emb_BTD + (1.0 - a) * jax.lax.stop_gradient(emb_BTD)
     shared_dense, shared_moe, topk = self._index_share(b, t, t)
-    h, dense_aux, topk = scan_layers(self.dense_layers, emb_BTD, inp, cfg.remat_policy, cfg.scan_unroll,
-                                     shared=shared_dense, topk=topk, **kw)
-    h, moe_aux, _ = scan_layers(self.moe_layers, h, inp, cfg.remat_policy, cfg.scan_unroll, shared=shared_moe,
-                                topk=topk, **kw)
+    h, dense_aux, topk = scan_layers(
+      self.dense_layers, emb_BTD, inp, cfg.remat_policy, cfg.scan_unroll, shared=shared_dense, topk=topk, **kw
+    )
+    h, moe_aux, _ = scan_layers(
+      self.moe_layers, h, inp, cfg.remat_policy, cfg.scan_unroll, shared=shared_moe, topk=topk, **kw
+    )
     return emb_BTD, inp, h, dense_aux, moe_aux
 
   def _index_share(self, batch: int, rows: int, seq_len: int):
@@ -344,9 +438,16 @@ class GlmMoeDsa(nnx.Module):
     n = cfg.num_dense_layers
     return flags[:n], flags[n:], jnp.zeros((batch, rows, cfg.index_topk), jnp.int32)
 
-  def prefill(self, input_ids: jax.Array, cache_len: int, *, positions: jax.Array | None = None,
-              block_positions: jax.Array | None = None, prefix_end: jax.Array | None = None, draft: bool = False
-              ) -> tuple[jax.Array, KVCache] | tuple[jax.Array, KVCache, jax.Array]:
+  def prefill(
+    self,
+    input_ids: jax.Array,
+    cache_len: int,
+    *,
+    positions: jax.Array | None = None,
+    block_positions: jax.Array | None = None,
+    prefix_end: jax.Array | None = None,
+    draft: bool = False,
+  ) -> tuple[jax.Array, KVCache] | tuple[jax.Array, KVCache, jax.Array]:
     """The forward pass over prompts [B, T] (one document a row, slot s holding token s; rope positions 0..T-1
     unless given; a row's padding after its prompt changes nothing before it), returning (logits [B, T, V] fp32,
     a cache of cache_len slots holding slots 0..T-1). The logits are the full forward's: this is __call__ without
@@ -361,12 +462,14 @@ class GlmMoeDsa(nnx.Module):
       raise ValueError(f"cache_len={cache_len} is shorter than the prompts ({t} tokens)")
     if draft:
       check_draft(self.cfg)
-    emb_BTD, inp, h, dense_aux, moe_aux = self._decoder(input_ids, positions, None, block_positions, prefix_end,
-                                                        return_cache=True)
+    emb_BTD, inp, h, dense_aux, moe_aux = self._decoder(
+      input_ids, positions, None, block_positions, prefix_end, return_cache=True
+    )
 
     def layer_cache(aux):
       if "cache_kv" not in aux:
         return None
+
       def pad(x):  # [..., B, T, W] -> [..., B, S, W]
         return jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, cache_len - t), (0, 0)])
 
@@ -382,20 +485,37 @@ class GlmMoeDsa(nnx.Module):
     _, _, mtp_aux = self.mtp[0](h, emb_next, inp, return_cache=True)
     return logits, dataclasses.replace(cache, mtp=layer_cache(mtp_aux)), h
 
-  def decode(self, token_B: jax.Array, pos_B: jax.Array, cache: KVCache, *, rope_pos_B: jax.Array | None = None,
-             block_pos_B: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+  def decode(
+    self,
+    token_B: jax.Array,
+    pos_B: jax.Array,
+    cache: KVCache,
+    *,
+    rope_pos_B: jax.Array | None = None,
+    block_pos_B: jax.Array | None = None,
+  ) -> tuple[jax.Array, KVCache]:
     """Feeds token[b] at slot pos[b] of the cache: (next-token logits [B, V] fp32, the cache with the token's
     entries written); it attends to slots 0..pos[b]. Slots may differ between rows (ragged prompts). The rope
     position is the slot unless rope_pos_B is given (GLM's blank infilling: the blank's mask position), with the
     block position block_pos_B under model.rope_2d."""
     logits, _, cache = self.decode_tokens(
-        token_B[:, None], pos_B, cache, rope_pos_BT=None if rope_pos_B is None else rope_pos_B[:, None],
-        block_pos_BT=None if block_pos_B is None else block_pos_B[:, None])
+      token_B[:, None],
+      pos_B,
+      cache,
+      rope_pos_BT=None if rope_pos_B is None else rope_pos_B[:, None],
+      block_pos_BT=None if block_pos_B is None else block_pos_B[:, None],
+    )
     return logits[:, 0], cache
 
-  def decode_tokens(self, tokens_BT: jax.Array, pos_B: jax.Array, cache: KVCache, *,
-                    rope_pos_BT: jax.Array | None = None, block_pos_BT: jax.Array | None = None
-                    ) -> tuple[jax.Array, jax.Array, KVCache]:
+  def decode_tokens(
+    self,
+    tokens_BT: jax.Array,
+    pos_B: jax.Array,
+    cache: KVCache,
+    *,
+    rope_pos_BT: jax.Array | None = None,
+    block_pos_BT: jax.Array | None = None,
+  ) -> tuple[jax.Array, jax.Array, KVCache]:
     """Feeds T tokens a row, tokens[b, t] at slot pos[b] + t, in one forward (a speculative round's
     verification; T = 1 is `decode`): token t attends to slots 0..pos[b] + t, the full forward's causal view.
     Returns (logits [B, T, V] fp32, the last layer's hidden states [B, T, D] before the final norm, the cache with
@@ -410,8 +530,9 @@ class GlmMoeDsa(nnx.Module):
     h, moe_cache, _ = scan_decode(self.moe_layers, h, cos, sin, pos_B, cache.moe, shared_moe, topk)
     return self.head(self.norm(h)), h, dataclasses.replace(cache, dense=dense_cache, moe=moe_cache)
 
-  def draft(self, h_BTD: jax.Array, next_tokens_BT: jax.Array, pos_B: jax.Array, cache: KVCache
-            ) -> tuple[jax.Array, jax.Array, KVCache]:
+  def draft(
+    self, h_BTD: jax.Array, next_tokens_BT: jax.Array, pos_B: jax.Array, cache: KVCache
+  ) -> tuple[jax.Array, jax.Array, KVCache]:
     """The first MTP layer at slots pos[b] + t against cache.mtp: position t takes the hidden state h[b, t] (the
     main model's at that slot, or, drafting several tokens ahead, the MTP layer's own previous output) and
     the embedding of the token at the next slot, next_tokens[b, t]. Returns (logits [B, T, V] fp32 for the token

@@ -82,14 +82,25 @@ class PackedWeight:
 
 def _view(shape, contracted_axes: int, free_axes: int) -> tuple[int, ...]:
   if contracted_axes < 1 or free_axes < 1 or contracted_axes + free_axes > len(shape):
-    raise ValueError(f"a weight of shape {tuple(shape)} cannot have {contracted_axes} contracted and {free_axes} "
-                     "free axes (at least one of each, at its end)")
+    raise ValueError(
+      f"a weight of shape {tuple(shape)} cannot have {contracted_axes} contracted and {free_axes} "
+      "free axes (at least one of each, at its end)"
+    )
   lead = len(shape) - contracted_axes - free_axes
-  return tuple(shape[:lead]) + (math.prod(shape[lead:lead + contracted_axes]),) + tuple(shape[len(shape) - free_axes:])
+  return (
+    tuple(shape[:lead]) + (math.prod(shape[lead : lead + contracted_axes]),) + tuple(shape[len(shape) - free_axes :])
+  )
 
 
-def pack_weight(w: jax.Array, *, bits: int, group_size: int | None, contracted_axes: int = 1, free_axes: int = 1,
-                act_bits: int | None = None) -> PackedWeight:
+def pack_weight(
+  w: jax.Array,
+  *,
+  bits: int,
+  group_size: int | None,
+  contracted_axes: int = 1,
+  free_axes: int = 1,
+  act_bits: int | None = None,
+) -> PackedWeight:
   """Quantizes w along its flattened contracted axes and stores the codes (int4: two to a byte)."""
   view = _view(w.shape, contracted_axes, free_axes)
   if act_bits not in ACT_BITS:
@@ -98,8 +109,16 @@ def pack_weight(w: jax.Array, *, bits: int, group_size: int | None, contracted_a
     raise ValueError(f"int4 codes go two to a byte along the last axis; shape {tuple(w.shape)} has it odd")
   codes, scales = quantize(w.reshape(view), bits=bits, group_size=group_size, axis=len(view) - free_axes - 1)
   codes = codes.reshape(w.shape)
-  return PackedWeight(pack_int4(codes) if bits == 4 else codes, scales, jnp.dtype(w.dtype).name, bits, group_size,
-                      contracted_axes, free_axes, act_bits)
+  return PackedWeight(
+    pack_int4(codes) if bits == 4 else codes,
+    scales,
+    jnp.dtype(w.dtype).name,
+    bits,
+    group_size,
+    contracted_axes,
+    free_axes,
+    act_bits,
+  )
 
 
 def weight_codes(p: PackedWeight, dtype: jnp.dtype = jnp.int8) -> jax.Array:
@@ -114,8 +133,9 @@ def dequantize_weight(p: PackedWeight) -> jax.Array:
   return w.reshape(p.shape)
 
 
-def fake_quant_weight(w: jax.Array, *, bits: int, group_size: int | None, contracted_axes: int = 1,
-                      free_axes: int = 1) -> jax.Array:
+def fake_quant_weight(
+  w: jax.Array, *, bits: int, group_size: int | None, contracted_axes: int = 1, free_axes: int = 1
+) -> jax.Array:
   """Training's view of `pack_weight` + `dequantize_weight`: the same values (quantizer.fake_quant along the
   flattened contracted axes), with the straight-through gradient."""
   view = _view(w.shape, contracted_axes, free_axes)
@@ -134,19 +154,25 @@ def quantize_tokens(x_MK: jax.Array, bits: int) -> tuple[jax.Array, jax.Array]:
 def int_matmul(x_MK: jax.Array, p: PackedWeight, platform: str) -> jax.Array:
   """W8A8 / W4A8: [M, K] activations times a packed [K, N...] weight (no batch axes), fp32 [M, N]."""
   if p.lead_axes:
-    raise ValueError(f"int_matmul takes one matrix; shape {p.shape} has {p.lead_axes} leading axes (the routed "
-                     "experts use int_grouped_matmul)")
+    raise ValueError(
+      f"int_matmul takes one matrix; shape {p.shape} has {p.lead_axes} leading axes (the routed "
+      "experts use int_grouped_matmul)"
+    )
   xq, sx = quantize_tokens(x_MK, p.act_bits)
   k = x_MK.shape[-1]
-  n = math.prod(p.shape[p.contracted_axes:])
+  n = math.prod(p.shape[p.contracted_axes :])
   wq = weight_codes(p, _dot_operand_dtype(p.bits, platform)).reshape(k, n)
   sw = p.scales.reshape(-1, n)  # [G, N]
   groups = sw.shape[0]
   if groups == 1:
     acc = jax.lax.dot(xq, wq, preferred_element_type=jnp.int32).astype(jnp.float32) * sw
   else:
-    acc = jnp.einsum("mgk,gkn->mgn", xq.reshape(-1, groups, k // groups), wq.reshape(groups, k // groups, n),
-                     preferred_element_type=jnp.int32)
+    acc = jnp.einsum(
+      "mgk,gkn->mgn",
+      xq.reshape(-1, groups, k // groups),
+      wq.reshape(groups, k // groups, n),
+      preferred_element_type=jnp.int32,
+    )
     acc = jnp.sum(acc.astype(jnp.float32) * sw, axis=1)
   return acc * sx
 
@@ -156,8 +182,10 @@ def int_grouped_matmul(x_RK: jax.Array, p: PackedWeight, group_sizes: jax.Array,
   weight, per-token activation scales, per (expert, output channel) weight scales; fp32 [R, N], rows past the last
   group 0 (ragged_dot's contract)."""
   if p.ndim != 3 or p.contracted_axes != 1 or p.group_size is not None:
-    raise ValueError("int_grouped_matmul takes [E, K, N] weights with per-channel scales (group_size None); got "
-                     f"shape {p.shape}, group_size {p.group_size}")
+    raise ValueError(
+      "int_grouped_matmul takes [E, K, N] weights with per-channel scales (group_size None); got "
+      f"shape {p.shape}, group_size {p.group_size}"
+    )
   del platform  # int8 codes on every backend: XLA:TPU's ragged dot rejects 4-bit operands
   xq, sx = quantize_tokens(x_RK, p.act_bits)
   wq = weight_codes(p, jnp.int8)

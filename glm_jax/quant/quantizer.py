@@ -48,14 +48,16 @@ def _grouped(shape: tuple[int, ...], group_size: int | None, axis: int) -> tuple
   if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size <= 0:
     raise ValueError(f"group_size={group_size!r}; must be a positive integer or None (the whole axis)")
   if n % group_size:
-    raise ValueError(f"group_size={group_size} does not divide axis {axis} of size {n} (shape {tuple(shape)}); "
-                     f"use a divisor of {n} or None (the whole axis)")
+    raise ValueError(
+      f"group_size={group_size} does not divide axis {axis} of size {n} (shape {tuple(shape)}); "
+      f"use a divisor of {n} or None (the whole axis)"
+    )
   return axis, n // group_size, group_size
 
 
 def _split_groups(x: jax.Array, axis: int, groups: int, size: int) -> jax.Array:
   """[..., n, ...] -> [..., groups, size, ...]: a free reshape."""
-  return x.reshape(x.shape[:axis] + (groups, size) + x.shape[axis + 1:])
+  return x.reshape(x.shape[:axis] + (groups, size) + x.shape[axis + 1 :])
 
 
 def quantize(w: jax.Array, *, bits: int, group_size: int | None, axis: int = -1) -> tuple[jax.Array, jax.Array]:
@@ -69,14 +71,17 @@ def quantize(w: jax.Array, *, bits: int, group_size: int | None, axis: int = -1)
   return codes.reshape(w.shape), jnp.squeeze(scale, axis + 1)
 
 
-def dequantize(codes: jax.Array, scales: jax.Array, *, group_size: int | None, axis: int = -1,
-               dtype: jnp.dtype = jnp.float32) -> jax.Array:
+def dequantize(
+  codes: jax.Array, scales: jax.Array, *, group_size: int | None, axis: int = -1, dtype: jnp.dtype = jnp.float32
+) -> jax.Array:
   """codes * scale of their group, computed in fp32 and returned in `dtype`."""
   axis, groups, size = _grouped(codes.shape, group_size, axis)
-  expected = codes.shape[:axis] + (groups,) + codes.shape[axis + 1:]
+  expected = codes.shape[:axis] + (groups,) + codes.shape[axis + 1 :]
   if tuple(scales.shape) != expected:
-    raise ValueError(f"scales of shape {tuple(scales.shape)} do not fit codes of shape {tuple(codes.shape)} in "
-                     f"groups of {group_size} along axis {axis}: expected {expected}")
+    raise ValueError(
+      f"scales of shape {tuple(scales.shape)} do not fit codes of shape {tuple(codes.shape)} in "
+      f"groups of {group_size} along axis {axis}: expected {expected}"
+    )
   cg = _split_groups(codes.astype(jnp.float32), axis, groups, size)
   return (cg * jnp.expand_dims(scales.astype(jnp.float32), axis + 1)).reshape(codes.shape).astype(dtype)
 

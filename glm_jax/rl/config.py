@@ -25,8 +25,18 @@ from glm_jax.rl import losses, step as rl_step, tasks as tasks_lib
 from glm_jax.train.config import invalid, require_sections, validate_step_config
 
 TRAINERS = ("pretrain", "sft", "grpo", "distill")  # config.trainer's values; launch/train.py dispatches on it
-_RL_POSITIVE_INTS = ("steps", "prompts_per_step", "group_size", "max_new_tokens", "log_every", "eval_every",
-                     "eval_prompts", "checkpoint_every", "keep_checkpoints", "max_pending")
+_RL_POSITIVE_INTS = (
+  "steps",
+  "prompts_per_step",
+  "group_size",
+  "max_new_tokens",
+  "log_every",
+  "eval_every",
+  "eval_prompts",
+  "checkpoint_every",
+  "keep_checkpoints",
+  "max_pending",
+)
 
 
 def default_rl_config() -> ml_collections.ConfigDict:
@@ -78,13 +88,21 @@ def validate_rl_config(config: ml_collections.ConfigDict) -> None:
   tasks / teachers sections the trainer reads."""
   if config.trainer not in ("grpo", "distill"):
     invalid("trainer", config.trainer, "rl.trainer.run takes 'grpo' or 'distill'")
-  require_sections(config, ("model", "rl", "sft", "optimizer", "tasks" if config.trainer == "grpo" else "teachers"),
-                   f"trainer {config.trainer!r}", "configs/grpo_tiny.py and configs/distill_tiny.py")
+  require_sections(
+    config,
+    ("model", "rl", "sft", "optimizer", "tasks" if config.trainer == "grpo" else "teachers"),
+    f"trainer {config.trainer!r}",
+    "configs/grpo_tiny.py and configs/distill_tiny.py",
+  )
   rl = config.rl
   _validate_rl_section(rl)
   if rl.get("speculate", 0) and config.model.num_nextn_predict_layers < 1:
-    invalid("rl.speculate", rl.speculate, "speculative rollouts draft with the MTP layer, but "
-            f"model.num_nextn_predict_layers={config.model.num_nextn_predict_layers}")
+    invalid(
+      "rl.speculate",
+      rl.speculate,
+      "speculative rollouts draft with the MTP layer, but "
+      f"model.num_nextn_predict_layers={config.model.num_nextn_predict_layers}",
+    )
   if config.trainer == "grpo":
     if rl.group_size < 2:
       invalid("rl.group_size", rl.group_size, "GRPO needs >= 2 answers a prompt (advantages are group-normalized)")
@@ -107,8 +125,11 @@ def _validate_rl_section(rl: ml_collections.ConfigDict) -> None:
   if not isinstance(rl.tau, int) or rl.tau < 0:
     invalid("rl.tau", rl.tau, "must be an integer >= 0 (versions a rollout may lag the trainer)")
   if not rl.temperature >= MIN_TEMPERATURE:
-    invalid("rl.temperature", rl.temperature, f"must be at least {MIN_TEMPERATURE} (RL samples; the log-probs are of "
-            "logits / temperature)")
+    invalid(
+      "rl.temperature",
+      rl.temperature,
+      f"must be at least {MIN_TEMPERATURE} (RL samples; the log-probs are of logits / temperature)",
+    )
   if not 0 < rl.top_p <= 1:
     invalid("rl.top_p", rl.top_p, "must be in (0, 1]")
   if rl.objective not in rl_step.OBJECTIVES:
@@ -130,8 +151,11 @@ def _validate_rl_section(rl: ml_collections.ConfigDict) -> None:
     invalid("rl.rollout_dtype", rl.rollout_dtype, "'' (the model's dtype), 'float32' or 'bfloat16'")
   if rl.get("rollout_process", False):
     if not rl.async_rollouts:
-      invalid("rl.rollout_process", rl.rollout_process, "the rollout engine apart from the trainer is asynchronous: "
-              "set rl.async_rollouts=True")
+      invalid(
+        "rl.rollout_process",
+        rl.rollout_process,
+        "the rollout engine apart from the trainer is asynchronous: set rl.async_rollouts=True",
+      )
     for field in ("heartbeat_every", "heartbeat_timeout", "worker_start_timeout"):
       if not rl[field] > 0:
         invalid(f"rl.{field}", rl[field], "must be > 0 (seconds)")
@@ -158,8 +182,10 @@ def _validate_distill(config: ml_collections.ConfigDict) -> None:
       invalid(f"teachers.{name}.weight", t.weight, "must be >= 0")
     vocab = t.model.get("vocab_size", config.model.vocab_size)
     if vocab != config.model.vocab_size:
-      raise ValueError(f"teachers.{name}: vocab_size {vocab} differs from the student's model.vocab_size "
-                       f"{config.model.vocab_size}; teachers must share the student's vocabulary")
+      raise ValueError(
+        f"teachers.{name}: vocab_size {vocab} differs from the student's model.vocab_size "
+        f"{config.model.vocab_size}; teachers must share the student's vocabulary"
+      )
 
 
 def _validate_sft_train_step(sft: ml_collections.ConfigDict) -> None:

@@ -29,6 +29,7 @@ from glm_jax.train.metrics import MetricsWriter
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RunSetup:
   """The run's config and workdir, its policy's model and optimizer, its task mix and its checkpoints."""
+
   config: ml_collections.ConfigDict
   workdir: str
   model_cfg: ModelConfig  # the policy's architecture
@@ -58,6 +59,7 @@ class RunSetup:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RunContext(RunSetup):
   """The setup plus the samplers, the reward, the held-out problems and the metrics writer."""
+
   reward_fn: RewardFn
   sampler: Sampler  # the rollouts' (rl.temperature, rl.top_p, rl.rollout_dtype)
   greedy: Sampler  # eval_accuracy's

@@ -39,6 +39,7 @@ STD_EPS = 1e-6
 # ----------------------------------------------------------------------------------------------------------------
 # validation helpers (Python-level, on static shapes and values)
 
+
 def _f32(x) -> jax.Array:
   return jnp.asarray(x).astype(jnp.float32)
 
@@ -92,6 +93,7 @@ def _token_mean(x_BT: jax.Array, valid_BT: jax.Array) -> jax.Array:
 # ----------------------------------------------------------------------------------------------------------------
 # aggregation
 
+
 def masked_sequence_mean(x, mask) -> jax.Array:
   """(1/N) sum_i [ sum_t m_it x_it / max(sum_t m_it, 1) ]: per-row mean over the mask, then mean over rows.
 
@@ -110,9 +112,22 @@ def masked_sequence_mean(x, mask) -> jax.Array:
 # ----------------------------------------------------------------------------------------------------------------
 # GRPO + IcePop (GLM-5 Eq. 1)
 
-def grpo_loss(logp, old_logp, rollout_logp, advantages, mask, *, eps_low: float = 0.2, eps_high: float = 0.28,
-              icepop_beta: float = 2.0, is_correction: str = "icepop", tis_cap: float = 2.0, ref_logp=None,
-              kl_coef: float = 0.0) -> tuple[jax.Array, dict[str, jax.Array]]:
+
+def grpo_loss(
+  logp,
+  old_logp,
+  rollout_logp,
+  advantages,
+  mask,
+  *,
+  eps_low: float = 0.2,
+  eps_high: float = 0.28,
+  icepop_beta: float = 2.0,
+  is_correction: str = "icepop",
+  tis_cap: float = 2.0,
+  ref_logp=None,
+  kl_coef: float = 0.0,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
   """GLM-5 Eq. 1: (loss, metrics).
 
     L = -(1/N) sum_i (1/|y_i|) sum_t w_it * min(r_it A_it, clip(r_it, 1-eps_low, 1+eps_high) A_it)
@@ -193,13 +208,13 @@ def grpo_loss(logp, old_logp, rollout_logp, advantages, mask, *, eps_low: float 
 
   sg = jax.lax.stop_gradient
   metrics = {
-      "pg_loss": sg(pg_loss),
-      "kl_ref": sg(kl_ref),
-      "clip_frac": _token_mean(clipped_BT, valid),
-      "icepop_drop_frac": _token_mean(~in_band_BT, valid),
-      "is_weight_mean": _token_mean(w_BT, valid),
-      "ratio_mean": _token_mean(sg(r_BT), valid),
-      "mismatch_kl": _token_mean(rho_BT - 1.0 - log_rho_BT, valid),
+    "pg_loss": sg(pg_loss),
+    "kl_ref": sg(kl_ref),
+    "clip_frac": _token_mean(clipped_BT, valid),
+    "icepop_drop_frac": _token_mean(~in_band_BT, valid),
+    "is_weight_mean": _token_mean(w_BT, valid),
+    "ratio_mean": _token_mean(sg(r_BT), valid),
+    "mismatch_kl": _token_mean(rho_BT - 1.0 - log_rho_BT, valid),
   }
   return loss, metrics
 
@@ -207,8 +222,10 @@ def grpo_loss(logp, old_logp, rollout_logp, advantages, mask, *, eps_low: float 
 # ----------------------------------------------------------------------------------------------------------------
 # asynchronous agentic RL (GLM-5 Eq. 3-5)
 
-def async_policy_loss(logp, rollout_logp, advantages, mask, *, eps_low: float = 0.2, eps_high: float = 0.28
-                      ) -> tuple[jax.Array, dict[str, jax.Array]]:
+
+def async_policy_loss(
+  logp, rollout_logp, advantages, mask, *, eps_low: float = 0.2, eps_high: float = 0.28
+) -> tuple[jax.Array, dict[str, jax.Array]]:
   """GLM-5 Eq. 3-5 (no separate old-policy pass): (loss, metrics).
 
     r_it = exp(logp_it - sg(rollout_logp_it)),  keep_it = m_it and 1-eps_low < sg(r_it) < 1+eps_high
@@ -226,8 +243,10 @@ def async_policy_loss(logp, rollout_logp, advantages, mask, *, eps_low: float = 
   adv_BT = _advantages_BT(advantages, shape)
   _check_eps(eps_low, eps_high)
   if _concrete(eps_low) and _concrete(eps_high) and float(eps_low) + float(eps_high) <= 0.0:
-    raise ValueError(f"eps_low + eps_high must be > 0 (the kept interval (1-eps_low, 1+eps_high) is empty), "
-                     f"got eps_low={eps_low}, eps_high={eps_high}")
+    raise ValueError(
+      f"eps_low + eps_high must be > 0 (the kept interval (1-eps_low, 1+eps_high) is empty), "
+      f"got eps_low={eps_low}, eps_high={eps_high}"
+    )
 
   logp_BT = _f32(logp)
   roll_BT = jax.lax.stop_gradient(_f32(rollout_logp))
@@ -236,15 +255,16 @@ def async_policy_loss(logp, rollout_logp, advantages, mask, *, eps_low: float = 
   keep_BT = valid & (r_sg > 1.0 - eps_low) & (r_sg < 1.0 + eps_high)
   loss = -masked_sequence_mean(r_BT * adv_BT, keep_BT)
   metrics = {
-      "pg_loss": jax.lax.stop_gradient(loss),
-      "async_masked_frac": _token_mean(valid & ~keep_BT, valid),
-      "ratio_mean": _token_mean(r_sg, valid),
+    "pg_loss": jax.lax.stop_gradient(loss),
+    "async_masked_frac": _token_mean(valid & ~keep_BT, valid),
+    "ratio_mean": _token_mean(r_sg, valid),
   }
   return loss, metrics
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # advantages
+
 
 def group_advantages(rewards, group_size: int) -> jax.Array:
   """A_i = (R_i - mean_g R) / (std_g R + 1e-6) over consecutive groups of group_size; returns [N] fp32.

@@ -38,7 +38,7 @@ def exact_match(vocab: CharVocab) -> RewardFn:
     ids = [int(i) for i in response]
     if vocab.eos_id not in ids:
       return 0.0
-    body = ids[:ids.index(vocab.eos_id)]
+    body = ids[: ids.index(vocab.eos_id)]
     if any(not vocab.num_special <= i < vocab.vocab_size for i in body):
       return 0.0
     return 1.0 if vocab.decode(body) == problem.answer else 0.0
@@ -52,7 +52,7 @@ def _describe_bad_value(value: object) -> str | None:
     try:
       with np.errstate(over="ignore"):
         as_float32 = np.float32(float(value))
-    except OverflowError:                       # an int too large for a float
+    except OverflowError:  # an int too large for a float
       as_float32 = np.float32(np.inf)
     if math.isfinite(float(as_float32)):
       return None
@@ -60,8 +60,9 @@ def _describe_bad_value(value: object) -> str | None:
   return f"returned {value!r} of type {type(value).__name__}, not a finite real number"
 
 
-def score(reward_fn: RewardFn, problems: Sequence[Problem], responses: Sequence[Sequence[int]],
-          sample_ids: Sequence[object]) -> tuple[np.ndarray, list[str]]:
+def score(
+  reward_fn: RewardFn, problems: Sequence[Problem], responses: Sequence[Sequence[int]], sample_ids: Sequence[object]
+) -> tuple[np.ndarray, list[str]]:
   """Rewards float32 [n] of `reward_fn` on each (problem, response), and the list of failures.
 
   A call that raises, or returns a non-finite or non-real value, scores 0.0 and adds one entry
@@ -70,8 +71,10 @@ def score(reward_fn: RewardFn, problems: Sequence[Problem], responses: Sequence[
   """
   n = len(problems)
   if len(responses) != n or len(sample_ids) != n:
-    raise ValueError(f"score: problems, responses and sample_ids must have the same length, got "
-                     f"{n}, {len(responses)} and {len(sample_ids)}")
+    raise ValueError(
+      f"score: problems, responses and sample_ids must have the same length, got "
+      f"{n}, {len(responses)} and {len(sample_ids)}"
+    )
   rewards = np.zeros((n,), dtype=np.float32)
   failures: list[str] = []
   for k, (problem, response, sid) in enumerate(zip(problems, responses, sample_ids)):

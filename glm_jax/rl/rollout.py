@@ -37,6 +37,7 @@ from glm_jax.rl.tasks import CharVocab
 @dataclasses.dataclass
 class Rollout:
   """One batch of sampled sequences (numpy, the sampler's layout) and what the trainer needs from it."""
+
   version: int  # the policy version whose weights generated it
   problems: list  # [N] the Problem each row answers
   tokens: np.ndarray  # [N, S]
@@ -56,46 +57,76 @@ class Rollout:
   def metrics(self) -> dict[str, float]:
     """The logged statistics of the batch: reward, response lengths, truncation, reward failures, time."""
     resp_lens = self.lengths - self.prompt_lens
-    return dict(reward_mean=float(np.mean(self.rewards)), reward_std=float(np.std(self.rewards)),
-                response_len_mean=float(np.mean(resp_lens)), response_len_max=int(np.max(resp_lens)),
-                truncated_frac=float(np.mean(~self.finished)), reward_failures=len(self.failures),
-                rollout_s=self.seconds)
+    return dict(
+      reward_mean=float(np.mean(self.rewards)),
+      reward_std=float(np.std(self.rewards)),
+      response_len_mean=float(np.mean(resp_lens)),
+      response_len_max=int(np.max(resp_lens)),
+      truncated_frac=float(np.mean(~self.finished)),
+      reward_failures=len(self.failures),
+      rollout_s=self.seconds,
+    )
 
   def train_batch(self, **extra) -> dict[str, jax.Array]:
     """The RL step's batch (glm_jax/rl/step.py): tokens, response_mask, rollout_logp and `extra` (advantages,
     ref_logp, teacher_logp), as device arrays."""
-    return dict(tokens=jnp.asarray(self.tokens), response_mask=jnp.asarray(self.response_mask),
-                rollout_logp=jnp.asarray(self.rollout_logp), **{k: jnp.asarray(v) for k, v in extra.items()})
+    return dict(
+      tokens=jnp.asarray(self.tokens),
+      response_mask=jnp.asarray(self.response_mask),
+      rollout_logp=jnp.asarray(self.rollout_logp),
+      **{k: jnp.asarray(v) for k, v in extra.items()},
+    )
 
 
-def make_sampler(graphdef, model_cfg: ModelConfig, rl: ml_collections.ConfigDict, tasks_and_weights,
-                 vocab: CharVocab, *, greedy: bool = False) -> Sampler:
+def make_sampler(
+  graphdef,
+  model_cfg: ModelConfig,
+  rl: ml_collections.ConfigDict,
+  tasks_and_weights,
+  vocab: CharVocab,
+  *,
+  greedy: bool = False,
+) -> Sampler:
   """The sampler of rollouts (rl.temperature, rl.top_p; in rl.rollout_dtype when it differs from the model's), or
   with greedy the evaluation's (temperature 0, the model's dtype); prompts are padded to the tasks' longest. With
   rl.speculate = k both draft k tokens a round with the MTP layer (glm_jax/inference/speculative.py): the same
   distribution, and the log-probabilities, of the main model."""
   width = max(t.max_prompt_len for t, _ in tasks_and_weights)
-  sampling = SamplingParams(max_new_tokens=rl.max_new_tokens, temperature=0.0 if greedy else rl.temperature,
-                            top_p=1.0 if greedy else rl.top_p, stop_ids=(vocab.eos_id,), pad_id=vocab.pad_id)
+  sampling = SamplingParams(
+    max_new_tokens=rl.max_new_tokens,
+    temperature=0.0 if greedy else rl.temperature,
+    top_p=1.0 if greedy else rl.top_p,
+    stop_ids=(vocab.eos_id,),
+    pad_id=vocab.pad_id,
+  )
   if rl.rollout_dtype and rl.rollout_dtype != model_cfg.dtype and not greedy:
     # The inference engine in another precision than the trainer: the train/inference mismatch IcePop filters.
-    graphdef = nnx.graphdef(nnx.eval_shape(lambda: GlmMoeDsa(model_cfg.replace(dtype=rl.rollout_dtype),
-                                                             nnx.Rngs(0))))
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: GlmMoeDsa(model_cfg.replace(dtype=rl.rollout_dtype), nnx.Rngs(0))))
   return Sampler(graphdef, model_cfg, sampling, width=width, speculate=rl.get("speculate", 0) or None)
 
 
-def make_rollout(sampler: Sampler, params, rest, problems, group_size: int, key, reward_fn, version: int,
-                 id_prefix: str) -> Rollout:
+def make_rollout(
+  sampler: Sampler, params, rest, problems, group_size: int, key, reward_fn, version: int, id_prefix: str
+) -> Rollout:
   """Samples group_size answers to each problem (rows grouped by problem) and scores them."""
   t0 = time.perf_counter()
   rows = [p for p in problems for _ in range(group_size)]
   out = jax.device_get(sampler(params, rest, [p.prompt_ids for p in rows], key))
-  rollout = Rollout(version=version, problems=rows, tokens=np.asarray(out.tokens),
-                    response_mask=np.asarray(out.response_mask), rollout_logp=np.asarray(out.logp),
-                    prompt_lens=np.asarray(out.prompt_lens), lengths=np.asarray(out.lengths),
-                    finished=np.asarray(out.finished), rewards=np.zeros(len(rows), np.float32), failures=[])
-  rollout.rewards, rollout.failures = rewards_lib.score(reward_fn, rows, rollout.responses(),
-                                                        [f"{id_prefix}/{i}" for i in range(len(rows))])
+  rollout = Rollout(
+    version=version,
+    problems=rows,
+    tokens=np.asarray(out.tokens),
+    response_mask=np.asarray(out.response_mask),
+    rollout_logp=np.asarray(out.logp),
+    prompt_lens=np.asarray(out.prompt_lens),
+    lengths=np.asarray(out.lengths),
+    finished=np.asarray(out.finished),
+    rewards=np.zeros(len(rows), np.float32),
+    failures=[],
+  )
+  rollout.rewards, rollout.failures = rewards_lib.score(
+    reward_fn, rows, rollout.responses(), [f"{id_prefix}/{i}" for i in range(len(rows))]
+  )
   rollout.seconds = time.perf_counter() - t0
   return rollout
 
@@ -106,13 +137,31 @@ def step_problems(tasks_and_weights, rl: ml_collections.ConfigDict, index: int):
   return tasks_lib.mixed_prompts(tasks_and_weights, np.random.default_rng((rl.seed, index)), rl.prompts_per_step)
 
 
-def step_rollout(sampler: Sampler, params, rest, tasks_and_weights, rl: ml_collections.ConfigDict, reward_fn,
-                 version: int, index: int, group_size: int) -> Rollout:
+def step_rollout(
+  sampler: Sampler,
+  params,
+  rest,
+  tasks_and_weights,
+  rl: ml_collections.ConfigDict,
+  reward_fn,
+  version: int,
+  index: int,
+  group_size: int,
+) -> Rollout:
   """Rollout `index` of a run: its problems (step_problems), group_size answers each, sampled with a key that
   depends on (rl.seed, index) by the weights of `version`."""
   key = jax.random.fold_in(jax.random.key(rl.seed), index)
-  rollout = make_rollout(sampler, params, rest, step_problems(tasks_and_weights, rl, index), group_size, key,
-                         reward_fn, version, f"step{index}")
+  rollout = make_rollout(
+    sampler,
+    params,
+    rest,
+    step_problems(tasks_and_weights, rl, index),
+    group_size,
+    key,
+    reward_fn,
+    version,
+    f"step{index}",
+  )
   rollout.index = index
   return rollout
 

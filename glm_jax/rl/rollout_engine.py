@@ -78,8 +78,9 @@ class ProcessRolloutWorker:
     """Makes (params, rest) the weights of the next rollouts; returns once they are queued for sending."""
     with self._lock:
       if self._weights is not None and version < self._weights[0]:
-        raise ValueError(f"push_weights: version {version} is older than the worker's {self._weights[0]}; weights "
-                         "go forward only")
+        raise ValueError(
+          f"push_weights: version {version} is older than the worker's {self._weights[0]}; weights go forward only"
+        )
       self._weights = (version, *jax.device_get((self._served(params), rest)))
       if self._worker is not None:
         self._worker.send(("weights", *self._weights))
@@ -148,8 +149,12 @@ class ProcessRolloutWorker:
 
   def _replace(self, why: str) -> None:
     old = self._worker
-    logging.warning("rollout worker %d stopped answering (%s): replacing it and retrying %d requests", old.n, why,
-                    len(self._outstanding))
+    logging.warning(
+      "rollout worker %d stopped answering (%s): replacing it and retrying %d requests",
+      old.n,
+      why,
+      len(self._outstanding),
+    )
     old.close(graceful=False)
     self._count_replacement(old.n, why, old.log)
     self._spawn()
@@ -158,8 +163,10 @@ class ProcessRolloutWorker:
 
   def _count_replacement(self, n: int, why: str, log: str) -> None:
     if self.replaced >= self._max_restarts:
-      raise RuntimeError(f"rollout worker {n} stopped answering ({why}) after rl.max_worker_restarts="
-                         f"{self._max_restarts} replacements; see {log}")
+      raise RuntimeError(
+        f"rollout worker {n} stopped answering ({why}) after rl.max_worker_restarts="
+        f"{self._max_restarts} replacements; see {log}"
+      )
     self.replaced += 1
 
   def _spawn(self) -> None:
@@ -167,8 +174,9 @@ class ProcessRolloutWorker:
     while True:
       self._n += 1
       try:
-        self._worker = _Connection(self._n, self._config_path, self._dir, self._authkey, self._inbox,
-                                   self._start_timeout)
+        self._worker = _Connection(
+          self._n, self._config_path, self._dir, self._authkey, self._inbox, self._start_timeout
+        )
         break
       except _DidNotStart as e:
         logging.warning("%s", e)
@@ -190,11 +198,19 @@ class _Connection:
   def __init__(self, n: int, config_path: str, folder: str, authkey: bytes, inbox: queue.Queue, start_timeout: float):
     self.n, self.log = n, os.path.join(folder, f"worker-{n}.log")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # glm_jax's parent
-    env = {**os.environ, AUTHKEY_ENV: authkey.hex(),
-           "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    env = {
+      **os.environ,
+      AUTHKEY_ENV: authkey.hex(),
+      "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p),
+    }
     with open(self.log, "w") as log:
-      self.proc = subprocess.Popen([sys.executable, "-m", "glm_jax.rl.rollout_engine", config_path],
-                                   stdout=subprocess.PIPE, stderr=log, env=env, text=True)
+      self.proc = subprocess.Popen(
+        [sys.executable, "-m", "glm_jax.rl.rollout_engine", config_path],
+        stdout=subprocess.PIPE,
+        stderr=log,
+        env=env,
+        text=True,
+      )
     with open(os.path.join(folder, f"worker-{n}.pid"), "w") as f:
       f.write(str(self.proc.pid))
     port = self._read_port(start_timeout)

@@ -48,8 +48,14 @@ def make_score_fn(graphdef, temperature: float = 1.0) -> Callable:
   return jax.jit(score)
 
 
-def _make_step(graphdef, optimizer: optax.GradientTransformation, schedule: Callable, rl_cfg,
-               objective_fn: Callable, quant_plan: dict | None = None) -> Callable:
+def _make_step(
+  graphdef,
+  optimizer: optax.GradientTransformation,
+  schedule: Callable,
+  rl_cfg,
+  objective_fn: Callable,
+  quant_plan: dict | None = None,
+) -> Callable:
   """The shared update: logp of the batch's tokens, objective_fn(logp, batch) -> (loss, metrics), gradient,
   clip, optimizer; a non-finite loss or gradient skips the update (the state stays, `skipped` is 1). With a
   quant plan (config.quant), quantization-aware: the policy's forward sees its planned weights fake-quantized,
@@ -67,8 +73,14 @@ def _make_step(graphdef, optimizer: optax.GradientTransformation, schedule: Call
     (loss, m), grads = grad_fn(state.params, state.rest, batch)
     new_state, grad_norm, skip = apply_gradients(state, grads, loss, optimizer, rl_cfg.grad_clip_norm)
     mask = batch["response_mask"]
-    metrics = dict(m, loss=loss, grad_norm=grad_norm, lr=schedule(state.step), skipped=skip.astype(jnp.int32),
-                   response_tokens=jnp.sum(mask).astype(jnp.float32))
+    metrics = dict(
+      m,
+      loss=loss,
+      grad_norm=grad_norm,
+      lr=schedule(state.step),
+      skipped=skip.astype(jnp.int32),
+      response_tokens=jnp.sum(mask).astype(jnp.float32),
+    )
     return new_state, metrics
 
   # No donation: an asynchronous rollout worker may still be reading the parameters of the previous version.
@@ -80,12 +92,19 @@ def _old_logp(logp, batch):
 
 
 def _grpo_kwargs(rl_cfg) -> dict:
-  return dict(eps_low=rl_cfg.eps_low, eps_high=rl_cfg.eps_high, icepop_beta=rl_cfg.icepop_beta,
-              is_correction=rl_cfg.is_correction, tis_cap=rl_cfg.tis_cap, kl_coef=rl_cfg.kl_coef)
+  return dict(
+    eps_low=rl_cfg.eps_low,
+    eps_high=rl_cfg.eps_high,
+    icepop_beta=rl_cfg.icepop_beta,
+    is_correction=rl_cfg.is_correction,
+    tis_cap=rl_cfg.tis_cap,
+    kl_coef=rl_cfg.kl_coef,
+  )
 
 
-def make_grpo_step(graphdef, optimizer: optax.GradientTransformation, schedule: Callable, rl_cfg,
-                   quant_plan: dict | None = None) -> Callable:
+def make_grpo_step(
+  graphdef, optimizer: optax.GradientTransformation, schedule: Callable, rl_cfg, quant_plan: dict | None = None
+) -> Callable:
   """Returns jit step(state, batch) -> (state, metrics); batch: tokens, response_mask, rollout_logp, advantages
   [N] (group-normalized rewards), optionally old_logp and ref_logp. rl_cfg.objective: "grpo" (Eq. 1) or
   "async" (Eq. 3-5)."""
@@ -94,16 +113,30 @@ def make_grpo_step(graphdef, optimizer: optax.GradientTransformation, schedule: 
 
   def objective(logp, batch):
     if rl_cfg.objective == "async":
-      return losses.async_policy_loss(logp, batch["rollout_logp"], batch["advantages"], batch["response_mask"],
-                                      eps_low=rl_cfg.eps_low, eps_high=rl_cfg.eps_high)
-    return losses.grpo_loss(logp, _old_logp(logp, batch), batch["rollout_logp"], batch["advantages"],
-                            batch["response_mask"], ref_logp=batch.get("ref_logp"), **_grpo_kwargs(rl_cfg))
+      return losses.async_policy_loss(
+        logp,
+        batch["rollout_logp"],
+        batch["advantages"],
+        batch["response_mask"],
+        eps_low=rl_cfg.eps_low,
+        eps_high=rl_cfg.eps_high,
+      )
+    return losses.grpo_loss(
+      logp,
+      _old_logp(logp, batch),
+      batch["rollout_logp"],
+      batch["advantages"],
+      batch["response_mask"],
+      ref_logp=batch.get("ref_logp"),
+      **_grpo_kwargs(rl_cfg),
+    )
 
   return _make_step(graphdef, optimizer, schedule, rl_cfg, objective, quant_plan)
 
 
-def make_distill_step(graphdef, optimizer: optax.GradientTransformation, schedule: Callable, rl_cfg,
-                      quant_plan: dict | None = None) -> Callable:
+def make_distill_step(
+  graphdef, optimizer: optax.GradientTransformation, schedule: Callable, rl_cfg, quant_plan: dict | None = None
+) -> Callable:
   """Returns jit step(state, batch) -> (state, metrics); batch: tokens, response_mask, rollout_logp and
   teacher_logp [N, S] (each row scored by its own teacher). Metrics add teacher_kl: the mean over response
   tokens of log p_student - log p_teacher, a per-token estimate of KL(student || teacher) on the student's
@@ -112,8 +145,7 @@ def make_distill_step(graphdef, optimizer: optax.GradientTransformation, schedul
   def objective(logp, batch):
     mask = batch["response_mask"]
     adv = losses.distill_advantages(batch["teacher_logp"], logp)
-    loss, m = losses.grpo_loss(logp, _old_logp(logp, batch), batch["rollout_logp"], adv, mask,
-                               **_grpo_kwargs(rl_cfg))
+    loss, m = losses.grpo_loss(logp, _old_logp(logp, batch), batch["rollout_logp"], adv, mask, **_grpo_kwargs(rl_cfg))
     gap = jnp.where(mask, jax.lax.stop_gradient(logp) - batch["teacher_logp"], 0.0)
     n = jnp.maximum(jnp.sum(mask), 1).astype(jnp.float32)
     return loss, dict(m, teacher_kl=jnp.sum(gap) / n)

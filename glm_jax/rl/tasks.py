@@ -66,8 +66,9 @@ class CharVocab:
     ids = []
     for pos, c in enumerate(text):
       if c not in self._char_to_id:
-        raise ValueError(f"CharVocab.encode: character {c!r} at position {pos} of {text!r} is not in the "
-                         f"alphabet {self.alphabet!r}")
+        raise ValueError(
+          f"CharVocab.encode: character {c!r} at position {pos} of {text!r} is not in the alphabet {self.alphabet!r}"
+        )
       ids.append(self._char_to_id[c])
     return ids
 
@@ -77,8 +78,7 @@ class CharVocab:
     for pos, i in enumerate(ids):
       i = int(i)
       if not 0 <= i < self.vocab_size:
-        raise ValueError(f"CharVocab.decode: id {i} at position {pos} is outside the vocabulary "
-                         f"[0, {self.vocab_size})")
+        raise ValueError(f"CharVocab.decode: id {i} at position {pos} is outside the vocabulary [0, {self.vocab_size})")
       if i == self.eos_id:
         break
       if i == self.pad_id:
@@ -89,13 +89,16 @@ class CharVocab:
   def check_model_vocab(self, model_vocab_size: int) -> None:
     """ValueError if a model with `model_vocab_size` output ids cannot write every id of this vocabulary."""
     if int(model_vocab_size) < self.vocab_size:
-      raise ValueError(f"model vocab_size={model_vocab_size} is smaller than the task vocabulary's "
-                       f"{self.vocab_size} ids (pad, eos and {self.alphabet!r}); use vocab_size >= {self.vocab_size}")
+      raise ValueError(
+        f"model vocab_size={model_vocab_size} is smaller than the task vocabulary's "
+        f"{self.vocab_size} ids (pad, eos and {self.alphabet!r}); use vocab_size >= {self.vocab_size}"
+      )
 
 
 @dataclasses.dataclass(frozen=True)
 class Problem:
   """One task instance: the prompt text, the exact expected answer text (no eos) and the prompt's ids."""
+
   task: str
   prompt: str
   answer: str
@@ -104,16 +107,15 @@ class Problem:
 
 class Task(Protocol):
   """What every task provides (see AdditionTask)."""
+
   name: str
   vocab: CharVocab
   max_prompt_len: int
   max_answer_len: int
 
-  def sample(self, rng: np.random.Generator, n: int) -> list[Problem]:
-    ...
+  def sample(self, rng: np.random.Generator, n: int) -> list[Problem]: ...
 
-  def demonstration(self, problem: Problem) -> list[int]:
-    ...
+  def demonstration(self, problem: Problem) -> list[int]: ...
 
 
 def _check_count(name: str, n: int) -> int:
@@ -145,15 +147,15 @@ class _TaskBase:
 
 
 class AdditionTask(_TaskBase):
-  """"a+b=" -> str(a + b), with a and b uniform in [0, 10**digits) (no leading zeros)."""
+  """ "a+b=" -> str(a + b), with a and b uniform in [0, 10**digits) (no leading zeros)."""
 
   name = "addition"
 
   def __init__(self, digits: int = 2, vocab: CharVocab | None = None):
     super().__init__(vocab)
     self.digits = _check_positive("AdditionTask", "digits", digits, 9)
-    self.max_prompt_len = 2 * self.digits + 2            # a, "+", b, "="
-    self.max_answer_len = self.digits + 1 + 1            # the sum may carry one digit, then eos
+    self.max_prompt_len = 2 * self.digits + 2  # a, "+", b, "="
+    self.max_answer_len = self.digits + 1 + 1  # the sum may carry one digit, then eos
 
   def __repr__(self) -> str:
     return f"AdditionTask(digits={self.digits})"
@@ -161,7 +163,7 @@ class AdditionTask(_TaskBase):
   def sample(self, rng: np.random.Generator, n: int) -> list[Problem]:
     """`n` problems drawn from `rng`."""
     n = _check_count("AdditionTask.sample", n)
-    ab = rng.integers(0, 10 ** self.digits, size=(n, 2))
+    ab = rng.integers(0, 10**self.digits, size=(n, 2))
     return [self._problem(f"{a}+{b}=", str(a + b)) for a, b in ab.tolist()]
 
 
@@ -173,8 +175,8 @@ class _DigitStringTask(_TaskBase):
   def __init__(self, length: int = 4, vocab: CharVocab | None = None):
     super().__init__(vocab)
     self.length = _check_positive(type(self).__name__, "length", length, 64)
-    self.max_prompt_len = self.length + 2                # marker, digits, "="
-    self.max_answer_len = self.length + 1                # digits, eos
+    self.max_prompt_len = self.length + 2  # marker, digits, "="
+    self.max_answer_len = self.length + 1  # digits, eos
 
   def __repr__(self) -> str:
     return f"{type(self).__name__}(length={self.length})"
@@ -194,7 +196,7 @@ class _DigitStringTask(_TaskBase):
 
 
 class SortTask(_DigitStringTask):
-  """"s3142=" -> "1234": the digits sorted ascending."""
+  """ "s3142=" -> "1234": the digits sorted ascending."""
 
   name = "sort"
   marker = "s"
@@ -204,7 +206,7 @@ class SortTask(_DigitStringTask):
 
 
 class ReverseTask(_DigitStringTask):
-  """"r3142=" -> "2413": the digits in reverse order."""
+  """ "r3142=" -> "2413": the digits in reverse order."""
 
   name = "reverse"
   marker = "r"
@@ -247,8 +249,9 @@ def _split_tasks_and_weights(tasks_and_weights: TasksAndWeights) -> tuple[list[T
   return tasks, weights / weights.sum()
 
 
-def _task_per_row(tasks_and_weights: TasksAndWeights, rng: np.random.Generator,
-                  n: int) -> tuple[list[Task], list[Problem]]:
+def _task_per_row(
+  tasks_and_weights: TasksAndWeights, rng: np.random.Generator, n: int
+) -> tuple[list[Task], list[Problem]]:
   """Draw a task per row by the weights, then that many problems from each task, kept in row order."""
   tasks, probs = _split_tasks_and_weights(tasks_and_weights)
   which = rng.choice(len(tasks), size=n, p=probs)
@@ -267,8 +270,9 @@ def mixed_prompts(tasks_and_weights: TasksAndWeights, rng: np.random.Generator, 
   return _task_per_row(tasks_and_weights, rng, n)[1]
 
 
-def sft_batch(tasks_and_weights: TasksAndWeights, rng: np.random.Generator, batch_size: int, seq_len: int,
-              vocab: CharVocab) -> dict[str, np.ndarray]:
+def sft_batch(
+  tasks_and_weights: TasksAndWeights, rng: np.random.Generator, batch_size: int, seq_len: int, vocab: CharVocab
+) -> dict[str, np.ndarray]:
   """One demonstration (prompt + answer + eos) per row, task drawn per row by the weights, right-padded.
 
   Returns int32 [batch_size, seq_len] arrays: "input_ids" (pad_id on padding), "segment_ids" (1 on the
@@ -282,8 +286,10 @@ def sft_batch(tasks_and_weights: TasksAndWeights, rng: np.random.Generator, batc
   for task, prob in zip(*_split_tasks_and_weights(tasks_and_weights)):
     longest = task.max_prompt_len + task.max_answer_len
     if prob > 0 and longest > seq_len:
-      raise ValueError(f"sft_batch: task {task!r} has demonstrations of up to {longest} tokens (eos included) but "
-                       f"seq_len={seq_len}; use seq_len >= {longest}")
+      raise ValueError(
+        f"sft_batch: task {task!r} has demonstrations of up to {longest} tokens (eos included) but "
+        f"seq_len={seq_len}; use seq_len >= {longest}"
+      )
   tasks, problems = _task_per_row(tasks_and_weights, rng, batch_size)
   input_ids = np.full((batch_size, seq_len), vocab.pad_id, dtype=np.int32)
   segment_ids = np.zeros((batch_size, seq_len), dtype=np.int32)
@@ -293,10 +299,12 @@ def sft_batch(tasks_and_weights: TasksAndWeights, rng: np.random.Generator, batc
       raise ValueError(f"sft_batch: task {task.name!r} uses {task.vocab!r} but the batch is built with {vocab!r}")
     ids = task.demonstration(prob)
     if len(ids) > seq_len:
-      raise ValueError(f"sft_batch: a {task.name!r} demonstration {prob.prompt + prob.answer!r} is {len(ids)} "
-                       f"tokens (eos included) but seq_len={seq_len}; use seq_len >= "
-                       f"{task.max_prompt_len + task.max_answer_len} for this task")
-    input_ids[r, :len(ids)] = ids
-    segment_ids[r, :len(ids)] = 1
-    positions[r, :len(ids)] = np.arange(len(ids))
+      raise ValueError(
+        f"sft_batch: a {task.name!r} demonstration {prob.prompt + prob.answer!r} is {len(ids)} "
+        f"tokens (eos included) but seq_len={seq_len}; use seq_len >= "
+        f"{task.max_prompt_len + task.max_answer_len} for this task"
+      )
+    input_ids[r, : len(ids)] = ids
+    segment_ids[r, : len(ids)] = 1
+    positions[r, : len(ids)] = np.arange(len(ids))
   return {"input_ids": input_ids, "segment_ids": segment_ids, "positions": positions}

@@ -75,15 +75,27 @@ def _setup(config: ml_collections.ConfigDict, workdir: str):
   model_cfg = ModelConfig.from_dict(config.model)
   vocab.check_model_vocab(model_cfg.vocab_size)
   tasks_and_weights = task_mix(config)
-  checkpointer = Checkpointer(workdir, save_every=rl.checkpoint_every, keep=rl.keep_checkpoints,
-                              async_save=False)
-  checkpointer.check_compatible(config.to_dict(), sections=("model", "optimizer", "tasks", "teachers", "quant"),
-                                train_fields=(), tokenizer=vocab.record())
+  checkpointer = Checkpointer(workdir, save_every=rl.checkpoint_every, keep=rl.keep_checkpoints, async_save=False)
+  checkpointer.check_compatible(
+    config.to_dict(),
+    sections=("model", "optimizer", "tasks", "teachers", "quant"),
+    train_fields=(),
+    tokenizer=vocab.record(),
+  )
   graphdef, state, optimizer, schedule = make_policy(model_cfg, config.optimizer, rl.seed, rl.freeze_indexer)
   plan = quant_plan(state.params, config.quant) if "quant" in config else {}
-  setup = RunSetup(config=config, workdir=workdir, model_cfg=model_cfg, vocab=vocab,
-                   tasks_and_weights=tasks_and_weights, graphdef=graphdef, optimizer=optimizer, schedule=schedule,
-                   checkpointer=checkpointer, quant_plan=plan)
+  setup = RunSetup(
+    config=config,
+    workdir=workdir,
+    model_cfg=model_cfg,
+    vocab=vocab,
+    tasks_and_weights=tasks_and_weights,
+    graphdef=graphdef,
+    optimizer=optimizer,
+    schedule=schedule,
+    checkpointer=checkpointer,
+    quant_plan=plan,
+  )
   return setup, state
 
 
@@ -94,13 +106,15 @@ def _context(setup: RunSetup, start: int) -> RunContext:
   reward_fn = rewards_lib.make_reward_fn(rl.reward, setup.vocab)
   sampler = make_sampler(setup.graphdef, setup.model_cfg, rl, setup.tasks_and_weights, setup.vocab)
   greedy = make_sampler(setup.graphdef, setup.model_cfg, rl, setup.tasks_and_weights, setup.vocab, greedy=True)
-  eval_problems = tasks_lib.mixed_prompts(setup.tasks_and_weights, np.random.default_rng(10**6 + rl.seed),
-                                          rl.eval_prompts)
+  eval_problems = tasks_lib.mixed_prompts(
+    setup.tasks_and_weights, np.random.default_rng(10**6 + rl.seed), rl.eval_prompts
+  )
   # A fresh run (start 0) writes its step-0 row again, so it keeps none.
   writer = MetricsWriter(setup.workdir, tensorboard=rl.tensorboard, keep_through=start if start else -1)
   skips = ConsecutiveSkips(rl.max_consecutive_skips, "rl.max_consecutive_skips")
-  return RunContext.after_warm_start(setup, reward_fn=reward_fn, sampler=sampler, greedy=greedy,
-                                     eval_problems=eval_problems, writer=writer, skips=skips)
+  return RunContext.after_warm_start(
+    setup, reward_fn=reward_fn, sampler=sampler, greedy=greedy, eval_problems=eval_problems, writer=writer, skips=skips
+  )
 
 
 def _eval_accuracy(ctx: RunContext, state) -> float:
@@ -109,8 +123,17 @@ def _eval_accuracy(ctx: RunContext, state) -> float:
 
 def _step_rollout(ctx: RunContext, params, rest, version: int, index: int, group_size: int):
   """The rollout of step `index` (rollout.step_rollout) from the policy's weights as served."""
-  return step_rollout(ctx.sampler, ctx.served(params), rest, ctx.tasks_and_weights, ctx.config.rl, ctx.reward_fn,
-                      version, index, group_size)
+  return step_rollout(
+    ctx.sampler,
+    ctx.served(params),
+    rest,
+    ctx.tasks_and_weights,
+    ctx.config.rl,
+    ctx.reward_fn,
+    version,
+    index,
+    group_size,
+  )
 
 
 def _log_and_eval(ctx: RunContext, done: int, metrics: dict, state) -> dict:
@@ -174,8 +197,14 @@ def _grpo_loop(ctx: RunContext, state, start: int):
       done += 1
       if worker is not None:
         worker.push_weights(done, state.params, state.rest)
-      m.update(rollout.metrics(), train_s=time.perf_counter() - t1, step_s=time.perf_counter() - t0,
-               staleness=done - 1 - rollout.version, dropped_stale=dropped, rollout_index=rollout.index)
+      m.update(
+        rollout.metrics(),
+        train_s=time.perf_counter() - t1,
+        step_s=time.perf_counter() - t0,
+        staleness=done - 1 - rollout.version,
+        dropped_stale=dropped,
+        rollout_index=rollout.index,
+      )
       if isinstance(worker, ProcessRolloutWorker):
         m["workers_replaced"] = worker.replaced
       last = _log_and_eval(ctx, done, m, state)

@@ -52,13 +52,24 @@ def sft_step(compiled: dict, graphdef, model_cfg: ModelConfig, params, sft: ml_c
   key = (graphdef, json.dumps(dict(optimizer=sft.optimizer.to_dict(), step=train_cfg.to_dict()), sort_keys=True))
   if key not in compiled:
     optimizer = optimizers.make_optimizer(sft.optimizer, params)
-    compiled[key] = optimizer, train_step_lib.make_train_step(
-        graphdef, optimizer, optimizers.learning_rate_schedule(sft.optimizer), train_cfg)
+    compiled[key] = (
+      optimizer,
+      train_step_lib.make_train_step(graphdef, optimizer, optimizers.learning_rate_schedule(sft.optimizer), train_cfg),
+    )
   return compiled[key]
 
 
-def supervised_finetune(setup: RunSetup, graphdef, params, rest, model_cfg: ModelConfig, sft: ml_collections.ConfigDict,
-                        tasks_and_weights, seed: int, log_prefix: str = "sft"):
+def supervised_finetune(
+  setup: RunSetup,
+  graphdef,
+  params,
+  rest,
+  model_cfg: ModelConfig,
+  sft: ml_collections.ConfigDict,
+  tasks_and_weights,
+  seed: int,
+  log_prefix: str = "sft",
+):
   """sft.steps updates of the pretraining step on the tasks' demonstrations: returns (params, rest, the last
   step's loss)."""
   optimizer, step_fn = sft_step(setup.sft_steps, graphdef, model_cfg, params, sft)
@@ -97,8 +108,15 @@ def warm_start(setup: RunSetup, state):
     elif config.sft.steps:
       t0 = time.perf_counter()
       state.params, state.rest, info["sft_loss"] = supervised_finetune(
-          setup, setup.graphdef, state.params, state.rest, setup.model_cfg, config.sft, setup.tasks_and_weights,
-          config.rl.seed)
+        setup,
+        setup.graphdef,
+        state.params,
+        state.rest,
+        setup.model_cfg,
+        config.sft,
+        setup.tasks_and_weights,
+        config.rl.seed,
+      )
       info["sft_s"] = time.perf_counter() - t0
     init.save(0, state, None, config.to_dict(), tokenizer=setup.vocab.record(), force=True)
   init.close()
@@ -123,8 +141,10 @@ def load_teacher(setup: RunSetup, name: str):
     packed = load_packed(spec.init_from, cfg)
     field = f"teachers.{name}.init_from={spec.init_from!r}"
     if packed.tokenizer is not None and packed.tokenizer["sha256"] != setup.vocab.record()["sha256"]:
-      raise ValueError(f"{field}: the packed model was trained with the tokenizer "
-                       f"{describe_tokenizer(packed.tokenizer)}, not this run's {describe_tokenizer(setup.vocab.record())}")
+      raise ValueError(
+        f"{field}: the packed model was trained with the tokenizer "
+        f"{describe_tokenizer(packed.tokenizer)}, not this run's {describe_tokenizer(setup.vocab.record())}"
+      )
     return packed.graphdef, packed.params, packed.rest
   graphdef, state, _, _ = make_policy(cfg, config.optimizer, spec.seed, freeze_indexer=False)
   source = spec.init_from or os.path.join(setup.workdir, "teachers", name)
@@ -139,10 +159,12 @@ def load_teacher(setup: RunSetup, name: str):
     task = tasks_lib.make_task(spec.task, **spec.task_kwargs.to_dict())
     sft = copy.deepcopy(config.sft)
     sft.steps = spec.sft_steps
-    state.params, state.rest, loss = supervised_finetune(setup, graphdef, state.params, state.rest, cfg, sft,
-                                                         [(task, 1.0)], spec.seed, f"teacher {name}")
+    state.params, state.rest, loss = supervised_finetune(
+      setup, graphdef, state.params, state.rest, cfg, sft, [(task, 1.0)], spec.seed, f"teacher {name}"
+    )
     logging.info("teacher %s fine-tuned on %s: lm_loss %.4f", name, spec.task, loss)
-    cache.save(0, state, None, {"teacher": spec.to_dict(), "model": cfg.to_dict()}, tokenizer=setup.vocab.record(),
-               force=True)
+    cache.save(
+      0, state, None, {"teacher": spec.to_dict(), "model": cfg.to_dict()}, tokenizer=setup.vocab.record(), force=True
+    )
   cache.close()
   return graphdef, state.params, state.rest

@@ -77,14 +77,19 @@ class StateArrays:
     return str(tree_keys(kind, path)) in self.keys
 
   def open(self, kind: str, path: tuple) -> ts.TensorStore:
-    info = ocp.type_handlers.ParamInfo(name=orbax_name(kind, path), parent_dir=epath.Path(self.state_dir),
-                                       use_zarr3=self._zarr3, ts_context=self._context)
+    info = ocp.type_handlers.ParamInfo(
+      name=orbax_name(kind, path),
+      parent_dir=epath.Path(self.state_dir),
+      use_zarr3=self._zarr3,
+      ts_context=self._context,
+    )
     spec = ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=self._ocdbt)
     try:
       return ts.open(spec, open=True, read=True, context=self._context).result()
     except ValueError as e:
-      raise ValueError(f"{self.state_dir}: array {orbax_name(kind, path)} cannot be opened "
-                       f"({str(e).splitlines()[0][:200]})") from e
+      raise ValueError(
+        f"{self.state_dir}: array {orbax_name(kind, path)} cannot be opened ({str(e).splitlines()[0][:200]})"
+      ) from e
 
 
 def read_slice(array: ts.TensorStore, index: tuple, dtype) -> np.ndarray:
@@ -96,8 +101,9 @@ def _index_key(index: tuple) -> tuple:
   return tuple((s.start, s.stop, s.step) if isinstance(s, slice) else s for s in index)
 
 
-def read_weights(state_dir: str, params: nnx.State, rest: nnx.State, *, where: str | None = None
-                 ) -> tuple[nnx.State, nnx.State]:
+def read_weights(
+  state_dir: str, params: nnx.State, rest: nnx.State, *, where: str | None = None
+) -> tuple[nnx.State, nnx.State]:
   """(params, rest) with every array read from the Orbax state item `state_dir` (any TrainState checkpoint, or a
   converted one) onto the sharding of the array it replaces, or of the ShapeDtypeStruct standing for it (one
   device when it has none), one device's slice at a time: a process reads only its devices' slices. A missing or
@@ -113,8 +119,9 @@ def read_weights(state_dir: str, params: nnx.State, rest: nnx.State, *, where: s
         raise ValueError(f"{where}: no {noun} array at {path_str(path)}")
       stored = arrays.open(kind, path)
       if tuple(stored.shape) != tuple(var.shape):
-        raise ValueError(f"{where}: {noun} {path_str(path)} has shape {list(stored.shape)}, the model expects "
-                         f"{list(var.shape)}")
+        raise ValueError(
+          f"{where}: {noun} {path_str(path)} has shape {list(stored.shape)}, the model expects {list(var.shape)}"
+        )
       sharding = getattr(var.get_value(), "sharding", None) or device  # an array's, or an abstract target's
       cache: dict[tuple, np.ndarray] = {}  # devices holding the same slice (replicas) share one read
 

@@ -58,10 +58,10 @@ class Peaks:
 # Google Cloud's published per-chip figures (cloud.google.com/tpu/docs/<generation>): peak bf16 compute, HBM
 # bandwidth, ICI bandwidth (published in Gbps; / 8 here).
 PEAKS: dict[str, Peaks] = {
-    "v4": Peaks(275e12, 1228e9, 2400e9 / 8, "cloud.google.com/tpu/docs/v4"),
-    "v5e": Peaks(197e12, 819e9, 1600e9 / 8, "cloud.google.com/tpu/docs/v5e"),
-    "v5p": Peaks(459e12, 2765e9, 4800e9 / 8, "cloud.google.com/tpu/docs/v5p"),
-    "v6e": Peaks(918e12, 1640e9, 3584e9 / 8, "cloud.google.com/tpu/docs/v6e"),
+  "v4": Peaks(275e12, 1228e9, 2400e9 / 8, "cloud.google.com/tpu/docs/v4"),
+  "v5e": Peaks(197e12, 819e9, 1600e9 / 8, "cloud.google.com/tpu/docs/v5e"),
+  "v5p": Peaks(459e12, 2765e9, 4800e9 / 8, "cloud.google.com/tpu/docs/v5p"),
+  "v6e": Peaks(918e12, 1640e9, 3584e9 / 8, "cloud.google.com/tpu/docs/v6e"),
 }
 
 # The TensorCore clock at which XLA:TPU's `estimated_cycles` become seconds: the published bf16 peak over the MXUs'
@@ -69,9 +69,9 @@ PEAKS: dict[str, Peaks] = {
 # gives 2 x 4 for v4 and v5p, 1 x 4 for v5e): v5p 1.75 GHz. v6e's page gives two different MXU counts, so its
 # clock is not derived and its ops use the efficiency table.
 CLOCK_HZ: dict[str, float] = {
-    "v4": 275e12 / (2 * 4 * 128 * 128 * 2),
-    "v5e": 197e12 / (1 * 4 * 128 * 128 * 2),
-    "v5p": 459e12 / (2 * 4 * 128 * 128 * 2),
+  "v4": 275e12 / (2 * 4 * 128 * 128 * 2),
+  "v5e": 197e12 / (1 * 4 * 128 * 128 * 2),
+  "v5p": 459e12 / (2 * 4 * 128 * 128 * 2),
 }
 UNKNOWN_CYCLES = (1 << 63) - 1  # XLA's "no estimate"
 
@@ -82,10 +82,12 @@ UNKNOWN_CYCLES = (1 << 63) - 1  # XLA's "no estimate"
 # by 5/6 to 75.58 s; the model's scheduled step of that program is 67.97 s (serial 77.67 s), its grouped matmuls
 # costed by their grids as ours are (its kernels carry no op names: kernel_model knows them by instruction name).
 CALIBRATION: dict | None = {
-    "realism_factor": 1.112,
-    "measured_seconds": 75.583, "model_scheduled_seconds": 67.968, "model_serial_seconds": 77.67,
-    "source": "experiments/calibrate_maxtext.py on MaxText 0.2.5's DeepSeek-V3 671B v5p-1024 recipe (batch 5 of 6), "
-              "its grouped matmuls costed by their grids as ours are",
+  "realism_factor": 1.112,
+  "measured_seconds": 75.583,
+  "model_scheduled_seconds": 67.968,
+  "model_serial_seconds": 77.67,
+  "source": "experiments/calibrate_maxtext.py on MaxText 0.2.5's DeepSeek-V3 671B v5p-1024 recipe (batch 5 of 6), "
+  "its grouped matmuls costed by their grids as ours are",
 }
 
 # Roofline time / XLA:TPU's estimate, for ops XLA gives no estimate of (Pallas kernels, fusions with the sentinel):
@@ -94,16 +96,58 @@ CALIBRATION: dict | None = {
 # 16 to 256 MiB ("hbm", bound by HBM: 0.657 to 0.718).
 EFFICIENCY: dict[str, float] = {"matmul": 0.939, "hbm": 0.694}
 
-_DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2,
-                "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8, "c64": 8}
+_DTYPE_BYTES = {
+  "pred": 1,
+  "s4": 0.5,
+  "u4": 0.5,
+  "s8": 1,
+  "u8": 1,
+  "f8e4m3fn": 1,
+  "f8e5m2": 1,
+  "bf16": 2,
+  "f16": 2,
+  "s16": 2,
+  "u16": 2,
+  "f32": 4,
+  "s32": 4,
+  "u32": 4,
+  "f64": 8,
+  "s64": 8,
+  "u64": 8,
+  "c64": 8,
+}
 _ARRAY = re.compile(r"\b([a-z]+[0-9]*(?:e[0-9]m[0-9][a-z]*)?)\[([0-9,]*)\]")
 _INSTRUCTION = re.compile(r"^\s*(ROOT\s+)?%(\S+)\s+=\s+(.+?)\s+([a-z][a-z0-9\-]*)\((.*)$")
 _COMPUTATION = re.compile(r"^(ENTRY\s+)?%(\S+)\s.*\{\s*$")
-_NO_TRAFFIC = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",
-               "replica-id", "opt-barrier", "while", "call", "conditional", "add-dependency"}
-COLLECTIVES = {"all-gather", "reduce-scatter", "all-reduce", "all-to-all", "ragged-all-to-all", "collective-permute",
-               "all-gather-start", "all-reduce-start", "collective-permute-start", "all-to-all-start",
-               "ragged-all-to-all-start", "reduce-scatter-start"}
+_NO_TRAFFIC = {
+  "parameter",
+  "constant",
+  "get-tuple-element",
+  "tuple",
+  "bitcast",
+  "after-all",
+  "partition-id",
+  "replica-id",
+  "opt-barrier",
+  "while",
+  "call",
+  "conditional",
+  "add-dependency",
+}
+COLLECTIVES = {
+  "all-gather",
+  "reduce-scatter",
+  "all-reduce",
+  "all-to-all",
+  "ragged-all-to-all",
+  "collective-permute",
+  "all-gather-start",
+  "all-reduce-start",
+  "collective-permute-start",
+  "all-to-all-start",
+  "ragged-all-to-all-start",
+  "reduce-scatter-start",
+}
 
 
 @dataclasses.dataclass
@@ -128,8 +172,9 @@ class Op:
 
 def array_shapes(type_text: str) -> list[tuple[str, tuple[int, ...]]]:
   """(dtype, dims) of every array in an HLO type (one array or a tuple), layouts ignored."""
-  return [(dt, tuple(int(d) for d in dims.split(",") if d)) for dt, dims in _ARRAY.findall(type_text)
-          if dt in _DTYPE_BYTES]
+  return [
+    (dt, tuple(int(d) for d in dims.split(",") if d)) for dt, dims in _ARRAY.findall(type_text) if dt in _DTYPE_BYTES
+  ]
 
 
 def nbytes(shapes) -> float:
@@ -152,7 +197,7 @@ def _split_operands(rest: str) -> tuple[list[str], str]:
   while i < len(rest) and depth:
     depth += {"(": 1, ")": -1}.get(rest[i], 0)
     i += 1
-  return re.findall(r"%([\w.\-]+)", rest[:i - 1]), rest[i:]
+  return re.findall(r"%([\w.\-]+)", rest[: i - 1]), rest[i:]
 
 
 def parse_module(text: str) -> tuple[dict[str, list[_Instr]], str, dict[str, _Instr]]:
@@ -264,7 +309,7 @@ def _balanced(text: str) -> str:
   for i, ch in enumerate(text):
     depth += {"{": 1, "}": -1}.get(ch, 0)
     if depth == 0:
-      return text[:i + 1]
+      return text[: i + 1]
   raise ValueError(f"unbalanced braces in {text[:80]!r}")
 
 
@@ -279,14 +324,18 @@ def _mesh_groups(text: str, where: str) -> list[list[int]]:
   total = math.prod(size for _, size in axes)
   if m.group(2):
     listed = _IOTA_LIST.fullmatch(m.group(2).strip())
-    devices = (_iota(listed.group(2) or listed.group(1), listed.group(3)).reshape(-1) if listed
-               else np.array([int(d) for d in m.group(2).split(",")]))
+    devices = (
+      _iota(listed.group(2) or listed.group(1), listed.group(3)).reshape(-1)
+      if listed
+      else np.array([int(d) for d in m.group(2).split(",")])
+    )
   else:
     devices = np.arange(total)
   if devices.size != total:
     raise ValueError(f"{where}: mesh of {total} devices lists {devices.size}")
-  refs = [(name, int(pre) if pre else None, int(size) if size else None)
-          for name, pre, size in _AXIS_REF.findall(m.group(3))]
+  refs = [
+    (name, int(pre) if pre else None, int(size) if size else None) for name, pre, size in _AXIS_REF.findall(m.group(3))
+  ]
   known = {name for name, _ in axes}
   if any(name not in known for name, _, _ in refs):
     raise ValueError(f"{where}: replica group axes {[r[0] for r in refs]} are not all mesh axes {sorted(known)}")
@@ -326,7 +375,7 @@ def replica_groups(ins: _Instr, partitions: int) -> list[list[int]]:
   m = re.search(r"\breplica_groups=", ins.attrs)
   if not m:
     return [list(range(partitions))]
-  text = ins.attrs[m.end():]
+  text = ins.attrs[m.end() :]
   if text.startswith("{"):
     body = _balanced(text)
     groups = [[int(x) for x in g.split(",") if x.strip()] for g in re.findall(r"\{([\d,\s]*)\}", body[1:-1])]
@@ -390,8 +439,16 @@ def trip_count(ins: _Instr, comps: dict[str, list[_Instr]], by_name: dict[str, _
   cond = _root(comps.get((_attr(ins.attrs, "condition") or "").lstrip("%"), []))
   body = _root(comps.get((_attr(ins.attrs, "body") or "").lstrip("%"), []))
   init = by_name.get(ins.operands[0]) if ins.operands else None
-  if (cond is None or body is None or init is None or cond.opcode != "compare" or "direction=LT" not in cond.attrs
-      or len(cond.operands) != 2 or body.opcode != "tuple" or init.opcode != "tuple"):
+  if (
+    cond is None
+    or body is None
+    or init is None
+    or cond.opcode != "compare"
+    or "direction=LT" not in cond.attrs
+    or len(cond.operands) != 2
+    or body.opcode != "tuple"
+    or init.opcode != "tuple"
+  ):
     return None
   counter, limit = by_name.get(cond.operands[0]), _scalar_constant(cond.operands[1], by_name)
   if counter is None or counter.opcode != "get-tuple-element" or limit is None:
@@ -446,8 +503,9 @@ _PASS_THROUGH = {"bitcast", "reshape", "copy", "convert"}  # a slice read throug
 
 def _params(comp: list[_Instr]) -> dict[int, str]:
   """{parameter number: its instruction's name} of a computation."""
-  return {int(m.group(1)): i.name for i in comp
-          if i.opcode == "parameter" and (m := re.search(r"parameter\((\d+)\)", i.line))}
+  return {
+    int(m.group(1)): i.name for i in comp if i.opcode == "parameter" and (m := re.search(r"parameter\((\d+)\)", i.line))
+  }
 
 
 def _slice_reads(name: str, comp: list[_Instr], comps: dict[str, list[_Instr]]) -> float | None:
@@ -469,8 +527,11 @@ def _slice_reads(name: str, comp: list[_Instr], comps: dict[str, list[_Instr]]) 
       if use.opcode == "fusion":
         nested = comps.get((_attr(use.attrs, "calls") or "").lstrip("%"), [])
         params = _params(nested)
-        inner = [_slice_reads(params[j], nested, comps) if j in params else None
-                 for j, o in enumerate(use.operands) if o == name]
+        inner = [
+          _slice_reads(params[j], nested, comps) if j in params else None
+          for j, o in enumerate(use.operands)
+          if o == name
+        ]
       else:
         inner = [_slice_reads(use.name, comp, comps)]
       if any(x is None for x in inner):
@@ -503,8 +564,11 @@ def _moved_bytes(ins: _Instr, comps: dict[str, list[_Instr]], by_name: dict[str,
       if sliced is not None:
         operands[k] = min(operands[k], sliced)
     root = _root(comp)
-    outs = [root] if root is not None and root.opcode != "tuple" else [
-        next((i for i in comp if i.name == o), None) for o in (root.operands if root is not None else [])]
+    outs = (
+      [root]
+      if root is not None and root.opcode != "tuple"
+      else [next((i for i in comp if i.name == o), None) for o in (root.operands if root is not None else [])]
+    )
     if outs and all(o is not None and o.opcode == "dynamic-update-slice" for o in outs):
       result = sum(_update_bytes(o, comp) for o in outs)  # written in place: only the updates move
   return sum(operands) + result
@@ -515,6 +579,7 @@ class Chip:
   """What the per-op times need of a chip: its peaks, XLA's clock (None: no XLA estimates used) and, for a program
   with collectives, where its partitions sit (None: a collective's time is its wire bytes over all of a chip's
   links, the model with no topology)."""
+
   peaks: Peaks
   clock_hz: float | None = None
   torus: ici.Torus | None = None
@@ -583,8 +648,14 @@ def _collective_bytes(ins: _Instr, kind: str, by_name: dict[str, _Instr]) -> flo
   return results
 
 
-def program_ops(text: str, *, kernel_model: KernelModel | None = None, ragged_rows: RaggedModel | None = None,
-                chip: Chip | None = None, branch_model: BranchModel | None = None) -> list[Op]:
+def program_ops(
+  text: str,
+  *,
+  kernel_model: KernelModel | None = None,
+  ragged_rows: RaggedModel | None = None,
+  chip: Chip | None = None,
+  branch_model: BranchModel | None = None,
+) -> list[Op]:
   """Every op the compiled program's HLO text runs, with its FLOPs, HBM bytes and wire bytes, and with `chip` its
   compute and wire seconds (the module docstring).
 
@@ -606,8 +677,21 @@ def program_ops(text: str, *, kernel_model: KernelModel | None = None, ragged_ro
       source = op_name(ins)
       if ins.opcode.endswith("-done"):  # ends the async op its operand started; costs nothing of its own
         start = ins.operands[0] if ins.operands else ""
-        ops.append(Op(ins.name, ins.opcode, ins.opcode.removesuffix("-done"), source, 0.0, 0.0, runs=times,
-                      computation=comp, collective=start, role="done", costed=chip is not None))
+        ops.append(
+          Op(
+            ins.name,
+            ins.opcode,
+            ins.opcode.removesuffix("-done"),
+            source,
+            0.0,
+            0.0,
+            runs=times,
+            computation=comp,
+            collective=start,
+            role="done",
+            costed=chip is not None,
+          )
+        )
         continue
       moved = _moved_bytes(ins, comps, by_name)
       flops, note, kind = matmul_flops(ins, by_name), "", ins.opcode
@@ -620,8 +704,9 @@ def program_ops(text: str, *, kernel_model: KernelModel | None = None, ragged_ro
       elif ins.opcode == "custom-call" and 'custom_call_target="tpu_custom_call"' in ins.attrs:
         kernel = re.search(r"jit\((\w+)\)/pallas_call", source)  # megablox: jit(gmm); else the instruction's name
         kind = "pallas " + (kernel.group(1) if kernel else re.sub(r"[.]\d+$", "", ins.name))
-        declared = re.search(r'"cost_estimate":\{"flops":"(\d+)","transcendentals":"\d+","bytes_accessed":"(\d+)"',
-                             ins.attrs)
+        declared = re.search(
+          r'"cost_estimate":\{"flops":"(\d+)","transcendentals":"\d+","bytes_accessed":"(\d+)"', ins.attrs
+        )
         flops, moved = (float(declared.group(1)), float(declared.group(2))) if declared else (0.0, moved)
         note = "declared cost_estimate" if declared else "no cost_estimate"
         modeled = kernel_model(source, ins, by_name) if kernel_model else None
@@ -634,8 +719,20 @@ def program_ops(text: str, *, kernel_model: KernelModel | None = None, ragged_ro
         moved = 2 * max((nbytes([s]) for s in ins.shapes), default=0.0)
       elif ins.opcode == "custom-call-update" and ins.operands:  # feeds the async op its operands
         start = next((o for o in reversed(ops) if o.name == ins.operands[0] and o.computation == comp), None)
-        ops.append(Op(ins.name, ins.opcode, start.kind if start else "custom-call", source, 0.0, 0.0, runs=times,
-                      computation=comp, collective=start.collective if start else "", costed=chip is not None))
+        ops.append(
+          Op(
+            ins.name,
+            ins.opcode,
+            start.kind if start else "custom-call",
+            source,
+            0.0,
+            0.0,
+            runs=times,
+            computation=comp,
+            collective=start.collective if start else "",
+            costed=chip is not None,
+          )
+        )
         continue
       elif ins.opcode in ("send", "recv") and "_xla_megascale_transfer_type" in ins.attrs:
         ops.append(_dcn_op(ins, comp, times, source, seen_channels, by_name, chip))
@@ -643,8 +740,18 @@ def program_ops(text: str, *, kernel_model: KernelModel | None = None, ragged_ro
       elif ins.opcode in COLLECTIVES:
         collectives = [(ins, comps[comp])]
         moved = 2 * max((nbytes([s]) for s in ins.shapes), default=0.0)
-      op = Op(ins.name, ins.opcode, kind, source, flops, moved, note=note, runs=times, computation=comp,
-              costed=chip is not None)
+      op = Op(
+        ins.name,
+        ins.opcode,
+        kind,
+        source,
+        flops,
+        moved,
+        note=note,
+        runs=times,
+        computation=comp,
+        costed=chip is not None,
+      )
       if collectives:
         _add_collective(op, ins, collectives, seen_channels, partitions, by_name, chip, ragged_rows)
       if chip is not None:
@@ -668,8 +775,9 @@ def program_time(text: str, chip: Chip, **kwargs) -> dict[str, float]:
   "scheduled_seconds" as the program's order plays out, "exposed_collective_seconds"."""
   ops = program_ops(text, chip=chip, **kwargs)
   timed = schedule(text, ops, chip)
-  return dict(summarize(ops), scheduled_seconds=timed["seconds"],
-              exposed_collective_seconds=timed["exposed_collective_seconds"])
+  return dict(
+    summarize(ops), scheduled_seconds=timed["seconds"], exposed_collective_seconds=timed["exposed_collective_seconds"]
+  )
 
 
 def _dcn_op(ins: _Instr, comp: str, times: int, source: str, seen: dict, by_name, chip: Chip | None) -> Op:
@@ -677,14 +785,27 @@ def _dcn_op(ins: _Instr, comp: str, times: int, source: str, seen: dict, by_name
   share a rendezvous name): its wire bytes and time at the send or recv that comes first."""
   transfer = re.search(r'_xla_megascale_transfer_type="(\w+)"', ins.attrs).group(1)
   key = "dcn:" + (re.search(r'_xla_host_transfer_rendezvous="([^"]*)"', ins.attrs) or [None, ins.name])[1]
-  op = Op(ins.name, ins.opcode, f"dcn {transfer.lower().replace('_', '-')}", source, 0.0, 0.0, runs=times,
-          computation=comp, collective=key, costed=chip is not None)
+  op = Op(
+    ins.name,
+    ins.opcode,
+    f"dcn {transfer.lower().replace('_', '-')}",
+    source,
+    0.0,
+    0.0,
+    runs=times,
+    computation=comp,
+    collective=key,
+    costed=chip is not None,
+  )
   if key in seen:
     return op  # the other half of the pair: nothing more moves
   seen[key] = [op]
   op.role = "start"
-  size = (nbytes(by_name[ins.operands[0]].shapes) if ins.opcode == "send" and ins.operands
-          else max((nbytes([s]) for s in ins.shapes), default=0.0))
+  size = (
+    nbytes(by_name[ins.operands[0]].shapes)
+    if ins.opcode == "send" and ins.operands
+    else max((nbytes([s]) for s in ins.shapes), default=0.0)
+  )
   if chip is not None and chip.torus is not None:
     op.wire, op.wire_seconds = ici.dcn_seconds(chip.torus, transfer, size)
     op.wire, op.wire_seconds = op.wire * times, op.wire_seconds * times
@@ -701,8 +822,16 @@ def _producers(ins: _Instr, by_name: dict[str, _Instr]) -> set[str]:
   return found
 
 
-def _add_collective(op: Op, ins: _Instr, collectives, seen: dict[str, list[Op]], partitions: int, by_name,
-                    chip: Chip | None, ragged_rows: RaggedModel | None) -> None:
+def _add_collective(
+  op: Op,
+  ins: _Instr,
+  collectives,
+  seen: dict[str, list[Op]],
+  partitions: int,
+  by_name,
+  chip: Chip | None,
+  ragged_rows: RaggedModel | None,
+) -> None:
   """Marks op as part of a logical collective (by channel: an async collective fusion's start, continuations and
   done hold the same one) and, at its first op, charges the collective's wire bytes and time."""
   inner, comp = collectives[0]
@@ -754,9 +883,14 @@ def summarize(ops: list[Op], peaks: Peaks | None = None) -> dict[str, float]:
   """Totals of a program's ops; "seconds" is the serial step (every op and collective one after another)."""
   compute = sum(op_seconds(dataclasses.replace(o, wire=0.0, wire_seconds=0.0), peaks) for o in ops)
   wire = sum(op_seconds(dataclasses.replace(o, flops=0.0, bytes=0.0, compute_seconds=0.0), peaks) for o in ops)
-  return {"flops": sum(o.flops for o in ops), "hbm_bytes": sum(o.bytes for o in ops),
-          "wire_bytes": sum(o.wire for o in ops), "compute_seconds": compute, "collective_seconds": wire,
-          "seconds": compute + wire}
+  return {
+    "flops": sum(o.flops for o in ops),
+    "hbm_bytes": sum(o.bytes for o in ops),
+    "wire_bytes": sum(o.wire for o in ops),
+    "compute_seconds": compute,
+    "collective_seconds": wire,
+    "seconds": compute + wire,
+  }
 
 
 def schedule(text: str, ops: list[Op], chip: Chip) -> dict[str, float]:
@@ -842,16 +976,27 @@ def schedule(text: str, ops: list[Op], chip: Chip) -> dict[str, float]:
 
   total, waited = run(entry)
   serial = summarize(ops, chip.peaks)
-  return {"seconds": total, "serial_seconds": serial["seconds"], "exposed_collective_seconds": waited,
-          "overlapped_collective_seconds": max(0.0, serial["collective_seconds"] - waited)}
+  return {
+    "seconds": total,
+    "serial_seconds": serial["seconds"],
+    "exposed_collective_seconds": waited,
+    "overlapped_collective_seconds": max(0.0, serial["collective_seconds"] - waited),
+  }
 
 
 def source_key(op: Op) -> str:
   """A short name for the table of where the cost goes: the op's kind and the tail of jax's op name (the
   primitive and what it sits in), without the jit / while / transpose scaffolding."""
-  parts = [p for p in op.op_name.split("/") if p and not re.fullmatch(
+  parts = [
+    p
+    for p in op.op_name.split("/")
+    if p
+    and not re.fullmatch(
       r"jit\(step\)|while|body|closed_call|cond|checkpoint|rematted_computation|jvp\(\)|transpose\(jvp\(\)\)|"
-      r"jit\(\w+\)|shard_map|pjit|remat", p)]
+      r"jit\(\w+\)|shard_map|pjit|remat",
+      p,
+    )
+  ]
   tail = "/".join(parts[-2:]) if parts else "?"
   return f"{op.kind}: {tail}"
 
@@ -859,13 +1004,12 @@ def source_key(op: Op) -> str:
 def by_source(ops: list[Op], peaks: Peaks | None = None) -> dict[str, dict[str, float]]:
   table: dict[str, dict[str, float]] = {}
   for o in ops:
-    row = table.setdefault(source_key(o), {"flops": 0.0, "hbm_bytes": 0.0, "wire_bytes": 0.0, "seconds": 0.0,
-                                            "count": 0})
+    row = table.setdefault(
+      source_key(o), {"flops": 0.0, "hbm_bytes": 0.0, "wire_bytes": 0.0, "seconds": 0.0, "count": 0}
+    )
     row["flops"] += o.flops
     row["hbm_bytes"] += o.bytes
     row["wire_bytes"] += o.wire
     row["seconds"] += op_seconds(o, peaks)
     row["count"] += 1
   return table
-
-

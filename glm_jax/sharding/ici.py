@@ -48,14 +48,21 @@ class Links:
 # bidirectional ICI bandwidth a chip in GBps (1200, 800): / 2 directions / ports. v4 and v5e publish a Gbps figure
 # (2400, 1600), read as one direction of all ports (it equals v5p's 1200 GBps bidirectional for v5p's 4800 Gbps).
 LINKS: dict[str, Links] = {
-    "v4": Links(6, 2400e9 / 8 / 6, None, "cloud.google.com/tpu/docs/v4: ICI 2400 Gbps a chip, 3-D torus (6 ports)"),
-    "v5e": Links(4, 1600e9 / 8 / 4, None, "cloud.google.com/tpu/docs/v5e: ICI 1600 Gbps a chip, 4 ICI ports"),
-    "v5p": Links(6, 1200e9 / 2 / 6, 50e9 / 8,
-                 "cloud.google.com/tpu/docs/v5p: bidirectional ICI 1200 GBps a chip, 3-D torus (6 ports); DCN 50 Gbps "
-                 "a chip"),
-    "v6e": Links(4, 800e9 / 2 / 4, 4 * 200e9 / 8 / 8,
-                 "cloud.google.com/tpu/docs/v6e: bidirectional ICI 800 GBps a chip, 4 ICI ports; 4 x 200 Gbps NICs a "
-                 "host of 8 chips"),
+  "v4": Links(6, 2400e9 / 8 / 6, None, "cloud.google.com/tpu/docs/v4: ICI 2400 Gbps a chip, 3-D torus (6 ports)"),
+  "v5e": Links(4, 1600e9 / 8 / 4, None, "cloud.google.com/tpu/docs/v5e: ICI 1600 Gbps a chip, 4 ICI ports"),
+  "v5p": Links(
+    6,
+    1200e9 / 2 / 6,
+    50e9 / 8,
+    "cloud.google.com/tpu/docs/v5p: bidirectional ICI 1200 GBps a chip, 3-D torus (6 ports); DCN 50 Gbps a chip",
+  ),
+  "v6e": Links(
+    4,
+    800e9 / 2 / 4,
+    4 * 200e9 / 8 / 8,
+    "cloud.google.com/tpu/docs/v6e: bidirectional ICI 800 GBps a chip, 4 ICI ports; 4 x 200 Gbps NICs a "
+    "host of 8 chips",
+  ),
 }
 
 # Time a ring step costs beyond its bytes (a message crossing one hop and its synchronisation). An assumption: the
@@ -63,8 +70,14 @@ LINKS: dict[str, Links] = {
 # its error. It matters only for small collectives (1 MB over one link is 10 us).
 STEP_LATENCY_S = 1e-6
 
-COLLECTIVE_KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "ragged-all-to-all",
-                    "collective-permute")
+COLLECTIVE_KINDS = (
+  "all-gather",
+  "reduce-scatter",
+  "all-reduce",
+  "all-to-all",
+  "ragged-all-to-all",
+  "collective-permute",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +85,7 @@ class Torus:
   """Where each partition of a compiled program sits: coords[p] is partition p's chip on a torus of `dims`
   (wrap[a]: axis a has its wrap-around links). A multislice program is one slice's program (XLA:TPU compiles the
   same program for every slice, its cross-slice collectives handed to the DCN runtime): num_slices of them."""
+
   dims: tuple[int, ...]
   wrap: tuple[bool, ...]
   coords: tuple[tuple[int, ...], ...]
@@ -80,8 +94,10 @@ class Torus:
 
   def __post_init__(self):
     if len(self.dims) != len(self.wrap) or any(len(c) != len(self.dims) for c in self.coords):
-      raise ValueError(f"Torus: dims {self.dims}, wrap {self.wrap} and coordinates of {len(self.dims)} axes must "
-                       f"agree; got coordinates like {self.coords[:1]}")
+      raise ValueError(
+        f"Torus: dims {self.dims}, wrap {self.wrap} and coordinates of {len(self.dims)} axes must "
+        f"agree; got coordinates like {self.coords[:1]}"
+      )
     if self.num_slices < 1:
       raise ValueError(f"Torus: num_slices={self.num_slices}; at least 1")
 
@@ -114,7 +130,7 @@ def route(torus: Torus, src: tuple[int, ...], dst: tuple[int, ...], nbytes: floa
     for direction, steps, weight in moves:
       pos = cur[axis]
       for _ in range(steps):
-        key = (axis, tuple(cur[:axis]) + (pos,) + tuple(cur[axis + 1:]), direction)
+        key = (axis, tuple(cur[:axis]) + (pos,) + tuple(cur[axis + 1 :]), direction)
         loads[key] = loads.get(key, 0.0) + nbytes * weight
         pos = (pos + direction) % n
     hops += max((s for _, s, _ in moves), default=0)
@@ -127,7 +143,7 @@ def _lines(torus: Torus, group: Sequence[int], axis: int) -> list[list[tuple[int
   lines: dict[tuple, list] = {}
   for p in group:
     c = torus.coords[p]
-    lines.setdefault(c[:axis] + c[axis + 1:], []).append(c)
+    lines.setdefault(c[:axis] + c[axis + 1 :], []).append(c)
   return [sorted(line, key=lambda c: c[axis]) for line in lines.values()]
 
 
@@ -154,6 +170,7 @@ def _ring_load(torus: Torus, rings: list[list[tuple[int, ...]]]) -> float:
 class GroupShape:
   """What a set of replica groups looks like on the torus: a ring over each spanned axis (or one ring over the
   group where it is not a product of lines) and the members per ring."""
+
   size: int  # chips a group
   ring_loads: tuple[float, ...]  # per ring: the busiest link's load for one unit a ring step
   ring_sizes: tuple[int, ...]  # per ring: chips on it
@@ -164,8 +181,9 @@ def _group_shape(torus: Torus, groups: tuple[tuple[int, ...], ...]) -> GroupShap
   size = len(groups[0])
   for g in groups:
     if len(g) != size:
-      raise ValueError(f"replica groups of unequal sizes {sorted({len(x) for x in groups})}: not a collective this "
-                       f"model knows")
+      raise ValueError(
+        f"replica groups of unequal sizes {sorted({len(x) for x in groups})}: not a collective this model knows"
+      )
     bad = [p for p in g if not 0 <= p < torus.num_partitions]
     if bad:
       raise ValueError(f"replica group names partition {bad[0]}; the program has {torus.num_partitions}")
@@ -197,8 +215,13 @@ def _all_to_all_unit(torus: Torus, groups: tuple[tuple[int, ...], ...]) -> tuple
   return _p2p_seconds(torus, pairs)
 
 
-def collective_seconds(torus: Torus, kind: str, groups: Sequence[Sequence[int]] | None, nbytes: float,
-                       pairs: Sequence[tuple[int, int]] | None = None) -> float:
+def collective_seconds(
+  torus: Torus,
+  kind: str,
+  groups: Sequence[Sequence[int]] | None,
+  nbytes: float,
+  pairs: Sequence[tuple[int, int]] | None = None,
+) -> float:
   """Seconds one collective within a slice takes, by the rules of the module docstring.
 
   kind: one of COLLECTIVE_KINDS. groups: the replica groups as partition ids (None for collective-permute).
@@ -230,8 +253,12 @@ def collective_seconds(torus: Torus, kind: str, groups: Sequence[Sequence[int]] 
 
 # A cross-slice transfer's bytes on one chip's DCN share, in units of its buffer B, over m slices (ring algorithms
 # over the slices; each chip exchanges its own shard, in-slice collectives around it having split the array).
-DCN_TRANSFERS = {"ALL_REDUCE": lambda m: 2 * (m - 1) / m, "REDUCE_SCATTER": lambda m: (m - 1) / m,
-                 "ALL_GATHER": lambda m: m - 1, "ALL_TO_ALL": lambda m: (m - 1) / m}
+DCN_TRANSFERS = {
+  "ALL_REDUCE": lambda m: 2 * (m - 1) / m,
+  "REDUCE_SCATTER": lambda m: (m - 1) / m,
+  "ALL_GATHER": lambda m: m - 1,
+  "ALL_TO_ALL": lambda m: (m - 1) / m,
+}
 
 
 def dcn_seconds(torus: Torus, transfer: str, nbytes: float) -> tuple[float, float]:
@@ -241,7 +268,8 @@ def dcn_seconds(torus: Torus, transfer: str, nbytes: float) -> tuple[float, floa
   if transfer not in DCN_TRANSFERS:
     raise ValueError(f"cross-slice transfer type {transfer!r}; one of {sorted(DCN_TRANSFERS)}")
   if not torus.links.dcn_bytes_per_s:
-    raise ValueError(f"a collective crosses slices but this generation has no DCN bandwidth in ici.LINKS "
-                     f"({torus.links.source})")
+    raise ValueError(
+      f"a collective crosses slices but this generation has no DCN bandwidth in ici.LINKS ({torus.links.source})"
+    )
   wire = DCN_TRANSFERS[transfer](torus.num_slices) * nbytes
   return wire, wire / torus.links.dcn_bytes_per_s

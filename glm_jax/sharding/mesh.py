@@ -33,32 +33,36 @@ from glm_jax.mesh_axes import BATCH_AXES, CONTEXT, MESH_AXES
 # 19.5 GiB a chip of fp32 AdamW state, 16.5 with expert). A routed expert's own weights take expert for their
 # experts dimension first, so their model dimension stays on fsdp x context.
 LOGICAL_AXIS_RULES: dict[str, str | tuple[str, ...] | None] = {
-    "layers": None,
-    "vocab": "tensor",
-    "embed": ("fsdp", CONTEXT, "expert"),
-    "mlp": "tensor",
-    "heads": "tensor",
-    "index_heads": "tensor",
-    "qk_head_dim": None,
-    "kv_head_dim": None,
-    "v_head_dim": None,
-    "index_head_dim": None,
-    # q_b_proj, kv_b_proj and the indexer's wq_b have no embed axis: without these two their stacks (9.4 GiB fp32
-    # each for glm5_744b) would sit whole on every chip under tensor=1
-    "q_lora": ("fsdp", CONTEXT, "expert"),
-    "kv_lora": ("fsdp", CONTEXT, "expert"),
-    "experts": "expert",
-    "expert_mlp": "tensor",
-    "experts_router": None,
-    "norm": None,
-    "mtp_in": None,
+  "layers": None,
+  "vocab": "tensor",
+  "embed": ("fsdp", CONTEXT, "expert"),
+  "mlp": "tensor",
+  "heads": "tensor",
+  "index_heads": "tensor",
+  "qk_head_dim": None,
+  "kv_head_dim": None,
+  "v_head_dim": None,
+  "index_head_dim": None,
+  # q_b_proj, kv_b_proj and the indexer's wq_b have no embed axis: without these two their stacks (9.4 GiB fp32
+  # each for glm5_744b) would sit whole on every chip under tensor=1
+  "q_lora": ("fsdp", CONTEXT, "expert"),
+  "kv_lora": ("fsdp", CONTEXT, "expert"),
+  "experts": "expert",
+  "expert_mlp": "tensor",
+  "experts_router": None,
+  "norm": None,
+  "mtp_in": None,
 }
 
 
 # Decoding's weight layout: the dense weights whole on each expert shard (split over fsdp x context only), as a
 # decode step would otherwise all-gather them over expert for every token; the routed experts as in training.
 DECODE_AXIS_RULES: dict[str, str | tuple[str, ...] | None] = {
-    **LOGICAL_AXIS_RULES, "embed": ("fsdp", CONTEXT), "q_lora": ("fsdp", CONTEXT), "kv_lora": ("fsdp", CONTEXT)}
+  **LOGICAL_AXIS_RULES,
+  "embed": ("fsdp", CONTEXT),
+  "q_lora": ("fsdp", CONTEXT),
+  "kv_lora": ("fsdp", CONTEXT),
+}
 
 
 def default_mesh_config() -> ml_collections.ConfigDict:
@@ -78,12 +82,15 @@ def mesh_shape(mesh_cfg: Mapping[str, int], n_devices: int) -> tuple[int, ...]:
   known = math.prod(s for s in sizes if s != -1)
   if -1 in sizes:
     if n_devices % known:
-      raise ValueError(f"mesh: {dict(zip(MESH_AXES, sizes))}: the fixed axes multiply to {known}, which does not "
-                       f"divide the {n_devices} devices")
+      raise ValueError(
+        f"mesh: {dict(zip(MESH_AXES, sizes))}: the fixed axes multiply to {known}, which does not "
+        f"divide the {n_devices} devices"
+      )
     sizes[sizes.index(-1)] = n_devices // known
   if math.prod(sizes) != n_devices:
-    raise ValueError(f"mesh: {dict(zip(MESH_AXES, sizes))} multiplies to {math.prod(sizes)}, but there are "
-                     f"{n_devices} devices")
+    raise ValueError(
+      f"mesh: {dict(zip(MESH_AXES, sizes))} multiplies to {math.prod(sizes)}, but there are {n_devices} devices"
+    )
   return tuple(sizes)
 
 
@@ -121,8 +128,9 @@ def entry_axes(entry: str | tuple[str, ...] | None) -> tuple[str, ...]:
   return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def logical_to_spec(axes: Sequence[str | None],
-                    rules: Mapping[str, str | tuple[str, ...] | None] = LOGICAL_AXIS_RULES) -> P:
+def logical_to_spec(
+  axes: Sequence[str | None], rules: Mapping[str, str | tuple[str, ...] | None] = LOGICAL_AXIS_RULES
+) -> P:
   """A PartitionSpec for logical axes; a mesh axis used twice keeps only its first use."""
   used, out = set(), []
   for name in axes:
@@ -152,8 +160,14 @@ def divisible_spec(spec: P, shape: Sequence[int], mesh) -> P:
   """`spec` for `mesh` (spec_for_mesh) with the entries whose mesh axes do not divide their dimension replicated
   (an optimizer-state leaf shaped unlike its parameter; a matrix whose row count no axis product divides)."""
   spec = spec_for_mesh(spec, mesh)
-  return P(*(e if all(a in mesh.shape for a in entry_axes(e))
-             and d % math.prod(mesh.shape[a] for a in entry_axes(e)) == 0 else None for e, d in zip(spec, shape)))
+  return P(
+    *(
+      e
+      if all(a in mesh.shape for a in entry_axes(e)) and d % math.prod(mesh.shape[a] for a in entry_axes(e)) == 0
+      else None
+      for e, d in zip(spec, shape)
+    )
+  )
 
 
 def checked_spec(spec: P, shape: Sequence[int], mesh: Mesh, what: str) -> P:
@@ -165,8 +179,10 @@ def checked_spec(spec: P, shape: Sequence[int], mesh: Mesh, what: str) -> P:
     size = math.prod(mesh.shape[a] for a in axes)
     if axes and dim % size:
       over = f"mesh axis {axes[0]!r}" if len(axes) == 1 else f"mesh axes {axes}"
-      raise ValueError(f"{what}: dimension of size {dim} is sharded over {over} of size {size}, which does not "
-                       f"divide it; change config.mesh.{' / config.mesh.'.join(axes)} or the model size")
+      raise ValueError(
+        f"{what}: dimension of size {dim} is sharded over {over} of size {size}, which does not "
+        f"divide it; change config.mesh.{' / config.mesh.'.join(axes)} or the model size"
+      )
   return spec
 
 

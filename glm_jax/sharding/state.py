@@ -44,11 +44,13 @@ def _spec_for_leaf(names: tuple, shape: tuple, specs: dict[tuple, P], mesh: Mesh
 def tree_shardings(tree: Any, specs: dict[tuple, P], mesh: Mesh) -> Any:
   """NamedShardings shaped like `tree` (any pytree of arrays / ShapeDtypeStructs)."""
   return jax.tree_util.tree_map_with_path(
-      lambda path, x: NamedSharding(mesh, _spec_for_leaf(path_names(path), tuple(x.shape), specs, mesh)), tree)
+    lambda path, x: NamedSharding(mesh, _spec_for_leaf(path_names(path), tuple(x.shape), specs, mesh)), tree
+  )
 
 
-def abstract_sharded(make_state: Callable[[], Any], params_of: Callable[[Any], nnx.State], mesh: Mesh
-                     ) -> tuple[Any, Any]:
+def abstract_sharded(
+  make_state: Callable[[], Any], params_of: Callable[[Any], nnx.State], mesh: Mesh
+) -> tuple[Any, Any]:
   """(abstract state, shardings): `make_state()` traced abstractly (nothing allocated), every leaf a
   ShapeDtypeStruct carrying its NamedSharding, e.g. for ahead-of-time lowering. `params_of(state)` picks the
   nnx.State of parameters (and other variables) whose logical axes define the specs."""

@@ -62,10 +62,10 @@ class TpuGeneration:
 
 
 GENERATIONS: dict[str, TpuGeneration] = {
-    "v4": TpuGeneration("v4", "TPU v4", 3, "megacore", 4096, "v4", True),
-    "v5p": TpuGeneration("v5p", "TPU v5", 3, "megacore", 6144, "v5p", True),
-    "v5e": TpuGeneration("v5e", "TPU v5 lite", 2, "default", 256, "v5litepod", False),
-    "v6e": TpuGeneration("v6e", "TPU v6 lite", 2, "default", 256, "v6e", False),
+  "v4": TpuGeneration("v4", "TPU v4", 3, "megacore", 4096, "v4", True),
+  "v5p": TpuGeneration("v5p", "TPU v5", 3, "megacore", 6144, "v5p", True),
+  "v5e": TpuGeneration("v5e", "TPU v5 lite", 2, "default", 256, "v5litepod", False),
+  "v6e": TpuGeneration("v6e", "TPU v6 lite", 2, "default", 256, "v6e", False),
 }
 _ALIASES = {"v5": "v5p", "v5litepod": "v5e", "v5lite": "v5e"}
 
@@ -78,17 +78,28 @@ HBM_BYTES: dict[str, int] = {"v4": 32 * GiB, "v5e": 16 * GiB, "v5p": 95 * GiB, "
 # 30.75G)". v5p's 95.74 GiB usable means its physical HBM is 96 GiB; "95GB" above is the published figure.
 # A program fits a chip when compiled_memory(...)["total"] and ["peak"] are both at most this.
 HBM_USABLE_BYTES: dict[str, int] = {
-    "v4": 31485 << 20,
-    "v5e": 16125 << 20,
-    "v5p": 98041 << 20,
-    "v6e": 31996 << 20,
+  "v4": 31485 << 20,
+  "v5e": 16125 << 20,
+  "v5p": 98041 << 20,
+  "v6e": 31996 << 20,
 }
 
 # Standard slice shapes, keyed by Cloud accelerator type (cloud.google.com/tpu/docs/v5p etc.; MaxText's
 # accelerator_to_spec_map.py uses the same shapes).
-_SHAPES_3D = {4: (2, 2, 1), 8: (2, 2, 2), 16: (2, 2, 4), 32: (2, 4, 4), 64: (4, 4, 4), 128: (4, 4, 8),
-              256: (4, 8, 8), 512: (8, 8, 8), 1024: (8, 8, 16), 2048: (8, 16, 16), 4096: (16, 16, 16),
-              6144: (16, 16, 24)}
+_SHAPES_3D = {
+  4: (2, 2, 1),
+  8: (2, 2, 2),
+  16: (2, 2, 4),
+  32: (2, 4, 4),
+  64: (4, 4, 4),
+  128: (4, 4, 8),
+  256: (4, 8, 8),
+  512: (8, 8, 8),
+  1024: (8, 8, 16),
+  2048: (8, 16, 16),
+  4096: (16, 16, 16),
+  6144: (16, 16, 24),
+}
 _SHAPES_2D = {1: (1, 1), 4: (2, 2), 8: (2, 4), 16: (4, 4), 32: (4, 8), 64: (8, 8), 128: (8, 16), 256: (16, 16)}
 
 
@@ -144,11 +155,15 @@ def parse_topology(name: str) -> Topology:
   gen = GENERATIONS[gen_name]
   dims = tuple(int(d) for d in m.group(2).split("x"))
   if len(dims) != gen.ndim or min(dims) < 1:
-    raise ValueError(f"TPU topology {name!r}: {gen.name} has a {gen.ndim}-D chip grid, got {_dims_str(dims)}.\n"
-                     f"{_known_names_message()}")
+    raise ValueError(
+      f"TPU topology {name!r}: {gen.name} has a {gen.ndim}-D chip grid, got {_dims_str(dims)}.\n"
+      f"{_known_names_message()}"
+    )
   if math.prod(dims) > gen.max_chips:
-    raise ValueError(f"TPU topology {name!r}: {math.prod(dims)} chips, more than the largest {gen.name} slice "
-                     f"({gen.max_chips} chips); use num_slices for multislice.\n{_known_names_message()}")
+    raise ValueError(
+      f"TPU topology {name!r}: {math.prod(dims)} chips, more than the largest {gen.name} slice "
+      f"({gen.max_chips} chips); use num_slices for multislice.\n{_known_names_message()}"
+    )
   return Topology(f"{gen.name}:{_dims_str(dims)}", gen, dims)
 
 
@@ -168,8 +183,10 @@ def libtpu_installed() -> bool:
 
 
 def install_hint() -> str:
-  return (f"pip install -r requirements-tpu.txt   (i.e. pip install '{_libtpu_pin()}', the TPU compiler that "
-          f"jax[tpu]=={_jax_version()} pins; a ~203 MiB wheel, CPU work does not need it)")
+  return (
+    f"pip install -r requirements-tpu.txt   (i.e. pip install '{_libtpu_pin()}', the TPU compiler that "
+    f"jax[tpu]=={_jax_version()} pins; a ~203 MiB wheel, CPU work does not need it)"
+  )
 
 
 def _jax_version() -> str:
@@ -181,14 +198,19 @@ def _jax_version() -> str:
 
 def _check_libtpu(topology_name: str) -> None:
   if not libtpu_installed():
-    raise ModuleNotFoundError(f"compiling for TPU topology {topology_name!r} needs libtpu, which is not installed: "
-                              f"{install_hint()}", name="libtpu")
+    raise ModuleNotFoundError(
+      f"compiling for TPU topology {topology_name!r} needs libtpu, which is not installed: {install_hint()}",
+      name="libtpu",
+    )
   pin = _libtpu_pin()
   want = pin.split("==", 1)[1] if "==" in pin else ""
   have = importlib.metadata.version("libtpu")
   if want and not (have == want or (want.endswith(".*") and have.startswith(want[:-1]))):
-    warnings.warn(f"libtpu {have} is installed but jax {_jax_version()} pins {pin}; TPU compiles may fail or "
-                  f"differ. {install_hint()}", stacklevel=3)
+    warnings.warn(
+      f"libtpu {have} is installed but jax {_jax_version()} pins {pin}; TPU compiles may fail or "
+      f"differ. {install_hint()}",
+      stacklevel=3,
+    )
 
 
 # TPU chips on the PCI bus: Google's vendor id and the chips' device ids (v3, v4, v5p, v5e, v6e, 7x and the
@@ -225,20 +247,30 @@ def tpu_topology_devices(name: str, *, num_slices: int = 1, wrap: tuple[bool, ..
   import jax
   from jax.experimental import topologies
 
-  gen, dims = topo.generation, topo.dims
+  gen = topo.generation
   if wrap is None:
     wrap = default_wrap(topo) + ((False,) if gen.ndim == 2 else ())
   host_bounds = (1, 1, 1) if topo.num_chips == 1 else (2, 2, 1)
   try:
-    desc = topologies.get_topology_desc(topo.name, "tpu", chip_config_name=gen.chip_config_name,
-                                        chips_per_host_bounds=host_bounds, num_slices=num_slices, wrap=wrap)
+    desc = topologies.get_topology_desc(
+      topo.name,
+      "tpu",
+      chip_config_name=gen.chip_config_name,
+      chips_per_host_bounds=host_bounds,
+      num_slices=num_slices,
+      wrap=wrap,
+    )
   except jax.errors.JaxRuntimeError as e:
-    raise ValueError(f"libtpu rejects TPU topology {name!r} ({topo.name}, num_slices={num_slices}, wrap={wrap}): "
-                     f"{e}\n{_known_names_message()}") from e
+    raise ValueError(
+      f"libtpu rejects TPU topology {name!r} ({topo.name}, num_slices={num_slices}, wrap={wrap}): "
+      f"{e}\n{_known_names_message()}"
+    ) from e
   devices = list(desc.devices)
   if len(devices) != topo.num_chips * num_slices or devices[0].device_kind != gen.device_kind:
-    raise RuntimeError(f"TPU topology {topo.name}: expected {topo.num_chips * num_slices} {gen.device_kind!r} devices "
-                       f"(one per chip), libtpu gave {len(devices)} {devices[0].device_kind!r}")
+    raise RuntimeError(
+      f"TPU topology {topo.name}: expected {topo.num_chips * num_slices} {gen.device_kind!r} devices "
+      f"(one per chip), libtpu gave {len(devices)} {devices[0].device_kind!r}"
+    )
   return devices
 
 
@@ -258,7 +290,7 @@ def torus_of(devices: Sequence[Any], name: str | None = None) -> ici.Torus:
   gen = GENERATIONS[generation_of(devices[0])]
   slice_of = [int(getattr(d, "slice_index", 0) or 0) for d in devices]
   first = [d for d, s in zip(devices, slice_of) if s == slice_of[0]]
-  coords = tuple(tuple(int(c) for c in d.coords[:gen.ndim]) for d in first)
+  coords = tuple(tuple(int(c) for c in d.coords[: gen.ndim]) for d in first)
   if name is None:
     dims = tuple(max(c[a] for c in coords) + 1 for a in range(gen.ndim))
     topo = Topology(f"{gen.name}:{_dims_str(dims)}", gen, dims)
@@ -271,7 +303,7 @@ def torus_of(devices: Sequence[Any], name: str | None = None) -> ici.Torus:
 
 
 def generation_of(device: Any) -> str:
-  """"v5p" etc. for a (compile-only or real) TPU device; KeyError for another kind."""
+  """ "v5p" etc. for a (compile-only or real) TPU device; KeyError for another kind."""
   for gen in GENERATIONS.values():
     if device.device_kind == gen.device_kind:
       return gen.name
@@ -292,15 +324,15 @@ def compiled_memory(compiled: Any) -> dict[str, int]:
   if m is None:
     raise ValueError("this executable has no memory analysis (XLA returned None)")
   out = {
-      "arguments": m.argument_size_in_bytes,
-      "outputs": m.output_size_in_bytes,
-      "temporaries": m.temp_size_in_bytes,
-      "generated_code": m.generated_code_size_in_bytes,
-      "aliased": m.alias_size_in_bytes,
-      "peak": getattr(m, "peak_memory_in_bytes", 0),
-      "host_arguments": m.host_argument_size_in_bytes,
-      "host_outputs": m.host_output_size_in_bytes,
-      "host_temporaries": m.host_temp_size_in_bytes,
+    "arguments": m.argument_size_in_bytes,
+    "outputs": m.output_size_in_bytes,
+    "temporaries": m.temp_size_in_bytes,
+    "generated_code": m.generated_code_size_in_bytes,
+    "aliased": m.alias_size_in_bytes,
+    "peak": getattr(m, "peak_memory_in_bytes", 0),
+    "host_arguments": m.host_argument_size_in_bytes,
+    "host_outputs": m.host_output_size_in_bytes,
+    "host_temporaries": m.host_temp_size_in_bytes,
   }
   out = {k: int(v) for k, v in out.items()}
   out["total"] = out["arguments"] + out["outputs"] + out["temporaries"] + out["generated_code"] - out["aliased"]

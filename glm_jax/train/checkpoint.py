@@ -55,11 +55,11 @@ COMPARED_TRAIN_FIELDS = ("dsa_stage",)
 # config lacks, because it was added to the library after the checkpoint was written, counts as its default, so
 # adding a field never breaks a resume (and a run that leaves a field out gets its default, as the library reads it).
 SECTION_DEFAULTS: dict[str, Callable[[], Mapping[str, Any]]] = {
-    "model": ModelConfig.defaults,
-    "optimizer": lambda: default_optimizer_config().to_dict(),
-    "data": lambda: data_config.default_data_config().to_dict(),
-    "quant": lambda: default_quant_config().to_dict(),
-    "train": lambda: default_train_config().to_dict(),
+  "model": ModelConfig.defaults,
+  "optimizer": lambda: default_optimizer_config().to_dict(),
+  "data": lambda: data_config.default_data_config().to_dict(),
+  "quant": lambda: default_quant_config().to_dict(),
+  "train": lambda: default_train_config().to_dict(),
 }
 _ABSENT = object()
 
@@ -81,10 +81,14 @@ def _shown(section: Mapping[str, Any], key: str, default: Any) -> str:
   return "absent" if default is _ABSENT else f"absent (default {default!r})"
 
 
-def config_differences(saved: Mapping[str, Any], current: Mapping[str, Any], *,
-                       sections: tuple[str, ...] = COMPARED_SECTIONS,
-                       train_fields: tuple[str, ...] = COMPARED_TRAIN_FIELDS,
-                       free: Mapping[str, set[str]] | None = None) -> list[str]:
+def config_differences(
+  saved: Mapping[str, Any],
+  current: Mapping[str, Any],
+  *,
+  sections: tuple[str, ...] = COMPARED_SECTIONS,
+  train_fields: tuple[str, ...] = COMPARED_TRAIN_FIELDS,
+  free: Mapping[str, set[str]] | None = None,
+) -> list[str]:
   """Human-readable differences that make a checkpoint unusable under `current`; the fields of RUNTIME_FIELDS and
   of `free` ({section: fields}) may differ. A field either side lacks counts as its SECTION_DEFAULTS default; the
   fields the checkpoint lacks are logged in one line."""
@@ -111,8 +115,10 @@ def config_differences(saved: Mapping[str, Any], current: Mapping[str, Any], *,
   if train_fields:
     compare("train", lambda a, b, defaults: list(train_fields))
   if unstated:
-    logging.info("The checkpoint's config does not give %s (fields added since, or left out): taken as their "
-                 "defaults", ", ".join(unstated))
+    logging.info(
+      "The checkpoint's config does not give %s (fields added since, or left out): taken as their defaults",
+      ", ".join(unstated),
+    )
   return diffs
 
 
@@ -123,8 +129,9 @@ class Checkpointer:
   nothing behind; whether it can be written is checked at once (a probe file, removed), so an unwritable one
   fails in a line before any work. read_only: restore only; the directory must exist."""
 
-  def __init__(self, workdir: str, *, save_every: int = 1, keep: int = 1, async_save: bool = True,
-               read_only: bool = False):
+  def __init__(
+    self, workdir: str, *, save_every: int = 1, keep: int = 1, async_save: bool = True, read_only: bool = False
+  ):
     self.directory = os.path.join(os.path.abspath(workdir), "checkpoints")
     self.read_only = read_only
     if read_only and not os.path.isdir(self.directory):
@@ -133,8 +140,12 @@ class Checkpointer:
       check_writable(self.directory)
     # Read-only: the interval and the number kept that Orbax would set itself (it warns when it has to).
     self._options = ocp.CheckpointManagerOptions(
-        save_interval_steps=0 if read_only else save_every, max_to_keep=None if read_only else keep,
-        enable_async_checkpointing=async_save, create=not read_only, read_only=read_only)
+      save_interval_steps=0 if read_only else save_every,
+      max_to_keep=None if read_only else keep,
+      enable_async_checkpointing=async_save,
+      create=not read_only,
+      read_only=read_only,
+    )
     self._manager = self._open() if os.path.isdir(self.directory) else None
 
   def _open(self) -> ocp.CheckpointManager:
@@ -171,12 +182,20 @@ class Checkpointer:
     steps = self.steps()
     recorded = self.recorded_tokenizer(steps[0]) if steps else None
     if recorded is not None and recorded["sha256"] != tokenizer["sha256"]:
-      raise ValueError(f"{field}: {self.directory} (step {steps[0]}) was trained with the tokenizer "
-                       f"{describe_tokenizer(recorded)}, but this run uses {describe_tokenizer(tokenizer)}; its "
-                       "weights would read other tokens")
+      raise ValueError(
+        f"{field}: {self.directory} (step {steps[0]}) was trained with the tokenizer "
+        f"{describe_tokenizer(recorded)}, but this run uses {describe_tokenizer(tokenizer)}; its "
+        "weights would read other tokens"
+      )
 
-  def check_compatible(self, config: Mapping[str, Any], *, tokenizer: Mapping[str, Any] | None = None,
-                       allow_data_change: bool = False, **compare) -> list[str]:
+  def check_compatible(
+    self,
+    config: Mapping[str, Any],
+    *,
+    tokenizer: Mapping[str, Any] | None = None,
+    allow_data_change: bool = False,
+    **compare,
+  ) -> list[str]:
     """Raises ValueError naming every field where the newest checkpoint's config differs from `config`
     (`compare`: config_differences' sections / train_fields) and, given this run's tokenizer record, where the
     recorded tokenizer differs. Differences in the data section and the tokenizer are allowed with
@@ -198,17 +217,34 @@ class Checkpointer:
     fixed = [d for d in diffs if d not in data]
     where = f"{self.directory} holds checkpoints (latest step {step}) of"
     if fixed or (data and not allow_data_change):
-      hint = (" Or, to go on training this run on other data, --config.train.allow_data_change=True (the train "
-              "state is restored; the data starts afresh)." if data and not fixed else "")
-      raise ValueError(f"{where} an incompatible config: " + "; ".join(fixed + data)
-                       + ". Use another --workdir, or the checkpoint's config." + hint)
+      hint = (
+        " Or, to go on training this run on other data, --config.train.allow_data_change=True (the train "
+        "state is restored; the data starts afresh)."
+        if data and not fixed
+        else ""
+      )
+      raise ValueError(
+        f"{where} an incompatible config: "
+        + "; ".join(fixed + data)
+        + ". Use another --workdir, or the checkpoint's config."
+        + hint
+      )
     if data:
-      logging.warning("%s other data (allowed by train.allow_data_change): %s; the data starts afresh", where,
-                      "; ".join(data))
+      logging.warning(
+        "%s other data (allowed by train.allow_data_change): %s; the data starts afresh", where, "; ".join(data)
+      )
     return data
 
-  def save(self, step: int, state: Any, data_iter: grain.DatasetIterator | None, config: Mapping[str, Any],
-           *, tokenizer: Mapping[str, Any] | None = None, force: bool = False) -> bool:
+  def save(
+    self,
+    step: int,
+    state: Any,
+    data_iter: grain.DatasetIterator | None,
+    config: Mapping[str, Any],
+    *,
+    tokenizer: Mapping[str, Any] | None = None,
+    force: bool = False,
+  ) -> bool:
     """Saves state, the config, the tokenizer record when given and, when given, the data iterator's position
     (a run whose data is a function of the step, such as the RL loops', has none). Refuses (Diverged, nothing
     written) a state whose parameters are not all finite."""
@@ -216,8 +252,10 @@ class Checkpointer:
       return False
     bad = first_nonfinite(state.params) if hasattr(state, "params") else None
     if bad is not None:
-      raise Diverged(f"not saving step {step}: parameter {bad} is not finite; {self.directory} keeps its "
-                     f"checkpoints (latest step {self.latest_step()})")
+      raise Diverged(
+        f"not saving step {step}: parameter {bad} is not finite; {self.directory} keeps its "
+        f"checkpoints (latest step {self.latest_step()})"
+      )
     items = dict(state=ocp.args.StandardSave(state), config=ocp.args.JsonSave(dict(config)))
     if tokenizer is not None:
       items["tokenizer"] = ocp.args.JsonSave(dict(tokenizer))
@@ -233,8 +271,9 @@ class Checkpointer:
       items["data"] = grain.checkpoint.CheckpointRestore(data_iter)
     return self.manager.restore(step, args=ocp.args.Composite(**items))["state"]
 
-  def restore_latest(self, abstract_state: Any, data_iter: grain.DatasetIterator | None = None
-                     ) -> tuple[int | None, Any]:
+  def restore_latest(
+    self, abstract_state: Any, data_iter: grain.DatasetIterator | None = None
+  ) -> tuple[int | None, Any]:
     """(step, state) from the newest step that restores (see restore), or (None, abstract_state) when there is
     none. A step that fails to restore (a truncated or missing file) is reported in one line each, and once an
     older one has restored it is moved aside to <step>.unreadable (never deleted; left in place when read_only),
@@ -255,19 +294,27 @@ class Checkpointer:
         out = restore(step)
       except Exception as e:  # noqa: BLE001 - any failure to read a step is reported and the next one tried
         reason = first_line(e)
-        logging.warning("checkpoint %s/%d cannot be restored (%s); trying the step before it",
-                        self.directory, step, reason)
+        logging.warning(
+          "checkpoint %s/%d cannot be restored (%s); trying the step before it", self.directory, step, reason
+        )
         failed.append((step, reason))
         continue
       if failed:
         moved = [self._set_aside(bad) for bad, _ in failed]
-        logging.warning("restored step %d of %s instead of step %s; the unreadable step(s) are kept in %s", step,
-                        self.directory, ", ".join(str(b) for b, _ in failed), ", ".join(moved))
+        logging.warning(
+          "restored step %d of %s instead of step %s; the unreadable step(s) are kept in %s",
+          step,
+          self.directory,
+          ", ".join(str(b) for b, _ in failed),
+          ", ".join(moved),
+        )
       return step, out
     if failed:
-      raise ValueError(f"no checkpoint in {self.directory} can be restored: "
-                       + "; ".join(f"step {s} ({r})" for s, r in failed)
-                       + ". They are left as they are; use another --workdir")
+      raise ValueError(
+        f"no checkpoint in {self.directory} can be restored: "
+        + "; ".join(f"step {s} ({r})" for s, r in failed)
+        + ". They are left as they are; use another --workdir"
+      )
     return None, default
 
   def _set_aside(self, step: int) -> str:
@@ -338,5 +385,6 @@ def check_writable(directory: str) -> None:
       pass
     os.remove(probe)
   except OSError as e:
-    raise PermissionError(f"{directory}: checkpoints cannot be written there ({existing}: {e.strerror}); "
-                          "use another --workdir") from e
+    raise PermissionError(
+      f"{directory}: checkpoints cannot be written there ({existing}: {e.strerror}); use another --workdir"
+    ) from e

@@ -48,13 +48,20 @@ def require_sections(config: ml_collections.ConfigDict, needed: Sequence[str], p
   """Raises ValueError naming the sections of `needed` that `config` lacks (and an example config that has them)."""
   missing = [s for s in needed if s not in config]
   if missing:
-    raise ValueError(f"config {config.get('name', '?')!r} has no {missing} section(s); {purpose} needs "
-                     f"{list(needed)} (see {example})")
+    raise ValueError(
+      f"config {config.get('name', '?')!r} has no {missing} section(s); {purpose} needs {list(needed)} (see {example})"
+    )
 
 
 _LOOP_POSITIVE_INTS = ("steps", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints")
-_STEP_NON_NEGATIVE = ("grad_clip_norm", "mtp_loss_weight", "balance_loss_weight", "indexer_loss_weight",
-                      "expert_bias_rate", "spike_factor")
+_STEP_NON_NEGATIVE = (
+  "grad_clip_norm",
+  "mtp_loss_weight",
+  "balance_loss_weight",
+  "indexer_loss_weight",
+  "expert_bias_rate",
+  "spike_factor",
+)
 
 
 def invalid(field: str, value, valid: str):
@@ -107,7 +114,9 @@ def model_config_for_stage(config: ml_collections.ConfigDict) -> ModelConfig:
     if not cfg.use_dsa:
       raise ValueError("train.dsa_stage='sparse' needs model.use_dsa=True")
     if config.data.seq_len <= cfg.index_topk:
-      raise ValueError(f"train.dsa_stage='sparse' with data.seq_len={config.data.seq_len} <= "
-                       f"model.index_topk={cfg.index_topk}: top-k would select every key; lower index_topk")
+      raise ValueError(
+        f"train.dsa_stage='sparse' with data.seq_len={config.data.seq_len} <= "
+        f"model.index_topk={cfg.index_topk}: top-k would select every key; lower index_topk"
+      )
     return cfg
   return cfg.replace(use_dsa=False)

@@ -42,8 +42,13 @@ def multi_process_environment(environ: dict | None = None) -> str | None:
   return None
 
 
-def maybe_initialize(mode: str = "auto", *, coordinator_address: str | None = None,
-                     num_processes: int | None = None, process_id: int | None = None) -> bool:
+def maybe_initialize(
+  mode: str = "auto",
+  *,
+  coordinator_address: str | None = None,
+  num_processes: int | None = None,
+  process_id: int | None = None,
+) -> bool:
   """Calls jax.distributed.initialize per `mode` (see the module docstring); returns whether it did.
   Explicit arguments (all three, or none) override jax's detection; they imply mode "on" under "auto"."""
   if mode not in MODES:
@@ -52,8 +57,9 @@ def maybe_initialize(mode: str = "auto", *, coordinator_address: str | None = No
   named = {k: v for k, v in given.items() if v is not None}
   if named and len(named) != 3:
     missing = sorted(set(given) - set(named))
-    raise ValueError(f"distributed: {named} given without {missing}; pass all three or none (to let jax detect "
-                     "the cluster)")
+    raise ValueError(
+      f"distributed: {named} given without {missing}; pass all three or none (to let jax detect the cluster)"
+    )
   if named:
     if not isinstance(num_processes, int) or num_processes < 1:
       raise ValueError(f"num_processes={num_processes!r} is invalid; a positive integer")
@@ -66,6 +72,11 @@ def maybe_initialize(mode: str = "auto", *, coordinator_address: str | None = No
   if mode == "off" or (mode == "auto" and not named and multi_process_environment() is None):
     return False
   jax.distributed.initialize(**named)
-  logging.info("jax.distributed: process %d of %d, %d local / %d global devices", jax.process_index(),
-               jax.process_count(), jax.local_device_count(), jax.device_count())
+  logging.info(
+    "jax.distributed: process %d of %d, %d local / %d global devices",
+    jax.process_index(),
+    jax.process_count(),
+    jax.local_device_count(),
+    jax.device_count(),
+  )
   return True

@@ -31,8 +31,13 @@ from glm_jax.tree_paths import path_names
 def matmul_params(cfg: ModelConfig) -> dict[str, int]:
   """Matmul parameters one token passes through, per component (see the module docstring)."""
   d, h = cfg.hidden_size, cfg.num_attention_heads
-  p_attn = (d * cfg.q_lora_rank + cfg.q_lora_rank * h * cfg.qk_head_dim + d * cfg.kv_latent_dim
-            + cfg.kv_lora_rank * h * (cfg.qk_nope_head_dim + cfg.v_head_dim) + h * cfg.v_head_dim * d)
+  p_attn = (
+    d * cfg.q_lora_rank
+    + cfg.q_lora_rank * h * cfg.qk_head_dim
+    + d * cfg.kv_latent_dim
+    + cfg.kv_lora_rank * h * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+    + h * cfg.v_head_dim * d
+  )
   p_mlp = 3 * d * cfg.intermediate_size
   expert = 3 * d * cfg.moe_intermediate_size
   p_moe = d * cfg.n_routed_experts + expert * cfg.n_shared_experts + expert * cfg.num_experts_per_tok
@@ -42,20 +47,30 @@ def matmul_params(cfg: ModelConfig) -> dict[str, int]:
   mtp_moe = [cfg.num_hidden_layers + k >= cfg.first_k_dense_replace for k in range(n_mtp)]
   p_main = cfg.num_hidden_layers * p_attn + cfg.num_dense_layers * p_mlp + cfg.num_moe_layers * p_moe + p_head
   p_mtp = sum(2 * d * d + p_attn + (p_moe if moe else p_mlp) + p_head for moe in mtp_moe)
-  return {"attn_per_layer": p_attn, "dense_mlp_per_layer": p_mlp, "moe_active_per_layer": p_moe,
-          "head": p_head, "indexer_per_layer": p_idx, "main": p_main, "mtp": p_mtp,
-          "moe_layers_incl_mtp": cfg.num_moe_layers + sum(mtp_moe), "routed_expert": expert}
+  return {
+    "attn_per_layer": p_attn,
+    "dense_mlp_per_layer": p_mlp,
+    "moe_active_per_layer": p_moe,
+    "head": p_head,
+    "indexer_per_layer": p_idx,
+    "main": p_main,
+    "mtp": p_mtp,
+    "moe_layers_incl_mtp": cfg.num_moe_layers + sum(mtp_moe),
+    "routed_expert": expert,
+  }
 
 
 def pair_flops(cfg: ModelConfig) -> dict[str, int]:
   """Forward FLOPs of one (query, key) pair in one layer:
-    dense   = 2 H (d_n + d_r) + 2 H d_v             MHA form: q . k per head, then p . v
-    sparse  = 2 H (R_kv + d_r) + 2 H R_kv            absorbed form: q~ . [c_kv ; k_rope] per head, then p . c_kv
-    indexer = 2 H_I d_I + 2 H_I                      q_I . k_I per indexer head, then the w-weighted sum"""
+  dense   = 2 H (d_n + d_r) + 2 H d_v             MHA form: q . k per head, then p . v
+  sparse  = 2 H (R_kv + d_r) + 2 H R_kv            absorbed form: q~ . [c_kv ; k_rope] per head, then p . c_kv
+  indexer = 2 H_I d_I + 2 H_I                      q_I . k_I per indexer head, then the w-weighted sum"""
   h, hi = cfg.num_attention_heads, cfg.index_n_heads
-  return {"dense": 2 * h * (cfg.qk_head_dim + cfg.v_head_dim),
-          "sparse": 2 * h * (cfg.kv_latent_dim + cfg.kv_lora_rank),
-          "indexer": 2 * hi * cfg.index_head_dim + 2 * hi}
+  return {
+    "dense": 2 * h * (cfg.qk_head_dim + cfg.v_head_dim),
+    "sparse": 2 * h * (cfg.kv_latent_dim + cfg.kv_lora_rank),
+    "indexer": 2 * hi * cfg.index_head_dim + 2 * hi,
+  }
 
 
 def causal_pairs(t: int) -> int:
@@ -178,8 +193,15 @@ def ragged_dot_extra_flops(cfg: ModelConfig, b: int, t: int, stage: str) -> floa
   """FLOPs the CPU lowering of ragged_dot adds: every routed row against all E experts, not just its own."""
   p = matmul_params(cfg)
   passes = 2 if stage == "warmup" else 6  # forward only in the warm-up stage (the model is frozen there)
-  return (passes * b * t * cfg.num_experts_per_tok * p["routed_expert"] * (cfg.n_routed_experts - 1)
-          * p["moe_layers_incl_mtp"])
+  return (
+    passes
+    * b
+    * t
+    * cfg.num_experts_per_tok
+    * p["routed_expert"]
+    * (cfg.n_routed_experts - 1)
+    * p["moe_layers_incl_mtp"]
+  )
 
 
 def muon_ns_flops(opt_cfg, params, trainable) -> tuple[float, int]:
@@ -199,7 +221,7 @@ def muon_ns_flops(opt_cfg, params, trainable) -> tuple[float, int]:
       n = math.prod(part[a] for a in outp)
       batch = math.prod(part) // (m * n)
       lo, hi = min(m, n), max(m, n)
-      total += batch * steps * (4 * lo * lo * hi + 2 * lo ** 3)
+      total += batch * steps * (4 * lo * lo * hi + 2 * lo**3)
       count += batch
   return total, count
 
@@ -249,5 +271,10 @@ def hlo_dot_flops(hlo_text: str) -> dict:
         short = re.sub(r"(while/body/|closed_call/|jit\(step\)/)", "", op_name)
         by_phase[_phase(op_name)] += flops
         top[(_phase(op_name), str(shapes[0]), str(shapes[1]), str(ins.shapes[0][1]), short)] += flops
-  return {"total": float(sum(by_phase.values())), "by_phase": {k: float(v) for k, v in sorted(by_phase.items())},
-          "while_loops": hlo_text.count(" while("), "while_loops_without_trip_count": unknown_trip, "top": top}
+  return {
+    "total": float(sum(by_phase.values())),
+    "by_phase": {k: float(v) for k, v in sorted(by_phase.items())},
+    "while_loops": hlo_text.count(" while("),
+    "while_loops_without_trip_count": unknown_trip,
+    "top": top,
+  }

@@ -47,10 +47,12 @@ class ConsecutiveSkips:
     self.run += 1
     self.first = self.first or step
     if self.limit and self.run >= self.limit:
-      raise Diverged(f"the run is diverging: {self.run} steps in a row were skipped (steps {self.first}-{step}: "
-                     "a non-finite loss, gradient or update, or a loss spike); no update of them was applied, so "
-                     "every checkpoint holds finite weights. Lower optimizer.lr or set train.grad_clip_norm, or "
-                     f"raise {self.field}={self.limit} (0 = never stop)")
+      raise Diverged(
+        f"the run is diverging: {self.run} steps in a row were skipped (steps {self.first}-{step}: "
+        "a non-finite loss, gradient or update, or a loss spike); no update of them was applied, so "
+        "every checkpoint holds finite weights. Lower optimizer.lr or set train.grad_clip_norm, or "
+        f"raise {self.field}={self.limit} (0 = never stop)"
+      )
 
 
 @jax.jit

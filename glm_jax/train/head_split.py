@@ -23,6 +23,7 @@ from glm_jax.tree_paths import Names
 @dataclasses.dataclass
 class Parts:
   """One leaf cut along its last axis (a pytree node, so optax treats each part as its own leaf)."""
+
   parts: tuple
 
 
@@ -35,13 +36,17 @@ def split_heads(inner: optax.GradientTransformation, plan: dict[Names, LeafPlan]
       sizes = lookup(plan, path).split_sizes
       if not sizes:
         return x
-      bounds = [sum(sizes[:i + 1]) for i in range(len(sizes) - 1)]
+      bounds = [sum(sizes[: i + 1]) for i in range(len(sizes) - 1)]
       return Parts(tuple(jnp.split(x, bounds, axis=-1)))
+
     return jax.tree_util.tree_map_with_path(cut, tree)
 
   def merge(tree):
-    return jax.tree.map(lambda x: jnp.concatenate(x.parts, axis=-1) if isinstance(x, Parts) else x, tree,
-                        is_leaf=lambda x: isinstance(x, Parts))
+    return jax.tree.map(
+      lambda x: jnp.concatenate(x.parts, axis=-1) if isinstance(x, Parts) else x,
+      tree,
+      is_leaf=lambda x: isinstance(x, Parts),
+    )
 
   def init_fn(params):
     return inner.init(split(params))

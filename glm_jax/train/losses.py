@@ -22,8 +22,9 @@ import jax
 import jax.numpy as jnp
 
 
-def shifted_targets(input_ids_BT: jax.Array, segment_ids_BT: jax.Array, shift: int,
-                    loss_mask_BT: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+def shifted_targets(
+  input_ids_BT: jax.Array, segment_ids_BT: jax.Array, shift: int, loss_mask_BT: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
   """(targets [B, T], valid [B, T]): targets[t] = input_ids[t + shift], valid where t + shift is in the
   row, in the same segment as t, segment t is not padding and, given a loss mask (SFT: 1 on the response
   tokens), loss_mask[t + shift] is 1."""
@@ -36,17 +37,19 @@ def shifted_targets(input_ids_BT: jax.Array, segment_ids_BT: jax.Array, shift: i
   return targets, valid
 
 
-def explicit_targets(targets_BT: jax.Array, loss_mask_BT: jax.Array, input_ids_BT: jax.Array, segment_ids_BT,
-                     depth: int) -> tuple[jax.Array, jax.Array]:
+def explicit_targets(
+  targets_BT: jax.Array, loss_mask_BT: jax.Array, input_ids_BT: jax.Array, segment_ids_BT, depth: int
+) -> tuple[jax.Array, jax.Array]:
   """(targets [B, T], valid [B, T]) for prediction depth `depth` (0: the main head, k: MTP depth k) when the batch
   carries its targets (see the module docstring)."""
   t_len = targets_BT.shape[1]
   on = (loss_mask_BT != 0) & (segment_ids_BT != 0)
   valid, pad = on, [(0, 0), (0, depth)]
   for j in range(depth):  # the chain of teacher-forced inputs between t and t + depth
-    follows = jnp.pad(input_ids_BT[:, j + 1:], [(0, 0), (0, j + 1)], constant_values=-1) == jnp.pad(
-        targets_BT[:, j:], [(0, 0), (0, j)], constant_values=-2)
-    valid = valid & follows & jnp.pad(on[:, j + 1:], [(0, 0), (0, j + 1)])
+    follows = jnp.pad(input_ids_BT[:, j + 1 :], [(0, 0), (0, j + 1)], constant_values=-1) == jnp.pad(
+      targets_BT[:, j:], [(0, 0), (0, j)], constant_values=-2
+    )
+    valid = valid & follows & jnp.pad(on[:, j + 1 :], [(0, 0), (0, j + 1)])
   return jnp.pad(targets_BT[:, depth:], pad)[:, :t_len], valid
 
 
@@ -58,8 +61,7 @@ def prediction_targets(batch: dict, depth: int) -> tuple[jax.Array, jax.Array]:
   return shifted_targets(batch["input_ids"], batch["segment_ids"], depth + 1, batch.get("loss_mask"))
 
 
-def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array, valid_BT: jax.Array
-                  ) -> tuple[jax.Array, jax.Array]:
+def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array, valid_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
   """(sum of -log p(target) over valid tokens, number of valid tokens), fp32."""
   logits = logits_BTV.astype(jnp.float32)
   logz = jax.nn.logsumexp(logits, axis=-1)
@@ -68,8 +70,14 @@ def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array, valid_BT: jax.Ar
   return jnp.sum(nll), jnp.sum(valid_BT).astype(jnp.float32)
 
 
-def chunked_cross_entropy(head: Callable[[jax.Array], jax.Array], x_BTD: jax.Array, targets_BT: jax.Array,
-                          valid_BT: jax.Array, chunk: int, with_argmax: bool = False):
+def chunked_cross_entropy(
+  head: Callable[[jax.Array], jax.Array],
+  x_BTD: jax.Array,
+  targets_BT: jax.Array,
+  valid_BT: jax.Array,
+  chunk: int,
+  with_argmax: bool = False,
+):
   """cross_entropy(head(x), targets, valid) without the [B, T, V] logits: (nll sum, count), plus the argmax
   [B, T] with with_argmax. head maps normed hidden states [B, c, D] to fp32 logits [B, c, V]; it runs on `chunk`
   tokens of each row at a time in a scan whose steps are rematerialized, so the forward and the backward hold one
@@ -82,8 +90,10 @@ def chunked_cross_entropy(head: Callable[[jax.Array], jax.Array], x_BTD: jax.Arr
     out = cross_entropy(logits, targets_BT, valid_BT)
     return (*out, jnp.argmax(logits, axis=-1).astype(jnp.int32)) if with_argmax else out
   if t_len % chunk:
-    raise ValueError(f"train.loss_chunk={chunk} does not divide the sequence length {t_len}; use a divisor of it "
-                     "(or 0: the whole sequence at once)")
+    raise ValueError(
+      f"train.loss_chunk={chunk} does not divide the sequence length {t_len}; use a divisor of it "
+      "(or 0: the whole sequence at once)"
+    )
   n = t_len // chunk
   strided = lambda a: jnp.moveaxis(a.reshape(b, chunk, n, *a.shape[2:]), 2, 0)  # noqa: E731  [n, B, chunk, ...]
 
@@ -101,13 +111,20 @@ def chunked_cross_entropy(head: Callable[[jax.Array], jax.Array], x_BTD: jax.Arr
   return nll, count
 
 
-def lm_and_mtp_losses(logits_BTV: jax.Array, mtp_logits_MBTV: jax.Array | None, batch: dict, *,
-                      head: Callable[[jax.Array], jax.Array] | None = None, chunk: int = 0) -> dict[str, jax.Array]:
+def lm_and_mtp_losses(
+  logits_BTV: jax.Array,
+  mtp_logits_MBTV: jax.Array | None,
+  batch: dict,
+  *,
+  head: Callable[[jax.Array], jax.Array] | None = None,
+  chunk: int = 0,
+) -> dict[str, jax.Array]:
   """{"lm_loss", "mtp_loss", "tokens"} of a model batch (input_ids, segment_ids, optionally loss_mask and
   targets: see prediction_targets); mtp_loss is 0 without MTP logits. loss_mask (SFT) keeps the targets it
   marks. With `head` (normed hidden states -> fp32 logits), the first two arguments are the normed hidden states
   [B, T, D] and [n_mtp, B, T, D] and every loss is computed `chunk` tokens of a row at a time
   (chunked_cross_entropy): no [B, T, V] array."""
+
   def nll(x, targets, valid):
     return cross_entropy(x, targets, valid) if head is None else chunked_cross_entropy(head, x, targets, valid, chunk)
 
@@ -124,8 +141,9 @@ def lm_and_mtp_losses(logits_BTV: jax.Array, mtp_logits_MBTV: jax.Array | None, 
   return out
 
 
-def exact_spans(predicted_BT: jax.Array, targets_BT: jax.Array, valid_BT: jax.Array, block_positions_BT: jax.Array
-                ) -> dict[str, jax.Array]:
+def exact_spans(
+  predicted_BT: jax.Array, targets_BT: jax.Array, valid_BT: jax.Array, block_positions_BT: jax.Array
+) -> dict[str, jax.Array]:
   """{"spans": the blank-infilling spans of the batch, "spans_exact": those whose every valid target is the
   model's prediction there (predicted: the argmax of the logits [B, T])}. A span starts where block_positions is
   1 (its <sop>) and runs to the next start."""
@@ -135,12 +153,13 @@ def exact_spans(predicted_BT: jax.Array, targets_BT: jax.Array, valid_BT: jax.Ar
   rows = jnp.arange(span_BT.shape[0])[:, None]
   wrong_span = jnp.zeros((span_BT.shape[0], span_BT.shape[1] + 1), bool).at[rows, span_BT].max(wrong)
   has_span = jnp.zeros_like(wrong_span).at[rows, span_BT].max(starts)
-  return {"spans": jnp.sum(has_span).astype(jnp.float32),
-          "spans_exact": jnp.sum(has_span & ~wrong_span).astype(jnp.float32)}
+  return {
+    "spans": jnp.sum(has_span).astype(jnp.float32),
+    "spans_exact": jnp.sum(has_span & ~wrong_span).astype(jnp.float32),
+  }
 
 
-def sequence_balance_loss(expert_counts_LBE: jax.Array, expert_probs_LBE: jax.Array, top_k: int
-                          ) -> jax.Array:
+def sequence_balance_loss(expert_counts_LBE: jax.Array, expert_probs_LBE: jax.Array, top_k: int) -> jax.Array:
   """sum_i f_i P_i per sequence and layer, averaged; 1.0 when routing is perfectly balanced."""
   n_experts = expert_counts_LBE.shape[-1]
   tokens_LB1 = jnp.sum(expert_counts_LBE, axis=-1, keepdims=True) / top_k

@@ -57,8 +57,14 @@ def reconcile(path: str, keep_through: int) -> int:
     with open(tmp, "w") as f:
       f.write("".join(line + "\n" for line in keep))
     os.replace(tmp, path)
-    logging.warning("%s: moved %d row(s) after step %d to %s (the run resumes from step %d)", path, len(drop),
-                    keep_through, DROPPED_FILE, keep_through)
+    logging.warning(
+      "%s: moved %d row(s) after step %d to %s (the run resumes from step %d)",
+      path,
+      len(drop),
+      keep_through,
+      DROPPED_FILE,
+      keep_through,
+    )
   return len(drop)
 
 
@@ -68,8 +74,7 @@ class MetricsWriter:
   keep_through: the step the run starts from; rows after it already in metrics.jsonl are moved aside
   (see the module docstring). None keeps the file as it is."""
 
-  def __init__(self, workdir: str, *, tensorboard: bool = True, enabled: bool = True,
-               keep_through: int | None = None):
+  def __init__(self, workdir: str, *, tensorboard: bool = True, enabled: bool = True, keep_through: int | None = None):
     self.enabled = enabled
     self.jsonl = self.tb = None
     if not enabled:
@@ -81,6 +86,7 @@ class MetricsWriter:
     self.jsonl = open(path, "a")
     if tensorboard:
       from tensorboardX import SummaryWriter  # imported here: TensorBoard is optional for library users
+
       self.tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
 
   def write(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:

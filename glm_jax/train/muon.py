@@ -57,7 +57,7 @@ def newton_schulz(x: jax.Array, ns_coeffs: jax.Array, ns_steps: int, eps: float)
 def _newton_schulz(x: jax.Array, n_matrix_in: int, ns_coeffs: jax.Array, ns_steps: int, eps: float) -> jax.Array:
   """newton_schulz on x [batch, *in axes, *out axes] (the first n_matrix_in axes after batch are in)."""
   shape = x.shape
-  m = math.prod(shape[1:1 + n_matrix_in])
+  m = math.prod(shape[1 : 1 + n_matrix_in])
   return newton_schulz(x.reshape(shape[0], m, -1), ns_coeffs, ns_steps, eps).reshape(shape)
 
 
@@ -89,8 +89,9 @@ def _split_over_replicas(x: jax.Array, replicas: tuple[str, ...], fn: Callable) 
   return jax.lax.psum(out, replicas)
 
 
-def orthogonalize(x: jax.Array, layout: MuonLayout, ns_coeffs: jax.Array, ns_steps: int, eps: float = 1e-8
-                  ) -> jax.Array:
+def orthogonalize(
+  x: jax.Array, layout: MuonLayout, ns_coeffs: jax.Array, ns_steps: int, eps: float = 1e-8
+) -> jax.Array:
   """Newton-Schulz orthogonalization (`newton_schulz`) of every matrix of x; on a mesh, each device does whole matrices.
 
   optax reshapes a leaf to [batch, in, out] (stacked layers, experts and split heads merged into one batch axis)
@@ -118,9 +119,9 @@ def orthogonalize(x: jax.Array, layout: MuonLayout, ns_coeffs: jax.Array, ns_ste
 
   def local_orthogonalize(xl: jax.Array, matrix_sharding: tuple = (), replicas: tuple = ()) -> jax.Array:
     xl = xl.transpose(order)
-    batch_shape = xl.shape[:len(batch_axes)]
+    batch_shape = xl.shape[: len(batch_axes)]
     b = math.prod(batch_shape)
-    xl = xl.reshape((b,) + xl.shape[len(batch_axes):])
+    xl = xl.reshape((b,) + xl.shape[len(batch_axes) :])
     group = math.prod(mesh.shape[a] for _, axes in matrix_sharding for a in axes)
     xl = jnp.pad(xl, ((0, -b % group),) + ((0, 0),) * (xl.ndim - 1))
     # Batch split, matrix dimension gathered; the way back undoes it.
@@ -139,36 +140,47 @@ def orthogonalize(x: jax.Array, layout: MuonLayout, ns_coeffs: jax.Array, ns_ste
     return local_orthogonalize(x)
   spec = divisible_spec(logical_to_spec(layout.logical_axes), x.shape, mesh)
   used = {a for e in spec for a in entry_axes(e)}
-  matrix_sharding = tuple((1 + order[len(batch_axes):].index(i), entry_axes(spec[i]))
-                          for i in matrix_in + matrix_out
-                          if math.prod(mesh.shape[a] for a in entry_axes(spec[i])) > 1)
+  matrix_sharding = tuple(
+    (1 + order[len(batch_axes) :].index(i), entry_axes(spec[i]))
+    for i in matrix_in + matrix_out
+    if math.prod(mesh.shape[a] for a in entry_axes(spec[i])) > 1
+  )
   replicas = tuple(a for a in mesh.axis_names if a not in used and mesh.shape[a] > 1)
   fn = functools.partial(local_orthogonalize, matrix_sharding=matrix_sharding, replicas=replicas)
   return jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)(x)
 
 
-def scale_by_muon(ns_coeffs: tuple[float, float, float], ns_steps: int, beta: float, nesterov: bool,
-                  layouts: Callable, mu_dtype=None, eps: float = 1e-8) -> optax.GradientTransformation:
+def scale_by_muon(
+  ns_coeffs: tuple[float, float, float],
+  ns_steps: int,
+  beta: float,
+  nesterov: bool,
+  layouts: Callable,
+  mu_dtype=None,
+  eps: float = 1e-8,
+) -> optax.GradientTransformation:
   """Muon's direction: optax.contrib.scale_by_muon's momentum (bias-corrected, Nesterov) and Newton-Schulz
   (Frobenius preconditioning), with `orthogonalize` placing the matrices on the mesh. State: optax's MuonState.
   layouts(updates): a tree of MuonLayout shaped like the updates."""
 
   def init_fn(params):
-    return MuonState(count=jnp.zeros([], jnp.int32), mu=optax.tree.zeros_like(params, dtype=mu_dtype),
-                     ns_coeffs=jnp.asarray(ns_coeffs))
+    return MuonState(
+      count=jnp.zeros([], jnp.int32), mu=optax.tree.zeros_like(params, dtype=mu_dtype), ns_coeffs=jnp.asarray(ns_coeffs)
+    )
 
   def update_fn(updates, state, params=None):
     del params
     mu = optax.tree.update_moment(updates, state.mu, beta, 1)
     count = optax.safe_increment(state.count)
     if nesterov:  # beta * m_hat(t + 1) + (1 - beta) * g_hat(t), as optax
-      mu_hat = jax.tree.map(lambda m, g: beta * m + (1 - beta) * g,
-                            optax.tree.bias_correction(mu, beta, optax.safe_increment(count)),
-                            optax.tree.bias_correction(updates, beta, count))
+      mu_hat = jax.tree.map(
+        lambda m, g: beta * m + (1 - beta) * g,
+        optax.tree.bias_correction(mu, beta, optax.safe_increment(count)),
+        optax.tree.bias_correction(updates, beta, count),
+      )
     else:
       mu_hat = optax.tree.bias_correction(mu, beta, count)
-    out = jax.tree.map(lambda x, lay: orthogonalize(x, lay, state.ns_coeffs, ns_steps, eps), mu_hat,
-                       layouts(updates))
+    out = jax.tree.map(lambda x, lay: orthogonalize(x, lay, state.ns_coeffs, ns_steps, eps), mu_hat, layouts(updates))
     return out, MuonState(count=count, mu=optax.tree.cast(mu, mu_dtype), ns_coeffs=state.ns_coeffs)
 
   return optax.GradientTransformation(init_fn, update_fn)

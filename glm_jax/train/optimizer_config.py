@@ -70,20 +70,22 @@ def checked_optimizer_config(opt_cfg: Mapping[str, Any] | None) -> ml_collection
   try:
     re.compile(cfg.partner_matrices)
   except (re.error, TypeError) as e:
-    raise ValueError(f"optimizer config: partner_matrices={cfg.partner_matrices!r}; expected a regular expression "
-                     f"on parameter paths ({e})") from None
+    raise ValueError(
+      f"optimizer config: partner_matrices={cfg.partner_matrices!r}; expected a regular expression "
+      f"on parameter paths ({e})"
+    ) from None
   checks = (
-      ("schedule", cfg.schedule in SCHEDULES, f"one of {SCHEDULES}"),
-      ("lr", cfg.lr > 0, "> 0"),
-      ("lr_init", cfg.lr_init >= 0, ">= 0"),
-      ("lr_end", cfg.lr_end >= 0, ">= 0"),
-      ("warmup_steps", int(cfg.warmup_steps) == cfg.warmup_steps and cfg.warmup_steps >= 0, "an int >= 0"),
-      ("decay_steps", int(cfg.decay_steps) == cfg.decay_steps and cfg.decay_steps > 0, "an int > 0"),
-      ("weight_decay", cfg.weight_decay >= 0, ">= 0"),
-      ("muon_momentum", 0 <= cfg.muon_momentum < 1, "in [0, 1)"),
-      ("muon_ns_steps", int(cfg.muon_ns_steps) == cfg.muon_ns_steps and cfg.muon_ns_steps >= 1, "an int >= 1"),
-      ("muon_ns_coeffs", len(cfg.muon_ns_coeffs) == 3, "three numbers (a, b, c)"),
-      ("muon_update_rms", cfg.muon_update_rms is None or cfg.muon_update_rms > 0, "None or > 0"),
+    ("schedule", cfg.schedule in SCHEDULES, f"one of {SCHEDULES}"),
+    ("lr", cfg.lr > 0, "> 0"),
+    ("lr_init", cfg.lr_init >= 0, ">= 0"),
+    ("lr_end", cfg.lr_end >= 0, ">= 0"),
+    ("warmup_steps", int(cfg.warmup_steps) == cfg.warmup_steps and cfg.warmup_steps >= 0, "an int >= 0"),
+    ("decay_steps", int(cfg.decay_steps) == cfg.decay_steps and cfg.decay_steps > 0, "an int > 0"),
+    ("weight_decay", cfg.weight_decay >= 0, ">= 0"),
+    ("muon_momentum", 0 <= cfg.muon_momentum < 1, "in [0, 1)"),
+    ("muon_ns_steps", int(cfg.muon_ns_steps) == cfg.muon_ns_steps and cfg.muon_ns_steps >= 1, "an int >= 1"),
+    ("muon_ns_coeffs", len(cfg.muon_ns_coeffs) == 3, "three numbers (a, b, c)"),
+    ("muon_update_rms", cfg.muon_update_rms is None or cfg.muon_update_rms > 0, "None or > 0"),
   )
   for field, ok, valid in checks:
     if not ok:
@@ -95,9 +97,12 @@ def _factory(cfg: ml_collections.ConfigDict, field: str) -> Callable[..., optax.
   name = cfg[field]
   factory = getattr(optax, name, None) if isinstance(name, str) and not name.startswith("_") else None
   if factory is None or not callable(factory) or "learning_rate" not in inspect.signature(factory).parameters:
-    raise ValueError(f"optimizer config: {field}={name!r}; expected "
-                     + ("'muon' or " if field == "name" else "") + "the name of an optax optimizer (optax.<name> "
-                     "taking a learning_rate), e.g. 'adamw', 'lion', 'sgd', 'adafactor'")
+    raise ValueError(
+      f"optimizer config: {field}={name!r}; expected "
+      + ("'muon' or " if field == "name" else "")
+      + "the name of an optax optimizer (optax.<name> "
+      "taking a learning_rate), e.g. 'adamw', 'lion', 'sgd', 'adafactor'"
+    )
   return factory
 
 
@@ -106,23 +111,33 @@ def elementwise_field(cfg: ml_collections.ConfigDict) -> str:
   return "partner" if cfg.name == "muon" else "name"
 
 
-def optax_optimizer(cfg: ml_collections.ConfigDict, field: str, *, schedule=None, decay_mask=None,
-                    mu_dtype=None) -> optax.GradientTransformation:
+def optax_optimizer(
+  cfg: ml_collections.ConfigDict, field: str, *, schedule=None, decay_mask=None, mu_dtype=None
+) -> optax.GradientTransformation:
   """optax.<cfg[field]> with the schedule (a constant lr when None), the fields its signature takes (b1, b2, eps,
   weight_decay under decay_mask, mu_dtype) and cfg.hparams. A hyperparameter it does not take, or weight decay
   for one without it, raises, naming the field."""
   factory = _factory(cfg, field)
   takes = inspect.signature(factory).parameters
-  kwargs = {k: v for k, v in dict(b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=decay_mask,
-                                       mu_dtype=mu_dtype).items() if k in takes}
+  kwargs = {
+    k: v
+    for k, v in dict(
+      b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=decay_mask, mu_dtype=mu_dtype
+    ).items()
+    if k in takes
+  }
   if cfg.weight_decay and "weight_decay" not in takes:
-    raise ValueError(f"optimizer config: weight_decay={cfg.weight_decay!r}; optax.{cfg[field]} ({field}) takes no "
-                     "weight decay: set it to 0")
+    raise ValueError(
+      f"optimizer config: weight_decay={cfg.weight_decay!r}; optax.{cfg[field]} ({field}) takes no "
+      "weight decay: set it to 0"
+    )
   extra = dict(cfg.hparams)
   unknown = sorted(set(extra) - set(takes) - {"learning_rate"})
   if unknown:
-    raise ValueError(f"optimizer config: hparams {unknown} are not arguments of optax.{cfg[field]}; it takes "
-                     f"{sorted(set(takes) - {'learning_rate'})}")
+    raise ValueError(
+      f"optimizer config: hparams {unknown} are not arguments of optax.{cfg[field]}; it takes "
+      f"{sorted(set(takes) - {'learning_rate'})}"
+    )
   return factory(schedule if schedule is not None else cfg.lr, **{**kwargs, **extra})
 
 

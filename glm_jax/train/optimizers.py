@@ -23,8 +23,12 @@ import optax
 
 from glm_jax.train.head_split import muon_layouts, split_heads
 from glm_jax.train.muon import scale_by_muon, scale_by_shape
-from glm_jax.train.optimizer_config import (checked_optimizer_config, elementwise_field, learning_rate_schedule,
-                                            optax_optimizer)
+from glm_jax.train.optimizer_config import (
+  checked_optimizer_config,
+  elementwise_field,
+  learning_rate_schedule,
+  optax_optimizer,
+)
 from glm_jax.train.param_plan import leaf_plan, lookup
 
 
@@ -32,8 +36,9 @@ def zero_updates() -> optax.GradientTransformation:
   """Frozen leaves: updates of -0.0 and no state. p + (-0.0) == p bitwise for every p (+0.0 would turn a
   -0.0 parameter into +0.0), so optax.apply_updates leaves frozen parameters bitwise unchanged."""
   return optax.GradientTransformation(
-      lambda params: optax.EmptyState(),
-      lambda updates, state, params=None: (jax.tree.map(lambda u: jnp.full_like(u, -0.0), updates), state))
+    lambda params: optax.EmptyState(),
+    lambda updates, state, params=None: (jax.tree.map(lambda u: jnp.full_like(u, -0.0), updates), state),
+  )
 
 
 def make_optimizer(opt_cfg: Mapping[str, Any] | None, params, *, trainable=None) -> optax.GradientTransformation:
@@ -53,13 +58,22 @@ def make_optimizer(opt_cfg: Mapping[str, Any] | None, params, *, trainable=None)
 
   layouts = muon_layouts(plan)
   orthogonalize = optax.chain(
-      scale_by_muon(ns_coeffs=tuple(cfg.muon_ns_coeffs), ns_steps=int(cfg.muon_ns_steps), beta=cfg.muon_momentum,
-                    nesterov=cfg.muon_nesterov, layouts=layouts, mu_dtype=mu_dtype),
-      scale_by_shape(layouts, consistent_rms=cfg.muon_update_rms))
+    scale_by_muon(
+      ns_coeffs=tuple(cfg.muon_ns_coeffs),
+      ns_steps=int(cfg.muon_ns_steps),
+      beta=cfg.muon_momentum,
+      nesterov=cfg.muon_nesterov,
+      layouts=layouts,
+      mu_dtype=mu_dtype,
+    ),
+    scale_by_shape(layouts, consistent_rms=cfg.muon_update_rms),
+  )
   muon = optax.chain(
-      split_heads(orthogonalize, plan),
-      optax.add_decayed_weights(cfg.weight_decay, mask=decay_mask),
-      optax.scale_by_learning_rate(schedule))
-  elementwise = optax_optimizer(cfg, elementwise_field(cfg), schedule=schedule, decay_mask=decay_mask,
-                                mu_dtype=mu_dtype)
+    split_heads(orthogonalize, plan),
+    optax.add_decayed_weights(cfg.weight_decay, mask=decay_mask),
+    optax.scale_by_learning_rate(schedule),
+  )
+  elementwise = optax_optimizer(
+    cfg, elementwise_field(cfg), schedule=schedule, decay_mask=decay_mask, mu_dtype=mu_dtype
+  )
   return optax.partition({"muon": muon, "elementwise": elementwise, "frozen": zero_updates()}, labels)

@@ -49,16 +49,27 @@ class PackedModel:
 
 def _storage(pure: Any) -> Any:
   """A pure dict with each PackedWeight as {"codes", "scales"} (plain arrays for Orbax)."""
-  return jax.tree.map(lambda x: {"codes": x.codes, "scales": x.scales} if isinstance(x, PackedWeight) else x, pure,
-                      is_leaf=lambda x: isinstance(x, PackedWeight))
+  return jax.tree.map(
+    lambda x: {"codes": x.codes, "scales": x.scales} if isinstance(x, PackedWeight) else x,
+    pure,
+    is_leaf=lambda x: isinstance(x, PackedWeight),
+  )
 
 
 def _plan_json(plan: Mapping[tuple, Rule]) -> dict[str, dict]:
   return {path_str(k): dataclasses.asdict(v) for k, v in sorted(plan.items(), key=lambda kv: path_str(kv[0]))}
 
 
-def save_packed(out_dir: str, params: Any, rest: Any, *, quant: ml_collections.ConfigDict, config: Mapping[str, Any],
-                tokenizer: Mapping[str, Any] | None, source: Mapping[str, Any]) -> dict:
+def save_packed(
+  out_dir: str,
+  params: Any,
+  rest: Any,
+  *,
+  quant: ml_collections.ConfigDict,
+  config: Mapping[str, Any],
+  tokenizer: Mapping[str, Any] | None,
+  source: Mapping[str, Any],
+) -> dict:
   """Packs `params` (an nnx.State of Params) under `quant` and writes <out_dir>; returns the metadata written."""
   out_dir = os.path.abspath(out_dir)
   if os.path.exists(out_dir):
@@ -73,10 +84,17 @@ def save_packed(out_dir: str, params: Any, rest: Any, *, quant: ml_collections.C
   with ocp.StandardCheckpointer() as ckptr:
     ckptr.save(os.path.join(partial, "weights"), tree)
   model = ModelConfig.from_dict(config["model"]).to_dict()  # every field, defaults included
-  meta = {"format": FORMAT, "quant": quant.to_dict(), "plan": _plan_json(plan), "model": json.loads(json.dumps(model)),
-          "config": json.loads(json.dumps(dict(config))), "tokenizer": dict(tokenizer) if tokenizer else None,
-          "source": dict(source),
-      "weight_bytes": weight_bytes(packed), "unpacked_weight_bytes": weight_bytes(params)}
+  meta = {
+    "format": FORMAT,
+    "quant": quant.to_dict(),
+    "plan": _plan_json(plan),
+    "model": json.loads(json.dumps(model)),
+    "config": json.loads(json.dumps(dict(config))),
+    "tokenizer": dict(tokenizer) if tokenizer else None,
+    "source": dict(source),
+    "weight_bytes": weight_bytes(packed),
+    "unpacked_weight_bytes": weight_bytes(params),
+  }
   with open(os.path.join(partial, META), "w") as f:
     json.dump(meta, f, indent=1)
   os.rename(partial, out_dir)
@@ -106,18 +124,23 @@ def load_packed(out_dir: str, model_cfg: ModelConfig, *, scheme: str | None = No
   meta = read_meta(out_dir)
   recorded = ml_collections.ConfigDict(meta["quant"])
   if scheme is not None and scheme != recorded.scheme:
-    raise ValueError(f"{out_dir} holds a model packed with scheme {recorded.scheme!r}, not {scheme!r}; pack the "
-                     f"run again with --scheme={scheme} or load it as {recorded.scheme!r}")
-  diffs = config_differences({"model": meta["model"]}, {"model": model_cfg.to_dict()}, sections=("model",),
-                             train_fields=())
+    raise ValueError(
+      f"{out_dir} holds a model packed with scheme {recorded.scheme!r}, not {scheme!r}; pack the "
+      f"run again with --scheme={scheme} or load it as {recorded.scheme!r}"
+    )
+  diffs = config_differences(
+    {"model": meta["model"]}, {"model": model_cfg.to_dict()}, sections=("model",), train_fields=()
+  )
   if diffs:
     raise ValueError(f"{out_dir} was packed from another model: " + "; ".join(diffs))
   model = nnx.eval_shape(lambda: GlmMoeDsa(model_cfg, nnx.Rngs(0)))
   graphdef, abstract_params, abstract_rest = nnx.split(model, nnx.Param, ...)
   plan = quant_plan(abstract_params, recorded)
   if _plan_json(plan) != meta["plan"]:
-    raise ValueError(f"{out_dir}: its recorded plan does not match what scheme {recorded.scheme!r} makes of this "
-                     "model (written by another version?); pack it again")
+    raise ValueError(
+      f"{out_dir}: its recorded plan does not match what scheme {recorded.scheme!r} makes of this "
+      "model (written by another version?); pack it again"
+    )
   abstract_packed = jax.eval_shape(lambda p: pack_params(p, plan), abstract_params)
   device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
   target = {"params": _storage(nnx.to_pure_dict(abstract_packed)), "rest": nnx.to_pure_dict(abstract_rest)}
@@ -130,8 +153,9 @@ def load_packed(out_dir: str, model_cfg: ModelConfig, *, scheme: str | None = No
       return dataclasses.replace(abstract, codes=stored["codes"], scales=stored["scales"])
     return stored
 
-  pure = jax.tree.map(rebuild, nnx.to_pure_dict(abstract_packed), saved["params"],
-                      is_leaf=lambda x: isinstance(x, PackedWeight))
+  pure = jax.tree.map(
+    rebuild, nnx.to_pure_dict(abstract_packed), saved["params"], is_leaf=lambda x: isinstance(x, PackedWeight)
+  )
   params = abstract_packed
   nnx.replace_by_pure_dict(params, pure)
   rest = abstract_rest

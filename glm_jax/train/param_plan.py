@@ -37,6 +37,7 @@ EXPERT_MATRICES = ("gate_proj", "up_proj", "down_proj")  # [E, in, out] under an
 
 class LeafPlan(NamedTuple):
   """How one parameter is optimized. muon_dims: Muon's matrix layout (one per part when split)."""
+
   label: str  # "muon" | "elementwise" | "frozen"
   weight_decay: bool
   muon_dims: tuple[Dims, ...] = ()
@@ -47,12 +48,14 @@ class LeafPlan(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class MuonLayout:
   """How `orthogonalize` sees one leaf: its matrix layout and its parameter's logical axes (None: unknown)."""
+
   dims: Dims
   logical_axes: tuple | None = None
 
 
-def _muon_layout(names: Names, shapes: Mapping[Names, tuple[int, ...]], core: tuple[int, ...], split: bool
-                 ) -> tuple[tuple[Dims, ...], tuple[int, ...]]:
+def _muon_layout(
+  names: Names, shapes: Mapping[Names, tuple[int, ...]], core: tuple[int, ...], split: bool
+) -> tuple[tuple[Dims, ...], tuple[int, ...]]:
   """Reduction (input) and output axes, counted from the end so stacked axes are batch axes."""
   last = names[-1]
   if last == "o_proj":  # [H, v, D]: one [H*v, D] matrix
@@ -65,8 +68,10 @@ def _muon_layout(names: Names, shapes: Mapping[Names, tuple[int, ...]], core: tu
     return (Dims(-3, (-2, -1)),), ()
   if len(core) == 2 or (len(core) == 3 and last in EXPERT_MATRICES):  # [in, out], or [E, in, out]
     return (Dims(-2, -1),), ()
-  raise ValueError(f"parameter {path_str(names)}: shape {core} has no Muon layout; add one to "
-                   "glm_jax/train/param_plan.py:_muon_layout or keep it under AdamW")
+  raise ValueError(
+    f"parameter {path_str(names)}: shape {core} has no Muon layout; add one to "
+    "glm_jax/train/param_plan.py:_muon_layout or keep it under AdamW"
+  )
 
 
 def _kv_split(names: Names, shapes: Mapping[Names, tuple[int, ...]]) -> tuple[int, int]:
@@ -76,14 +81,15 @@ def _kv_split(names: Names, shapes: Mapping[Names, tuple[int, ...]]) -> tuple[in
   need = (attn + ("kv_a_proj_with_mqa",), attn + ("kv_a_layernorm", "weight"), attn + ("q_b_proj",))
   missing = [n for n in need if n not in shapes]
   if missing:
-    raise ValueError(f"muon_split: cannot read qk_nope_head_dim for {path_str(names)}; missing "
-                     f"{[path_str(n) for n in missing]} (set muon_split=False to orthogonalize it whole)")
+    raise ValueError(
+      f"muon_split: cannot read qk_nope_head_dim for {path_str(names)}; missing "
+      f"{[path_str(n) for n in missing]} (set muon_split=False to orthogonalize it whole)"
+    )
   rope = shapes[need[0]][-1] - shapes[need[1]][-1]
   nope = shapes[need[2]][-1] - rope
   width = shapes[names][-1]
   if not 0 < nope < width:
-    raise ValueError(f"muon_split: {path_str(names)} last axis {width} cannot split at "
-                     f"qk_nope_head_dim={nope}")
+    raise ValueError(f"muon_split: {path_str(names)} last axis {width} cannot split at qk_nope_head_dim={nope}")
   return nope, width - nope
 
 
@@ -95,9 +101,11 @@ def _trainable_flags(trainable, params, names_list: list[Names]) -> dict[Names, 
   flags = {path_names(p): bool(v) for p, v in jax.tree_util.tree_leaves_with_path(trainable)}
   missing = [n for n in names_list if n not in flags]
   if missing:
-    raise ValueError(f"trainable: no flag for {[path_str(n) for n in missing[:5]]}"
-                     f"{' ...' if len(missing) > 5 else ''}; pass a bool tree shaped like params or a "
-                     "predicate on path names")
+    raise ValueError(
+      f"trainable: no flag for {[path_str(n) for n in missing[:5]]}"
+      f"{' ...' if len(missing) > 5 else ''}; pass a bool tree shaped like params or a "
+      "predicate on path names"
+    )
   return {n: flags[n] for n in names_list}
 
 
@@ -150,6 +158,5 @@ def matrix_axes(dims: Dims, ndim: int) -> tuple[tuple[int, ...], tuple[int, ...]
 def lookup(plan: dict[Names, LeafPlan], path) -> LeafPlan:
   names = path_names(path)
   if names not in plan:
-    raise ValueError(f"optimizer: parameter {path_str(names)} was not in the params tree the "
-                     "optimizer was built for")
+    raise ValueError(f"optimizer: parameter {path_str(names)} was not in the params tree the optimizer was built for")
   return plan[names]

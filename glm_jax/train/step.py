@@ -50,8 +50,14 @@ def split_model(model: GlmMoeDsa):
 
 def new_train_state(params, rest, optimizer: optax.GradientTransformation) -> TrainState:
   """Step 0 for these weights: a fresh optimizer state, no loss history, nothing skipped."""
-  return TrainState(step=jnp.zeros((), jnp.int32), params=params, rest=rest, opt_state=optimizer.init(params),
-                    loss_ema=jnp.zeros((), jnp.float32), skipped=jnp.zeros((), jnp.int32))
+  return TrainState(
+    step=jnp.zeros((), jnp.int32),
+    params=params,
+    rest=rest,
+    opt_state=optimizer.init(params),
+    loss_ema=jnp.zeros((), jnp.float32),
+    skipped=jnp.zeros((), jnp.int32),
+  )
 
 
 def init_train_state(model: GlmMoeDsa, optimizer: optax.GradientTransformation):
@@ -76,16 +82,22 @@ def _forward_losses(graphdef, params, rest, batch, stage: str, train_cfg, plan=N
     params = fake_quant_params(params, plan)
   model = nnx.merge(graphdef, params, rest)
   chunk = getattr(train_cfg, "loss_chunk", 0)
-  out = model(batch["input_ids"], **model_inputs(batch), indexer_loss=stage in ("warmup", "sparse"),
-              embedding_grad_shrink=getattr(train_cfg, "embedding_grad_shrink", 1.0), return_hidden=chunk > 0)
+  out = model(
+    batch["input_ids"],
+    **model_inputs(batch),
+    indexer_loss=stage in ("warmup", "sparse"),
+    embedding_grad_shrink=getattr(train_cfg, "embedding_grad_shrink", 1.0),
+    return_hidden=chunk > 0,
+  )
   if chunk > 0:  # the head and cross-entropy a chunk of tokens at a time: no [B, T, V] logits
     m = losses.lm_and_mtp_losses(out.hidden, out.mtp_hidden, batch, head=model.head, chunk=chunk)
   else:
     m = losses.lm_and_mtp_losses(out.logits, out.mtp_logits, batch)
   counts = {k: v for k, v in out.aux.items() if k.endswith("expert_counts")}
   if "expert_counts" in out.aux:
-    m["balance_loss"] = losses.sequence_balance_loss(out.aux["expert_counts"], out.aux["expert_probs"],
-                                                     model.cfg.num_experts_per_tok)
+    m["balance_loss"] = losses.sequence_balance_loss(
+      out.aux["expert_counts"], out.aux["expert_probs"], model.cfg.num_experts_per_tok
+    )
   else:
     m["balance_loss"] = jnp.zeros((), jnp.float32)
   m["indexer_kl"] = jnp.mean(out.aux["indexer_kl"]) if "indexer_kl" in out.aux else jnp.zeros((), jnp.float32)
@@ -96,8 +108,7 @@ def _forward_losses(graphdef, params, rest, batch, stage: str, train_cfg, plan=N
   if stage == "warmup":
     loss = m["indexer_kl"]
   else:
-    loss = (m["lm_loss"] + train_cfg.mtp_loss_weight * m["mtp_loss"]
-            + train_cfg.balance_loss_weight * m["balance_loss"])
+    loss = m["lm_loss"] + train_cfg.mtp_loss_weight * m["mtp_loss"] + train_cfg.balance_loss_weight * m["balance_loss"]
     if stage == "sparse":
       loss = loss + train_cfg.indexer_loss_weight * m["indexer_kl"]
   m["loss"] = loss
@@ -120,9 +131,16 @@ def _update_expert_biases(rest, counts: dict[str, jax.Array], rate: float):
   return nnx.from_flat_state(out)
 
 
-def apply_gradients(state: TrainState, grads, loss: jax.Array, optimizer: optax.GradientTransformation,
-                    grad_clip_norm: float, *, new_rest: Any = None, also_skip: jax.Array | bool = False
-                    ) -> tuple[TrainState, jax.Array, jax.Array]:
+def apply_gradients(
+  state: TrainState,
+  grads,
+  loss: jax.Array,
+  optimizer: optax.GradientTransformation,
+  grad_clip_norm: float,
+  *,
+  new_rest: Any = None,
+  also_skip: jax.Array | bool = False,
+) -> tuple[TrainState, jax.Array, jax.Array]:
   """One optimizer update from `grads` (clipped to grad_clip_norm when > 0), skipped (parameters, `rest` and
   optimizer state kept as they were) when the loss, the gradient norm or any updated parameter is not finite,
   or `also_skip` holds.
@@ -140,10 +158,14 @@ def apply_gradients(state: TrainState, grads, loss: jax.Array, optimizer: optax.
   def keep(new, old):
     return jax.tree.map(lambda n, o: jnp.where(skip, o, n), new, old)
 
-  new_state = TrainState(step=state.step + 1, params=keep(new_params, state.params),
-                         rest=state.rest if new_rest is None else keep(new_rest, state.rest),
-                         opt_state=keep(new_opt_state, state.opt_state), loss_ema=state.loss_ema,
-                         skipped=state.skipped + skip.astype(jnp.int32))
+  new_state = TrainState(
+    step=state.step + 1,
+    params=keep(new_params, state.params),
+    rest=state.rest if new_rest is None else keep(new_rest, state.rest),
+    opt_state=keep(new_opt_state, state.opt_state),
+    loss_ema=state.loss_ema,
+    skipped=state.skipped + skip.astype(jnp.int32),
+  )
   return new_state, grad_norm, skip
 
 
@@ -159,15 +181,25 @@ def xla_compiler_options(flags: str) -> dict[str, str]:
   for token in flags.split():
     m = _XLA_FLAG.fullmatch(token)
     if not m:
-      raise ValueError(f"train.xla_flags: {token!r} is not an XLA flag; valid: --xla_name=value tokens separated "
-                       "by spaces (as in LIBTPU_INIT_ARGS)")
+      raise ValueError(
+        f"train.xla_flags: {token!r} is not an XLA flag; valid: --xla_name=value tokens separated "
+        "by spaces (as in LIBTPU_INIT_ARGS)"
+      )
     options[m.group(1)] = m.group(2)
   return options
 
 
-def make_train_step(graphdef, optimizer: optax.GradientTransformation, schedule: Callable, train_cfg, *,
-                    state_shardings: Any = None, batch_sharding: Any = None,
-                    unroll_microbatches: bool = False, quant_plan: dict | None = None) -> Callable:
+def make_train_step(
+  graphdef,
+  optimizer: optax.GradientTransformation,
+  schedule: Callable,
+  train_cfg,
+  *,
+  state_shardings: Any = None,
+  batch_sharding: Any = None,
+  unroll_microbatches: bool = False,
+  quant_plan: dict | None = None,
+) -> Callable:
   """Returns jitted step(state, batch) -> (state, metrics). batch: input_ids, segment_ids, positions (and, for
   SFT, loss_mask) [global_batch, seq_len] int32; the batch is split into train_cfg.microbatches equal parts. With
   shardings (glm_jax.sharding), the state keeps its layout across steps and the batch is split over the mesh.
@@ -205,12 +237,16 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, schedule:
 
     new_rest = _update_expert_biases(state.rest, counts, bias_rate) if bias_rate else state.rest
     loss = m["loss"]
-    spike = ((train_cfg.spike_factor > 0) & (state.step >= train_cfg.spike_min_steps)
-             & (state.loss_ema > 0) & (loss > train_cfg.spike_factor * state.loss_ema))
-    new_state, grad_norm, skip = apply_gradients(state, grads, loss, optimizer, train_cfg.grad_clip_norm,
-                                                 new_rest=new_rest, also_skip=spike)
-    ema = jnp.where(state.loss_ema == 0, loss,
-                    train_cfg.spike_ema * state.loss_ema + (1 - train_cfg.spike_ema) * loss)
+    spike = (
+      (train_cfg.spike_factor > 0)
+      & (state.step >= train_cfg.spike_min_steps)
+      & (state.loss_ema > 0)
+      & (loss > train_cfg.spike_factor * state.loss_ema)
+    )
+    new_state, grad_norm, skip = apply_gradients(
+      state, grads, loss, optimizer, train_cfg.grad_clip_norm, new_rest=new_rest, also_skip=spike
+    )
+    ema = jnp.where(state.loss_ema == 0, loss, train_cfg.spike_ema * state.loss_ema + (1 - train_cfg.spike_ema) * loss)
     new_state.loss_ema = jnp.where(skip, state.loss_ema, ema)
     metrics = dict(m, grad_norm=grad_norm, lr=schedule(state.step), skipped=skip.astype(jnp.int32))
     if "expert_counts" in counts:
@@ -223,8 +259,13 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, schedule:
   jit_kw = {"compiler_options": options} if options and on_tpu else {}
   if state_shardings is None:
     return jax.jit(step, donate_argnums=(0,), **jit_kw)
-  return jax.jit(step, donate_argnums=(0,), in_shardings=(state_shardings, batch_sharding),
-                 out_shardings=(state_shardings, None), **jit_kw)
+  return jax.jit(
+    step,
+    donate_argnums=(0,),
+    in_shardings=(state_shardings, batch_sharding),
+    out_shardings=(state_shardings, None),
+    **jit_kw,
+  )
 
 
 def make_eval_step(graphdef, quant_plan: dict | None = None, loss_chunk: int = 0) -> Callable:
@@ -242,8 +283,9 @@ def make_eval_step(graphdef, quant_plan: dict | None = None, loss_chunk: int = 0
     model = nnx.merge(graphdef, params, rest)
     out = model(batch["input_ids"], **model_inputs(batch), compute_mtp=False, return_hidden=True)
     targets, valid = losses.prediction_targets(batch, 0)
-    nll, count, predicted = losses.chunked_cross_entropy(model.head, out.hidden, targets, valid, loss_chunk,
-                                                         with_argmax=True)
+    nll, count, predicted = losses.chunked_cross_entropy(
+      model.head, out.hidden, targets, valid, loss_chunk, with_argmax=True
+    )
     result = {"nll": nll, "tokens": count}
     if "targets" in batch:
       result.update(losses.exact_spans(predicted, targets, valid, batch["block_positions"]))

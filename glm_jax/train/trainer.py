@@ -35,6 +35,7 @@ from glm_jax.train.guards import ConsecutiveSkips
 from glm_jax.train.optimizer_config import checked_optimizer_config
 from glm_jax.train.metrics import MetricsWriter
 
+
 def create_train_state(config: ml_collections.ConfigDict, model_cfg: ModelConfig):
   """(graphdef, initial TrainState, optimizer, lr schedule) for a config; the warm-up stage's optimizer
   freezes everything but the indexer."""
@@ -72,6 +73,7 @@ class AbstractTrainState:
   leaf (the mesh's, from the logical axes, or the first local device's without a mesh), the target a checkpoint is
   restored onto. `fresh()` makes the random initialization, `from_weights(params, rest)` step 0 of given weights;
   each is created in place on its devices (jit with the state's out_shardings), never on one host."""
+
   graphdef: Any
   state: step_lib.TrainState
   optimizer: Any
@@ -85,16 +87,16 @@ class AbstractTrainState:
 
   def from_weights(self, params, rest) -> step_lib.TrainState:
     """Step 0 of these weights (a fresh optimizer state), their buffers donated to the state."""
-    return self._create(lambda p, r: step_lib.new_train_state(p, r, self.optimizer), params, rest,
-                        donate_argnums=(0, 1))
+    return self._create(
+      lambda p, r: step_lib.new_train_state(p, r, self.optimizer), params, rest, donate_argnums=(0, 1)
+    )
 
   def _create(self, fn, *args, **jit_kw):
     with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
       return jax.jit(fn, out_shardings=self.shardings, **jit_kw)(*args)
 
 
-def abstract_train_state(config: ml_collections.ConfigDict, model_cfg: ModelConfig, mesh=None
-                         ) -> AbstractTrainState:
+def abstract_train_state(config: ml_collections.ConfigDict, model_cfg: ModelConfig, mesh=None) -> AbstractTrainState:
   """The run's AbstractTrainState on `mesh` (None: one device)."""
   make_state, built = train_state_factory(config, model_cfg)
   if mesh is None:
@@ -102,12 +104,20 @@ def abstract_train_state(config: ml_collections.ConfigDict, model_cfg: ModelConf
     shardings = None
   else:
     state, shardings = abstract_sharded(make_state, lambda s: s.params, mesh)
-  return AbstractTrainState(built["graphdef"], state, built["optimizer"], built["schedule"], shardings, make_state,
-                            mesh)
+  return AbstractTrainState(
+    built["graphdef"], state, built["optimizer"], built["schedule"], shardings, make_state, mesh
+  )
 
 
-BATCH_KEYS = ("input_ids", "segment_ids", "positions", "loss_mask",  # every batch
-              "targets", "block_positions", "prefix_end")  # the blank-infilling objective's (data.objective "glm")
+BATCH_KEYS = (
+  "input_ids",
+  "segment_ids",
+  "positions",
+  "loss_mask",  # every batch
+  "targets",
+  "block_positions",
+  "prefix_end",
+)  # the blank-infilling objective's (data.objective "glm")
 
 
 def _global_batch(batch: dict[str, np.ndarray], sharding) -> dict[str, jax.Array]:
@@ -118,14 +128,16 @@ def _global_batch(batch: dict[str, np.ndarray], sharding) -> dict[str, jax.Array
   return {k: jax.make_array_from_process_local_data(sharding, batch[k]) for k in keys}
 
 
-def evaluate(eval_step, state: step_lib.TrainState, batches: list[dict[str, np.ndarray]],
-             sharding=None) -> float | None:
+def evaluate(
+  eval_step, state: step_lib.TrainState, batches: list[dict[str, np.ndarray]], sharding=None
+) -> float | None:
   """Held-out loss in nats per target token; None when there is no held-out data (eval_fraction 0)."""
   return eval_metrics(eval_step, state, batches, sharding)["eval_loss"]
 
 
-def eval_metrics(eval_step, state: step_lib.TrainState, batches: list[dict[str, np.ndarray]],
-                 sharding=None) -> dict[str, float | None]:
+def eval_metrics(
+  eval_step, state: step_lib.TrainState, batches: list[dict[str, np.ndarray]], sharding=None
+) -> dict[str, float | None]:
   """{"eval_loss"} (see evaluate) and, for blank-infilling batches, {"eval_spans": the held-out spans,
   "eval_span_exact": the share of them greedy decoding fills exactly} (step.make_eval_step)."""
   sums: dict[str, float] = {}
@@ -142,6 +154,7 @@ def eval_metrics(eval_step, state: step_lib.TrainState, batches: list[dict[str, 
 @dataclasses.dataclass
 class RestoredRun:
   """A run's latest checkpoint, ready to sample from or evaluate: what restore_run returns."""
+
   step: int
   model_cfg: ModelConfig
   graphdef: Any
@@ -160,16 +173,16 @@ def restore_run(config: ml_collections.ConfigDict, workdir: str) -> RestoredRun:
     raise FileNotFoundError(f"--workdir={workdir}: no checkpoint in {checkpointer.directory}")
   weights_only = checkpointer.weights_only(checkpointer.steps()[0])
   if weights_only:  # a converted checkpoint (launch/convert.py): the model must match; it has no optimizer state
-    checkpointer.check_compatible(config.to_dict(), sections=("model",), train_fields=(),
-                                  free=INIT_FROM_FREE_FIELDS)
+    checkpointer.check_compatible(config.to_dict(), sections=("model",), train_fields=(), free=INIT_FROM_FREE_FIELDS)
   else:
     checkpointer.check_compatible(config.to_dict())
   record = checkpointer.recorded_tokenizer(checkpointer.steps()[0])
   if record is not None:  # the tokenizer the model was trained with, whatever config.data says
     tokenizer = data_lib.Tokenizer.from_record(record)
   else:
-    logging.warning("%s records no tokenizer (saved before runs recorded one); using config.data's",
-                    checkpointer.directory)
+    logging.warning(
+      "%s records no tokenizer (saved before runs recorded one); using config.data's", checkpointer.directory
+    )
     tokenizer = data_lib.load_tokenizer(config.data)
   data_lib.check_vocab(tokenizer, model_cfg.vocab_size)
   target = abstract_train_state(config, model_cfg)  # read straight into place: no random initialization first
@@ -204,13 +217,20 @@ def check_config(config: ml_collections.ConfigDict) -> ModelConfig:
   if config.data.get("format", "lm") != data_format:
     invalid("data.format", config.data.get("format", "lm"), f"config.trainer={kind!r} trains on {data_format!r} data")
   if config.data.get("objective", "lm") == "glm" and not model_cfg.rope_2d:
-    invalid("model.rope_2d", model_cfg.rope_2d, "data.objective='glm' gives GLM's 2-D positions (position, block "
-            "position): set model.rope_2d=True")
+    invalid(
+      "model.rope_2d",
+      model_cfg.rope_2d,
+      "data.objective='glm' gives GLM's 2-D positions (position, block position): set model.rope_2d=True",
+    )
   if "quant" in config:
     check_quant_config(config.quant)
     if config.quant.scheme not in ("none",) + WEIGHT_ONLY:
-      invalid("quant.scheme", config.quant.scheme, f"quantization-aware training takes {list(WEIGHT_ONLY)} (or "
-              "'none'); W8A8 / W4A8 are post-training schemes (launch/quantize.py)")
+      invalid(
+        "quant.scheme",
+        config.quant.scheme,
+        f"quantization-aware training takes {list(WEIGHT_ONLY)} (or "
+        "'none'); W8A8 / W4A8 are post-training schemes (launch/quantize.py)",
+      )
   return model_cfg
 
 
@@ -222,23 +242,25 @@ def training_quant_plan(config: ml_collections.ConfigDict, params) -> dict:
 StepHook = Callable[[int, step_lib.TrainState, dict[str, Any]], None]
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, hooks: Sequence[StepHook] = ()
-                       ) -> dict[str, Any]:
+def train_and_evaluate(
+  config: ml_collections.ConfigDict, workdir: str, *, hooks: Sequence[StepHook] = ()
+) -> dict[str, Any]:
   """Trains for config.train.steps steps (resuming from workdir's latest checkpoint) and returns the
   summary that launch/train.py prints: eval_loss and unigram_entropy in nats per token, and more.
 
   hooks: callables hook(step, state, metrics) run in order after each step, once the step's metrics are logged
   and its checkpoint (when one is due) has been started, asynchronously: a place for a probe, a custom
   evaluation or a stopping rule in a notebook or sweep, without editing the loop. `step` counts the steps done;
-  `metrics` is the step's metrics dict (jax arrays; numpy values on logged steps). An exception in a hook ends the run (the checkpointer is
-  closed, as on any error)."""
+  `metrics` is the step's metrics dict (jax arrays; numpy values on logged steps). An exception in a hook ends the
+  run (the checkpointer is closed, as on any error)."""
   # Everything cheap to check is checked before anything is built or written.
   model_cfg = check_config(config)
   train = config.train
   check_process_split(config.data, jax.process_index(), jax.process_count())
   mesh = make_mesh(config.mesh) if "mesh" in config else None
-  checkpointer = Checkpointer(workdir, save_every=train.checkpoint_every, keep=train.keep_checkpoints,
-                              async_save=train.async_checkpoints)
+  checkpointer = Checkpointer(
+    workdir, save_every=train.checkpoint_every, keep=train.keep_checkpoints, async_save=train.async_checkpoints
+  )
   config_dict = config.to_dict()
   init_source = None
   if not checkpointer.steps() and train.init_from:
@@ -251,8 +273,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, hooks
   tokenizer_record = tokenizer.record()
   if init_source is not None:
     init_source.require_tokenizer(tokenizer_record, f"train.init_from={train.init_from!r}")
-  data_changed = checkpointer.check_compatible(config_dict, sections=RESUME_SECTIONS, tokenizer=tokenizer_record,
-                                               allow_data_change=train.allow_data_change)
+  data_changed = checkpointer.check_compatible(
+    config_dict, sections=RESUME_SECTIONS, tokenizer=tokenizer_record, allow_data_change=train.allow_data_change
+  )
 
   if mesh is not None and mesh.size == 1:
     mesh = None  # one device: the plain path, nothing to shard
@@ -262,14 +285,17 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, hooks
   graphdef, optimizer, schedule, shardings = target.graphdef, target.optimizer, target.schedule, target.shardings
   data_sharding = None if mesh is None else batch_sharding(mesh)
   plan = training_quant_plan(config, target.state.params)
-  train_step = step_lib.make_train_step(graphdef, optimizer, schedule, train, state_shardings=shardings,
-                                        batch_sharding=data_sharding, quant_plan=plan)
+  train_step = step_lib.make_train_step(
+    graphdef, optimizer, schedule, train, state_shardings=shardings, batch_sharding=data_sharding, quant_plan=plan
+  )
   eval_step = step_lib.make_eval_step(graphdef, plan, loss_chunk=config.train.get("loss_chunk", 0))
 
-  data_iter = data_lib.make_train_iterator(config.data, tokenizer, process_index=jax.process_index(),
-                                           process_count=jax.process_count())
-  eval_batches = data_lib.make_eval_batches(config.data, tokenizer, process_index=jax.process_index(),
-                                            process_count=jax.process_count())
+  data_iter = data_lib.make_train_iterator(
+    config.data, tokenizer, process_index=jax.process_index(), process_count=jax.process_count()
+  )
+  eval_batches = data_lib.make_eval_batches(
+    config.data, tokenizer, process_index=jax.process_index(), process_count=jax.process_count()
+  )
   start, state = checkpointer.restore_latest(target.state, None if data_changed else data_iter)
   if start is not None:
     logging.info("resumed from %s at step %d", checkpointer.directory, start)
@@ -283,22 +309,33 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, hooks
     state = target.fresh()
   start = start or 0
   counts = param_counts(model_cfg)
-  logging.info("glm5 %s: %.3e params (%.3e active), stage %s, %d steps", config.get("name", "?"),
-               counts["total"], counts["active"], train.dsa_stage, train.steps)
+  logging.info(
+    "glm5 %s: %.3e params (%.3e active), stage %s, %d steps",
+    config.get("name", "?"),
+    counts["total"],
+    counts["active"],
+    train.dsa_stage,
+    train.steps,
+  )
 
   def mesh_context():  # the MoE's expert parallelism reads the mesh from this context
     return jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
 
-  writer = MetricsWriter(workdir, tensorboard=train.tensorboard, enabled=jax.process_index() == 0,
-                         keep_through=start)
+  writer = MetricsWriter(workdir, tensorboard=train.tensorboard, enabled=jax.process_index() == 0, keep_through=start)
   skips = ConsecutiveSkips(train.max_consecutive_skips, "train.max_consecutive_skips")
   tokens_per_step = config.data.batch_size * config.data.seq_len
   last_loss = math.nan
   eval_loss, evals = None, {}
   try:
     from tqdm import tqdm
-    bar = tqdm(total=train.steps, initial=start, disable=None if jax.process_index() == 0 else True,
-               dynamic_ncols=True, desc="train")
+
+    bar = tqdm(
+      total=train.steps,
+      initial=start,
+      disable=None if jax.process_index() == 0 else True,
+      dynamic_ncols=True,
+      desc="train",
+    )
     t_log, steps_since_log = time.perf_counter(), 0
     for step in range(start, train.steps):
       with mesh_context():
@@ -336,8 +373,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, hooks
     with mesh_context():
       evals = eval_metrics(eval_step, state, eval_batches, data_sharding)
     eval_loss = evals["eval_loss"]
-  return {"step": int(state.step), **evals, "eval_loss": eval_loss,
-          "unigram_entropy": data_lib.unigram_entropy(config.data, tokenizer),
-          "train_loss": last_loss, "skipped_steps": int(state.skipped), "params": counts["total"],
-          "active_params": counts["active"], "workdir": os.path.abspath(workdir)}
-
+  return {
+    "step": int(state.step),
+    **evals,
+    "eval_loss": eval_loss,
+    "unigram_entropy": data_lib.unigram_entropy(config.data, tokenizer),
+    "train_loss": last_loss,
+    "skipped_steps": int(state.skipped),
+    "params": counts["total"],
+    "active_params": counts["active"],
+    "workdir": os.path.abspath(workdir),
+  }

@@ -17,11 +17,28 @@ from glm_jax.convert import hf
 
 TOL = 1e-4  # max abs logit difference, fp32 on CPU
 
-BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
-            num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2,
-            kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16,
-            index_topk=8, index_head_dim=16, index_n_heads=8, first_k_dense_replace=1,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, initializer_range=0.1)
+BASE = dict(
+  vocab_size=128,
+  hidden_size=64,
+  intermediate_size=96,
+  moe_intermediate_size=32,
+  num_hidden_layers=3,
+  num_attention_heads=4,
+  num_key_value_heads=4,
+  n_routed_experts=8,
+  num_experts_per_tok=2,
+  kv_lora_rank=32,
+  q_lora_rank=32,
+  qk_rope_head_dim=8,
+  v_head_dim=16,
+  qk_nope_head_dim=16,
+  index_topk=8,
+  index_head_dim=16,
+  index_n_heads=8,
+  first_k_dense_replace=1,
+  rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+  initializer_range=0.1,
+)
 
 
 def make_hf_model(seed=0, **overrides):
@@ -44,8 +61,9 @@ def hf_logits(model, ids):
 def hf_topk_indices(model, ids):
   """Each layer's indexer output, recorded with forward hooks: [L, B, T, K]."""
   got = []
-  hooks = [layer.self_attn.indexer.register_forward_hook(lambda m, i, o: got.append(o.numpy()))
-           for layer in model.model.layers]
+  hooks = [
+    layer.self_attn.indexer.register_forward_hook(lambda m, i, o: got.append(o.numpy())) for layer in model.model.layers
+  ]
   hf_logits(model, ids)
   for h in hooks:
     h.remove()
@@ -173,11 +191,13 @@ def test_save_refuses_to_overwrite(loaded, tmp_path):
 
 def _flat(model):
   from flax import nnx
+
   return {p: np.asarray(v[...]) for p, v in nnx.to_flat_state(nnx.state(model))}
 
 
 def _safetensor_names(path):
   from safetensors import safe_open
+
   names = set()
   for f in os.listdir(path):
     if f.endswith(".safetensors"):
@@ -188,9 +208,11 @@ def _safetensor_names(path):
 
 # --- bad checkpoints: each error names the tensor and both shapes, and nothing is loaded half-way ---
 
+
 def _rewrite(src, dst, edit):
   """Copy a single-file checkpoint, editing its tensor dict."""
   from safetensors.torch import load_file, save_file
+
   os.makedirs(dst, exist_ok=True)
   tensors = load_file(os.path.join(src, "model.safetensors"))
   edit(tensors)
@@ -203,8 +225,11 @@ def _rewrite(src, dst, edit):
 def test_missing_tensor_is_named(saved, tmp_path):
   _, path = saved
   bad = _rewrite(path, tmp_path / "bad", lambda t: t.pop("model.layers.2.self_attn.indexer.wk.weight"))
-  with pytest.raises(ValueError, match=r"missing tensor model\.layers\.2\.self_attn\.indexer\.wk\.weight "
-                                       r"\(expected shape \[16, 64\]\)"):
+  with pytest.raises(
+    ValueError,
+    match=r"missing tensor model\.layers\.2\.self_attn\.indexer\.wk\.weight "
+    r"\(expected shape \[16, 64\]\)",
+  ):
     hf.load(bad)
 
 

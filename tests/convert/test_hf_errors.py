@@ -38,7 +38,7 @@ def _copy(dirs, kind, tmp_path):
 def _truncate(file):
   data = open(file, "rb").read()
   with open(file, "wb") as f:
-    f.write(data[:len(data) // 2])
+    f.write(data[: len(data) // 2])
 
 
 def _edit_config(path, edit):
@@ -95,15 +95,17 @@ def test_truncated_config_is_named(dirs, tmp_path):
 def test_config_without_model_type_is_refused(dirs, tmp_path):
   path = _copy(dirs, "single", tmp_path)
   _edit_config(path, lambda c: c.pop("model_type"))
-  _load_fails(path, f"{os.path.join(path, 'config.json')}: model_type is missing; expected 'glm_moe_dsa' "
-                    "(a GLM-5 checkpoint)")
+  _load_fails(
+    path, f"{os.path.join(path, 'config.json')}: model_type is missing; expected 'glm_moe_dsa' (a GLM-5 checkpoint)"
+  )
 
 
 def test_config_of_another_model_is_refused(dirs, tmp_path):
   path = _copy(dirs, "single", tmp_path)
   _edit_config(path, lambda c: c.update(model_type="llama"))
-  _load_fails(path, f"{os.path.join(path, 'config.json')}: model_type='llama'; expected 'glm_moe_dsa' "
-                    "(a GLM-5 checkpoint)")
+  _load_fails(
+    path, f"{os.path.join(path, 'config.json')}: model_type='llama'; expected 'glm_moe_dsa' (a GLM-5 checkpoint)"
+  )
 
 
 def test_unsupported_setting_names_the_config_file(dirs, tmp_path):
@@ -115,5 +117,6 @@ def test_unsupported_setting_names_the_config_file(dirs, tmp_path):
 def test_non_float_tensor_is_named(dirs, tmp_path):
   name = "model.layers.1.mlp.gate.weight"
   path = _rewrite(dirs["single"], tmp_path / "bad", lambda t: t.update({name: t[name].to(torch.uint8)}))
-  _load_fails(path, f"{os.path.join(path, hf.SINGLE_FILE)}: tensor {name} has dtype U8; "
-                    "expected one of BF16, F16, F32, F64")
+  _load_fails(
+    path, f"{os.path.join(path, hf.SINGLE_FILE)}: tensor {name} has dtype U8; expected one of BF16, F16, F32, F64"
+  )

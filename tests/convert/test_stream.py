@@ -113,13 +113,15 @@ def test_orbax_checkpoint_converts_back_bit_for_bit(bf16, converted, tmp_path):
   assert mtp and set(back) - mtp == set(original)  # the MTP layer initialized on conversion is written too
   for name, value in original.items():
     np.testing.assert_array_equal(back[name], value, err_msg=name)
-  again = GlmMoeDsaForCausalLM.from_pretrained(str(tmp_path / "back"), dtype=torch.float32,
-                                               attn_implementation="eager").eval()
+  again = GlmMoeDsaForCausalLM.from_pretrained(
+    str(tmp_path / "back"), dtype=torch.float32, attn_implementation="eager"
+  ).eval()
   ids = token_ids(12, 1, 16, VOCAB)
   np.testing.assert_array_equal(hf_logits(again, ids), hf_logits(reference, ids))
 
 
 # ------------------------------------------------------------------------------------------------------ FP8
+
 
 def _quantize(w):
   """The release's block scheme, written here from its definition: scale_inv = amax(block) / 448, q = w / scale."""
@@ -128,16 +130,20 @@ def _quantize(w):
   q = np.zeros(w.shape, ml_dtypes.float8_e4m3fn)
   for i in range(rows):
     for j in range(cols):
-      blk = w[i * BLOCK[0]:(i + 1) * BLOCK[0], j * BLOCK[1]:(j + 1) * BLOCK[1]]
+      blk = w[i * BLOCK[0] : (i + 1) * BLOCK[0], j * BLOCK[1] : (j + 1) * BLOCK[1]]
       scale[i, j] = max(float(np.abs(blk).max()), 1e-12) / 448.0
-      q[i * BLOCK[0]:(i + 1) * BLOCK[0], j * BLOCK[1]:(j + 1) * BLOCK[1]] = (blk / scale[i, j]).astype(q.dtype)
+      q[i * BLOCK[0] : (i + 1) * BLOCK[0], j * BLOCK[1] : (j + 1) * BLOCK[1]] = (blk / scale[i, j]).astype(q.dtype)
   return q, scale
 
 
 def _is_quantized(name, w):
   """The release's quantized tensors: the layers' linear weights but the router's and weights_proj."""
-  return (w.ndim == 2 and (".self_attn." in name or ".mlp." in name) and "norm" not in name
-          and not name.endswith(("mlp.gate.weight", "weights_proj.weight")))
+  return (
+    w.ndim == 2
+    and (".self_attn." in name or ".mlp." in name)
+    and "norm" not in name
+    and not name.endswith(("mlp.gate.weight", "weights_proj.weight"))
+  )
 
 
 @pytest.fixture(scope="module")
@@ -146,8 +152,12 @@ def fp8_dir(bf16, tmp_path_factory):
   out = str(tmp_path_factory.mktemp("stream") / "fp8")
   os.makedirs(out)
   cfg = json.load(open(os.path.join(path, "config.json")))
-  cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                "weight_block_size": list(BLOCK)}
+  cfg["quantization_config"] = {
+    "quant_method": "fp8",
+    "fmt": "e4m3",
+    "activation_scheme": "dynamic",
+    "weight_block_size": list(BLOCK),
+  }
   json.dump(cfg, open(os.path.join(out, "config.json"), "w"))
   tensors = {}
   for name, w in all_tensors(path).items():
@@ -158,10 +168,13 @@ def fp8_dir(bf16, tmp_path_factory):
   names = sorted(tensors)  # two files and an index, as the release is laid out
   halves = {f"model-0000{i + 1}-of-00002.safetensors": names[i::2] for i in range(2)}
   for fname, part in halves.items():
-    safetensors_io.write(os.path.join(out, fname), [(n, tensors[n].dtype, tensors[n].shape) for n in part],
-                         tensors.__getitem__)
-  json.dump({"metadata": {}, "weight_map": {n: f for f, part in halves.items() for n in part}},
-            open(os.path.join(out, hf.INDEX_FILE), "w"))
+    safetensors_io.write(
+      os.path.join(out, fname), [(n, tensors[n].dtype, tensors[n].shape) for n in part], tensors.__getitem__
+    )
+  json.dump(
+    {"metadata": {}, "weight_map": {n: f for f, part in halves.items() for n in part}},
+    open(os.path.join(out, hf.INDEX_FILE), "w"),
+  )
   return out, tensors
 
 
@@ -177,11 +190,11 @@ def test_fp8_checkpoint_reads_as_the_dequantization_formula(bf16, fp8_dir):
   assert any(fp8.scale_shape(original[n].shape, BLOCK)[0] * BLOCK[0] > original[n].shape[0] for n in quantized)
   for name in quantized:
     q, s = stored[name].astype(np.float32), stored[name + "_scale_inv"]
-    plain = q * np.kron(s, np.ones(BLOCK, np.float32))[:q.shape[0], :q.shape[1]]
+    plain = q * np.kron(s, np.ones(BLOCK, np.float32))[: q.shape[0], : q.shape[1]]
     got = reader.get(name, np.float32)
     np.testing.assert_array_equal(got, plain, err_msg=name)
     # e4m3 keeps 3 mantissa bits: |w - deq| <= 2^-4 |w| for normal values, plus the subnormal step 2^-9 * scale
-    bound = np.abs(original[name]) * 2.0**-4 + np.kron(s, np.ones(BLOCK))[:q.shape[0], :q.shape[1]] * 2.0**-9
+    bound = np.abs(original[name]) * 2.0**-4 + np.kron(s, np.ones(BLOCK))[: q.shape[0], : q.shape[1]] * 2.0**-9
     assert np.all(np.abs(got - original[name]) <= bound), name
   for name in set(original) - set(quantized):  # unquantized tensors pass through
     np.testing.assert_array_equal(reader.get(name, np.float32), original[name], err_msg=name)
@@ -194,7 +207,8 @@ def test_fp8_checkpoint_converts_to_its_dequantized_weights(fp8_dir, tmp_path):
   stream.hf_to_orbax(out, str(tmp_path / "orbax"), config)
   _, params, rest = nnx.split(model, nnx.Param, ...)
   got_params, got_rest = Checkpointer(str(tmp_path / "orbax"), read_only=True).restore_weights(
-      0, *nnx.split(GlmMoeDsa(cfg, nnx.Rngs(5)), nnx.Param, ...)[1:])
+    0, *nnx.split(GlmMoeDsa(cfg, nnx.Rngs(5)), nnx.Param, ...)[1:]
+  )
   for want, got in ((params, got_params), (rest, got_rest)):
     for (p, a), (_, b) in zip(nnx.to_flat_state(want), nnx.to_flat_state(got)):
       if p[0] != "mtp":  # hf.load and the converter initialize the missing MTP layer alike; compared elsewhere
@@ -202,6 +216,7 @@ def test_fp8_checkpoint_converts_to_its_dequantized_weights(fp8_dir, tmp_path):
 
 
 # -------------------------------------------------------------------------------------------- 8 devices
+
 
 @pytest.mark.skipif(not MULTI_DEVICE, reason="needs 8 devices (the subprocess below)")
 def test_under_a_mesh_every_device_reads_exactly_its_slices(tmp_path, monkeypatch):
@@ -249,6 +264,7 @@ def test_mesh_loading_on_8_simulated_devices():
 
 # ---------------------------------------------------------------------------------------------- bad input
 
+
 def _listing(path):
   return sorted(os.listdir(path))
 
@@ -276,19 +292,22 @@ def test_truncated_missing_and_misshapen_tensors_are_named(bf16, tmp_path):
   trunc = tmp_path / "trunc"
   shutil.copytree(path, trunc)
   data = open(trunc / shard, "rb").read()
-  open(trunc / shard, "wb").write(data[:len(data) // 2])
+  open(trunc / shard, "wb").write(data[: len(data) // 2])
   cases[trunc] = re.escape(f"{trunc / shard}: cannot be read as safetensors (truncated or corrupt: ")
   tensors = all_tensors(path)
   name = "model.layers.1.self_attn.kv_b_proj.weight"
-  for kind, edit in (("missing", lambda t: t.pop(name)),
-                     ("shape", lambda t: t.update({name: np.zeros((3, 5), np.float32)}))):
+  for kind, edit in (
+    ("missing", lambda t: t.pop(name)),
+    ("shape", lambda t: t.update({name: np.zeros((3, 5), np.float32)})),
+  ):
     d = tmp_path / kind
     os.makedirs(d)
     shutil.copy(os.path.join(path, "config.json"), d)
     t = dict(tensors)
     edit(t)
-    safetensors_io.write(str(d / hf.SINGLE_FILE), [(n, np.dtype(np.float32), v.shape) for n, v in t.items()],
-                         t.__getitem__)
+    safetensors_io.write(
+      str(d / hf.SINGLE_FILE), [(n, np.dtype(np.float32), v.shape) for n, v in t.items()], t.__getitem__
+    )
     cases[d] = re.escape(f"{d}: {'missing tensor' if kind == 'missing' else 'tensor'} {name}")
   for d, message in cases.items():
     before = _listing(d)
@@ -304,8 +323,11 @@ def test_config_mesh_and_out_dir_errors(bf16, tmp_path):
     stream.hf_to_orbax(path, str(tmp_path / "out"), run_config(cfg.replace(hidden_size=32)))
   with pytest.raises(ValueError, match=r"mesh.*multiplies to 3, but there are 8 devices"):
     stream.hf_to_orbax(path, str(tmp_path / "out"), run_config(cfg, fsdp=3), devices=8)
-  with pytest.raises(ValueError, match=r"--config's mesh .*: parameter dense_layers/mlp/down_proj: dimension of size "
-                                       r"64 is sharded over mesh axis 'fsdp' of size 3, which does not divide it"):
+  with pytest.raises(
+    ValueError,
+    match=r"--config's mesh .*: parameter dense_layers/mlp/down_proj: dimension of size "
+    r"64 is sharded over mesh axis 'fsdp' of size 3, which does not divide it",
+  ):
     stream.hf_to_orbax(path, str(tmp_path / "out"), run_config(cfg, fsdp=3), devices=3)
   (tmp_path / "full").mkdir()
   (tmp_path / "full" / "keep.txt").write_text("mine")
@@ -338,12 +360,14 @@ def test_launch_convert_both_ways_without_a_config(bf16, tmp_path):
   import sys
 
   from tests.helpers import ROOT
+
   _, path = bf16
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
 
   def convert(*args):
-    proc = subprocess.run([sys.executable, "launch/convert.py", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run(
+      [sys.executable, "launch/convert.py", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
     return proc.returncode, proc.stdout, proc.stderr
 
   rc, out, err = convert(f"--hf_dir={path}", f"--out_dir={tmp_path / 'orbax'}")

@@ -16,6 +16,7 @@ def make_cfg(tmp_path):
     cfg.cache_dir = str(tmp_path / "cache")
     cfg.update(overrides)
     return cfg
+
   return make
 
 
@@ -25,12 +26,14 @@ def write_jsonl(tmp_path):
     path = tmp_path / name
     path.write_text("".join(json.dumps({field: d, "id": i}) + "\n" for i, d in enumerate(docs)))
     return str(path)
+
   return write
 
 
 @pytest.fixture
 def word_tokenizer(tmp_path):
   """A tokenizer.json splitting on whitespace, one id per word: ids 0..6 are SPECIAL_TOKENS, then `words`."""
+
   def make(words, name="words.json"):
     vocab = {tok: i for i, tok in enumerate(list(SPECIAL_TOKENS) + list(words))}
     backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token=SPECIAL_TOKENS[0]))
@@ -38,6 +41,7 @@ def word_tokenizer(tmp_path):
     path = tmp_path / name
     backend.save(str(path))
     return str(path)
+
   return make
 
 

@@ -133,6 +133,7 @@ def test_piece_lengths_always_fit_a_row():
 @pytest.fixture(scope="module")
 def glm_data(tmp_path_factory):
   from glm_jax.data import default_data_config
+
   cfg = default_data_config()
   cfg.cache_dir = str(tmp_path_factory.mktemp("cache"))
   cfg.seq_len, cfg.batch_size, cfg.objective = 128, 4, "glm"
@@ -148,9 +149,9 @@ def reconstruct(batch, row, seg, ids):
   start, end = idx[0], idx[-1] + 1
   pe = batch["prefix_end"][row, idx]
   assert (pe == pe[0]).all() and start < pe[0] < end
-  a = batch["input_ids"][row, start:pe[0]].tolist()
-  assert batch["positions"][row, start:pe[0]].tolist() == list(range(pe[0] - start))
-  assert not batch["loss_mask"][row, start:pe[0]].any() and not batch["block_positions"][row, start:pe[0]].any()
+  a = batch["input_ids"][row, start : pe[0]].tolist()
+  assert batch["positions"][row, start : pe[0]].tolist() == list(range(pe[0] - start))
+  assert not batch["loss_mask"][row, start : pe[0]].any() and not batch["block_positions"][row, start : pe[0]].any()
   spans = {}
   t = pe[0]
   while t < end:
@@ -162,7 +163,7 @@ def reconstruct(batch, row, seg, ids):
     assert (batch["positions"][row, t:u] == mask_pos).all()
     assert batch["block_positions"][row, t:u].tolist() == list(range(1, u - t + 1))
     assert a[mask_pos] in (ids["mask"], ids["smask"], ids["gmask"])
-    body = batch["input_ids"][row, t + 1:u].tolist()
+    body = batch["input_ids"][row, t + 1 : u].tolist()
     assert batch["targets"][row, t:u].tolist() == body + [ids["eop"]] and batch["loss_mask"][row, t:u].all()
     spans[mask_pos] = body
     t = u
@@ -182,16 +183,26 @@ def test_pipeline_samples_are_corrupted_pieces_of_documents(glm_data):
   kinds = set()
   for _ in range(8):  # ~32 samples: every kind occurs (a kind missing from all: < 0.7^32 = 1e-5)
     batch = next(it)
-    assert set(batch) == {"input_ids", "targets", "loss_mask", "segment_ids", "positions", "block_positions",
-                          "prefix_end"}
+    assert set(batch) == {
+      "input_ids",
+      "targets",
+      "loss_mask",
+      "segment_ids",
+      "positions",
+      "block_positions",
+      "prefix_end",
+    }
     assert all(v.shape == (4, 128) and v.dtype == np.int32 for v in batch.values())
     for row in range(4):
       segs = [s for s in np.unique(batch["segment_ids"][row]) if s > 0]
       for seg in segs:
         piece = np.asarray(reconstruct(batch, row, seg, ids), np.int32).tobytes()
         assert any(d.find(piece) % 4 == 0 for d in docs if piece in d)  # a contiguous run of one document
-        kinds |= {x for x in batch["input_ids"][row][batch["segment_ids"][row] == seg]
-                  if x in (ids["mask"], ids["smask"], ids["gmask"])}
+        kinds |= {
+          x
+          for x in batch["input_ids"][row][batch["segment_ids"][row] == seg]
+          if x in (ids["mask"], ids["smask"], ids["gmask"])
+        }
       pad = batch["segment_ids"][row] == 0
       assert (batch["input_ids"][row][pad] == tok.pad_id).all() and not batch["prefix_end"][row][pad].any()
   assert kinds == {ids["mask"], ids["smask"], ids["gmask"]}

@@ -2,8 +2,7 @@
 
 import pytest
 
-from glm_jax.data import (check_vocab, load_tokenizer, make_eval_batches, make_train_iterator, sources,
-                          unigram_entropy)
+from glm_jax.data import check_vocab, load_tokenizer, make_eval_batches, make_train_iterator, sources, unigram_entropy
 
 
 def test_missing_data_path(make_cfg, tmp_path):
@@ -25,13 +24,26 @@ def test_empty_corpus_names_the_source(make_cfg, write_jsonl, tmp_path):
     sources.load_documents(make_cfg(source="text", path=str(tmp_path / "blank.txt")))
 
 
-@pytest.mark.parametrize("field,value", [("seq_len", 1), ("batch_size", 0), ("eval_fraction", 1.0),
-                                         ("eval_fraction", -0.1), ("bpe_vocab_size", 100),
-                                         ("source", "parquet"), ("eval_batches", -1)])
+@pytest.mark.parametrize(
+  "field,value",
+  [
+    ("seq_len", 1),
+    ("batch_size", 0),
+    ("eval_fraction", 1.0),
+    ("eval_fraction", -0.1),
+    ("bpe_vocab_size", 100),
+    ("source", "parquet"),
+    ("eval_batches", -1),
+  ],
+)
 def test_bad_config_values(make_cfg, field, value):
   cfg = make_cfg(**{field: value})
-  for fn in (load_tokenizer, lambda c: make_train_iterator(c, None), lambda c: make_eval_batches(c, None),
-             lambda c: unigram_entropy(c, None)):
+  for fn in (
+    load_tokenizer,
+    lambda c: make_train_iterator(c, None),
+    lambda c: make_eval_batches(c, None),
+    lambda c: unigram_entropy(c, None),
+  ):
     with pytest.raises(ValueError, match=rf"data\.{field}={value!r}"):
       fn(cfg)
 

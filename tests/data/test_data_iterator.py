@@ -42,8 +42,9 @@ def test_same_config_same_batches_other_seed_other_batches(kjv):
   _assert_batches_equal(_take(make_train_iterator(cfg, tok), 10), _take(make_train_iterator(cfg, tok), 10))
   other = cfg.copy_and_resolve_references()
   other.shuffle_seed = cfg.shuffle_seed + 1
-  assert not np.array_equal(next(make_train_iterator(other, tok))["input_ids"],
-                            next(make_train_iterator(cfg, tok))["input_ids"])
+  assert not np.array_equal(
+    next(make_train_iterator(other, tok))["input_ids"], next(make_train_iterator(cfg, tok))["input_ids"]
+  )
 
 
 @pytest.fixture
@@ -52,8 +53,9 @@ def short_docs(make_cfg, write_jsonl, word_tokenizer):
   span rows, and epochs (25 tokens) wrap every few batches: every kind of packer state occurs."""
   words = [f"w{i}" for i in range(8)]
   docs = [" ".join(words[:n]) for n in (1, 3, 7, 2, 5)]
-  cfg = make_cfg(source="jsonl", path=write_jsonl(docs), tokenizer=word_tokenizer(words), seq_len=5,
-                 batch_size=2, eval_fraction=0.0)
+  cfg = make_cfg(
+    source="jsonl", path=write_jsonl(docs), tokenizer=word_tokenizer(words), seq_len=5, batch_size=2, eval_fraction=0.0
+  )
   return cfg, load_tokenizer(cfg)
 
 
@@ -69,11 +71,12 @@ def test_set_state_after_json_round_trip_resumes_exactly(corpus, request):
   for k, state in enumerate(states):
     resumed = make_train_iterator(cfg, tok)
     resumed.set_state(state)
-    _assert_batches_equal(_take(resumed, 3), batches[k:k + 3])
+    _assert_batches_equal(_take(resumed, 3), batches[k : k + 3])
   if corpus == "short_docs":
     # grain's packer state with no remainder, [-1, -1] after JSON: the case pipeline._JsonSafeState fixes.
-    assert any(s["remainder_slices"]["input_ids"] == [-1, -1] and s["elements_from_buffer_after_checkpoint"]
-               for s in states)
+    assert any(
+      s["remainder_slices"]["input_ids"] == [-1, -1] and s["elements_from_buffer_after_checkpoint"] for s in states
+    )
 
 
 def test_orbax_checkpoint_manager_round_trip(kjv, tmp_path):
@@ -82,8 +85,9 @@ def test_orbax_checkpoint_manager_round_trip(kjv, tmp_path):
   _take(it, 5)
   params = {"w": np.arange(6, dtype=np.float32)}
   with ocp.CheckpointManager(tmp_path / "ckpt") as mngr:
-    mngr.save(5, args=ocp.args.Composite(params=ocp.args.StandardSave(params),
-                                         data=grain.checkpoint.CheckpointSave(it)))
+    mngr.save(
+      5, args=ocp.args.Composite(params=ocp.args.StandardSave(params), data=grain.checkpoint.CheckpointSave(it))
+    )
     want = _take(it, 4)  # the original moves on while the (async) save completes
     mngr.wait_until_finished()
   assert (tmp_path / "ckpt" / "5" / "data" / "process_0-of-1.json").exists()
@@ -91,8 +95,10 @@ def test_orbax_checkpoint_manager_round_trip(kjv, tmp_path):
   fresh = make_train_iterator(cfg, tok)
   with ocp.CheckpointManager(tmp_path / "ckpt") as mngr:
     assert mngr.latest_step() == 5
-    restored = mngr.restore(5, args=ocp.args.Composite(params=ocp.args.StandardRestore(params),
-                                                       data=grain.checkpoint.CheckpointRestore(fresh)))
+    restored = mngr.restore(
+      5,
+      args=ocp.args.Composite(params=ocp.args.StandardRestore(params), data=grain.checkpoint.CheckpointRestore(fresh)),
+    )
   np.testing.assert_array_equal(restored.params["w"], params["w"])
   assert restored.data is fresh
   _assert_batches_equal(_take(fresh, 4), want)
@@ -122,5 +128,4 @@ def test_eval_batches_are_the_held_out_documents_in_order(kjv):
   _assert_batches_equal(make_eval_batches(cfg, tok), batches[:2])
   halves = [make_eval_batches(cfg, tok, process_index=p, process_count=2) for p in (0, 1)]
   for step in range(2):
-    np.testing.assert_array_equal(np.concatenate([h[step]["input_ids"] for h in halves]),
-                                  batches[step]["input_ids"])
+    np.testing.assert_array_equal(np.concatenate([h[step]["input_ids"] for h in halves]), batches[step]["input_ids"])

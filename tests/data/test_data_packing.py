@@ -17,26 +17,34 @@ def test_pack_hand_computed_rows_split_documents_and_padding():
   ids = np.concatenate([b["input_ids"] for b in batches])
   seg = np.concatenate([b["segment_ids"] for b in batches])
   pos = np.concatenate([b["positions"] for b in batches])
-  np.testing.assert_array_equal(ids, [
+  np.testing.assert_array_equal(
+    ids,
+    [
       [10, 11, 12, 13, 14, 20, 21, 22],
-      [30, 31, 32, 33, 34, 35, 36, 37],   # the 9-token document fills a row ...
-      [38, 40, 41, 99, 99, 99, 99, 99],   # ... and its last token opens the next one
-      [99] * 8])                          # the final batch is completed with a padding row
-  np.testing.assert_array_equal(seg, [
-      [1, 1, 1, 1, 1, 2, 2, 2],
-      [1] * 8,
-      [1, 2, 2, 0, 0, 0, 0, 0],
-      [0] * 8])
-  np.testing.assert_array_equal(pos, [
+      [30, 31, 32, 33, 34, 35, 36, 37],  # the 9-token document fills a row ...
+      [38, 40, 41, 99, 99, 99, 99, 99],  # ... and its last token opens the next one
+      [99] * 8,
+    ],
+  )  # the final batch is completed with a padding row
+  np.testing.assert_array_equal(seg, [[1, 1, 1, 1, 1, 2, 2, 2], [1] * 8, [1, 2, 2, 0, 0, 0, 0, 0], [0] * 8])
+  np.testing.assert_array_equal(
+    pos,
+    [
       [0, 1, 2, 3, 4, 0, 1, 2],
       [0, 1, 2, 3, 4, 5, 6, 7],
-      [0, 0, 1, 0, 0, 0, 0, 0],           # the piece of a split document restarts at position 0
-      [0] * 8])
-  np.testing.assert_array_equal(np.concatenate([b["loss_mask"] for b in batches]), [
-      [1] * 8,                            # format "lm": every real token counts ...
+      [0, 0, 1, 0, 0, 0, 0, 0],  # the piece of a split document restarts at position 0
+      [0] * 8,
+    ],
+  )
+  np.testing.assert_array_equal(
+    np.concatenate([b["loss_mask"] for b in batches]),
+    [
+      [1] * 8,  # format "lm": every real token counts ...
       [1] * 8,
-      [1, 1, 1, 0, 0, 0, 0, 0],           # ... the padding does not
-      [0] * 8])
+      [1, 1, 1, 0, 0, 0, 0, 0],  # ... the padding does not
+      [0] * 8,
+    ],
+  )
   for b in batches:
     assert b.keys() == {"input_ids", "segment_ids", "positions", "loss_mask"}
     assert all(v.dtype == np.int32 and v.shape == (2, 8) for v in b.values())
@@ -47,8 +55,14 @@ def test_train_iterator_hand_computed_segments(make_cfg, write_jsonl, word_token
   # tokens [6r, 6r + 6), so a document boundary falls after 4 tokens in even rows and after 2 in odd rows.
   words = ["a", "b", "c"]
   tok_path = word_tokenizer(words)
-  cfg = make_cfg(source="jsonl", path=write_jsonl(["a b c", "b c a", "c a b"]), tokenizer=tok_path,
-                 seq_len=6, batch_size=2, eval_fraction=0.0)
+  cfg = make_cfg(
+    source="jsonl",
+    path=write_jsonl(["a b c", "b c a", "c a b"]),
+    tokenizer=tok_path,
+    seq_len=6,
+    batch_size=2,
+    eval_fraction=0.0,
+  )
   tok = load_tokenizer(cfg)
   it = make_train_iterator(cfg, tok)
   batches = [next(it) for _ in range(3)]
@@ -59,7 +73,7 @@ def test_train_iterator_hand_computed_segments(make_cfg, write_jsonl, word_token
     np.testing.assert_array_equal(eos, [[0, 0, 0, 1, 0, 0], [0, 1, 0, 0, 0, 1]])
   # The first 12 tokens (one epoch) are the three documents, each once.
   stream = np.concatenate([b["input_ids"].ravel() for b in batches])
-  firsts = sorted(tuple(stream[i:i + 3]) for i in range(0, 12, 4))
+  firsts = sorted(tuple(stream[i : i + 3]) for i in range(0, 12, 4))
   want = sorted(tuple(tok.encode(d)) for d in ["a b c", "b c a", "c a b"])
   assert firsts == want
 
@@ -97,7 +111,7 @@ def test_every_training_token_once_per_epoch_on_embedded_corpus(kjv):
   assert (seg > 0).all() and not (ids == tok.pad_id).any()  # training rows carry no padding
 
   stream = ids.ravel()
-  epochs = [stream[:n_epoch], stream[n_epoch:2 * n_epoch]]
+  epochs = [stream[:n_epoch], stream[n_epoch : 2 * n_epoch]]
   for epoch in epochs:
     np.testing.assert_array_equal(np.bincount(epoch, minlength=tok.vocab_size), want_counts)
     # ... and as whole documents: split at eos, the epoch is a permutation of the training documents.

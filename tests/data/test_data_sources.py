@@ -17,8 +17,7 @@ def test_jsonl_reads_the_named_field_and_drops_empty_documents(make_cfg, write_j
   # Two files through a glob, in sorted order; blank lines are skipped.
   (tmp_path / "b.jsonl").write_text(json.dumps({"text": "from b"}) + "\n\n")
   (tmp_path / "a.jsonl").write_text(json.dumps({"text": "from a"}) + "\n")
-  assert sources.load_documents(make_cfg(source="jsonl", path=str(tmp_path / "[ab].jsonl"))) == [
-      "from a", "from b"]
+  assert sources.load_documents(make_cfg(source="jsonl", path=str(tmp_path / "[ab].jsonl"))) == ["from a", "from b"]
 
 
 def test_text_one_document_per_file_from_a_directory(make_cfg, tmp_path):
@@ -31,8 +30,7 @@ def test_text_one_document_per_file_from_a_directory(make_cfg, tmp_path):
   (root / "empty.txt").write_text("\n \n")
   got = sources.load_documents(make_cfg(source="text", path=str(root)))
   assert got == ["ay\n\nstill ay\n", "bee\n", "sea"]  # sorted by path: a.txt, b.txt, (empty dropped), sub/c.md
-  assert sources.load_documents(make_cfg(source="text", path=str(root / "*.txt"))) == [
-      "ay\n\nstill ay\n", "bee\n"]
+  assert sources.load_documents(make_cfg(source="text", path=str(root / "*.txt"))) == ["ay\n\nstill ay\n", "bee\n"]
 
 
 def test_text_one_document_per_paragraph(make_cfg, tmp_path):

@@ -15,8 +15,7 @@ def test_round_trip_on_the_whole_corpus_and_odd_strings(kjv):
   cfg, tok = kjv
   tc = tokenized.tokenize_corpus(cfg, tok)
   docs = sources.load_corpus(cfg).docs
-  decoded = tok.backend.decode_batch([tc.doc(d)[:-1].tolist() for d in range(len(docs))],
-                                     skip_special_tokens=False)
+  decoded = tok.backend.decode_batch([tc.doc(d)[:-1].tolist() for d in range(len(docs))], skip_special_tokens=False)
   assert decoded == docs
   assert all(tc.doc(d)[-1] == tok.eos_id for d in range(len(docs)))
   for s in ["", " leading space", "tabs\tand\r\nCRLF", "naïve — 日本語 😀", "[MASK] <|endoftext|> <sop>"]:
@@ -59,8 +58,9 @@ def test_user_tokenizer_json_keeps_its_ids_and_gains_missing_specials(make_cfg, 
   vocab = {"hello": 0, "world": 1, "<unk>": 2}
   backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
   backend.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
-  backend.add_special_tokens([tokenizers.AddedToken(name, special=True)
-                              for name in ["<|endoftext|>", "[MASK]", "[gMASK]", "<sop>", "<eop>"]])
+  backend.add_special_tokens(
+    [tokenizers.AddedToken(name, special=True) for name in ["<|endoftext|>", "[MASK]", "[gMASK]", "<sop>", "<eop>"]]
+  )
   path = tmp_path / "tokenizer.json"
   backend.save(str(path))
   tok = load_tokenizer(make_cfg(tokenizer=str(path)))
@@ -81,8 +81,9 @@ def test_check_vocab_names_both_sizes(kjv):
 
 def test_unigram_entropy_hand_computed(make_cfg, write_jsonl, word_tokenizer):
   # Tokens: [a a b eos] [a eos] -> counts a 3, b 1, eos 2 of 6.
-  cfg = make_cfg(source="jsonl", path=write_jsonl(["a a b", "a"]), tokenizer=word_tokenizer(["a", "b"]),
-                 eval_fraction=0.0)
+  cfg = make_cfg(
+    source="jsonl", path=write_jsonl(["a a b", "a"]), tokenizer=word_tokenizer(["a", "b"]), eval_fraction=0.0
+  )
   want = -(0.5 * math.log(0.5) + (1 / 6) * math.log(1 / 6) + (1 / 3) * math.log(1 / 3))
   assert unigram_entropy(cfg, load_tokenizer(cfg)) == pytest.approx(want, rel=1e-12)
 

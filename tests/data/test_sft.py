@@ -9,8 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from glm_jax.data import (load_tokenizer, make_eval_batches, make_train_iterator, sources, tokenized,
-                          unigram_entropy)
+from glm_jax.data import load_tokenizer, make_eval_batches, make_train_iterator, sources, tokenized, unigram_entropy
 from glm_jax.data import tokenizer as tokenizer_lib
 from glm_jax.data.pipeline import packed_examples_dataset
 
@@ -27,17 +26,21 @@ def write_sft(tmp_path):
     path = tmp_path / name
     path.write_text("".join(json.dumps({prompt: p, response: r}) + "\n" for p, r in examples))
     return str(path)
+
   return write
 
 
 @pytest.fixture
 def sft_cfg(make_cfg, write_sft, word_tokenizer):
   """make(examples, **overrides) -> (config, tokenizer) of format "sft" from a jsonl, with the word tokenizer."""
+
   def make(examples, **overrides):
-    cfg = make_cfg(format="sft", source="jsonl", path=write_sft(examples), tokenizer=word_tokenizer(WORDS),
-                   eval_fraction=0.0)
+    cfg = make_cfg(
+      format="sft", source="jsonl", path=write_sft(examples), tokenizer=word_tokenizer(WORDS), eval_fraction=0.0
+    )
     cfg.update(overrides)
     return cfg, load_tokenizer(cfg)
+
   return make
 
 
@@ -69,32 +72,35 @@ def test_first_fit_packing_hand_computed_rows():
   # fills row 1; E4 fits nowhere -> rows 0 and 1 are batch 1, and E4 opens batch 2 with E5 beside it. The
   # stream ends there: batch 2 is that row and a padding row.
   lengths, prompts = [5, 6, 3, 2, 4, 3], [2, 3, 1, 0, 3, 1]
-  examples = [{"input_ids": np.arange(10 * (i + 1), 10 * (i + 1) + n, dtype=np.int32),
-               "loss_mask": (np.arange(n) >= p).astype(np.int32)} for i, (n, p) in enumerate(zip(lengths, prompts))]
-  batches = list(packed_examples_dataset(examples, seq_len=8, batch_size=2, pad_id=99, shuffle_seed=None,
-                                         repeat=False))
+  examples = [
+    {
+      "input_ids": np.arange(10 * (i + 1), 10 * (i + 1) + n, dtype=np.int32),
+      "loss_mask": (np.arange(n) >= p).astype(np.int32),
+    }
+    for i, (n, p) in enumerate(zip(lengths, prompts))
+  ]
+  batches = list(packed_examples_dataset(examples, seq_len=8, batch_size=2, pad_id=99, shuffle_seed=None, repeat=False))
   assert len(batches) == 2
   cat = {k: np.concatenate([b[k] for b in batches]) for k in KEYS}
-  np.testing.assert_array_equal(cat["input_ids"], [
-      [10, 11, 12, 13, 14, 30, 31, 32],
-      [20, 21, 22, 23, 24, 25, 40, 41],
-      [50, 51, 52, 53, 60, 61, 62, 99],
-      [99] * 8])
-  np.testing.assert_array_equal(cat["segment_ids"], [
-      [1, 1, 1, 1, 1, 2, 2, 2],
-      [1, 1, 1, 1, 1, 1, 2, 2],
-      [1, 1, 1, 1, 2, 2, 2, 0],
-      [0] * 8])
-  np.testing.assert_array_equal(cat["positions"], [
-      [0, 1, 2, 3, 4, 0, 1, 2],
-      [0, 1, 2, 3, 4, 5, 0, 1],
-      [0, 1, 2, 3, 0, 1, 2, 0],
-      [0] * 8])
-  np.testing.assert_array_equal(cat["loss_mask"], [
+  np.testing.assert_array_equal(
+    cat["input_ids"],
+    [[10, 11, 12, 13, 14, 30, 31, 32], [20, 21, 22, 23, 24, 25, 40, 41], [50, 51, 52, 53, 60, 61, 62, 99], [99] * 8],
+  )
+  np.testing.assert_array_equal(
+    cat["segment_ids"], [[1, 1, 1, 1, 1, 2, 2, 2], [1, 1, 1, 1, 1, 1, 2, 2], [1, 1, 1, 1, 2, 2, 2, 0], [0] * 8]
+  )
+  np.testing.assert_array_equal(
+    cat["positions"], [[0, 1, 2, 3, 4, 0, 1, 2], [0, 1, 2, 3, 4, 5, 0, 1], [0, 1, 2, 3, 0, 1, 2, 0], [0] * 8]
+  )
+  np.testing.assert_array_equal(
+    cat["loss_mask"],
+    [
       [0, 0, 1, 1, 1, 0, 1, 1],
-      [0, 0, 0, 1, 1, 1, 1, 1],   # E3's prompt is empty: all of it counts
+      [0, 0, 0, 1, 1, 1, 1, 1],  # E3's prompt is empty: all of it counts
       [0, 0, 0, 1, 0, 1, 1, 0],
-      [0] * 8])
+      [0] * 8,
+    ],
+  )
   for b in batches:
     assert b.keys() == KEYS and all(v.dtype == np.int32 and v.shape == (2, 8) for v in b.values())
 
@@ -105,8 +111,11 @@ def test_jsonl_examples_tokens_and_train_rows_hand_computed(sft_cfg):
   cfg, tok = sft_cfg(examples, seq_len=8, batch_size=2)
   te = tokenized.tokenize_examples(cfg, tok)
   w = ID
-  want = [[w["what"], w["is"], w["one"], EOS], [w["is"], w["what"], w["two"], EOS],
-          [w["what"], w["what"], w["three"], EOS]]
+  want = [
+    [w["what"], w["is"], w["one"], EOS],
+    [w["is"], w["what"], w["two"], EOS],
+    [w["what"], w["what"], w["three"], EOS],
+  ]
   np.testing.assert_array_equal(te.tokens, sum(want, []))
   np.testing.assert_array_equal(te.offsets, [0, 4, 8, 12])
   np.testing.assert_array_equal(te.prompt_lens, [2, 2, 2])
@@ -129,27 +138,39 @@ def test_long_example_is_truncated_and_logged(sft_cfg, caplog):
   with caplog.at_level(logging.WARNING):
     batch = next(make_train_iterator(cfg, tok))
   w = ID
-  np.testing.assert_array_equal(batch["input_ids"], [[w["what"], w["is"], w["one"], w["two"], w["three"],
-                                                      w["four"]]] * 2)
+  np.testing.assert_array_equal(
+    batch["input_ids"], [[w["what"], w["is"], w["one"], w["two"], w["three"], w["four"]]] * 2
+  )
   np.testing.assert_array_equal(batch["segment_ids"], [[1] * 6] * 2)
   np.testing.assert_array_equal(batch["positions"], [[0, 1, 2, 3, 4, 5]] * 2)
   np.testing.assert_array_equal(batch["loss_mask"], [[0, 0, 1, 1, 1, 1]] * 2)
   msgs = [r.getMessage() for r in caplog.records if "longer than data.seq_len" in r.getMessage()]
-  assert msgs == ["1 of 1 training examples are longer than data.seq_len=6 tokens (the longest has 10) and are "
-                  "cut to their first 6 tokens"]
+  assert msgs == [
+    "1 of 1 training examples are longer than data.seq_len=6 tokens (the longest has 10) and are "
+    "cut to their first 6 tokens"
+  ]
 
 
 def test_jsonl_bad_lines_name_file_line_and_field(make_cfg, tmp_path):
   good = json.dumps({"prompt": "p", "response": "r"})
   cases = [
-      ([good, "", json.dumps({"prompt": "p"})], r"data\.response_field='response': .*bad\.jsonl:3 has no such field "
-       r"\(keys: \['prompt'\]\)"),
-      ([good, json.dumps({"prompt": 7, "response": "r"})], r"data\.prompt_field='prompt': .*bad\.jsonl:2 holds a int, "
-       r"expected a string"),
-      ([json.dumps({"prompt": "p", "response": None})], r"data\.response_field='response': .*bad\.jsonl:1 holds a "
-       r"NoneType"),
-      ([good, json.dumps(["p", "r"])], r"data\.prompt_field='prompt': .*bad\.jsonl:2 has no such field \(keys: list\)"),
-      ([good, "{not json"], r"data\.path: .*bad\.jsonl:2 is not valid JSON"),
+    (
+      [good, "", json.dumps({"prompt": "p"})],
+      r"data\.response_field='response': .*bad\.jsonl:3 has no such field "
+      r"\(keys: \['prompt'\]\)",
+    ),
+    (
+      [good, json.dumps({"prompt": 7, "response": "r"})],
+      r"data\.prompt_field='prompt': .*bad\.jsonl:2 holds a int, "
+      r"expected a string",
+    ),
+    (
+      [json.dumps({"prompt": "p", "response": None})],
+      r"data\.response_field='response': .*bad\.jsonl:1 holds a "
+      r"NoneType",
+    ),
+    ([good, json.dumps(["p", "r"])], r"data\.prompt_field='prompt': .*bad\.jsonl:2 has no such field \(keys: list\)"),
+    ([good, "{not json"], r"data\.path: .*bad\.jsonl:2 is not valid JSON"),
   ]
   for lines, match in cases:
     path = tmp_path / "bad.jsonl"
@@ -160,29 +181,52 @@ def test_jsonl_bad_lines_name_file_line_and_field(make_cfg, tmp_path):
   path = tmp_path / "qa.jsonl"
   path.write_text(json.dumps({"question": "q", "reply": "a"}) + "\n" + json.dumps({"question": "q"}) + "\n")
   with pytest.raises(ValueError, match=r"data\.response_field='answer': .*qa\.jsonl:1 has no such field"):
-    sources.load_examples(make_cfg(format="sft", source="jsonl", path=str(path), prompt_field="question",
-                                   response_field="answer", eval_fraction=0.0))
+    sources.load_examples(
+      make_cfg(
+        format="sft",
+        source="jsonl",
+        path=str(path),
+        prompt_field="question",
+        response_field="answer",
+        eval_fraction=0.0,
+      )
+    )
   with pytest.raises(ValueError, match=r"data\.response_field='reply': .*qa\.jsonl:2 has no such field"):
-    sources.load_examples(make_cfg(format="sft", source="jsonl", path=str(path), prompt_field="question",
-                                   response_field="reply", eval_fraction=0.0))
+    sources.load_examples(
+      make_cfg(
+        format="sft", source="jsonl", path=str(path), prompt_field="question", response_field="reply", eval_fraction=0.0
+      )
+    )
   (tmp_path / "empty.jsonl").write_text("\n\n")
   with pytest.raises(ValueError, match=r"empty corpus: data\.source='jsonl' .* has no examples"):
     sources.load_examples(make_cfg(format="sft", source="jsonl", path=str(tmp_path / "empty.jsonl")))
 
 
-@pytest.mark.parametrize("overrides,match", [
+@pytest.mark.parametrize(
+  "overrides,match",
+  [
     (dict(format="chat"), r"data\.format='chat': expected one of \('lm', 'sft'\)"),
     (dict(format="sft", source="text"), r"data\.format='sft' with data\.source='text': .* \('embedded', 'jsonl'\)"),
-    (dict(format="sft", source="arrayrecord"), r"data\.format='sft' with data\.source='arrayrecord': .* "
-     r"\('embedded', 'jsonl'\)"),
+    (
+      dict(format="sft", source="arrayrecord"),
+      r"data\.format='sft' with data\.source='arrayrecord': .* "
+      r"\('embedded', 'jsonl'\)",
+    ),
     (dict(format="sft", source="jsonl", prompt_field=""), r"data\.prompt_field='': name the jsonl field"),
-    (dict(format="sft", source="jsonl", prompt_field="x", response_field="x"),
-     r"data\.prompt_field='x' and data\.response_field='x' name the same field"),
-])
+    (
+      dict(format="sft", source="jsonl", prompt_field="x", response_field="x"),
+      r"data\.prompt_field='x' and data\.response_field='x' name the same field",
+    ),
+  ],
+)
 def test_bad_format_and_source_refused_before_any_work(make_cfg, overrides, match):
   cfg = make_cfg(path="/nonexistent.jsonl", **overrides)
-  for fn in (load_tokenizer, lambda c: make_train_iterator(c, None), lambda c: make_eval_batches(c, None),
-             lambda c: unigram_entropy(c, None)):
+  for fn in (
+    load_tokenizer,
+    lambda c: make_train_iterator(c, None),
+    lambda c: make_eval_batches(c, None),
+    lambda c: unigram_entropy(c, None),
+  ):
     with pytest.raises(ValueError, match=match):
       fn(cfg)
 
@@ -200,8 +244,9 @@ def test_embedded_examples_are_the_verses():
   # ... also across a chapter ("6:30-7:1"); a verse's second paragraph follows after a space.
   assert by_prompt["Exodus 6:30\n"].endswith("how shall Pharaoh hearken unto me?")
   assert by_prompt["Exodus 7:1\n"].startswith("And the LORD said unto Moses, See, I have made thee a god")
-  assert by_prompt["Revelation 22:20\n"] == ("He which testifieth these things saith, Surely I come quickly. Amen. "
-                                            "Even so, come, Lord Jesus.")
+  assert by_prompt["Revelation 22:20\n"] == (
+    "He which testifieth these things saith, Surely I come quickly. Amen. Even so, come, Lord Jesus."
+  )
   assert pairs[-1] == ("Revelation 22:21\n", "The grace of our Lord Jesus Christ be with you all. Amen.")
   assert not any(any(c.isdigit() for c in r) for _, r in pairs)  # no verse number left in a response
 
@@ -222,8 +267,8 @@ def test_embedded_sft_batches_hold_whole_verses_with_their_masks(kjv_sft):
   assert len(ex.eval_idx) == round(cfg.eval_fraction * 31_102)
   enc, keys = {}, []  # (the example's ids, cut to seq_len) -> its loss mask
   for ids_p, ids_r in zip(tok.encode_batch(ex.prompts), tok.encode_batch(ex.responses)):
-    keys.append(tuple((ids_p + ids_r + [tok.eos_id])[:cfg.seq_len]))
-    enc[keys[-1]] = tuple(([0] * len(ids_p) + [1] * (len(ids_r) + 1))[:cfg.seq_len])
+    keys.append(tuple((ids_p + ids_r + [tok.eos_id])[: cfg.seq_len]))
+    enc[keys[-1]] = tuple(([0] * len(ids_p) + [1] * (len(ids_r) + 1))[: cfg.seq_len])
   assert len(enc) == len(keys)
   held = {keys[i] for i in ex.eval_idx}
 
@@ -245,12 +290,17 @@ def test_embedded_sft_batches_hold_whole_verses_with_their_masks(kjv_sft):
 
 def test_held_out_examples_in_corpus_order_and_padding(sft_cfg):
   # 40 distinct examples of 3 to 7 response words; 10 held out by hash. seq_len 16 fits every one (<= 9 tokens).
-  examples = [(WORDS[i % 2], " ".join(WORDS[2:3 + i % 5] + [WORDS[i // 10], WORDS[i % 10]])) for i in range(40)]
+  examples = [(WORDS[i % 2], " ".join(WORDS[2 : 3 + i % 5] + [WORDS[i // 10], WORDS[i % 10]])) for i in range(40)]
   cfg, tok = sft_cfg(examples, seq_len=16, batch_size=4, eval_fraction=0.25, eval_batches=100)
   ex = sources.load_examples(cfg)
   assert len(ex.eval_idx) == 10 and set(ex.eval_idx).isdisjoint(ex.train_idx)
-  want = [(tuple(tok.encode(examples[i][0]) + tok.encode(examples[i][1]) + [EOS]),
-           tuple([0] + [1] * (len(examples[i][1].split()) + 1))) for i in ex.eval_idx]
+  want = [
+    (
+      tuple(tok.encode(examples[i][0]) + tok.encode(examples[i][1]) + [EOS]),
+      tuple([0] + [1] * (len(examples[i][1].split()) + 1)),
+    )
+    for i in ex.eval_idx
+  ]
   batches = make_eval_batches(cfg, tok)
   got = _segments(batches)
   assert sorted(got) == sorted(want)
@@ -264,17 +314,23 @@ def test_held_out_examples_in_corpus_order_and_padding(sft_cfg):
   # No held-out example in training.
   train = _segments(_take(make_train_iterator(cfg, tok), 10))
   assert not set(train) & set(want) and set(train) <= {
-      (tuple(tok.encode(p) + tok.encode(r) + [EOS]), tuple([0] + [1] * (len(r.split()) + 1)))
-      for p, r in examples}
+    (tuple(tok.encode(p) + tok.encode(r) + [EOS]), tuple([0] + [1] * (len(r.split()) + 1))) for p, r in examples
+  }
 
 
 @pytest.fixture
 def varied(sft_cfg):
   """Seven examples of 3 to 9 tokens, seq_len 8 (one is truncated), 2 rows a batch: rows close with and without
   room left, and epochs wrap inside packing rounds."""
-  examples = [("what", "one"), ("what is", "one two three four five"), ("is", "two three"),
-              ("what is is", "four five six seven eight"), ("is is", "six"), ("what", "seven eight"),
-              ("is", "one two three four")]
+  examples = [
+    ("what", "one"),
+    ("what is", "one two three four five"),
+    ("is", "two three"),
+    ("what is is", "four five six seven eight"),
+    ("is is", "six"),
+    ("what", "seven eight"),
+    ("is", "one two three four"),
+  ]
   return sft_cfg(examples, seq_len=8, batch_size=2)
 
 
@@ -299,7 +355,7 @@ def test_set_state_after_json_round_trip_resumes_exactly(corpus, request):
   for k, state in enumerate(states):
     resumed = make_train_iterator(cfg, tok)
     resumed.set_state(state)
-    _assert_batches_equal(_take(resumed, 3), batches[k:k + 3])
+    _assert_batches_equal(_take(resumed, 3), batches[k : k + 3])
 
 
 def test_process_shards_are_slices_of_the_global_batch(varied):

@@ -20,8 +20,9 @@ pytestmark = pytest.mark.skipif(not libtpu_installed(), reason=f"libtpu is not i
 
 
 def compile_decode(*args: str, timeout: int = 600) -> tuple[int, dict | None, str]:
-  proc = subprocess.run([sys.executable, "launch/compile.py", "--decode", *args], cwd=ROOT, capture_output=True,
-                        text=True, timeout=timeout)
+  proc = subprocess.run(
+    [sys.executable, "launch/compile.py", "--decode", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+  )
   lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
   return proc.returncode, json.loads(lines[-1]) if lines else None, proc.stderr
 
@@ -31,9 +32,16 @@ def test_tiny_decode_on_a_v5p_slice_holds_its_hand_counted_bytes():
   """glm5_tiny (fp32 weights) on 4 v5p chips with expert=4: the routed experts are split 4 ways, every other weight is
   whole on each chip; the cache's 8 rows 2 a chip, for the 3 decoder layers and, speculating, the MTP layer."""
   b, s = 8, 64
-  rc, report, err = compile_decode("--config=configs/glm5_tiny.py", "--topology=v5p:2x2x1", f"--batch_size={b}",
-                                   f"--cache_len={s}", "--prefill_len=16", "--config.mesh.expert=4", "--speculate=2",
-                                   timeout=300)
+  rc, report, err = compile_decode(
+    "--config=configs/glm5_tiny.py",
+    "--topology=v5p:2x2x1",
+    f"--batch_size={b}",
+    f"--cache_len={s}",
+    "--prefill_len=16",
+    "--config.mesh.expert=4",
+    "--speculate=2",
+    timeout=300,
+  )
   assert rc == 0 and report is not None, err[-3000:]
   cfg = ModelConfig.from_dict(glm5_tiny.get_config().model)
   assert report["mesh"]["expert"] == 4 and report["mesh"]["fsdp"] == 1 and report["fits"]
@@ -59,26 +67,36 @@ def test_tiny_decode_on_a_v5p_slice_holds_its_hand_counted_bytes():
 
 
 @pytest.mark.slow  # a launch/compile.py process each
-@pytest.mark.parametrize("args, message", [
+@pytest.mark.parametrize(
+  "args, message",
+  [
     (["--cache_len=4096"], "--cache_len=4096 exceeds model.max_position_embeddings=2048"),
     (["--batch_size=6", "--config.mesh.expert=4"], "a batch of 6 rows; the mesh's batch axes {'expert': 4} split"),
     (["--prefill_len=100"], "--prefill_len=100; in [0, cache_len=64]"),
     (["--config.mesh.tensor=8", "--topology=v5p:2x2x2"], "mesh.tensor=8 does not divide model.num_attention_heads=4"),
     (["--speculate=-1"], "--speculate=-1: the drafted tokens a round must be an integer >= 1"),
     (["--speculate=2", "--config.model.num_nextn_predict_layers=0"], "model.num_nextn_predict_layers=0"),
-])
+  ],
+)
 def test_bad_sizes_are_named_before_compiling(args, message):
   defaults = {"--topology": "v5p:2x2x1", "--cache_len": "64"}
   given = {a.split("=")[0] for a in args}
-  rc, report, err = compile_decode("--config=configs/glm5_tiny.py", *args,
-                                   *(f"{k}={v}" for k, v in defaults.items() if k not in given), timeout=120)
+  rc, report, err = compile_decode(
+    "--config=configs/glm5_tiny.py", *args, *(f"{k}={v}" for k, v in defaults.items() if k not in given), timeout=120
+  )
   assert rc == 2 and report is None
   assert message in err
 
 
 @pytest.mark.slow  # the 744B decode step and prefill compiled for 64 chips
 def test_glm5_744b_decode_fits_a_v5p_slice():
-  rc, report, err = compile_decode("--config=configs/glm5_744b.py", "--topology=v5p:4x4x4", "--batch_size=64",
-                                   "--cache_len=32768", "--prefill_len=1024", "--config.mesh.expert=64")
+  rc, report, err = compile_decode(
+    "--config=configs/glm5_744b.py",
+    "--topology=v5p:4x4x4",
+    "--batch_size=64",
+    "--cache_len=32768",
+    "--prefill_len=1024",
+    "--config.mesh.expert=64",
+  )
   assert rc == 0 and report is not None and report["fits"], err[-3000:]
   assert report["weights_dtype"] == "bfloat16" and report["dsa_selects"]

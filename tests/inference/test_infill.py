@@ -29,10 +29,14 @@ def test_infill_prompt_layout_by_hand():
     infill_prompt(context, [[20], [21]], SPECIAL)
 
 
-@pytest.mark.parametrize("context, filled", [
+@pytest.mark.parametrize(
+  "context, filled",
+  [
     ([7, 8, 9, 10, 11, 12, 13, 14, 3], []),  # continue after [gMASK]
     pytest.param([7, 2, 9, 10, 11, 2, 13, 14], [[15, 16, 17]], marks=pytest.mark.slow),  # the second [MASK]
-], ids=["gmask", "mask"])
+  ],
+  ids=["gmask", "mask"],
+)
 def test_cached_infilling_equals_the_full_forward(context, filled):
   cfg = tiny(index_topk=6, rope_2d=True, num_nextn_predict_layers=0)  # DSA selects past 6 keys
   model = GlmMoeDsa(cfg, nnx.Rngs(0))
@@ -40,16 +44,22 @@ def test_cached_infilling_equals_the_full_forward(context, filled):
   tokens, positions, blocks, prefix = infill_prompt(context, filled, SPECIAL)
   new = 8
   out = Sampler(graphdef, cfg, SamplingParams(max_new_tokens=new, temperature=0.0), return_logits=True)(
-      params, rest, [tokens], jax.random.key(0), positions=[positions], block_positions=[blocks], prefix_lens=[prefix])
+    params, rest, [tokens], jax.random.key(0), positions=[positions], block_positions=[blocks], prefix_lens=[prefix]
+  )
   p, n = len(tokens), int(out.lengths[0])
   assert n == p + new
   generated = np.asarray(out.tokens[0, p:n])
   # The oracle's layout: every generated token continues the blank (the mask's position, block positions on).
   full_pos = positions + [positions[-1]] * new
   full_blocks = blocks + list(range(blocks[-1] + 1, blocks[-1] + 1 + new))
-  full = model(out.tokens[:, :n], positions=jnp.asarray([full_pos[:n]]), block_positions=jnp.asarray([full_blocks[:n]]),
-               prefix_end=jnp.full((1, n), prefix, jnp.int32), compute_mtp=False)
-  logits = np.asarray(full.logits[0, p - 1:n - 1])
+  full = model(
+    out.tokens[:, :n],
+    positions=jnp.asarray([full_pos[:n]]),
+    block_positions=jnp.asarray([full_blocks[:n]]),
+    prefix_end=jnp.full((1, n), prefix, jnp.int32),
+    compute_mtp=False,
+  )
+  logits = np.asarray(full.logits[0, p - 1 : n - 1])
   np.testing.assert_array_equal(np.argmax(logits, -1), generated)
   np.testing.assert_allclose(np.asarray(out.logits[0, p:n]), logits, atol=5e-5, rtol=1e-5)
   assert np.asarray(full.aux["topk_indices"]).shape[-1] == 6
@@ -66,9 +76,10 @@ def test_fill_blanks_fills_left_to_right():
   assert len(spans) == 2 and filled == [7] + spans[0] + [9, 10] + spans[1] + [13]
   for i, span in enumerate(spans):
     tokens, positions, blocks, prefix = infill_prompt(context, spans[:i], SPECIAL)
-    out = sampler(params, rest, [tokens], jax.random.key(1), positions=[positions], block_positions=[blocks],
-                  prefix_lens=[prefix])
-    want = [int(t) for t in out.tokens[0, len(tokens):int(out.lengths[0])]]
+    out = sampler(
+      params, rest, [tokens], jax.random.key(1), positions=[positions], block_positions=[blocks], prefix_lens=[prefix]
+    )
+    want = [int(t) for t in out.tokens[0, len(tokens) : int(out.lengths[0])]]
     assert span == [t for t in want if t != 5]
   with pytest.raises(ValueError, match="no \\[MASK\\], \\[sMASK\\] or \\[gMASK\\]"):
     fill_blanks(sampler, params, rest, [7, 8], SPECIAL, jax.random.key(0))
@@ -81,6 +92,7 @@ def test_sample_py_encodes_the_literal_blanks_as_special_tokens():
 
   from glm_jax.data import SPECIAL_TOKENS, Tokenizer
   from launch.sample import encode_with_blanks
+
   words = ["a", "b", "c"]
   vocab = {t: i for i, t in enumerate(list(SPECIAL_TOKENS) + words)}
   backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token=SPECIAL_TOKENS[0]))

@@ -33,16 +33,20 @@ def full_forward(model, out):
 
   def row(b):
     p, n = int(out.prompt_lens[b]), int(out.lengths[b])
-    return logits_all[b, p - 1:n - 1], out.tokens[b, p:n]
+    return logits_all[b, p - 1 : n - 1], out.tokens[b, p:n]
 
   return row
 
 
-@pytest.mark.parametrize("index_topk,impl", [
+@pytest.mark.parametrize(
+  "index_topk,impl",
+  [
     pytest.param(64, "reference", marks=pytest.mark.slow),  # the longest compile of the three
     pytest.param(6, "reference", marks=pytest.mark.slow),  # a compile of the prefill and the decode loop
     pytest.param(6, "pallas", marks=pytest.mark.slow),  # the kernels in interpret mode
-], ids=["dense", "dsa", "dsa-pallas"])
+  ],
+  ids=["dense", "dsa", "dsa-pallas"],
+)
 def test_cached_greedy_decoding_equals_full_forward(index_topk, impl):
   """Greedy tokens identical and logits within fp32 rounding. index_topk=6 makes DSA select during the prefill
   (the 8-token prompt) and in every decode step past position 6; 64 never does. The pallas case runs the
@@ -51,18 +55,18 @@ def test_cached_greedy_decoding_equals_full_forward(index_topk, impl):
   _, graphdef, params, rest = split(cfg)
   oracle = GlmMoeDsa(cfg.replace(attention_impl="reference"), nnx.Rngs(0))
   out = Sampler(graphdef, cfg, SamplingParams(max_new_tokens=10, temperature=0.0), return_logits=True)(
-      params, rest, PROMPTS, jax.random.key(0))
+    params, rest, PROMPTS, jax.random.key(0)
+  )
   np.testing.assert_array_equal(out.prompt_lens, [5, 2, 8])
   np.testing.assert_array_equal(out.lengths, [15, 12, 18])  # no stop ids: every row runs max_new_tokens
   forward = full_forward(oracle, out)
   for b in range(len(PROMPTS)):
-    np.testing.assert_array_equal(out.tokens[b, :len(PROMPTS[b])], PROMPTS[b])
+    np.testing.assert_array_equal(out.tokens[b, : len(PROMPTS[b])], PROMPTS[b])
     logits, response = forward(b)
     np.testing.assert_array_equal(np.argmax(logits, -1), response)
     p, n = len(PROMPTS[b]), int(out.lengths[b])
     np.testing.assert_allclose(out.logits[b, p:n], logits, atol=5e-5, rtol=1e-5)
-    np.testing.assert_allclose(out.logp[b, p:n], jax.nn.log_softmax(logits)[jnp.arange(n - p), response],
-                               atol=5e-5)
+    np.testing.assert_allclose(out.logp[b, p:n], jax.nn.log_softmax(logits)[jnp.arange(n - p), response], atol=5e-5)
     assert out.response_mask[b].sum() == n - p and out.response_mask[b, p:n].all()
     assert (out.tokens[b, n:] == 0).all()
 
@@ -74,8 +78,7 @@ def test_sampling_log_probs_temperature_and_top_p():
   cfg = tiny(index_topk=6)
   model, graphdef, params, rest = split(cfg)
   temperature, top_p = 0.7, 0.6
-  sampler = Sampler(graphdef, cfg, SamplingParams(max_new_tokens=8, temperature=temperature, top_p=top_p),
-                    width=8)
+  sampler = Sampler(graphdef, cfg, SamplingParams(max_new_tokens=8, temperature=temperature, top_p=top_p), width=8)
   out = sampler(params, rest, PROMPTS * 2, jax.random.key(3))
   forward = full_forward(model, out)
   for b in range(len(PROMPTS) * 2):
@@ -124,8 +127,9 @@ def test_tiny_temperature_sampling_equals_greedy_and_non_finite_logits_raise():
   LM head it raises, naming the rows, instead of returning tokens drawn from NaN logits."""
   cfg = tiny(index_topk=6)
   _, graphdef, params, rest = split(cfg)
-  run = lambda temperature, params: Sampler(graphdef, cfg, SamplingParams(max_new_tokens=5, temperature=temperature),
-                                            width=8)(params, rest, PROMPTS, jax.random.key(5))
+  run = lambda temperature, params: Sampler(
+    graphdef, cfg, SamplingParams(max_new_tokens=5, temperature=temperature), width=8
+  )(params, rest, PROMPTS, jax.random.key(5))
   greedy, cold = run(0.0, params), run(1e-30, params)
   np.testing.assert_array_equal(np.asarray(cold.tokens), np.asarray(greedy.tokens))
   np.testing.assert_array_equal(np.asarray(cold.logp)[np.asarray(cold.response_mask)], 0.0)
@@ -140,19 +144,21 @@ def test_stop_tokens_end_rows():
   cfg = tiny(index_topk=6)
   _, graphdef, params, rest = split(cfg)
   greedy = Sampler(graphdef, cfg, SamplingParams(max_new_tokens=6, temperature=0.0))(
-      params, rest, PROMPTS, jax.random.key(0))
+    params, rest, PROMPTS, jax.random.key(0)
+  )
   stop = int(greedy.tokens[1, 2 + 1])  # row 1's second generated token
   out = Sampler(graphdef, cfg, SamplingParams(max_new_tokens=6, temperature=0.0, stop_ids=(stop,), pad_id=0))(
-      params, rest, PROMPTS, jax.random.key(0))
+    params, rest, PROMPTS, jax.random.key(0)
+  )
   for b in range(3):
     p = len(PROMPTS[b])
-    gen = np.asarray(greedy.tokens[b, p:p + 6]).tolist()
+    gen = np.asarray(greedy.tokens[b, p : p + 6]).tolist()
     n_resp = gen.index(stop) + 1 if stop in gen else 6  # up to and including the first stop token
     assert int(out.lengths[b]) == p + n_resp
     assert bool(out.finished[b]) == (stop in gen)
-    np.testing.assert_array_equal(out.tokens[b, p:p + n_resp], gen[:n_resp])
-    assert (out.tokens[b, p + n_resp:] == 0).all() and not out.response_mask[b, p + n_resp:].any()
-    np.testing.assert_array_equal(out.logp[b, p + n_resp:], 0.0)
+    np.testing.assert_array_equal(out.tokens[b, p : p + n_resp], gen[:n_resp])
+    assert (out.tokens[b, p + n_resp :] == 0).all() and not out.response_mask[b, p + n_resp :].any()
+    np.testing.assert_array_equal(out.logp[b, p + n_resp :], 0.0)
   assert int(out.lengths[1]) == 2 + 2 and bool(out.finished[1])
 
 
@@ -183,7 +189,10 @@ def test_bad_prompts():
     sampler(params, rest, [[]], key)
   with pytest.raises(ValueError, match="exceeds model.max_position_embeddings=2048"):
     Sampler(graphdef, cfg, SamplingParams(max_new_tokens=4), cache_len=4096)(params, rest, [[1]], key)
-  for bad, field in ((dict(max_new_tokens=0), "max_new_tokens=0"), (dict(max_new_tokens=2, temperature=-1.0),
-                     "temperature=-1.0"), (dict(max_new_tokens=2, top_p=0.0), "top_p=0.0")):
+  for bad, field in (
+    (dict(max_new_tokens=0), "max_new_tokens=0"),
+    (dict(max_new_tokens=2, temperature=-1.0), "temperature=-1.0"),
+    (dict(max_new_tokens=2, top_p=0.0), "top_p=0.0"),
+  ):
     with pytest.raises(ValueError, match=field):
       SamplingParams(**bad)

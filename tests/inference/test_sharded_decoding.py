@@ -40,11 +40,15 @@ def test_on_8_simulated_devices(tmp_path):
 
 
 @multi_device
-@pytest.mark.parametrize("mesh_cfg, changes, speculate", [
+@pytest.mark.parametrize(
+  "mesh_cfg, changes, speculate",
+  [
     ({"data": 2, "tensor": 2, "expert": 2}, {}, None),
     ({"fsdp": 2, "expert": 4}, {"attention_impl": "pallas", "indexer_types": "FSF"}, None),
     ({"data": 2, "tensor": 2, "expert": 2}, {}, 2),
-], ids=["data2-tensor2-expert2", "fsdp2-expert4-pallas-indexshare", "data2-tensor2-expert2-speculative"])
+  ],
+  ids=["data2-tensor2-expert2", "fsdp2-expert4-pallas-indexshare", "data2-tensor2-expert2-speculative"],
+)
 def test_sharded_greedy_decoding_equals_one_device(mesh_cfg, changes, speculate):
   """speculate: MTP speculative decoding (k = 2) on the mesh against plain decoding on one device, the MTP cache
   laid out with the main one."""
@@ -53,7 +57,8 @@ def test_sharded_greedy_decoding_equals_one_device(mesh_cfg, changes, speculate)
   one = Sampler(graphdef, cfg, GREEDY, return_logits=True)(params, rest, PROMPTS, jax.random.key(0))
   mesh = make_mesh(mesh_cfg)
   out = Sampler(graphdef, cfg, GREEDY, return_logits=True, mesh=mesh, speculate=speculate)(
-      params, rest, PROMPTS, jax.random.key(0))
+    params, rest, PROMPTS, jax.random.key(0)
+  )
   assert len(out.tokens.sharding.device_set) == 8  # the generation ran on the mesh
   np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(one.tokens))
   np.testing.assert_array_equal(np.asarray(out.lengths), [len(p) + 6 for p in PROMPTS])
@@ -80,6 +85,9 @@ def test_a_batch_or_head_count_the_mesh_does_not_divide_is_named():
   with pytest.raises(ValueError, match=r"mesh.tensor=8 does not divide model.num_attention_heads=4"):
     Sampler(graphdef, cfg, GREEDY, mesh=abstract_mesh(tensor=8))
   sampler = Sampler(graphdef, cfg, GREEDY, mesh=abstract_mesh(data=2, expert=2, tensor=2))
-  with pytest.raises(ValueError, match=r"a batch of 3 rows; the mesh's batch axes \{'data': 2, 'expert': 2\} split the "
-                                       r"rows 4 ways: give a multiple of 4 rows"):
+  with pytest.raises(
+    ValueError,
+    match=r"a batch of 3 rows; the mesh's batch axes \{'data': 2, 'expert': 2\} split the "
+    r"rows 4 ways: give a multiple of 4 rows",
+  ):
     sampler(params, rest, PROMPTS[:3], jax.random.key(0))

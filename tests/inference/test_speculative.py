@@ -52,8 +52,10 @@ def test_the_residual_rule_gives_the_target_distribution_exactly():
   equal to p(v), computed exactly (no sampling) for random pairs and the edge cases."""
   rng = np.random.default_rng(0)
   pairs = [rng.dirichlet(np.ones(6), 2) for _ in range(20)]
-  pairs += [np.array([[0.5, 0.3, 0.2, 0, 0, 0], [0, 0.5, 0.5, 0, 0, 0]]),  # q has no mass where p has most
-            np.array([[0.2, 0.2, 0.6, 0, 0, 0], [0.2, 0.2, 0.6, 0, 0, 0]])]  # p = q: nothing is rejected
+  pairs += [
+    np.array([[0.5, 0.3, 0.2, 0, 0, 0], [0, 0.5, 0.5, 0, 0, 0]]),  # q has no mass where p has most
+    np.array([[0.2, 0.2, 0.6, 0, 0, 0], [0.2, 0.2, 0.6, 0, 0, 0]]),
+  ]  # p = q: nothing is rejected
   for p, q in pairs:
     r = np.asarray(residual(jnp.asarray(p, jnp.float32), jnp.asarray(q, jnp.float32)), np.float64)
     np.testing.assert_allclose(r.sum(), 1.0, atol=1e-6)
@@ -75,11 +77,17 @@ def test_accept_draws_the_main_models_distribution(temperature, top_p):
   q_logits = rng.standard_normal((k, v)) * 1.5
   p, q = nucleus(p_logits, temperature, top_p), nucleus(q_logits, temperature, top_p)
   kd, ka = jax.random.split(jax.random.key(2))
-  drafts = jnp.stack([jax.random.categorical(key, jnp.log(jnp.asarray(q[j], jnp.float32)), shape=(n,))
-                      for j, key in enumerate(jax.random.split(kd, k))], axis=1).astype(jnp.int32)
+  drafts = jnp.stack(
+    [
+      jax.random.categorical(key, jnp.log(jnp.asarray(q[j], jnp.float32)), shape=(n,))
+      for j, key in enumerate(jax.random.split(kd, k))
+    ],
+    axis=1,
+  ).astype(jnp.int32)
   tile = lambda x: jnp.broadcast_to(jnp.asarray(x, jnp.float32), (n, *x.shape))  # noqa: E731
   kept, nxt = jax.jit(functools.partial(accept, temperature=temperature, top_p=top_p))(
-      tile(p_logits), tile(q_logits), drafts, ka)
+    tile(p_logits), tile(q_logits), drafts, ka
+  )
   kept, nxt, drafts = np.asarray(kept), np.asarray(nxt), np.asarray(drafts)
   first = np.where(kept >= 1, drafts[:, 0], nxt)
   tol = 5 * np.sqrt(0.25 / n)  # five standard deviations of a frequency
@@ -102,7 +110,7 @@ def test_verifying_several_tokens_gives_the_full_forwards_logits(impl):
   lens = np.asarray([len(p) for p in PROMPTS])
   prompts = np.zeros((3, 8), np.int32)
   for b, p in enumerate(PROMPTS):
-    prompts[b, :len(p)] = p
+    prompts[b, : len(p)] = p
   new = np.asarray([[1, 2, 3], [4, 5, 6], [7, 8, 9]], np.int32)
 
   @jax.jit
@@ -116,14 +124,14 @@ def test_verifying_several_tokens_gives_the_full_forwards_logits(impl):
   # changes nothing before it); its normed last-layer states and their logits.
   full = np.zeros((3, 11), np.int32)
   for b, p in enumerate(PROMPTS):
-    full[b, :len(p) + 3] = p + new[b].tolist()
+    full[b, : len(p) + 3] = p + new[b].tolist()
   hidden = jax.jit(lambda x: oracle(x, compute_mtp=False, return_hidden=True).hidden)(jnp.asarray(full))
   want_logits = jax.jit(oracle.head)(hidden)
   for b, p in enumerate(PROMPTS):
     n = len(p)
-    np.testing.assert_allclose(logits[b], want_logits[b, n:n + 3], atol=5e-5, rtol=1e-5)
+    np.testing.assert_allclose(logits[b], want_logits[b, n : n + 3], atol=5e-5, rtol=1e-5)
     # The hidden states before the final norm: their norm is the full forward's normed state.
-    np.testing.assert_allclose(jax.jit(model.norm)(h)[b], hidden[b, n:n + 3], atol=5e-5, rtol=1e-5)
+    np.testing.assert_allclose(jax.jit(model.norm)(h)[b], hidden[b, n : n + 3], atol=5e-5, rtol=1e-5)
 
 
 def train_on_a_cycle(cfg, steps: int, seed: int = 0):
@@ -168,11 +176,11 @@ def test_speculative_greedy_decoding_is_plain_greedy_decoding():
     plain = Sampler(graphdef, cfg, sampling, return_logits=True)(params, rest, PROMPTS, jax.random.key(0))
     lengths = {}
     for k in ks:
-      out = Sampler(graphdef, cfg, sampling, return_logits=True, speculate=k)(params, rest, PROMPTS,
-                                                                              jax.random.key(0))
+      out = Sampler(graphdef, cfg, sampling, return_logits=True, speculate=k)(params, rest, PROMPTS, jax.random.key(0))
       for name in ("tokens", "response_mask", "lengths", "finished", "prompt_lens"):
-        np.testing.assert_array_equal(np.asarray(getattr(out, name)), np.asarray(getattr(plain, name)),
-                                      err_msg=f"{name}, k={k}")
+        np.testing.assert_array_equal(
+          np.asarray(getattr(out, name)), np.asarray(getattr(plain, name)), err_msg=f"{name}, k={k}"
+        )
       mask = np.asarray(plain.response_mask)
       np.testing.assert_allclose(np.asarray(out.logp)[mask], np.asarray(plain.logp)[mask], atol=1e-5)
       np.testing.assert_allclose(np.asarray(out.logits)[mask], np.asarray(plain.logits)[mask], atol=1e-4, rtol=1e-5)
@@ -199,7 +207,8 @@ def test_speculative_sampling_draws_from_the_main_model():
   model = nnx.merge(graphdef, params, rest)
   temperature, rows, prompt = 0.8, 2048, [3, 1, 4, 1, 5, 2, 6]
   out = Sampler(graphdef, cfg, SamplingParams(max_new_tokens=3, temperature=temperature), speculate=2)(
-      params, rest, [prompt] * rows, jax.random.key(7))
+    params, rest, [prompt] * rows, jax.random.key(7)
+  )
   gen = np.asarray(out.tokens)[:, 7:10]
   assert (np.asarray(out.lengths) == 10).all()
   # Exact: P(x1, x2, x3) = p(x1) p(x2 | x1) p(x3 | x1, x2), from the full forward over all 64 (x1, x2) prefixes.
@@ -238,8 +247,11 @@ def test_bad_speculation_is_refused_by_name():
     Sampler(graphdef, no_mtp, greedy, speculate=2)
   with pytest.raises(ValueError, match="model.num_nextn_predict_layers=0"):
     GlmMoeDsa(no_mtp, nnx.Rngs(0)).prefill(jnp.ones((1, 3), jnp.int32), 8, draft=True)
-  with pytest.raises(ValueError, match=r"cache_len=2046 \+ speculate=4 draft slots exceeds "
-                                       r"model.max_position_embeddings=2048"):
+  with pytest.raises(
+    ValueError,
+    match=r"cache_len=2046 \+ speculate=4 draft slots exceeds "
+    r"model.max_position_embeddings=2048",
+  ):
     Sampler(graphdef, cfg, greedy, cache_len=2046, speculate=4)(params, rest, [[1, 2]], jax.random.key(0))
   with pytest.raises(ValueError, match="speculative decoding takes plain prompts"):
     Sampler(graphdef, cfg, greedy, speculate=2)(params, rest, [[1, 2]], jax.random.key(0), prefix_lens=[1])

@@ -28,8 +28,9 @@ def whole(q, kv, q_i, k_i, w_i, seg, prefix_end):
   target = target / jnp.sum(target, axis=-1, keepdims=True)
   scores = jnp.einsum("bth,bths->bts", w_i, jax.nn.relu(jnp.einsum("bthd,bsd->bths", q_i, k_i)))
   log_q = jax.nn.log_softmax(jnp.where(visible, scores, -jnp.inf), axis=-1)
-  kl = jnp.sum(jnp.where(visible & (target > 0), target * (jnp.log(jnp.where(target > 0, target, 1.0)) - log_q), 0.0),
-               axis=-1)
+  kl = jnp.sum(
+    jnp.where(visible & (target > 0), target * (jnp.log(jnp.where(target > 0, target, 1.0)) - log_q), 0.0), axis=-1
+  )
   return out, jnp.mean(kl)
 
 
@@ -38,8 +39,11 @@ def inputs():
   normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
   seg = np.array([[1] * 7 + [2] * 5, [1] * 12], np.int32)  # two documents in row 0
   prefix_end = np.array([[3] * 7 + [9] * 5, [5] * 12], np.int32)  # GLM's prefixes: bidirectional up to there
-  return (normal(B, T, H, A), normal(B, T, A), normal(B, T, HI, DI), normal(B, T, DI), normal(B, T, HI)), seg, \
-      prefix_end
+  return (
+    (normal(B, T, H, A), normal(B, T, A), normal(B, T, HI, DI), normal(B, T, DI), normal(B, T, HI)),
+    seg,
+    prefix_end,
+  )
 
 
 @pytest.mark.parametrize("chunk", [1, 4])  # one row a block (the most steps), and a block of several
@@ -49,8 +53,16 @@ def test_blocks_equal_the_whole_matrix_values_and_gradients(chunk):
 
   def blocked(q, kv, q_i, k_i, w_i):
     out, kl = blockwise.latent_attention_and_kl(
-        q, kv, (q_i, k_i, w_i), sm_scale=SCALE, v_dim=R, chunk=chunk, segment_ids_BT=jnp.asarray(seg),
-        prefix_end_BT=jnp.asarray(prefix_end), out_dtype=jnp.float32)
+      q,
+      kv,
+      (q_i, k_i, w_i),
+      sm_scale=SCALE,
+      v_dim=R,
+      chunk=chunk,
+      segment_ids_BT=jnp.asarray(seg),
+      prefix_end_BT=jnp.asarray(prefix_end),
+      out_dtype=jnp.float32,
+    )
     kl = jnp.mean(kl)  # per query row -> the loss's mean
     return jnp.sum(out * probe) + kl, (out, kl)
 
@@ -69,8 +81,17 @@ def test_blocks_equal_the_whole_matrix_values_and_gradients(chunk):
 def test_a_chunk_that_does_not_divide_is_named():
   (q, kv, *_), seg, _ = inputs()
   with pytest.raises(ValueError, match=r"model.attention_chunk=5 does not divide the 12 query rows"):
-    blockwise.latent_attention_and_kl(q, kv, None, sm_scale=SCALE, v_dim=R, chunk=5,
-                                      segment_ids_BT=jnp.asarray(seg), prefix_end_BT=None, out_dtype=jnp.float32)
+    blockwise.latent_attention_and_kl(
+      q,
+      kv,
+      None,
+      sm_scale=SCALE,
+      v_dim=R,
+      chunk=5,
+      segment_ids_BT=jnp.asarray(seg),
+      prefix_end_BT=None,
+      out_dtype=jnp.float32,
+    )
 
 
 @pytest.mark.slow  # two compiles of the tiny model's forward and KL gradient
@@ -83,8 +104,9 @@ def test_the_warmup_forward_in_blocks_equals_the_whole():
     graphdef, params, rest = build(model_config(use_dsa=False, attention_chunk=chunk))
 
     def fn(params):
-      out = nnx.merge(graphdef, params, rest)(batch["input_ids"], positions=batch["positions"],
-                                              segment_ids=batch["segment_ids"], indexer_loss=True)
+      out = nnx.merge(graphdef, params, rest)(
+        batch["input_ids"], positions=batch["positions"], segment_ids=batch["segment_ids"], indexer_loss=True
+      )
       return jnp.mean(out.aux["indexer_kl"]), out
 
     (kl, out), grads = jax.jit(jax.value_and_grad(fn, has_aux=True))(to_device(params))

@@ -6,10 +6,25 @@ import pytest
 
 from glm_jax.model.config import ModelConfig
 
-SMALL = dict(vocab_size=64, hidden_size=16, intermediate_size=24, moe_intermediate_size=8, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2,
-             q_lora_rank=12, kv_lora_rank=10, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5,
-             index_topk=4, index_n_heads=2, index_head_dim=8)
+SMALL = dict(
+  vocab_size=64,
+  hidden_size=16,
+  intermediate_size=24,
+  moe_intermediate_size=8,
+  num_hidden_layers=2,
+  num_attention_heads=4,
+  num_key_value_heads=4,
+  n_routed_experts=8,
+  num_experts_per_tok=2,
+  q_lora_rank=12,
+  kv_lora_rank=10,
+  qk_nope_head_dim=6,
+  qk_rope_head_dim=4,
+  v_head_dim=5,
+  index_topk=4,
+  index_n_heads=2,
+  index_head_dim=8,
+)
 
 
 def test_small_config_is_valid_and_derives_sizes():
@@ -20,7 +35,9 @@ def test_small_config_is_valid_and_derives_sizes():
   assert ModelConfig().softmax_scale == 1 / 16  # GLM-5: qk head dim 256
 
 
-@pytest.mark.parametrize("changes,pattern", [
+@pytest.mark.parametrize(
+  "changes,pattern",
+  [
     ({"index_topk": 0}, "index_topk=0 is invalid; must be a positive integer"),
     ({"index_topk": -2048}, "index_topk=-2048 is invalid"),
     ({"num_experts_per_tok": 9}, "num_experts_per_tok=9 is invalid; must be <= n_routed_experts=8"),
@@ -35,7 +52,8 @@ def test_small_config_is_valid_and_derives_sizes():
     ({"first_k_dense_replace": -1}, "first_k_dense_replace=-1 is invalid; must be a non-negative integer"),
     ({"hidden_size": 16.0}, "hidden_size=16.0 is invalid; must be a positive integer"),
     ({"eos_token_id": 64}, "eos_token_id=64 is invalid; must be None or in [0, vocab_size=64)"),
-])
+  ],
+)
 def test_invalid_values_fail_at_construction(changes, pattern):
   with pytest.raises(ValueError, match=re.escape(pattern)):
     ModelConfig(**{**SMALL, **changes})
@@ -53,8 +71,13 @@ def test_from_dict_rejects_unknown_fields_and_lists_the_valid_ones():
 
 
 def test_from_hf_dict_maps_rope_theta_and_fields():
-  hf = {**SMALL, "model_type": "glm_moe_dsa", "architectures": ["GlmMoeDsaForCausalLM"],
-        "rope_parameters": {"rope_type": "default", "rope_theta": 8e6}, "eos_token_id": [7, 9]}
+  hf = {
+    **SMALL,
+    "model_type": "glm_moe_dsa",
+    "architectures": ["GlmMoeDsaForCausalLM"],
+    "rope_parameters": {"rope_type": "default", "rope_theta": 8e6},
+    "eos_token_id": [7, 9],
+  }
   c = ModelConfig.from_hf_dict(hf)
   assert c.rope_theta == 8e6 and c.eos_token_id == 7 and c.index_topk == 4
   assert ModelConfig.from_hf_dict(c.to_hf_dict()) == c.replace(eos_token_id=7)
@@ -78,8 +101,16 @@ def test_from_hf_dict_reads_shared_indexer_types_and_names_bad_ones():
 
 
 # A valid other value for each field declared runtime-only; the test below checks the model's state under each.
-RUNTIME_ALTERNATIVES = {"use_dsa": False, "attention_impl": "pallas", "dtype": "bfloat16", "moe_capacity_factor": 1.0,
-                        "moe_buffer_factor": 2.0, "attention_chunk": 16, "remat_policy": "full", "scan_unroll": True}
+RUNTIME_ALTERNATIVES = {
+  "use_dsa": False,
+  "attention_impl": "pallas",
+  "dtype": "bfloat16",
+  "moe_capacity_factor": 1.0,
+  "moe_buffer_factor": 2.0,
+  "attention_chunk": 16,
+  "remat_policy": "full",
+  "scan_unroll": True,
+}
 
 
 def _state_shapes(cfg: ModelConfig) -> dict:
@@ -87,6 +118,7 @@ def _state_shapes(cfg: ModelConfig) -> dict:
   from flax import nnx
 
   from glm_jax.model.transformer import GlmMoeDsa
+
   state = nnx.state(nnx.eval_shape(lambda: GlmMoeDsa(cfg, nnx.Rngs(0))))
   return {jax.tree_util.keystr(path): (leaf.shape, leaf.dtype) for path, leaf in jax.tree.leaves_with_path(state)}
 
@@ -123,4 +155,5 @@ def test_hf_fields_are_transformers_fields():
 def test_every_remat_policy_name_has_its_checkpoint_policy():
   from glm_jax.model.config import REMAT_POLICIES
   from glm_jax.model.transformer import CHECKPOINT_POLICIES
+
   assert set(CHECKPOINT_POLICIES) == set(REMAT_POLICIES) - {"none"}

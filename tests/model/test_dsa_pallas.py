@@ -17,11 +17,28 @@ from glm_jax.model.transformer import GlmMoeDsa
 from tests.helpers import init_module
 
 B, T = 2, 24
-CFG = ModelConfig(vocab_size=40, hidden_size=16, intermediate_size=24, moe_intermediate_size=8, num_hidden_layers=2,
-                  first_k_dense_replace=1, num_nextn_predict_layers=1, num_attention_heads=2, num_key_value_heads=2,
-                  q_lora_rank=12, kv_lora_rank=10, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5,
-                  n_routed_experts=4, num_experts_per_tok=2, index_topk=6, index_n_heads=2, index_head_dim=8,
-                  rope_theta=100.0)  # index_topk < T: DSA selects in every layer; the first 6 queries get -1 padding
+CFG = ModelConfig(
+  vocab_size=40,
+  hidden_size=16,
+  intermediate_size=24,
+  moe_intermediate_size=8,
+  num_hidden_layers=2,
+  first_k_dense_replace=1,
+  num_nextn_predict_layers=1,
+  num_attention_heads=2,
+  num_key_value_heads=2,
+  q_lora_rank=12,
+  kv_lora_rank=10,
+  qk_nope_head_dim=6,
+  qk_rope_head_dim=4,
+  v_head_dim=5,
+  n_routed_experts=4,
+  num_experts_per_tok=2,
+  index_topk=6,
+  index_n_heads=2,
+  index_head_dim=8,
+  rope_theta=100.0,
+)  # index_topk < T: DSA selects in every layer; the first 6 queries get -1 padding
 
 
 def assert_close_scaled(got, want, err_msg=""):
@@ -82,8 +99,12 @@ def test_q_offset_against_a_longer_cache(t_len, s_len):
   for got, want in zip(out["pallas"][1:], out["reference"][1:]):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
   # the recomputed, differentiable scores of the selected keys are the top-k's scores
-  np.testing.assert_allclose(np.asarray(dsa.selected_index_scores(q_i, k_i, w_i, out["pallas"][0])),
-                             np.asarray(out["reference"][1]), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(
+    np.asarray(dsa.selected_index_scores(q_i, k_i, w_i, out["pallas"][0])),
+    np.asarray(out["reference"][1]),
+    rtol=1e-5,
+    atol=1e-5,
+  )
 
 
 def test_selected_index_scores_in_chunks_keep_values_and_gradients():
@@ -94,13 +115,16 @@ def test_selected_index_scores_in_chunks_keep_values_and_gradients():
   def total(fn, q, k, w):
     return jnp.sum(jnp.where(idx >= 0, fn(q, k, w), 0.0) ** 2)
 
-  want = jax.grad(lambda q, k, w: total(
-      lambda *a: dsa.select_topk("reference", *a, topk=9, q_offset=17)[1], q, k, w), argnums=(0, 1, 2))(q_i, k_i, w_i)
+  want = jax.grad(
+    lambda q, k, w: total(lambda *a: dsa.select_topk("reference", *a, topk=9, q_offset=17)[1], q, k, w),
+    argnums=(0, 1, 2),
+  )(q_i, k_i, w_i)
   for chunk in (4, 512):  # 13 queries: four chunks (the last padded), or one
     scores = dsa.selected_index_scores(q_i, k_i, w_i, idx, chunk=chunk)
     np.testing.assert_allclose(np.asarray(scores), np.asarray(vals), rtol=1e-5, atol=1e-5)
-    got = jax.grad(lambda q, k, w: total(lambda *a: dsa.selected_index_scores(*a, idx, chunk=chunk), q, k, w),
-                   argnums=(0, 1, 2))(q_i, k_i, w_i)
+    got = jax.grad(
+      lambda q, k, w: total(lambda *a: dsa.selected_index_scores(*a, idx, chunk=chunk), q, k, w), argnums=(0, 1, 2)
+    )(q_i, k_i, w_i)
     for g, w in zip(got, want):
       assert_close_scaled(g, w)
 

@@ -18,11 +18,29 @@ from glm_jax.tree_paths import path_names
 from tests.helpers import init_module
 
 B, T = 2, 12
-CFG = ModelConfig(vocab_size=40, hidden_size=16, intermediate_size=24, moe_intermediate_size=8, num_hidden_layers=3,
-                  first_k_dense_replace=1, num_nextn_predict_layers=1, num_attention_heads=2, num_key_value_heads=2,
-                  q_lora_rank=12, kv_lora_rank=10, qk_nope_head_dim=6, qk_rope_head_dim=8, v_head_dim=5,
-                  n_routed_experts=4, num_experts_per_tok=2, index_topk=4, index_n_heads=2, index_head_dim=8,
-                  rope_theta=100.0, rope_2d=True)  # index_topk < T: DSA selects in every layer
+CFG = ModelConfig(
+  vocab_size=40,
+  hidden_size=16,
+  intermediate_size=24,
+  moe_intermediate_size=8,
+  num_hidden_layers=3,
+  first_k_dense_replace=1,
+  num_nextn_predict_layers=1,
+  num_attention_heads=2,
+  num_key_value_heads=2,
+  q_lora_rank=12,
+  kv_lora_rank=10,
+  qk_nope_head_dim=6,
+  qk_rope_head_dim=8,
+  v_head_dim=5,
+  n_routed_experts=4,
+  num_experts_per_tok=2,
+  index_topk=4,
+  index_n_heads=2,
+  index_head_dim=8,
+  rope_theta=100.0,
+  rope_2d=True,
+)  # index_topk < T: DSA selects in every layer
 
 
 def make_model(cfg, seed=0):
@@ -43,11 +61,15 @@ def ids_and_layout():
 PREFIX = [(0, 0, 5), (1, 0, 4), (1, 7, 9)]  # (row, start, end) of every prefix in ids_and_layout
 
 
-@pytest.mark.parametrize("changes", [
+@pytest.mark.parametrize(
+  "changes",
+  [
     dict(use_dsa=False),
     dict(use_dsa=True),  # the indexer's scores and top-k look forward within the prefix
     pytest.param(dict(use_dsa=True, attention_impl="pallas"), marks=pytest.mark.slow),  # the kernels (interpret)
-], ids=["dense", "dsa", "dsa-pallas"])
+  ],
+  ids=["dense", "dsa", "dsa-pallas"],
+)
 def test_prefix_is_bidirectional_and_the_rest_causal(changes):
   """Changing a later prefix token changes the outputs (main head and MTP) at every earlier prefix position of its
   document; changing a token after the prefix changes no prefix output, and no output of another document."""
@@ -80,8 +102,13 @@ def test_no_prefix_equals_causal_and_rope_2d_with_zero_blocks_equals_half_rotate
   model = make_model(CFG)
   ids, layout = ids_and_layout()
   causal = model(ids, segment_ids=layout["segment_ids"], positions=layout["positions"])
-  zeros = model(ids, segment_ids=layout["segment_ids"], positions=layout["positions"],
-                prefix_end=jnp.zeros((B, T), jnp.int32), block_positions=jnp.zeros((B, T), jnp.int32))
+  zeros = model(
+    ids,
+    segment_ids=layout["segment_ids"],
+    positions=layout["positions"],
+    prefix_end=jnp.zeros((B, T), jnp.int32),
+    block_positions=jnp.zeros((B, T), jnp.int32),
+  )
   np.testing.assert_array_equal(np.asarray(causal.logits), np.asarray(zeros.logits))
 
 
@@ -113,8 +140,12 @@ def test_deepnorm_layer_is_the_plain_formula():
   x = jnp.asarray(np.random.default_rng(2).standard_normal((B, T, cfg.hidden_size)), jnp.float32)
   pos = jnp.broadcast_to(jnp.arange(T), (B, T))
   cos, sin = rope_angles_2d(pos, jnp.zeros_like(pos), cfg.qk_rope_head_dim, cfg.rope_theta)
-  inp = AttentionInputs(cos=cos, sin=sin, segment_ids=jnp.zeros((B, T), jnp.int32),
-                        mask=jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T)))
+  inp = AttentionInputs(
+    cos=cos,
+    sin=sin,
+    segment_ids=jnp.zeros((B, T), jnp.int32),
+    mask=jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T)),
+  )
 
   def norm(v, module):
     return v * jax.lax.rsqrt(jnp.mean(v * v, axis=-1, keepdims=True) + cfg.rms_norm_eps) * module.weight[...]
@@ -133,18 +164,26 @@ def test_deepnorm_initial_weights_have_the_stated_scales():
   """Xavier normal, std = gain sqrt(2 / (fan_in + fan_out)), gain (2N)^-1/2 on the FFN (dense and experts), W_UV
   (v_proj) and o_proj (out_proj), 1 on the other attention matrices; the rest keeps normal(0, 0.02). Each sample
   std is within 5 standard errors (a normal sample's std has relative standard error ~ 1/sqrt(2n))."""
-  cfg = CFG.replace(norm_style="deepnorm", hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-                    q_lora_rank=48, kv_lora_rank=40, num_attention_heads=4, num_key_value_heads=4)
+  cfg = CFG.replace(
+    norm_style="deepnorm",
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    q_lora_rank=48,
+    kv_lora_rank=40,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+  )
   graphdef, state = nnx.split(nnx.eval_shape(lambda: GlmMoeDsa(cfg, nnx.Rngs(0))))
   model = nnx.merge(graphdef, jax.jit(lambda: nnx.split(GlmMoeDsa(cfg, nnx.Rngs(0)))[1])())  # one compile
   beta = (2 * cfg.num_hidden_layers) ** -0.5
   d, h, dn, dv = cfg.hidden_size, cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
   want = {  # name -> [(columns of the last axis, fan_in, fan_out, gain)]
-      "q_a_proj": [(slice(None), d, cfg.q_lora_rank, 1.0)],
-      "q_b_proj": [(slice(None), cfg.q_lora_rank, h * cfg.qk_head_dim, 1.0)],
-      "kv_a_proj_with_mqa": [(slice(None), d, cfg.kv_latent_dim, 1.0)],
-      "kv_b_proj": [(slice(0, dn), cfg.kv_lora_rank, h * dn, 1.0), (slice(dn, None), cfg.kv_lora_rank, h * dv, beta)],
-      "o_proj": [(slice(None), h * dv, d, beta)],
+    "q_a_proj": [(slice(None), d, cfg.q_lora_rank, 1.0)],
+    "q_b_proj": [(slice(None), cfg.q_lora_rank, h * cfg.qk_head_dim, 1.0)],
+    "kv_a_proj_with_mqa": [(slice(None), d, cfg.kv_latent_dim, 1.0)],
+    "kv_b_proj": [(slice(0, dn), cfg.kv_lora_rank, h * dn, 1.0), (slice(dn, None), cfg.kv_lora_rank, h * dv, beta)],
+    "o_proj": [(slice(None), h * dv, d, beta)],
   }
   checked = set()
   for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
@@ -180,7 +219,7 @@ def test_embedding_gradient_shrink():
 
   def loss(p, a):
     out = nnx.merge(graphdef, p, rest)(ids, **layout, embedding_grad_shrink=a)
-    return jnp.sum(out.logits * jnp.cos(jnp.arange(CFG.vocab_size))) + jnp.sum(out.mtp_logits ** 2), out.logits
+    return jnp.sum(out.logits * jnp.cos(jnp.arange(CFG.vocab_size))) + jnp.sum(out.mtp_logits**2), out.logits
 
   plain = jax.jit(lambda p: jax.grad(loss, has_aux=True)(p, 1.0))  # EGS off: no stop_gradient in the graph
   shrunk = jax.jit(jax.grad(loss, has_aux=True))  # alpha traced: one compile for both values
@@ -204,6 +243,7 @@ def test_errors_name_the_option(tmp_path):
   with pytest.raises(ValueError, match="rope_2d=True has no counterpart"):
     CFG.to_hf_dict()
   from glm_jax.convert import hf
+
   cfg = CFG.replace(norm_style="deepnorm")
   with pytest.raises(ValueError, match="norm_style='deepnorm'"):
     hf.save(cfg, nnx.eval_shape(lambda: GlmMoeDsa(cfg, nnx.Rngs(0))), str(tmp_path / "out"))

@@ -12,12 +12,12 @@ from glm_jax.model import grouped_matmul as gm
 from glm_jax.model.platform import target_platform
 
 CASES = {  # group sizes, tile
-    "empty_groups": ([5, 0, 7, 20, 0, 3], 8),
-    "one_group": ([35, 0, 0, 0], 8),
-    "no_rows": ([0, 0, 0], 8),
-    "off_tile": ([3, 1, 2], 16),
-    "on_tile": ([8, 8, 16], 8),
-    "cpu_tile": ([130, 1, 0, 126, 300], gm.CPU_TILE),
+  "empty_groups": ([5, 0, 7, 20, 0, 3], 8),
+  "one_group": ([35, 0, 0, 0], 8),
+  "no_rows": ([0, 0, 0], 8),
+  "off_tile": ([3, 1, 2], 16),
+  "on_tile": ([8, 8, 16], 8),
+  "cpu_tile": ([130, 1, 0, 126, 300], gm.CPU_TILE),
 }
 
 
@@ -31,9 +31,10 @@ def operands(sizes, dtype, seed=0, extra_rows=3):
 
 
 IMPLEMENTATIONS = {  # name -> fn(x, w, group_sizes, tile) with fp32 results
-    "tiled": lambda x, w, gs, tile: gm.tiled_grouped_matmul(x, w, gs, tile, jnp.dtype(jnp.float32)),
-    "megablox": lambda x, w, gs, tile: gm.megablox_grouped_matmul(x, w, gs, jnp.float32, tiling=(tile, 128, 128),
-                                                                  interpret=True),
+  "tiled": lambda x, w, gs, tile: gm.tiled_grouped_matmul(x, w, gs, tile, jnp.dtype(jnp.float32)),
+  "megablox": lambda x, w, gs, tile: gm.megablox_grouped_matmul(
+    x, w, gs, jnp.float32, tiling=(tile, 128, 128), interpret=True
+  ),
 }
 
 
@@ -55,7 +56,7 @@ def test_equals_ragged_dot_in_value_and_gradients(impl, name, dtype, tol):
   y = jax.jit(fn, static_argnums=3)(x, w, gs, tile)
   scale = max(1.0, float(jnp.max(jnp.abs(y_ref))))
   np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), atol=tol * scale)
-  assert not np.any(np.asarray(y)[sum(sizes):])  # rows past the last group
+  assert not np.any(np.asarray(y)[sum(sizes) :])  # rows past the last group
   for g_ref, g in zip(ref[1], got[1]):
     assert g.dtype == g_ref.dtype
     g_scale = max(1.0, float(jnp.max(jnp.abs(g_ref.astype(jnp.float32)))))
@@ -70,7 +71,14 @@ def test_visits_are_the_overlapping_tile_group_pairs():
   n = int(np.sum(real))
   assert n == 7 and len(real) == 5 + 6 - 1 and not np.any(np.asarray(real)[n:])
   assert list(zip(np.asarray(tiles)[:n].tolist(), np.asarray(groups)[:n].tolist())) == [
-      (0, 0), (0, 2), (1, 2), (1, 3), (2, 3), (3, 3), (4, 5)]
+    (0, 0),
+    (0, 2),
+    (1, 2),
+    (1, 3),
+    (2, 3),
+    (3, 3),
+    (4, 5),
+  ]
 
 
 @pytest.mark.parametrize("platform, want", [("cpu", "scan"), ("tpu", "pallas_call"), ("gpu", "ragged_dot")])
@@ -106,12 +114,14 @@ def test_rows_past_the_groups_holding_nan_reach_nothing(impl):
   if impl == "tiled":
     fn = lambda x, w: gm.tiled_grouped_matmul(x, w, gs, tile, jnp.dtype(jnp.float32))
   else:
-    fn = lambda x, w: gm.megablox_grouped_matmul(x, w, gs, jnp.float32, tiling=(tile, 128, 128), interpret=True,
-                                                 zero_past=False)
+    fn = lambda x, w: gm.megablox_grouped_matmul(
+      x, w, gs, jnp.float32, tiling=(tile, 128, 128), interpret=True, zero_past=False
+    )
   y, pull = jax.vjp(fn, poison(x), w)
   dx, dw = pull(poison(ct))
-  y_ref, pull_ref = jax.vjp(lambda x, w: jax.lax.ragged_dot(x, w, gs, preferred_element_type=jnp.float32),
-                            x.at[real:].set(0), w)
+  y_ref, pull_ref = jax.vjp(
+    lambda x, w: jax.lax.ragged_dot(x, w, gs, preferred_element_type=jnp.float32), x.at[real:].set(0), w
+  )
   dx_ref, dw_ref = pull_ref(ct.at[real:].set(0))
   np.testing.assert_allclose(np.asarray(y)[:real], np.asarray(y_ref)[:real], atol=1e-5)
   np.testing.assert_allclose(np.asarray(dx)[:real], np.asarray(dx_ref)[:real], atol=1e-5)

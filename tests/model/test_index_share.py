@@ -44,8 +44,9 @@ def hf_selections(model, ids) -> dict[int, np.ndarray]:
   got, hooks = {}, []
   for i, layer in enumerate(model.model.layers):
     if layer.self_attn.indexer is not None:
-      hooks.append(layer.self_attn.indexer.register_forward_hook(
-          lambda m, inp, out, i=i: got.__setitem__(i, out.numpy())))
+      hooks.append(
+        layer.self_attn.indexer.register_forward_hook(lambda m, inp, out, i=i: got.__setitem__(i, out.numpy()))
+      )
   hf_logits(model, ids)
   for h in hooks:
     h.remove()
@@ -69,8 +70,11 @@ def test_logits_and_selected_keys_match_transformers(saved, loaded):
   for layer, source in enumerate([0, 0, 2, 2]):
     for b in range(ids.shape[0]):
       for q in range(ids.shape[1]):
-        assert ({int(s) for s in ref[source][b, q] if s <= q} == {int(s) for s in got[layer, b, q] if s >= 0}), (
-            layer, b, q)
+        assert {int(s) for s in ref[source][b, q] if s <= q} == {int(s) for s in got[layer, b, q] if s >= 0}, (
+          layer,
+          b,
+          q,
+        )
   # The sharing is real: the two full layers select differently somewhere.
   assert not np.array_equal(got[0], got[2])
 
@@ -96,12 +100,16 @@ def test_shared_layers_have_no_indexer_tensors_and_round_trip(saved, loaded, tmp
   assert max_diff(hf_logits(back.eval(), ids), hf_logits(model, ids)) <= TOL
 
 
-@pytest.mark.parametrize("hf_fields", [
+@pytest.mark.parametrize(
+  "hf_fields",
+  [
     dict(index_topk_freq=2, index_skip_topk_offset=1),
     dict(index_topk_freq=3),
     dict(index_topk_pattern="FSFFSS"),
     dict(index_topk_freq=1),
-], ids=["freq2-offset1", "freq3", "pattern", "freq1"])
+  ],
+  ids=["freq2-offset1", "freq3", "pattern", "freq1"],
+)
 def test_indexer_types_derived_as_transformers_derives_them(hf_fields):
   """A config.json without indexer_types (the freq / offset schedule or the pattern) reads as transformers reads it."""
   fields = {**BASE, "num_hidden_layers": 6, **hf_fields}
@@ -110,12 +118,15 @@ def test_indexer_types_derived_as_transformers_derives_them(hf_fields):
   assert got == tuple(t == "shared" for t in want)
 
 
-@pytest.mark.parametrize("value, message", [
+@pytest.mark.parametrize(
+  "value, message",
+  [
     ("SFFF", "the first layer must be 'full'"),
     ("FSF", "one entry per decoder layer: 3 given, num_hidden_layers=4"),
     ("FXFF", "a pattern of 'F' (full) and 'S' (shared)"),
     (("full", "shared", "full", "partial"), "each entry 'full' or 'shared', not ['partial']"),
-])
+  ],
+)
 def test_bad_indexer_types_are_named(value, message):
   with pytest.raises(ValueError, match=r"model config: indexer_types=.* is invalid; ") as e:
     ModelConfig(num_hidden_layers=4, indexer_types=value)
@@ -147,8 +158,12 @@ def test_indexer_loss_counts_full_layers_only(loaded):
     grads, kl = jax.jit(jax.grad(loss, has_aux=True))(state)
     assert kl.shape == (2 + cfg.num_nextn_predict_layers,)
     np.testing.assert_allclose(kl[0], kl_plain[0], rtol=1e-6)
-    for stack, j, shared in (("dense_layers", 0, False), ("moe_layers", 0, True), ("moe_layers", 1, False),
-                             ("moe_layers", 2, True)):
+    for stack, j, shared in (
+      ("dense_layers", 0, False),
+      ("moe_layers", 0, True),
+      ("moe_layers", 1, False),
+      ("moe_layers", 2, True),
+    ):
       g = grads[stack]["self_attn"]["indexer"]["wk"][...][j]
       assert bool(jnp.all(g == 0)) == shared, (seq, stack, j)
 
@@ -172,12 +187,13 @@ def test_cached_greedy_decoding_equals_full_forward(loaded):
   graphdef, params, rest = nnx.split(ours, nnx.Param, ...)
   prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16], [3, 4, 5]]
   out = Sampler(graphdef, cfg, SamplingParams(max_new_tokens=8, temperature=0.0), return_logits=True)(
-      params, rest, prompts, jax.random.key(0))
+    params, rest, prompts, jax.random.key(0)
+  )
   logits_all = ours(jnp.asarray(out.tokens), compute_mtp=False).logits
   for b, prompt in enumerate(prompts):
     p, n = len(prompt), int(out.lengths[b])
-    np.testing.assert_array_equal(np.argmax(logits_all[b, p - 1:n - 1], -1), out.tokens[b, p:n])
-    np.testing.assert_allclose(out.logits[b, p:n], logits_all[b, p - 1:n - 1], atol=5e-5, rtol=1e-5)
+    np.testing.assert_array_equal(np.argmax(logits_all[b, p - 1 : n - 1], -1), out.tokens[b, p:n])
+    np.testing.assert_allclose(out.logits[b, p:n], logits_all[b, p - 1 : n - 1], atol=5e-5, rtol=1e-5)
 
 
 def test_hf_logits_differ_without_sharing(saved):

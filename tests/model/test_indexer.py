@@ -23,8 +23,9 @@ def scores_numpy(q, k, w):
   for b in range(b_len):
     for t in range(t_len):
       for s in range(k.shape[1]):
-        out[b, t, s] = sum(w[b, t, h] * max(0.0, float(np.dot(q[b, t, h].astype(np.float64), k[b, s])))
-                           for h in range(h_len))
+        out[b, t, s] = sum(
+          w[b, t, h] * max(0.0, float(np.dot(q[b, t, h].astype(np.float64), k[b, s]))) for h in range(h_len)
+        )
   return out
 
 
@@ -35,11 +36,12 @@ def topk_numpy(scores, topk, causal=True, q_offset=0, q_seg=None, kv_seg=None):
   val = np.full((b_len, t_len, topk), -np.inf)
   for b in range(b_len):
     for t in range(t_len):
-      visible = [s for s in range(s_len)
-                 if (not causal or s <= t + q_offset) and (q_seg is None or q_seg[b, t] == kv_seg[b, s])]
+      visible = [
+        s for s in range(s_len) if (not causal or s <= t + q_offset) and (q_seg is None or q_seg[b, t] == kv_seg[b, s])
+      ]
       chosen = sorted(visible, key=lambda s: (-scores[b, t, s], s))[:topk]
-      idx[b, t, :len(chosen)] = chosen
-      val[b, t, :len(chosen)] = scores[b, t, chosen]
+      idx[b, t, : len(chosen)] = chosen
+      val[b, t, : len(chosen)] = scores[b, t, chosen]
   return idx, val
 
 
@@ -152,8 +154,16 @@ def rope_interleaved_numpy(x, positions, theta):
 
 
 def test_indexer_module_matches_numpy_formula():
-  cfg = ModelConfig(vocab_size=16, hidden_size=12, q_lora_rank=10, qk_rope_head_dim=4, index_n_heads=3,
-                    index_head_dim=8, index_norm_eps=1e-6, rope_theta=100.0)
+  cfg = ModelConfig(
+    vocab_size=16,
+    hidden_size=12,
+    q_lora_rank=10,
+    qk_rope_head_dim=4,
+    index_n_heads=3,
+    index_head_dim=8,
+    index_norm_eps=1e-6,
+    rope_theta=100.0,
+  )
   rng = np.random.default_rng(7)
   graphdef, state = nnx.split(nnx.eval_shape(lambda: Indexer(cfg, nnx.Rngs(0))))  # every weight, norm scale
   state = jax.tree.map(lambda a: jnp.asarray(0.5 * rng.standard_normal(a.shape), a.dtype), state)  # and bias random

@@ -150,11 +150,27 @@ def test_check_token_ids_is_a_no_op_for_concrete_ids_inside_a_trace():
 
 @pytest.mark.parametrize("bad", [64, 100, -1])
 def test_model_call_rejects_out_of_vocab_ids(bad):
-  cfg = ModelConfig(vocab_size=64, hidden_size=16, intermediate_size=16, moe_intermediate_size=8,
-                    num_hidden_layers=1, first_k_dense_replace=1, num_nextn_predict_layers=0,
-                    num_attention_heads=2, num_key_value_heads=2, q_lora_rank=8, kv_lora_rank=8,
-                    qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4, n_routed_experts=4,
-                    num_experts_per_tok=2, index_topk=4, index_n_heads=2, index_head_dim=8)
+  cfg = ModelConfig(
+    vocab_size=64,
+    hidden_size=16,
+    intermediate_size=16,
+    moe_intermediate_size=8,
+    num_hidden_layers=1,
+    first_k_dense_replace=1,
+    num_nextn_predict_layers=0,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    q_lora_rank=8,
+    kv_lora_rank=8,
+    qk_nope_head_dim=4,
+    qk_rope_head_dim=4,
+    v_head_dim=4,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    index_topk=4,
+    index_n_heads=2,
+    index_head_dim=8,
+  )
   model = nnx.eval_shape(lambda: GlmMoeDsa(cfg, nnx.Rngs(0)))  # the id check runs before any weight is read
   with pytest.raises(ValueError, match=rf"token id {bad} is outside the vocabulary \[0, 64\)"):
     model(jnp.array([[1, 2, bad, 3]]))

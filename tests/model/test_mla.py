@@ -15,9 +15,21 @@ from glm_jax.model.mla import MLA, AttentionInputs
 from glm_jax.model.transformer import GlmMoeDsa
 from tests.helpers import init_module
 
-MLA_CFG = ModelConfig(vocab_size=32, hidden_size=16, num_attention_heads=2, num_key_value_heads=2, q_lora_rank=12,
-                      kv_lora_rank=10, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5, index_n_heads=3,
-                      index_head_dim=8, index_topk=3, rope_theta=100.0)
+MLA_CFG = ModelConfig(
+  vocab_size=32,
+  hidden_size=16,
+  num_attention_heads=2,
+  num_key_value_heads=2,
+  q_lora_rank=12,
+  kv_lora_rank=10,
+  qk_nope_head_dim=6,
+  qk_rope_head_dim=4,
+  v_head_dim=5,
+  index_n_heads=3,
+  index_head_dim=8,
+  index_topk=3,
+  rope_theta=100.0,
+)
 
 
 def make_mla(seed=0, **overrides):
@@ -42,8 +54,9 @@ def mask_numpy(t_len, seg):
 
 def inputs(positions, seg):
   cos, sin = rope_angles(jnp.asarray(positions), MLA_CFG.qk_rope_head_dim, MLA_CFG.rope_theta)
-  return AttentionInputs(cos=cos, sin=sin, segment_ids=jnp.asarray(seg, jnp.int32),
-                         mask=jnp.asarray(mask_numpy(positions.shape[1], seg)))
+  return AttentionInputs(
+    cos=cos, sin=sin, segment_ids=jnp.asarray(seg, jnp.int32), mask=jnp.asarray(mask_numpy(positions.shape[1], seg))
+  )
 
 
 def default_inputs(b, t):
@@ -151,8 +164,9 @@ def test_dense_causal_matches_numpy(form):
   out, aux = run_mla(mla, x, default_inputs(2, 6), form=form)
   pos, causal = np.arange(6), np.tril(np.ones((6, 6), bool))
   for b in range(2):
-    np.testing.assert_allclose(np.asarray(out[b]), mla_numpy(mla, x[b].astype(np.float64), pos, causal),
-                               rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(
+      np.asarray(out[b]), mla_numpy(mla, x[b].astype(np.float64), pos, causal), rtol=1e-4, atol=1e-5
+    )
   assert "topk_indices" not in aux
 
 
@@ -181,8 +195,9 @@ def test_forced_sparse_path_with_topk_ge_seq_len_equals_dense_causal(topk, monke
   np.testing.assert_allclose(np.asarray(sparse), np.asarray(dense), rtol=1e-5, atol=1e-5)
   causal = np.tril(np.ones((7, 7), bool))
   for b in range(2):
-    np.testing.assert_allclose(np.asarray(sparse[b]), mla_numpy(mla, x[b].astype(np.float64), np.arange(7), causal),
-                               rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(
+      np.asarray(sparse[b]), mla_numpy(mla, x[b].astype(np.float64), np.arange(7), causal), rtol=1e-4, atol=1e-5
+    )
 
 
 @pytest.mark.parametrize("topk", [1, 3, 5])
@@ -211,8 +226,8 @@ def test_packed_segments_equal_separate_sequences(topk):
   pos = np.array([list(range(n)) * 2])
   packed, _ = run_mla(mla, x, inputs(pos, seg))
   for k in range(2):
-    alone, _ = run_mla(mla, x[:, k * n:(k + 1) * n], default_inputs(1, n))
-    np.testing.assert_allclose(np.asarray(packed[:, k * n:(k + 1) * n]), np.asarray(alone), rtol=1e-5, atol=1e-5)
+    alone, _ = run_mla(mla, x[:, k * n : (k + 1) * n], default_inputs(1, n))
+    np.testing.assert_allclose(np.asarray(packed[:, k * n : (k + 1) * n]), np.asarray(alone), rtol=1e-5, atol=1e-5)
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
@@ -222,11 +237,28 @@ def _model_apply(graphdef, state, ids, positions, segment_ids):
 
 
 def test_model_packed_segments_equal_separate_sequences():
-  cfg = ModelConfig(vocab_size=48, hidden_size=16, intermediate_size=24, moe_intermediate_size=8,
-                    num_hidden_layers=2, first_k_dense_replace=1, num_nextn_predict_layers=1,
-                    num_attention_heads=2, num_key_value_heads=2, q_lora_rank=12, kv_lora_rank=10,
-                    qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5, n_routed_experts=4, num_experts_per_tok=2,
-                    index_topk=3, index_n_heads=2, index_head_dim=8, rope_theta=100.0)
+  cfg = ModelConfig(
+    vocab_size=48,
+    hidden_size=16,
+    intermediate_size=24,
+    moe_intermediate_size=8,
+    num_hidden_layers=2,
+    first_k_dense_replace=1,
+    num_nextn_predict_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    q_lora_rank=12,
+    kv_lora_rank=10,
+    qk_nope_head_dim=6,
+    qk_rope_head_dim=4,
+    v_head_dim=5,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    index_topk=3,
+    index_n_heads=2,
+    index_head_dim=8,
+    rope_theta=100.0,
+  )
   model = init_module(lambda: GlmMoeDsa(cfg, nnx.Rngs(0)), 7, 0.3)
   graphdef, state = nnx.split(model)
   n = 6

@@ -12,8 +12,16 @@ from flax import nnx
 from glm_jax.model.config import ModelConfig
 from glm_jax.model.moe import MoE, route
 
-CFG = ModelConfig(vocab_size=32, hidden_size=16, moe_intermediate_size=8, n_routed_experts=8, num_experts_per_tok=2,
-                  n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True)
+CFG = ModelConfig(
+  vocab_size=32,
+  hidden_size=16,
+  moe_intermediate_size=8,
+  n_routed_experts=8,
+  num_experts_per_tok=2,
+  n_shared_experts=1,
+  routed_scaling_factor=2.5,
+  norm_topk_prob=True,
+)
 
 
 def sigmoid(x):
@@ -27,11 +35,11 @@ def route_numpy(logits, bias, cfg):
   if cfg.n_group > 1:
     groups = choice.reshape(cfg.n_group, -1)
     group_score = np.sort(groups, axis=-1)[:, -2:].sum(-1)  # sum of the top-2 biased scores of each group
-    kept = np.argsort(-group_score, kind="stable")[:cfg.topk_group]
+    kept = np.argsort(-group_score, kind="stable")[: cfg.topk_group]
     allowed = np.zeros_like(groups, bool)
     allowed[kept] = True
     choice = np.where(allowed.reshape(-1), choice, -np.inf)
-  idx = np.argsort(-choice, kind="stable")[:cfg.num_experts_per_tok]
+  idx = np.argsort(-choice, kind="stable")[: cfg.num_experts_per_tok]
   w = s[idx]  # the unbiased affinities: the bias steers selection only
   if cfg.norm_topk_prob:
     w = w / w.sum()
@@ -114,9 +122,17 @@ def swiglu(x, gate, up, down):
   return (a * sigmoid(a) * (x @ up)) @ down
 
 
-@pytest.mark.parametrize("overrides", [{}, {"norm_topk_prob": False, "num_experts_per_tok": 3},
-                                       {"n_group": 4, "topk_group": 2}, {"n_shared_experts": 0},
-                                       {"moe_capacity_factor": 0.5}, {"moe_capacity_factor": 1.25}])
+@pytest.mark.parametrize(
+  "overrides",
+  [
+    {},
+    {"norm_topk_prob": False, "num_experts_per_tok": 3},
+    {"n_group": 4, "topk_group": 2},
+    {"n_shared_experts": 0},
+    {"moe_capacity_factor": 0.5},
+    {"moe_capacity_factor": 1.25},
+  ],
+)
 def test_moe_matches_per_token_loop(overrides):
   """With a capacity factor c the 10 tokens are one dispatch group: each expert takes its first
   ceil(c * 10 * K / E) (token, slot) pairs in token order and the rest are dropped (and counted)."""
@@ -162,8 +178,11 @@ def test_moe_matches_per_token_loop(overrides):
 
 @pytest.mark.parametrize("factor", [0.1, 1 / 3 - 1e-3, -1.0, True, "1.0"])
 def test_capacity_factor_below_one_over_k_is_named(factor):
-  with pytest.raises(ValueError, match=r"moe_capacity_factor=.* is invalid; 0 \(dropless\) or a number >= "
-                                       r"1 / num_experts_per_tok = 0.3333"):
+  with pytest.raises(
+    ValueError,
+    match=r"moe_capacity_factor=.* is invalid; 0 \(dropless\) or a number >= "
+    r"1 / num_experts_per_tok = 0.3333",
+  ):
     CFG.replace(num_experts_per_tok=3, moe_capacity_factor=factor)
 
 

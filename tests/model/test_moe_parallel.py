@@ -32,13 +32,13 @@ CAPACITY = 1.0  # cap = ceil(G * K / E) pairs an expert for a dispatch group of 
 
 # name -> (axis sizes, axis names, sharding of the expert weights' D axis before the call)
 MESHES = {
-    "expert8": ((8,), ("expert",), None),
-    "data2_expert4": ((2, 4), ("data", "expert"), None),
-    "expert2_data4": ((2, 4), ("expert", "data"), None),
-    # tensor-parallel experts (I split, psum) and an fsdp-sharded D that must be all-gathered
-    "expert2_fsdp2_tensor2": ((2, 2, 2), ("expert", "fsdp", "tensor"), "fsdp"),
-    # no expert axis: no exchange, data parallel grouped_ffn
-    "data8": ((8,), ("data",), None),
+  "expert8": ((8,), ("expert",), None),
+  "data2_expert4": ((2, 4), ("data", "expert"), None),
+  "expert2_data4": ((2, 4), ("expert", "data"), None),
+  # tensor-parallel experts (I split, psum) and an fsdp-sharded D that must be all-gathered
+  "expert2_fsdp2_tensor2": ((2, 2, 2), ("expert", "fsdp", "tensor"), "fsdp"),
+  # no expert axis: no exchange, data parallel grouped_ffn
+  "data8": ((8,), ("data",), None),
 }
 
 
@@ -73,8 +73,12 @@ def check(name: str) -> dict:
   specs = expert_parallel_specs(mesh)
   put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
   if d_axis is not None:  # D of the expert weights sharded too, as the fsdp rules would
-    specs = dict(specs, gate=P(specs["gate"][0], d_axis, specs["gate"][2]),
-                 up=P(specs["up"][0], d_axis, specs["up"][2]), down=P(specs["down"][0], specs["down"][1], d_axis))
+    specs = dict(
+      specs,
+      gate=P(specs["gate"][0], d_axis, specs["gate"][2]),
+      up=P(specs["up"][0], d_axis, specs["up"][2]),
+      down=P(specs["down"][0], specs["down"][1], d_axis),
+    )
   sx, sw, sct = put(x, specs["x"]), put(w, specs["w"]), put(ct, specs["y"])
   sg, su, sd = put(gate, specs["gate"]), put(up, specs["up"]), put(down, specs["down"])
 
@@ -87,8 +91,11 @@ def check(name: str) -> dict:
   # The receive buffers and their gradients are not filled (ragged_all_to_all.unwritten); a second program fills
   # them with NaN instead, so a row read before it is written would show as NaN in y or a gradient.
   with nan_unwritten():
-    ep_nan_fn = jax.jit(lambda *a: value_and_grads(ep, *a)).lower(
-        sx, sw, put(idxs["random"], specs["idx"]), sg, su, sd, sct).compile()
+    ep_nan_fn = (
+      jax.jit(lambda *a: value_and_grads(ep, *a))
+      .lower(sx, sw, put(idxs["random"], specs["idx"]), sg, su, sd, sct)
+      .compile()
+    )
   for routing, idx in idxs.items():
     y_ref, grads_ref = ref_fn(x, w, idx, gate, up, down, ct)
     for fn, errors in ((ep_fn, out["errors"]), (ep_nan_fn, out["nan_filled_errors"])):
@@ -110,8 +117,10 @@ def check(name: str) -> dict:
   # bf16: equal to grouped_ffn in bf16 up to bf16 rounding (rows travel in bf16)
   y16 = jax.jit(lambda *a: expert_parallel_ffn(*a, jnp.bfloat16, mesh=mesh)[0])(sx, sw, idx, sg, su, sd)
   y16_ref = grouped_ffn(x, w, idxs["random"], gate, up, down, jnp.bfloat16)[0]
-  out["bf16_rel_error"] = float(np.max(np.abs(np.asarray(y16, np.float32) - np.asarray(y16_ref, np.float32)))
-                                / np.max(np.abs(np.asarray(y16_ref, np.float32))))
+  out["bf16_rel_error"] = float(
+    np.max(np.abs(np.asarray(y16, np.float32) - np.asarray(y16_ref, np.float32)))
+    / np.max(np.abs(np.asarray(y16_ref, np.float32)))
+  )
   out["capacity"] = capacity_check(mesh, (sx, sw, sg, su, sd), idxs, put, specs)
   return out
 
@@ -125,11 +134,15 @@ def fast_path_check(mesh, sharded, idxs, put, specs, ref_fn, plain) -> dict:
   of N / shards tokens; shard q holds experts [q E/P, (q+1) E/P))."""
   saved, moe_parallel.ROW_TILE = moe_parallel.ROW_TILE, FAST_TILE
   try:
-    fast = lambda x, w, i, g, u, d: expert_parallel_ffn(x, w, i, g, u, d, jnp.float32, mesh=mesh,
-                                                        buffer_factor=FAST_FACTOR)[0]
+    fast = lambda x, w, i, g, u, d: expert_parallel_ffn(
+      x, w, i, g, u, d, jnp.float32, mesh=mesh, buffer_factor=FAST_FACTOR
+    )[0]
     with nan_unwritten():
-      fn = jax.jit(lambda *a: value_and_grads(fast, *a)).lower(
-          *sharded[:2], put(idxs["random"], specs["idx"]), *sharded[2:]).compile()
+      fn = (
+        jax.jit(lambda *a: value_and_grads(fast, *a))
+        .lower(*sharded[:2], put(idxs["random"], specs["idx"]), *sharded[2:])
+        .compile()
+      )
   finally:
     moe_parallel.ROW_TILE = saved
   p = mesh.shape["expert"]
@@ -140,8 +153,10 @@ def fast_path_check(mesh, sharded, idxs, put, specs, ref_fn, plain) -> dict:
   for routing, idx in idxs.items():
     y, grads = fn(*sharded[:2], put(idx, specs["idx"]), *sharded[2:])
     y_ref, grads_ref = ref_fn(*plain[:2], idx, *plain[2:])
-    out["fast_errors"][routing] = {key: float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for key, a, b in
-                                   zip(("y", "dx", "dw", "dgate", "dup", "ddown"), (y, *grads), (y_ref, *grads_ref))}
+    out["fast_errors"][routing] = {
+      key: float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+      for key, a, b in zip(("y", "dx", "dw", "dgate", "dup", "ddown"), (y, *grads), (y_ref, *grads_ref))
+    }
     shard_of = np.asarray(idx).reshape(-1, p * n_loc * K) // (E // p)  # [groups, pairs of the group]
     busiest = max(int(np.sum(group == q)) for group in shard_of for q in range(p))
     out["fast_fits"][routing] = busiest <= fast_rows
@@ -185,14 +200,21 @@ def capacity_check(mesh, args, idxs, put, specs) -> dict:
   group = N // shards * (mesh.shape["expert"] if "expert" in names else 1)
   cap = math.ceil(CAPACITY * group * K / E)
   with nan_unwritten():  # traced with NaN where the buffers are left unfilled; the dropped rows' must be 0
-    fn = jax.jit(lambda *a: expert_parallel_ffn(*a, jnp.float32, mesh=mesh, capacity_factor=CAPACITY)).lower(
-        *args[:2], put(idxs["random"], specs["idx"]), *args[2:]).compile()
+    fn = (
+      jax.jit(lambda *a: expert_parallel_ffn(*a, jnp.float32, mesh=mesh, capacity_factor=CAPACITY))
+      .lower(*args[:2], put(idxs["random"], specs["idx"]), *args[2:])
+      .compile()
+    )
   out = {}
   for routing in ("random", "all_to_expert_0"):
     y, dropped = fn(*args[:2], put(idxs[routing], specs["idx"]), *args[2:])
     want_y, want_dropped = capacity_reference(*args[:2], idxs[routing], *args[2:], group, cap)
-    out[routing] = {"y_error": float(np.max(np.abs(np.asarray(y) - want_y))), "scale": float(np.abs(want_y).max()),
-                    "dropped": int(dropped), "want_dropped": want_dropped}
+    out[routing] = {
+      "y_error": float(np.max(np.abs(np.asarray(y) - want_y))),
+      "scale": float(np.abs(want_y).max()),
+      "dropped": int(dropped),
+      "want_dropped": want_dropped,
+    }
   return out
 
 
@@ -203,8 +225,9 @@ def run_check(name: str) -> dict:
 @pytest.mark.parametrize("name", [n if n == "expert8" else pytest.param(n, marks=pytest.mark.slow) for n in MESHES])
 def test_expert_parallel_equals_grouped_ffn(name):
   result = run_check(name)
-  assert set(result["errors"]) == set(result["nan_filled_errors"]) == {"random", "all_to_expert_0",
-                                                                        "all_to_last_experts"}
+  assert (
+    set(result["errors"]) == set(result["nan_filled_errors"]) == {"random", "all_to_expert_0", "all_to_last_experts"}
+  )
   for errors in (result["errors"], result["nan_filled_errors"]):
     for routing, errs in errors.items():
       for key, err in errs.items():
@@ -228,8 +251,9 @@ def test_expert_parallel_equals_grouped_ffn(name):
 def test_errors_name_the_sizes():
   mesh = jax.make_mesh((1,), ("expert",), axis_types=(AxisType.Auto,), devices=jax.devices()[:1])
   x, w, gate, up, down, _, idxs = inputs()
-  ffn = lambda x, w, g, u, d, m: expert_parallel_ffn(x, w, idxs["random"][:x.shape[0]], g, u, d, jnp.float32,
-                                                     mesh=m)[0]
+  ffn = lambda x, w, g, u, d, m: expert_parallel_ffn(x, w, idxs["random"][: x.shape[0]], g, u, d, jnp.float32, mesh=m)[
+    0
+  ]
   if jax.device_count() >= 3:
     mesh3 = jax.make_mesh((3,), ("expert",), axis_types=(AxisType.Auto,), devices=jax.devices()[:3])
     with pytest.raises(ValueError, match="n_routed_experts=16 must divide over mesh axis 'expert' of size 3"):
@@ -237,8 +261,9 @@ def test_errors_name_the_sizes():
     with pytest.raises(ValueError, match="N=64 tokens must divide over the token axes"):
       ffn(x, w, gate, up, down, mesh3)
   # an expert axis of size 1 is grouped_ffn
-  np.testing.assert_allclose(ffn(x, w, gate, up, down, mesh),
-                             grouped_ffn(x, w, idxs["random"], gate, up, down, jnp.float32)[0], atol=TOL)
+  np.testing.assert_allclose(
+    ffn(x, w, gate, up, down, mesh), grouped_ffn(x, w, idxs["random"], gate, up, down, jnp.float32)[0], atol=TOL
+  )
 
 
 if __name__ == "__main__":  # the subprocess of run_check

@@ -17,11 +17,8 @@ def count_by_hand(c: ModelConfig) -> dict[str, int]:
   MTP: enorm, hnorm, eh_proj 2D->D, one decoder layer, shared_head norm."""
   d, v, h = c.hidden_size, c.vocab_size, c.num_attention_heads
   dn, dr, dv, qr, kr = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.q_lora_rank, c.kv_lora_rank
-  attention = (d * qr + qr + qr * h * (dn + dr)
-               + d * (kr + dr) + kr + kr * h * (dn + dv)
-               + h * dv * d)
-  indexer = qr * c.index_n_heads * c.index_head_dim + d * c.index_head_dim + 2 * c.index_head_dim \
-      + d * c.index_n_heads
+  attention = d * qr + qr + qr * h * (dn + dr) + d * (kr + dr) + kr + kr * h * (dn + dv) + h * dv * d
+  indexer = qr * c.index_n_heads * c.index_head_dim + d * c.index_head_dim + 2 * c.index_head_dim + d * c.index_n_heads
   common = attention + indexer + 2 * d
   dense_layer = common + 3 * d * c.intermediate_size
   expert = 3 * d * c.moe_intermediate_size
@@ -30,8 +27,10 @@ def count_by_hand(c: ModelConfig) -> dict[str, int]:
   n_moe = c.num_hidden_layers - n_dense
   total = v * d + (0 if c.tie_word_embeddings else d * v) + d + n_dense * dense_layer + n_moe * moe_layer
   inactive = n_moe * (c.n_routed_experts - c.num_experts_per_tok) * expert
-  mtp = sum(3 * d + 2 * d * d + (moe_layer if c.num_hidden_layers + k >= c.first_k_dense_replace else dense_layer)
-            for k in range(c.num_nextn_predict_layers))
+  mtp = sum(
+    3 * d + 2 * d * d + (moe_layer if c.num_hidden_layers + k >= c.first_k_dense_replace else dense_layer)
+    for k in range(c.num_nextn_predict_layers)
+  )
   return {"total": total, "active": total - inactive, "mtp": mtp}
 
 
@@ -51,14 +50,17 @@ def test_hand_count_of_the_744b_config_matches_the_figures():
   assert abs(counts["mtp"] - 9.95e9) < 0.005e9
 
 
-@pytest.mark.parametrize("changes", [
+@pytest.mark.parametrize(
+  "changes",
+  [
     {},
     {"tie_word_embeddings": True},
     {"first_k_dense_replace": 0},
     {"first_k_dense_replace": 3},  # all dense main layers; the MTP layer (index 3) is MoE
     {"first_k_dense_replace": 5},  # ... and here the MTP layer (index 3) is dense too
     {"n_shared_experts": 0, "num_nextn_predict_layers": 2},
-])
+  ],
+)
 def test_tiny_config_matches_the_hand_count(changes):
   cfg = ModelConfig.from_dict(glm5_tiny.get_config().model).replace(**changes)
   assert param_counts(cfg) == count_by_hand(cfg)

@@ -38,7 +38,7 @@ def case(seed: int, per_device: int):
   n = DEVICES * per_device
   while True:  # sizes[d, i]: rows device d sends as its slice i (to device i // per_device)
     sizes = rng.integers(0, 4, (DEVICES, n)).astype(np.int32)
-    received = [sizes[:, q * per_device:(q + 1) * per_device].sum() for q in range(DEVICES)]
+    received = [sizes[:, q * per_device : (q + 1) * per_device].sum() for q in range(DEVICES)]
     if sizes.sum(1).max() <= ROWS_IN and max(received) <= ROWS_OUT:
       break
   input_offsets = np.stack([layout(rng, sizes[d], ROWS_IN) for d in range(DEVICES)])
@@ -47,7 +47,7 @@ def case(seed: int, per_device: int):
     cols = slice(q * per_device, (q + 1) * per_device)
     output_offsets[:, cols] = layout(rng, sizes[:, cols].reshape(-1), ROWS_OUT).reshape(DEVICES, per_device)
   # recv_sizes[q, d * per_device + l]: the size of slice l that device d sends to q
-  recv_sizes = np.stack([sizes[:, q * per_device:(q + 1) * per_device].reshape(-1) for q in range(DEVICES)])
+  recv_sizes = np.stack([sizes[:, q * per_device : (q + 1) * per_device].reshape(-1) for q in range(DEVICES)])
   operand = rng.standard_normal((DEVICES, ROWS_IN, WIDTH)).astype(np.float32)
   output = rng.standard_normal((DEVICES, ROWS_OUT, WIDTH)).astype(np.float32)
   return operand, output, input_offsets, sizes, output_offsets, recv_sizes
@@ -60,15 +60,15 @@ def numpy_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_o
   for d in range(DEVICES):
     for i in range(send_sizes.shape[1]):
       q, a, b, m = i // per_device, input_offsets[d, i], output_offsets[d, i], send_sizes[d, i]
-      result[q, b:b + m] = operand[d, a:a + m]
+      result[q, b : b + m] = operand[d, a : a + m]
 
   def transpose(ct):
     d_operand, d_output = np.zeros_like(operand), ct.copy()
     for d in range(DEVICES):
       for i in range(send_sizes.shape[1]):
         q, a, b, m = i // per_device, input_offsets[d, i], output_offsets[d, i], send_sizes[d, i]
-        d_operand[d, a:a + m] += ct[q, b:b + m]
-        d_output[q, b:b + m] = 0
+        d_operand[d, a : a + m] += ct[q, b : b + m]
+        d_output[q, b : b + m] = 0
     return d_operand, d_output
 
   return result, transpose
@@ -89,19 +89,31 @@ def check(seed: int, per_device: int) -> dict:
   d_operand, d_output = pull(jnp.asarray(ct))
   want, transpose = numpy_ragged_all_to_all(operand, output, in_off, sizes, out_off, per_device)
   want_d_operand, want_d_output = transpose(ct)
-  return {"result": float(np.max(np.abs(np.asarray(result) - want))),
-          "d_operand": float(np.max(np.abs(np.asarray(d_operand) - want_d_operand))),
-          "d_output": float(np.max(np.abs(np.asarray(d_output) - want_d_output))),
-          "rows_sent": int(sizes.sum()), "empty_slices": int((sizes == 0).sum()),
-          "rows_kept": int(ROWS_OUT * DEVICES - sizes.sum())}
+  return {
+    "result": float(np.max(np.abs(np.asarray(result) - want))),
+    "d_operand": float(np.max(np.abs(np.asarray(d_operand) - want_d_operand))),
+    "d_output": float(np.max(np.abs(np.asarray(d_output) - want_d_output))),
+    "rows_sent": int(sizes.sum()),
+    "empty_slices": int((sizes == 0).sum()),
+    "rows_kept": int(ROWS_OUT * DEVICES - sizes.sum()),
+  }
 
 
-@pytest.mark.parametrize("seed, per_device", [(0, 2), pytest.param(0, 1, marks=pytest.mark.slow),
-                                               pytest.param(1, 1, marks=pytest.mark.slow),
-                                               pytest.param(1, 2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+  "seed, per_device",
+  [
+    (0, 2),
+    pytest.param(0, 1, marks=pytest.mark.slow),
+    pytest.param(1, 1, marks=pytest.mark.slow),
+    pytest.param(1, 2, marks=pytest.mark.slow),
+  ],
+)
 def test_dense_emulation_follows_jax_contract(seed, per_device):
-  got = (check(seed, per_device) if jax.device_count() >= DEVICES
-         else run_on_simulated_devices(__file__, str(seed), str(per_device), devices=DEVICES))
+  got = (
+    check(seed, per_device)
+    if jax.device_count() >= DEVICES
+    else run_on_simulated_devices(__file__, str(seed), str(per_device), devices=DEVICES)
+  )
   assert got["rows_sent"] > 0 and got["empty_slices"] > 0 and got["rows_kept"] > 0, got  # the case has all three
   assert got["result"] == 0.0 and got["d_operand"] == 0.0 and got["d_output"] == 0.0, got  # rows are moved
 

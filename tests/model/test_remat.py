@@ -22,12 +22,14 @@ B, T = 2, 16
 
 def config(policy: str) -> ModelConfig:
   return ModelConfig.from_dict(glm5_tiny.get_config().model).replace(
-      remat_policy=policy, use_dsa=False, num_hidden_layers=3, first_k_dense_replace=1, num_nextn_predict_layers=0)
+    remat_policy=policy, use_dsa=False, num_hidden_layers=3, first_k_dense_replace=1, num_nextn_predict_layers=0
+  )
 
 
 def loss_fn(graphdef, rest):
   def loss(params, ids):
     return jnp.mean(nnx.merge(graphdef, params, rest)(ids).logits ** 2)
+
   return loss
 
 
@@ -61,8 +63,9 @@ def test_the_tpu_program_keeps_the_layer_inputs_in_host_memory():
   for policy in ("full", "offload_layer_inputs"):
     cfg = config(policy)
     graphdef, params, rest = nnx.split(nnx.eval_shape(lambda: GlmMoeDsa(cfg, nnx.Rngs(0))), nnx.Param, ...)
-    params, rest = (jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), t)
-                    for t in (params, rest))
+    params, rest = (
+      jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), t) for t in (params, rest)
+    )
     ids = jax.ShapeDtypeStruct((8, 64), jnp.int32, sharding=rows)
     hlo = jax.jit(jax.grad(lambda p, r, i: loss_fn(graphdef, r)(p, i))).lower(params, rest, ids).compile().as_text()
     host_buffers[policy] = set(re.findall(r"f32\[([0-9,]+)\]\{[^}]*S\(5\)\}", hlo))

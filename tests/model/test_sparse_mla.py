@@ -36,7 +36,7 @@ def random_indices(rng, b, t, s, k, n_invalid):
   """Distinct keys per query; the last n_invalid slots of each row set to -1."""
   idx = np.stack([np.stack([rng.permutation(s)[:k] for _ in range(t)]) for _ in range(b)])
   if n_invalid:
-    idx[..., k - n_invalid:] = -1
+    idx[..., k - n_invalid :] = -1
   return idx.astype(np.int32)
 
 

@@ -61,15 +61,28 @@ def test_block_size_that_does_not_fit_is_named():
 def test_mla_dense_stage_with_pallas_equals_reference():
   """glm5-like MLA without DSA (the dense stage), 128 tokens: attention_impl="pallas" runs splash in interpret mode
   on the CPU, "reference" the [T, S] softmax; same outputs and parameter gradients."""
-  cfg = ModelConfig(vocab_size=64, hidden_size=64, num_attention_heads=2, num_key_value_heads=2, q_lora_rank=32,
-                    kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, index_n_heads=2,
-                    index_head_dim=16, index_topk=32, use_dsa=False)
+  cfg = ModelConfig(
+    vocab_size=64,
+    hidden_size=64,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    q_lora_rank=32,
+    kv_lora_rank=16,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    index_n_heads=2,
+    index_head_dim=16,
+    index_topk=32,
+    use_dsa=False,
+  )
   t = 128
   x = jnp.asarray(np.random.default_rng(1).standard_normal((2, t, 64)), jnp.float32)
   seg = jnp.asarray([[1] * 40 + [2] * 88, [1] * t], jnp.int32)
   cos, sin = rope_angles(jnp.broadcast_to(jnp.arange(t), (2, t)), cfg.qk_rope_head_dim, cfg.rope_theta)
-  inp = AttentionInputs(cos=cos, sin=sin, segment_ids=seg,
-                        mask=visible_mask(t, t, causal=True, q_segment_ids=seg, kv_segment_ids=seg))
+  inp = AttentionInputs(
+    cos=cos, sin=sin, segment_ids=seg, mask=visible_mask(t, t, causal=True, q_segment_ids=seg, kv_segment_ids=seg)
+  )
   results = {}
   for impl in ("reference", "pallas"):
     graphdef, params = nnx.split(init_module(lambda: MLA(cfg.replace(attention_impl=impl), nnx.Rngs(0)), 2, 0.2))
@@ -96,7 +109,12 @@ def test_dense_stage_compiles_splash_kernels_for_tpu():
   config.train.dsa_stage = "dense"
   config.mesh.fsdp = 4
   text = aot.compile_train_step(config, tpu_topology_devices("v5p:2x2x1")).compiled.as_text()
-  kernels = {m.group(1) for line in text.splitlines() if 'custom_call_target="tpu_custom_call"' in line
-             for m in [re.match(r"\s*(?:ROOT )?%(splash_mha_[a-z]+)_", line)] if m}  # named after the kernel
+  kernels = {
+    m.group(1)
+    for line in text.splitlines()
+    if 'custom_call_target="tpu_custom_call"' in line
+    for m in [re.match(r"\s*(?:ROOT )?%(splash_mha_[a-z]+)_", line)]
+    if m
+  }  # named after the kernel
   assert kernels == {"splash_mha_fwd", "splash_mha_dkv"}, kernels  # the fused backward computes dq with dkv
   assert not re.search(r"f32\[\d+,\d+,256,256\]", text)  # [B, H, T, S] scores

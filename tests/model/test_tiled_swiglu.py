@@ -43,7 +43,7 @@ def test_equals_ragged_dot_in_value_and_gradients(name, dtype, tol):
   y_ref = ragged_dot_swiglu(xs, gs, gate, up, down, dtype)
   y = jax.jit(fused, static_argnums=5)(xs, gs, gate, up, down, dtype)
   np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), atol=tol * max(1.0, float(jnp.max(jnp.abs(y_ref)))))
-  assert not np.any(np.asarray(y)[sum(sizes):])  # rows past the last group
+  assert not np.any(np.asarray(y)[sum(sizes) :])  # rows past the last group
   (_, g_ref), (_, g_got) = value_and_grads(ragged_dot_swiglu), value_and_grads(fused)
   for a, b in zip(g_ref, g_got):
     assert a.dtype == b.dtype
@@ -58,7 +58,13 @@ def test_tiles_are_each_groups_rows_cut_from_its_first_row():
   n = int(t.count)
   assert n == 6 and len(t.group) == 11 and int(t.ends[-1]) == 35  # rows in groups
   assert list(zip(np.asarray(t.group)[:n].tolist(), np.asarray(t.start)[:n].tolist())) == [
-      (0, 0), (2, 5), (3, 12), (3, 20), (3, 28), (5, 32)]
+    (0, 0),
+    (2, 5),
+    (3, 12),
+    (3, 20),
+    (3, 28),
+    (5, 32),
+  ]
 
 
 def test_the_cpu_trace_takes_the_fused_loop_and_others_the_grouped_matmuls():

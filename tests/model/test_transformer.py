@@ -17,11 +17,28 @@ from glm_jax.model.transformer import GlmMoeDsa
 from tests.helpers import init_module
 
 B, T = 2, 8
-CFG = ModelConfig(vocab_size=40, hidden_size=16, intermediate_size=24, moe_intermediate_size=8, num_hidden_layers=3,
-                  first_k_dense_replace=1, num_nextn_predict_layers=1, num_attention_heads=2, num_key_value_heads=2,
-                  q_lora_rank=12, kv_lora_rank=10, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5,
-                  n_routed_experts=4, num_experts_per_tok=2, index_topk=3, index_n_heads=2, index_head_dim=8,
-                  rope_theta=100.0)  # index_topk < T: DSA really selects in every layer
+CFG = ModelConfig(
+  vocab_size=40,
+  hidden_size=16,
+  intermediate_size=24,
+  moe_intermediate_size=8,
+  num_hidden_layers=3,
+  first_k_dense_replace=1,
+  num_nextn_predict_layers=1,
+  num_attention_heads=2,
+  num_key_value_heads=2,
+  q_lora_rank=12,
+  kv_lora_rank=10,
+  qk_nope_head_dim=6,
+  qk_rope_head_dim=4,
+  v_head_dim=5,
+  n_routed_experts=4,
+  num_experts_per_tok=2,
+  index_topk=3,
+  index_n_heads=2,
+  index_head_dim=8,
+  rope_theta=100.0,
+)  # index_topk < T: DSA really selects in every layer
 
 
 def make_model(cfg, seed=0):
@@ -94,12 +111,18 @@ def assert_close(a, b, rtol=1e-5, atol=1e-5):
 # ---- tests -------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("overrides", [
-    {},                                                   # 1 dense + 2 MoE layers, one MTP layer
+@pytest.mark.parametrize(
+  "overrides",
+  [
+    {},  # 1 dense + 2 MoE layers, one MTP layer
     {"first_k_dense_replace": 0, "num_hidden_layers": 2},  # MoE only
-    {"first_k_dense_replace": 2, "num_hidden_layers": 2,   # dense only (the MTP layer is still MoE),
-     "tie_word_embeddings": True},                          # and the embedding doubles as the head
-])
+    {
+      "first_k_dense_replace": 2,
+      "num_hidden_layers": 2,  # dense only (the MTP layer is still MoE),
+      "tie_word_embeddings": True,
+    },  # and the embedding doubles as the head
+  ],
+)
 def test_model_equals_layer_by_layer_loop_with_hand_written_mtp(overrides):
   cfg = CFG.replace(**overrides)
   model = make_model(cfg)

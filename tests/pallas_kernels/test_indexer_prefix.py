@@ -64,21 +64,29 @@ def _loop_mask(t_len, s_len, q_offset, q_seg, kv_seg, pe):
   return mask
 
 
-@pytest.mark.parametrize("b, t_len, s_len, q_offset, bounds, topk, block_k", [
+@pytest.mark.parametrize(
+  "b, t_len, s_len, q_offset, bounds, topk, block_k",
+  [
     # one query block (T=24 lanes) at positions 8..31 of 96 keys in 12 key blocks: its diagonal is key block 3
     (2, 24, 96, 8, [[20, 70], [50]], 10, 8),
     # two query blocks (T=160 padded to 256), diagonal of block 0 in key block 4 of 7; row 0's second document
     # reaches further from block 0 than row 1's does
     (2, 160, 224, 16, [[100, 220], [30, 150]], 20, 32),
-])
+  ],
+)
 def test_kernel_equals_reference_with_prefixes(b, t_len, s_len, q_offset, bounds, topk, block_k):
   kv_seg, end_S = _documents(np.random.default_rng(4), b, s_len, bounds)
-  q_seg, pe = kv_seg[:, q_offset:q_offset + t_len], end_S[:, q_offset:q_offset + t_len]
+  q_seg, pe = kv_seg[:, q_offset : q_offset + t_len], end_S[:, q_offset : q_offset + t_len]
   past = _reach_past_diagonal(pe, q_offset, 128 if t_len > 128 else t_len, block_k)
   assert past[0, 0] and not past[1, 0]  # the data exercises the prefix reach, per batch row
   q, k, w = _int_inputs(12, b, t_len, s_len, 3, 8)
-  kw = {"topk": topk, "q_offset": q_offset, "q_segment_ids": jnp.asarray(q_seg), "kv_segment_ids": jnp.asarray(kv_seg),
-        "q_prefix_end": jnp.asarray(pe)}
+  kw = {
+    "topk": topk,
+    "q_offset": q_offset,
+    "q_segment_ids": jnp.asarray(q_seg),
+    "kv_segment_ids": jnp.asarray(kv_seg),
+    "q_prefix_end": jnp.asarray(pe),
+  }
   got = lightning_indexer_topk(q, k, w, block_sizes=IndexerBlockSizes(128, block_k), **kw)
   want = reference.lightning_indexer_topk(q, k, w, **kw)
   _assert_same(got, want)
@@ -93,12 +101,18 @@ def test_visible_mask_equals_the_rule_in_a_loop():
   rng = np.random.default_rng(13)
   b, t_len, s_len, q_offset = 2, 9, 15, 4
   kv_seg = np.sort(rng.integers(0, 3, (b, s_len)), axis=1).astype(np.int32)
-  q_seg = kv_seg[:, q_offset:q_offset + t_len]
+  q_seg = kv_seg[:, q_offset : q_offset + t_len]
   pe = rng.integers(-3, s_len + 4, (b, t_len)).astype(np.int32)  # negative and past S too
   kv_seg[0] = 0  # row 0: one document
   pe[0, :3] = [0, 6, 8]  # no prefix; query 1's own causal limit (t + q_offset + 1 = 6); one key past query 2's
-  mask = reference.visible_mask(t_len, s_len, q_offset=q_offset, q_segment_ids=jnp.asarray(q_seg),
-                                kv_segment_ids=jnp.asarray(kv_seg), q_prefix_end=jnp.asarray(pe))
+  mask = reference.visible_mask(
+    t_len,
+    s_len,
+    q_offset=q_offset,
+    q_segment_ids=jnp.asarray(q_seg),
+    kv_segment_ids=jnp.asarray(kv_seg),
+    q_prefix_end=jnp.asarray(pe),
+  )
   want = _loop_mask(t_len, s_len, q_offset, q_seg, kv_seg, pe)
   np.testing.assert_array_equal(np.asarray(mask), want)
   causal = _loop_mask(t_len, s_len, q_offset, q_seg, kv_seg, np.zeros_like(pe))
@@ -115,25 +129,29 @@ def test_no_prefix_all_zeros_and_causal_ends_are_the_causal_result():
   blocks = IndexerBlockSizes(128, 8)
   want = reference.lightning_indexer_topk(q, k, w, topk=12, q_offset=q_offset)
   _assert_same(lightning_indexer_topk(q, k, w, topk=12, q_offset=q_offset, block_sizes=blocks), want)
-  step = jax.jit(lambda pe: lightning_indexer_topk(q, k, w, topk=12, q_offset=q_offset, q_prefix_end=pe,
-                                                   block_sizes=blocks))
+  step = jax.jit(
+    lambda pe: lightning_indexer_topk(q, k, w, topk=12, q_offset=q_offset, q_prefix_end=pe, block_sizes=blocks)
+  )
   zeros = jnp.zeros((b, t_len), jnp.int32)
   own = jnp.broadcast_to(jnp.arange(t_len, dtype=jnp.int32) + q_offset + 1, (b, t_len))
   for pe in (zeros, own, zeros - 5):
     _assert_same(step(pe), want)
     _assert_same(reference.lightning_indexer_topk(q, k, w, topk=12, q_offset=q_offset, q_prefix_end=pe), want)
   assert step._cache_size() == 1
-  np.testing.assert_array_equal(np.asarray(reference.visible_mask(t_len, s_len, q_offset=q_offset, q_prefix_end=own)),
-                                np.asarray(jnp.broadcast_to(reference.visible_mask(t_len, s_len, q_offset=q_offset),
-                                                            (b, t_len, s_len))))
+  np.testing.assert_array_equal(
+    np.asarray(reference.visible_mask(t_len, s_len, q_offset=q_offset, q_prefix_end=own)),
+    np.asarray(jnp.broadcast_to(reference.visible_mask(t_len, s_len, q_offset=q_offset), (b, t_len, s_len))),
+  )
 
 
 @pytest.mark.parametrize("fn", ["kernel", "reference", "visible_mask"])
 def test_errors_name_q_prefix_end(fn):
   q, k, w = _int_inputs(0, 2, 8, 12, 2, 8)
-  call = {"kernel": lambda **kw: lightning_indexer_topk(q, k, w, topk=4, **kw),
-          "reference": lambda **kw: reference.lightning_indexer_topk(q, k, w, topk=4, **kw),
-          "visible_mask": lambda **kw: reference.visible_mask(8, 12, **kw)}[fn]
+  call = {
+    "kernel": lambda **kw: lightning_indexer_topk(q, k, w, topk=4, **kw),
+    "reference": lambda **kw: reference.lightning_indexer_topk(q, k, w, topk=4, **kw),
+    "visible_mask": lambda **kw: reference.visible_mask(8, 12, **kw),
+  }[fn]
   with pytest.raises(ValueError, match=r"q_prefix_end shape \(2, 9\); want \[B, T\] = \[(2|B), 8\]"):
     call(q_prefix_end=jnp.zeros((2, 9), jnp.int32))
   with pytest.raises(ValueError, match=r"q_prefix_end shape \(8,\); want \[B, T\]"):
@@ -148,8 +166,13 @@ def _select_inputs():
   b, t_len, s_len, q_offset = 4, 16, 40, 24
   kv_seg, end_S = _documents(np.random.default_rng(5), b, s_len, [[10, 30], [25], [], [5, 20]])
   q, k, w = _int_inputs(15, b, t_len, s_len, 2, 8)
-  kw = {"topk": 8, "q_offset": q_offset, "q_segment_ids": jnp.asarray(kv_seg[:, q_offset:]),
-        "kv_segment_ids": jnp.asarray(kv_seg), "q_prefix_end": jnp.asarray(end_S[:, q_offset:])}
+  kw = {
+    "topk": 8,
+    "q_offset": q_offset,
+    "q_segment_ids": jnp.asarray(kv_seg[:, q_offset:]),
+    "kv_segment_ids": jnp.asarray(kv_seg),
+    "q_prefix_end": jnp.asarray(end_S[:, q_offset:]),
+  }
   return (q, k, w), kw
 
 
@@ -188,14 +211,29 @@ def test_compiles_for_tpu_with_a_prefix():
   device = tpu_topology_devices("v5p:2x2x1")[0]
   sharding = SingleDeviceSharding(device)
   b, t_len, s_len, heads, dim, topk = 1, 512, 4096, 32, 128, 2048
-  shapes = [((b, t_len, heads, dim), jnp.bfloat16), ((b, s_len, dim), jnp.bfloat16), ((b, t_len, heads), jnp.float32),
-            ((b, t_len), jnp.int32), ((b, s_len), jnp.int32), ((b, t_len), jnp.int32)]
+  shapes = [
+    ((b, t_len, heads, dim), jnp.bfloat16),
+    ((b, s_len, dim), jnp.bfloat16),
+    ((b, t_len, heads), jnp.float32),
+    ((b, t_len), jnp.int32),
+    ((b, s_len), jnp.int32),
+    ((b, t_len), jnp.int32),
+  ]
   args = [jax.ShapeDtypeStruct(s, d, sharding=sharding) for s, d in shapes]
 
   def indexer(q, k, w, q_seg, kv_seg, pe):
-    return lightning_indexer_topk(q, k, w, topk=topk, q_offset=s_len - t_len, q_segment_ids=q_seg,
-                                  kv_segment_ids=kv_seg, q_prefix_end=pe, block_sizes=IndexerBlockSizes(128, 1024),
-                                  interpret=False)
+    return lightning_indexer_topk(
+      q,
+      k,
+      w,
+      topk=topk,
+      q_offset=s_len - t_len,
+      q_segment_ids=q_seg,
+      kv_segment_ids=kv_seg,
+      q_prefix_end=pe,
+      block_sizes=IndexerBlockSizes(128, 1024),
+      interpret=False,
+    )
 
   start = time.perf_counter()
   compiled = jax.jit(indexer).lower(*args).compile()

@@ -44,19 +44,43 @@ def _assert_same(got, want):
   np.testing.assert_array_equal(np.signbit(np.asarray(val)), np.signbit(np.asarray(val_ref)))
 
 
-@pytest.mark.parametrize("b, t_len, s_len, topk, q_offset, causal, block_q, block_k, dtype", [
+@pytest.mark.parametrize(
+  "b, t_len, s_len, topk, q_offset, causal, block_q, block_k, dtype",
+  [
     (2, 40, 72, 10, 24, True, 128, 16, jnp.float32),  # T != S, q_offset, topk not a multiple of block_k < Kp
     (2, 40, 72, 20, 24, True, 128, 8, jnp.bfloat16),  # block_k 8: many tiles, merges into the Kp=32 buffer
-    pytest.param(1, 160, 200, 40, 40, True, 128, 64, jnp.float32,  # two query blocks (T padded to 256), Kp=64 ==
-                 marks=pytest.mark.slow),  #                            block_k (interpret mode: slow tier)
+    pytest.param(
+      1,
+      160,
+      200,
+      40,
+      40,
+      True,
+      128,
+      64,
+      jnp.float32,  # two query blocks (T padded to 256), Kp=64 ==
+      marks=pytest.mark.slow,
+    ),  #                            block_k (interpret mode: slow tier)
     (1, 24, 300, 5, 276, True, 128, 32, jnp.bfloat16),  # decode-like: few queries at the end of a long cache
-    pytest.param(2, 32, 48, 6, 0, False, 128, 64, jnp.float32,  # not causal; block_k > Kp, S padded to one 64-key
-                 marks=pytest.mark.slow),  #                          tile
-])
+    pytest.param(
+      2,
+      32,
+      48,
+      6,
+      0,
+      False,
+      128,
+      64,
+      jnp.float32,  # not causal; block_k > Kp, S padded to one 64-key
+      marks=pytest.mark.slow,
+    ),  #                          tile
+  ],
+)
 def test_matches_reference(b, t_len, s_len, topk, q_offset, causal, block_q, block_k, dtype):
   q, k, w = _int_inputs(0, b, t_len, s_len, 3, 8, dtype)
-  got = lightning_indexer_topk(q, k, w, topk=topk, causal=causal, q_offset=q_offset,
-                               block_sizes=IndexerBlockSizes(block_q, block_k))
+  got = lightning_indexer_topk(
+    q, k, w, topk=topk, causal=causal, q_offset=q_offset, block_sizes=IndexerBlockSizes(block_q, block_k)
+  )
   _assert_same(got, reference.lightning_indexer_topk(q, k, w, topk=topk, causal=causal, q_offset=q_offset))
 
 
@@ -168,8 +192,9 @@ def test_traced_q_offset_one_compile_for_every_decode_position():
   # Decoding against a fixed-size cache: the position is a traced scalar (scalar-prefetched into the kernel), so
   # one compiled step serves every position; each equals the reference at that offset.
   q, k, w = _int_inputs(9, 2, 1, 40, 3, 8)
-  step = jax.jit(lambda off: lightning_indexer_topk(q, k, w, topk=6, q_offset=off,
-                                                    block_sizes=IndexerBlockSizes(128, 16)))
+  step = jax.jit(
+    lambda off: lightning_indexer_topk(q, k, w, topk=6, q_offset=off, block_sizes=IndexerBlockSizes(128, 16))
+  )
   for pos in (0, 3, 17, 39):
     _assert_same(step(jnp.int32(pos)), reference.lightning_indexer_topk(q, k, w, topk=6, q_offset=pos))
   assert step._cache_size() == 1
@@ -190,12 +215,15 @@ def test_scores_carry_no_gradient():
 
 
 @needs_libtpu
-@pytest.mark.parametrize("topology, t_len, s_len, block_q, dtype, segments", [
+@pytest.mark.parametrize(
+  "topology, t_len, s_len, block_q, dtype, segments",
+  [
     ("v5p:2x2x1", 1024, 16384, 128, jnp.bfloat16, False),  # GLM-5's indexer: H_I=32, D_I=128, topk=2048
     ("v5p:2x2x1", 512, 8192, 256, jnp.float32, True),
     ("v6e:2x2", 1024, 16384, 128, jnp.bfloat16, False),
     ("v6e:2x2", 512, 8192, 256, jnp.bfloat16, True),
-])
+  ],
+)
 def test_compiles_for_tpu(topology, t_len, s_len, block_q, dtype, segments):
   device = tpu_topology_devices(topology)[0]
   sharding = SingleDeviceSharding(device)
@@ -206,9 +234,17 @@ def test_compiles_for_tpu(topology, t_len, s_len, block_q, dtype, segments):
   args = [jax.ShapeDtypeStruct(s, d, sharding=sharding) for s, d in shapes]
 
   def indexer(q, k, w, q_seg=None, kv_seg=None):
-    return lightning_indexer_topk(q, k, w, topk=topk, q_offset=s_len - t_len, q_segment_ids=q_seg,
-                                  kv_segment_ids=kv_seg, block_sizes=IndexerBlockSizes(block_q, 2048),
-                                  interpret=False)
+    return lightning_indexer_topk(
+      q,
+      k,
+      w,
+      topk=topk,
+      q_offset=s_len - t_len,
+      q_segment_ids=q_seg,
+      kv_segment_ids=kv_seg,
+      block_sizes=IndexerBlockSizes(block_q, 2048),
+      interpret=False,
+    )
 
   start = time.perf_counter()
   compiled = jax.jit(indexer).lower(*args).compile()

@@ -26,8 +26,11 @@ from jax.sharding import SingleDeviceSharding
 from glm_jax.sharding.topology import compiled_memory, install_hint, libtpu_installed, tpu_topology_devices
 from pallas_kernels import lightning_indexer_reference as indexer_reference
 from pallas_kernels import sparse_mla_attention_reference as reference
-from pallas_kernels.sparse_mla_attention import (SparseAttentionBlockSizes, sparse_attention_head_probs,
-                                                 sparse_mla_attention)
+from pallas_kernels.sparse_mla_attention import (
+  SparseAttentionBlockSizes,
+  sparse_attention_head_probs,
+  sparse_mla_attention,
+)
 
 needs_libtpu = pytest.mark.skipif(not libtpu_installed(), reason=f"libtpu is not installed: {install_hint()}")
 BF16_BOUND = 2.0**-6
@@ -38,8 +41,9 @@ def _inputs(seed, b, t_len, s_len, heads, dim, topk, dtype):
   rng = np.random.default_rng(seed)
   q = jnp.asarray(rng.normal(size=(b, t_len, heads, dim)), dtype)
   kv = jnp.asarray(rng.normal(size=(b, s_len, dim)), dtype)
-  qi, ki, wi = (jnp.asarray(rng.normal(size=shape), jnp.float32)
-                for shape in [(b, t_len, 2, 8), (b, s_len, 8), (b, t_len, 2)])
+  qi, ki, wi = (
+    jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in [(b, t_len, 2, 8), (b, s_len, 8), (b, t_len, 2)]
+  )
   idx, _ = indexer_reference.lightning_indexer_topk(qi, ki, wi, topk=topk, q_offset=s_len - t_len)
   return q, kv, idx
 
@@ -62,15 +66,40 @@ def _value_and_grads(attend, q, kv, idx, sm_scale, v_dim):
 NAMES = ("out", "lse", "dq", "dkv")
 
 
-@pytest.mark.parametrize("b, t_len, s_len, heads, dim, v_dim, topk, block_t, block_kv, dtype", [
+@pytest.mark.parametrize(
+  "b, t_len, s_len, heads, dim, v_dim, topk, block_t, block_kv, dtype",
+  [
     (2, 20, 40, 4, 40, 32, 12, 8, 8, jnp.float32),  # T != S (q_offset 20), topk not a multiple of block_kv
-    pytest.param(1, 24, 24, 3, 24, 16, 16, 8, 8, jnp.float32,  # T == S: the first 15 queries see fewer than topk
-                 marks=pytest.mark.slow),  #                          keys (interpret mode: slow tier)
+    pytest.param(
+      1,
+      24,
+      24,
+      3,
+      24,
+      16,
+      16,
+      8,
+      8,
+      jnp.float32,  # T == S: the first 15 queries see fewer than topk
+      marks=pytest.mark.slow,
+    ),  #                          keys (interpret mode: slow tier)
     (1, 9, 64, 2, 20, 14, 24, 16, 16, jnp.bfloat16),  # bf16 (kv packed two to a word), decode-like: few queries
     #                                                   at the end of a longer cache, T padded to block_t
-    pytest.param(1, 16, 32, 2, 18, 11, 8, 8, 8, jnp.bfloat16,  # odd v_dim: bf16 runs through the fp32 layout
-                 marks=pytest.mark.slow),
-])
+    pytest.param(
+      1,
+      16,
+      32,
+      2,
+      18,
+      11,
+      8,
+      8,
+      8,
+      jnp.bfloat16,  # odd v_dim: bf16 runs through the fp32 layout
+      marks=pytest.mark.slow,
+    ),
+  ],
+)
 def test_matches_reference(b, t_len, s_len, heads, dim, v_dim, topk, block_t, block_kv, dtype):
   q, kv, idx = _inputs(0, b, t_len, s_len, heads, dim, topk, dtype)
   blocks = SparseAttentionBlockSizes(block_t, block_kv)
@@ -83,8 +112,9 @@ def test_matches_reference(b, t_len, s_len, heads, dim, v_dim, topk, block_t, bl
     for name, g, w in zip(NAMES, got, want):
       np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5, err_msg=name)
     return
-  exact = _value_and_grads(reference.sparse_mla_attention, q.astype(jnp.float32), kv.astype(jnp.float32), idx,
-                           0.3, v_dim)
+  exact = _value_and_grads(
+    reference.sparse_mla_attention, q.astype(jnp.float32), kv.astype(jnp.float32), idx, 0.3, v_dim
+  )
   # lse: fp32 scores of bf16 inputs, exact products accumulated in fp32 by both: the fp32 tolerance
   np.testing.assert_allclose(got[1], exact[1], rtol=1e-5, atol=1e-5, err_msg="lse")
   for name, g, w, x in zip(NAMES, got, want, exact):
@@ -124,10 +154,17 @@ def test_tpu_interpret_mode():
   # neighbouring queries share most of their keys: dkv rows get many read-modify-writes in a row
   idx = jnp.broadcast_to(idx[:, -1:], idx.shape).at[:, ::3, ::2].set(-1)
   kernel = lambda *a, **kw: sparse_mla_attention(  # noqa: E731
-      *a, block_sizes=SparseAttentionBlockSizes(8, 8), interpret=pltpu.InterpretParams(), **kw)
+    *a, block_sizes=SparseAttentionBlockSizes(8, 8), interpret=pltpu.InterpretParams(), **kw
+  )
   got = _value_and_grads(kernel, q, kv, idx, 0.4, 16)
-  plain = _value_and_grads(lambda *a, **kw: sparse_mla_attention(*a, block_sizes=SparseAttentionBlockSizes(8, 8),
-                                                                 interpret=True, **kw), q, kv, idx, 0.4, 16)
+  plain = _value_and_grads(
+    lambda *a, **kw: sparse_mla_attention(*a, block_sizes=SparseAttentionBlockSizes(8, 8), interpret=True, **kw),
+    q,
+    kv,
+    idx,
+    0.4,
+    16,
+  )
   want = _value_and_grads(reference.sparse_mla_attention, q, kv, idx, 0.4, 16)
   for name, g, p, w in zip(NAMES, got, plain, want):
     np.testing.assert_array_equal(g, p, err_msg=name)
@@ -171,12 +208,15 @@ def _compile_fwd_bwd(topology, dtype, t_len, s_len, topk):
   """GLM-5's absorbed attention: H = 64, D = 512 + 64, v = 512."""
   sharding = SingleDeviceSharding(tpu_topology_devices(topology)[0])
   heads, dim, v_dim = 64, 576, 512
-  args = [jax.ShapeDtypeStruct(shape, dt, sharding=sharding) for shape, dt in
-          [((1, t_len, heads, dim), dtype), ((1, s_len, dim), dtype), ((1, t_len, topk), jnp.int32)]]
+  args = [
+    jax.ShapeDtypeStruct(shape, dt, sharding=sharding)
+    for shape, dt in [((1, t_len, heads, dim), dtype), ((1, s_len, dim), dtype), ((1, t_len, topk), jnp.int32)]
+  ]
 
   def fwd_bwd(q, kv, idx):
-    (o, lse), vjp = jax.vjp(lambda q, kv: sparse_mla_attention(q, kv, idx, sm_scale=0.1, v_dim=v_dim,
-                                                               interpret=False), q, kv)
+    (o, lse), vjp = jax.vjp(
+      lambda q, kv: sparse_mla_attention(q, kv, idx, sm_scale=0.1, v_dim=v_dim, interpret=False), q, kv
+    )
     probs = sparse_attention_head_probs(q, kv, idx, lse, sm_scale=0.1, interpret=False)
     return o, vjp((o, jnp.zeros_like(lse))), probs
 
@@ -188,8 +228,9 @@ def _compile_fwd_bwd(topology, dtype, t_len, s_len, topk):
 
 @needs_libtpu
 @pytest.mark.slow  # Mosaic compiles for TPU
-@pytest.mark.parametrize("topology, dtype", [("v5p:2x2x1", jnp.bfloat16), ("v6e:2x2", jnp.bfloat16),
-                                             ("v5p:2x2x1", jnp.float32)])
+@pytest.mark.parametrize(
+  "topology, dtype", [("v5p:2x2x1", jnp.bfloat16), ("v6e:2x2", jnp.bfloat16), ("v5p:2x2x1", jnp.float32)]
+)
 def test_compiles_for_tpu(topology, dtype):
   t_len, s_len = 256, 4096
   topks = (1024, 2048) if topology.startswith("v5p") and dtype == jnp.bfloat16 else (2048,)

@@ -4,7 +4,6 @@ straight-through gradient through the whole model, a W8A8 matmul of two contract
 the packed checkpoint's round trip and its refusals, and the packed 744B-shaped decode compiled for TPU with
 integer dots."""
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,8 +19,14 @@ from glm_jax.quant.packed import PackedWeight, dequantize_weight, pack_weight
 from glm_jax.tree_paths import path_names, path_str
 from tests.helpers import init_module
 
-ROUTED = ["moe_layers/mlp/down_proj", "moe_layers/mlp/gate_proj", "moe_layers/mlp/up_proj",
-          "mtp/0/layer/mlp/down_proj", "mtp/0/layer/mlp/gate_proj", "mtp/0/layer/mlp/up_proj"]
+ROUTED = [
+  "moe_layers/mlp/down_proj",
+  "moe_layers/mlp/gate_proj",
+  "moe_layers/mlp/up_proj",
+  "mtp/0/layer/mlp/down_proj",
+  "mtp/0/layer/mlp/gate_proj",
+  "mtp/0/layer/mlp/up_proj",
+]
 
 
 def tiny_cfg(**changes) -> ModelConfig:
@@ -66,7 +71,9 @@ def test_default_scopes_pack_what_each_scheme_names(tiny_model):
   assert sorted(planned(Q.quant_plan(params, quant("int4", scope="re:lm_head$")))) == ["lm_head"]
 
 
-@pytest.mark.parametrize("q, message", [
+@pytest.mark.parametrize(
+  "q, message",
+  [
     (quant("int3"), r"quant.scheme='int3' is invalid; one of \['none', 'int4'"),
     (quant("int4", scope="experts"), r"unknown group\(s\) \['experts'\]; groups are \['routed_experts'"),
     (quant("int4", scope="re:nothing_like_this"), r"matches no parameter of this model.*its matmul weights are"),
@@ -74,7 +81,8 @@ def test_default_scopes_pack_what_each_scheme_names(tiny_model):
     (quant("int4", group_size=48), r"quant.group_size=48 does not divide moe_layers/mlp/down_proj's input of 32"),
     (quant("int4", group_size=-1), r"quant.group_size=-1 is invalid"),
     (quant("int4", scope="re:("), r"not a regular expression"),
-])
+  ],
+)
 def test_bad_quant_sections_are_refused_by_name(tiny_model, q, message):
   with pytest.raises(ValueError, match=message):
     Q.quant_plan(tiny_model[2], q)
@@ -124,6 +132,7 @@ def test_qat_steps_then_packed_model_is_bitwise_the_qat_model():
   from configs import sft_tiny
   from glm_jax.train import step as step_lib
   from glm_jax.train.trainer import create_train_state, training_quant_plan
+
   config = sft_tiny.get_config()
   config.quant.scope = "routed_experts,attention"
   config.quant.group_size = 16
@@ -137,16 +146,23 @@ def test_qat_steps_then_packed_model_is_bitwise_the_qat_model():
   before = jax.tree.map(np.asarray, state.params)
   for _ in range(3):
     ids = rng.integers(3, 512, (2, 16)).astype(np.int32)
-    batch = {"input_ids": ids, "segment_ids": np.ones_like(ids), "positions": np.tile(np.arange(16), (2, 1)),
-             "loss_mask": (np.arange(16) >= 4).astype(np.int32)[None].repeat(2, 0)}
+    batch = {
+      "input_ids": ids,
+      "segment_ids": np.ones_like(ids),
+      "positions": np.tile(np.arange(16), (2, 1)),
+      "loss_mask": (np.arange(16) >= 4).astype(np.int32)[None].repeat(2, 0),
+    }
     state, metrics = train_step(state, jax.tree.map(jnp.asarray, batch))
-  assert not np.array_equal(before["moe_layers"]["mlp"]["gate_proj"],
-                            np.asarray(state.params["moe_layers"]["mlp"]["gate_proj"][...]))
+  assert not np.array_equal(
+    before["moe_layers"]["mlp"]["gate_proj"], np.asarray(state.params["moe_layers"]["mlp"]["gate_proj"][...])
+  )
 
   fake = Q.fake_quant_params(state.params, plan)
   packed = Q.pack_params(state.params, plan)
-  flat_packed = {path_names(p): x for p, x in jax.tree_util.tree_flatten_with_path(
-      packed, is_leaf=lambda v: isinstance(v, PackedWeight))[0]}
+  flat_packed = {
+    path_names(p): x
+    for p, x in jax.tree_util.tree_flatten_with_path(packed, is_leaf=lambda v: isinstance(v, PackedWeight))[0]
+  }
   for path, f in jax.tree_util.tree_flatten_with_path(fake)[0]:
     names = path_names(path)
     p = flat_packed[names]
@@ -169,20 +185,30 @@ def test_packed_checkpoint_round_trip_and_refusals(tiny_model, tmp_path):
   """launch/quantize.py's format: the loaded packed model computes what the packed params in memory compute;
   another scheme, another model and an existing directory are refused by name, and nothing is left half-written."""
   from glm_jax.train.packed_checkpoint import load_packed, save_packed
+
   cfg, graphdef, params, rest = tiny_model
   config = configs.glm5_tiny.get_config()
   config.model.initializer_range = 0.2
   out = str(tmp_path / "w4a8")
-  meta = save_packed(out, params, rest, quant=quant("w4a8"), config=config.to_dict(), tokenizer=None,
-                     source={"workdir": "test", "step": 0})
+  meta = save_packed(
+    out,
+    params,
+    rest,
+    quant=quant("w4a8"),
+    config=config.to_dict(),
+    tokenizer=None,
+    source={"workdir": "test", "step": 0},
+  )
   assert meta["weight_bytes"] < 0.5 * meta["unpacked_weight_bytes"]
   loaded = load_packed(out, cfg)
   ids = jax.random.randint(jax.random.key(2), (2, 10), 0, 512)
   model_cfg = loaded.model_cfg
   want = jax.jit(lambda p: nnx.merge(graphdef, p, rest)(ids, compute_mtp=False).logits)(
-      Q.pack_params(params, Q.quant_plan(params, quant("w4a8"))))
-  got = jax.jit(lambda p, r: nnx.merge(loaded.graphdef, p, r)(ids, compute_mtp=False).logits)(loaded.params,
-                                                                                              loaded.rest)
+    Q.pack_params(params, Q.quant_plan(params, quant("w4a8")))
+  )
+  got = jax.jit(lambda p, r: nnx.merge(loaded.graphdef, p, r)(ids, compute_mtp=False).logits)(
+    loaded.params, loaded.rest
+  )
   assert model_cfg.use_dsa is False
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
   with pytest.raises(ValueError, match=r"packed with scheme 'w4a8', not 'int4'"):
@@ -194,8 +220,15 @@ def test_packed_checkpoint_round_trip_and_refusals(tiny_model, tmp_path):
   with pytest.raises(FileNotFoundError, match=r"not a packed model"):
     load_packed(str(tmp_path), cfg)
   with pytest.raises(ValueError, match=r"does not divide"):
-    save_packed(str(tmp_path / "bad"), params, rest, quant=quant("int4", group_size=48), config=config.to_dict(),
-                tokenizer=None, source={})
+    save_packed(
+      str(tmp_path / "bad"),
+      params,
+      rest,
+      quant=quant("int4", group_size=48),
+      config=config.to_dict(),
+      tokenizer=None,
+      source={},
+    )
   assert sorted(p.name for p in tmp_path.iterdir()) == ["w4a8"]
 
 
@@ -210,10 +243,12 @@ def test_packed_744b_decode_step_compiles_to_integer_dots_for_tpu():
   from configs import glm5_744b
   from glm_jax.model.platform import target_platform
   from glm_jax.sharding.topology import install_hint, libtpu_installed, tpu_topology_devices
+
   if not libtpu_installed():
     pytest.skip(f"libtpu is not installed: {install_hint()}")
   cfg = ModelConfig.from_dict(glm5_744b.get_config().model).replace(
-      num_hidden_layers=2, first_k_dense_replace=1, num_nextn_predict_layers=0)
+    num_hidden_layers=2, first_k_dense_replace=1, num_nextn_predict_layers=0
+  )
   device = tpu_topology_devices("v5p:2x2x1")[0]
   graphdef, params, rest = nnx.split(nnx.eval_shape(lambda: GlmMoeDsa(cfg, nnx.Rngs(0))), nnx.Param, ...)
   plan = Q.quant_plan(params, quant("w4a8"))
@@ -222,15 +257,18 @@ def test_packed_744b_decode_step_compiles_to_integer_dots_for_tpu():
   place = lambda t: jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=on_chip), t)
   batch, cache_len = 8, 4096
   with target_platform("tpu"):
-    cache = jax.eval_shape(lambda p, r: nnx.merge(graphdef, p, r).prefill(jnp.zeros((batch, 16), jnp.int32),
-                                                                           cache_len)[1], packed, rest)
+    cache = jax.eval_shape(
+      lambda p, r: nnx.merge(graphdef, p, r).prefill(jnp.zeros((batch, 16), jnp.int32), cache_len)[1], packed, rest
+    )
     token = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=on_chip)
     step = jax.jit(lambda p, r, t, pos, c: nnx.merge(graphdef, p, r).decode(t, pos, c))
     compiled = step.lower(place(packed), place(rest), token, token, place(cache)).compile()
   hlo = compiled.as_text()
   dtype_of = dict(re.findall(r"%([\w.\-]+) = ([a-z]+\d*)\[", hlo))  # every value's element type
-  int_dots = {tuple(sorted(dtype_of.get(a, "?") for a in (x, y)))
-              for x, y in re.findall(r"= s32\[[^\]]*\]\S* (?:convolution|dot)\(%([\w.\-]+), %([\w.\-]+)\)", hlo)}
+  int_dots = {
+    tuple(sorted(dtype_of.get(a, "?") for a in (x, y)))
+    for x, y in re.findall(r"= s32\[[^\]]*\]\S* (?:convolution|dot)\(%([\w.\-]+), %([\w.\-]+)\)", hlo)
+  }
   assert ("s8", "s8") in int_dots and ("s4", "s8") in int_dots, int_dots
   # XLA:TPU's ragged dot (a Mosaic custom call) for the routed experts: int8 rows x int8 [E, K, N] weights -> int32
   ragged = re.findall(r"%ragged-dot\S* = s32\[[^\]]*\]\S* custom-call\(.*?operand_layout_constraints=\{(.*?\})\}", hlo)
@@ -250,6 +288,7 @@ def test_a_packed_model_serves_as_a_distillation_teacher(tmp_path):
   from glm_jax.rl import step as rl_step, tasks as tasks_lib
   from glm_jax.rl.warm_start import load_teacher
   from glm_jax.train.packed_checkpoint import save_packed
+
   config = distill_tiny.get_config()
   cfg = ModelConfig.from_dict(config.model)
   graphdef, params, rest = nnx.split(init_module(lambda: GlmMoeDsa(cfg, nnx.Rngs(0)), 1, 0.2), nnx.Param, ...)
@@ -263,13 +302,21 @@ def test_a_packed_model_serves_as_a_distillation_teacher(tmp_path):
   tokens = jax.random.randint(jax.random.key(3), (4, 9), 0, cfg.vocab_size)
   got = rl_step.make_score_fn(t_graphdef)(t_params, t_rest, tokens)
   logits = nnx.merge(graphdef, Q.pack_params(params, Q.quant_plan(params, quant("w8a8"))), rest)(
-      tokens, compute_mtp=False).logits
+    tokens, compute_mtp=False
+  ).logits
   logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), -1)
   want = jnp.take_along_axis(logp, tokens[:, 1:, None], -1)[..., 0]
   np.testing.assert_allclose(np.asarray(got)[:, 1:], np.asarray(want), rtol=0, atol=1e-5)
   other = str(tmp_path / "other_tokenizer")
-  save_packed(other, params, rest, quant=quant("w8a8"), config=config.to_dict(), source={},
-              tokenizer={"name": "bpe", "sha256": "0" * 64, "vocab_size": cfg.vocab_size})
+  save_packed(
+    other,
+    params,
+    rest,
+    quant=quant("w8a8"),
+    config=config.to_dict(),
+    source={},
+    tokenizer={"name": "bpe", "sha256": "0" * 64, "vocab_size": cfg.vocab_size},
+  )
   config.teachers.addition.init_from = other
   with pytest.raises(ValueError, match=r"teachers\.addition\.init_from=.*trained with the tokenizer 'bpe'"):
     load_teacher(setup, "addition")

@@ -63,19 +63,23 @@ def test_codes_and_scales_equal_the_numpy_formula(bits, group, axis):
     assert codes[4, 20] == -q and codes[3, 5] == q
   g = w.shape[axis] if group is None else group
   got_scales = np.moveaxis(np.asarray(scales), axis, -1)
-  want = (np.moveaxis(want_codes, axis, -1).astype(np.float32).reshape(got_scales.shape + (g,))
-          * got_scales[..., None]).reshape(np.moveaxis(w, axis, -1).shape)
+  want = (
+    np.moveaxis(want_codes, axis, -1).astype(np.float32).reshape(got_scales.shape + (g,)) * got_scales[..., None]
+  ).reshape(np.moveaxis(w, axis, -1).shape)
   got = np.moveaxis(np.asarray(dequantize(codes, scales, group_size=group, axis=axis)), axis, -1)
   np.testing.assert_array_equal(got, want)
   assert np.isfinite(got).all()
 
 
-@pytest.mark.parametrize("kwargs, message", [
+@pytest.mark.parametrize(
+  "kwargs, message",
+  [
     (dict(bits=4, group_size=4), r"group_size=4 does not divide axis 0 of size 10"),
     (dict(bits=3, group_size=None), r"bits=3; the quantizer supports \(4, 8\)"),
     (dict(bits=8, group_size=0), r"group_size=0; must be a positive integer or None"),
     (dict(bits=8, group_size=None, axis=2), r"axis=2 is out of range for an array of shape \(10,\)"),
-])
+  ],
+)
 def test_bad_arguments_are_named(kwargs, message):
   with pytest.raises(ValueError, match=message):
     quantize(jnp.ones((10,)), **kwargs)
@@ -125,8 +129,9 @@ def test_packed_weight_of_two_contracted_axes_and_a_leading_axis():
   np.testing.assert_array_max_ulp(np.asarray(p.scales), scales, maxulp=1)
   want = (codes.astype(np.float32) * np.repeat(np.asarray(p.scales), 16, axis=1)).reshape(3, 4, 16, 6)
   np.testing.assert_array_equal(np.asarray(P.dequantize_weight(p)), want)
-  np.testing.assert_array_equal(np.asarray(P.fake_quant_weight(jnp.asarray(w), bits=4, group_size=16,
-                                                               contracted_axes=2, free_axes=1)), want)
+  np.testing.assert_array_equal(
+    np.asarray(P.fake_quant_weight(jnp.asarray(w), bits=4, group_size=16, contracted_axes=2, free_axes=1)), want
+  )
   one = jax.tree.map(lambda a: a[1], p)
   np.testing.assert_array_equal(np.asarray(P.dequantize_weight(one)), want[1])
 
@@ -164,6 +169,6 @@ def test_integer_grouped_matmul_equals_the_formula_row_by_row(bits):
   p = P.pack_weight(jnp.asarray(w), bits=bits, group_size=None, act_bits=8)
   y = np.asarray(P.int_grouped_matmul(jnp.asarray(x), p, jnp.asarray([2, 0, 3], jnp.int32), "cpu"))
   expert = [0, 0, 2, 2, 2]
-  want = np.stack([np_int_matmul(x[r:r + 1], w[e], bits, None)[0] for r, e in enumerate(expert)])
+  want = np.stack([np_int_matmul(x[r : r + 1], w[e], bits, None)[0] for r, e in enumerate(expert)])
   np.testing.assert_allclose(y[:5], want, rtol=0, atol=1e-6 * np.abs(want).max())
   np.testing.assert_array_equal(y[5], np.zeros(8))

@@ -46,12 +46,12 @@ def test_grpo_hand_example_icepop():
   loss, m = losses.grpo_loss(logp, old, rollout, adv, mask)
   # w = rho inside [0.5, 2], else 0:  row 0: [1.2, 0, 0.8]; row 1: [0, 1.0]
   row0 = (1.2 * 1.28 * 1.0 + 0.0 * 0.9 * 1.0 + 0.8 * 0.5 * 1.0) / 3  # (1.536 + 0 + 0.4) / 3
-  row1 = (0.0 * 0.8 * -2.0 + 1.0 * 1.5 * -2.0) / 2                   # (0 - 3.0) / 2
-  expected = -(row0 + row1) / 2                                       # = 0.427333...
+  row1 = (0.0 * 0.8 * -2.0 + 1.0 * 1.5 * -2.0) / 2  # (0 - 3.0) / 2
+  expected = -(row0 + row1) / 2  # = 0.427333...
   np.testing.assert_allclose(float(loss), expected, rtol=1e-6)
   np.testing.assert_allclose(float(m["pg_loss"]), expected, rtol=1e-6)
   assert float(m["kl_ref"]) == 0.0
-  np.testing.assert_allclose(float(m["clip_frac"]), 2 / 5, rtol=1e-6)         # row0 t0, row1 t0
+  np.testing.assert_allclose(float(m["clip_frac"]), 2 / 5, rtol=1e-6)  # row0 t0, row1 t0
   np.testing.assert_allclose(float(m["icepop_drop_frac"]), 2 / 5, rtol=1e-6)  # rho 2.5 and 0.4
   np.testing.assert_allclose(float(m["is_weight_mean"]), (1.2 + 0 + 0.8 + 0 + 1.0) / 5, rtol=1e-6)
   np.testing.assert_allclose(float(m["ratio_mean"]), (1.5 + 0.9 + 0.5 + 0.6 + 1.5) / 5, rtol=1e-6)
@@ -66,14 +66,14 @@ def test_grpo_hand_example_truncated_and_none():
   loss_t, m_t = losses.grpo_loss(logp, old, rollout, adv, mask, is_correction="truncated", tis_cap=2.0)
   # w = min(rho, 2): row 0: [1.2, 2.0, 0.8]; row 1: [0.4, 1.0]
   row0 = (1.2 * 1.28 + 2.0 * 0.9 + 0.8 * 0.5) / 3  # 3.736 / 3
-  row1 = (0.4 * -1.6 + 1.0 * -3.0) / 2              # -3.64 / 2
+  row1 = (0.4 * -1.6 + 1.0 * -3.0) / 2  # -3.64 / 2
   np.testing.assert_allclose(float(loss_t), -(row0 + row1) / 2, rtol=1e-6)
   np.testing.assert_allclose(float(m_t["is_weight_mean"]), (1.2 + 2.0 + 0.8 + 0.4 + 1.0) / 5, rtol=1e-6)
   np.testing.assert_allclose(float(m_t["icepop_drop_frac"]), 2 / 5, rtol=1e-6)
 
   loss_n, m_n = losses.grpo_loss(logp, old, rollout, adv, mask, is_correction="none")
   row0 = (1.28 + 0.9 + 0.5) / 3  # 2.68 / 3
-  row1 = (-1.6 - 3.0) / 2        # -2.3
+  row1 = (-1.6 - 3.0) / 2  # -2.3
   np.testing.assert_allclose(float(loss_n), -(row0 + row1) / 2, rtol=1e-6)
   np.testing.assert_allclose(float(m_n["is_weight_mean"]), 1.0, rtol=1e-6)
   np.testing.assert_allclose(float(m_n["icepop_drop_frac"]), 2 / 5, rtol=1e-6)
@@ -98,6 +98,7 @@ def test_grpo_empty_row_counts_in_n():
 
 # ---------------------------------------------------------------------------------------------------------------
 # numpy loop oracle on random inputs
+
 
 def np_grpo(logp, old, rollout, adv, mask, is_correction, tis_cap=2.0, ref=None, kl_coef=0.0):
   """Loop over (i, t) in float64; returns (loss, pg, kl, clip_frac, drop_frac, w_mean, r_mean, mm_kl, grad)."""
@@ -135,8 +136,17 @@ def np_grpo(logp, old, rollout, adv, mask, is_correction, tis_cap=2.0, ref=None,
       pg += row_pg / count
       kl += row_kl / count
   pg, kl = -pg / n, kl / n
-  return (pg + kl_coef * kl, pg, kl, clipped / valid_total, dropped / valid_total, w_sum / valid_total,
-          r_sum / valid_total, mm_sum / valid_total, grad)
+  return (
+    pg + kl_coef * kl,
+    pg,
+    kl,
+    clipped / valid_total,
+    dropped / valid_total,
+    w_sum / valid_total,
+    r_sum / valid_total,
+    mm_sum / valid_total,
+    grad,
+  )
 
 
 def random_inputs(seed, n=4, t=7):
@@ -155,10 +165,23 @@ def random_inputs(seed, n=4, t=7):
 @pytest.mark.parametrize("is_correction", ["icepop", "truncated", "none"])
 def test_grpo_matches_numpy_loop_and_analytic_grad(is_correction):
   logp, old, rollout, ref, adv, mask = random_inputs(0)
-  want = np_grpo(*(x.astype(np.float64) for x in (logp, old, rollout, adv)), mask, is_correction,
-                 ref=ref.astype(np.float64), kl_coef=0.05)
-  fn = lambda lp: losses.grpo_loss(lp, old, rollout, adv, mask, is_correction=is_correction,  # noqa: E731
-                                   ref_logp=ref, kl_coef=0.05)
+  want = np_grpo(
+    *(x.astype(np.float64) for x in (logp, old, rollout, adv)),
+    mask,
+    is_correction,
+    ref=ref.astype(np.float64),
+    kl_coef=0.05,
+  )
+  fn = lambda lp: losses.grpo_loss(
+    lp,
+    old,
+    rollout,
+    adv,
+    mask,
+    is_correction=is_correction,  # noqa: E731
+    ref_logp=ref,
+    kl_coef=0.05,
+  )
   (loss, m), grad = jax.value_and_grad(fn, has_aux=True)(jnp.asarray(logp))
   np.testing.assert_allclose(float(loss), want[0], rtol=1e-5)
   names = ["pg_loss", "kl_ref", "clip_frac", "icepop_drop_frac", "is_weight_mean", "ratio_mean", "mismatch_kl"]
@@ -173,12 +196,18 @@ def test_grpo_grad_hand_example():
   """d/dlogp of -w min(rA, clip(r)A)/(N |y_i|): -w r A/(N |y_i|) where the unclipped branch is active, else 0."""
   logp, old, rollout, adv, mask = hand_inputs()
   g_ice = jax.grad(lambda lp: losses.grpo_loss(lp, old, rollout, adv, mask)[0])(logp)
-  want = [[0.0,                          # clipped branch active
-           0.0,                          # popped (w = 0)
-           -0.8 * 0.5 * 1.0 / (2 * 3)],  # unclipped: -w r A / (N |y_0|)
-          [0.0,                          # clipped and popped
-           -1.0 * 1.5 * -2.0 / (2 * 2),  # unclipped: = +0.75
-           0.0]]                         # masked
+  want = [
+    [
+      0.0,  # clipped branch active
+      0.0,  # popped (w = 0)
+      -0.8 * 0.5 * 1.0 / (2 * 3),
+    ],  # unclipped: -w r A / (N |y_0|)
+    [
+      0.0,  # clipped and popped
+      -1.0 * 1.5 * -2.0 / (2 * 2),  # unclipped: = +0.75
+      0.0,
+    ],
+  ]  # masked
   np.testing.assert_allclose(np.asarray(g_ice), want, rtol=1e-6, atol=0)
   g = np.asarray(g_ice)
   assert g[0, 0] == 0.0 and g[0, 1] == 0.0 and g[1, 0] == 0.0 and g[1, 2] == 0.0  # exactly zero
@@ -186,8 +215,9 @@ def test_grpo_grad_hand_example():
   want = [[0.0, -0.9 / 6, -0.5 / 6], [0.0, 0.75, 0.0]]
   np.testing.assert_allclose(np.asarray(g_none), want, rtol=1e-6, atol=0)
   # The constants get no gradient.
-  g_old, g_roll, g_adv = jax.grad(lambda o, r, a: losses.grpo_loss(logp, o, r, a, mask, is_correction="truncated")[0],
-                                  argnums=(0, 1, 2))(old, rollout, adv)
+  g_old, g_roll, g_adv = jax.grad(
+    lambda o, r, a: losses.grpo_loss(logp, o, r, a, mask, is_correction="truncated")[0], argnums=(0, 1, 2)
+  )(old, rollout, adv)
   assert not np.any(np.asarray(g_old)) and not np.any(np.asarray(g_roll)) and not np.any(np.asarray(g_adv))
 
 
@@ -195,8 +225,16 @@ def test_grpo_kl_term_hand():
   logp, old, rollout, adv, mask = hand_inputs()
   d = [[0.5, -0.3, 0.0], [1.0, -1.0, 7.0]]  # ref - logp (the masked 7.0 must not count)
   ref = logp + jnp.asarray(d, jnp.float32)
-  fn = lambda lp: losses.grpo_loss(lp, old, rollout, adv, mask, is_correction="none",  # noqa: E731
-                                   ref_logp=ref, kl_coef=0.1)
+  fn = lambda lp: losses.grpo_loss(
+    lp,
+    old,
+    rollout,
+    adv,
+    mask,
+    is_correction="none",  # noqa: E731
+    ref_logp=ref,
+    kl_coef=0.1,
+  )
   (loss, m), grad = jax.value_and_grad(fn, has_aux=True)(logp)
   k3 = lambda x: math.exp(x) - x - 1  # noqa: E731
   kl = ((k3(0.5) + k3(-0.3) + k3(0.0)) / 3 + (k3(1.0) + k3(-1.0)) / 2) / 2
@@ -206,8 +244,10 @@ def test_grpo_kl_term_hand():
   np.testing.assert_allclose(float(loss), pg + 0.1 * kl, rtol=1e-6)
   # d/dlogp k3 = 1 - exp(ref - logp), scaled by kl_coef / (N |y_i|); plus the policy gradient from above.
   dk = lambda x, n_tok: 0.1 * (1 - math.exp(x)) / (2 * n_tok)  # noqa: E731
-  want = [[0.0 + dk(0.5, 3), -0.9 / 6 + dk(-0.3, 3), -0.5 / 6 + dk(0.0, 3)],
-          [0.0 + dk(1.0, 2), 0.75 + dk(-1.0, 2), 0.0]]
+  want = [
+    [0.0 + dk(0.5, 3), -0.9 / 6 + dk(-0.3, 3), -0.5 / 6 + dk(0.0, 3)],
+    [0.0 + dk(1.0, 2), 0.75 + dk(-1.0, 2), 0.0],
+  ]
   np.testing.assert_allclose(np.asarray(grad), want, rtol=1e-6, atol=1e-9)
   # ref given but kl_coef 0: reported, not added.
   loss0, m0 = losses.grpo_loss(logp, old, rollout, adv, mask, is_correction="none", ref_logp=ref)
@@ -217,6 +257,7 @@ def test_grpo_kl_term_hand():
 
 # ---------------------------------------------------------------------------------------------------------------
 # asynchronous loss (Eq. 3-5)
+
 
 def async_inputs():
   # interval (0.8, 1.28).  row 0, A=+1:   r = [1.1 keep, 1.3 out, 0.7 out]
@@ -231,8 +272,8 @@ def async_inputs():
 def test_async_policy_loss_hand():
   logp, roll, adv, mask = async_inputs()
   (loss, m), grad = jax.value_and_grad(lambda lp: losses.async_policy_loss(lp, roll, adv, mask), has_aux=True)(logp)
-  row0 = (1.1 * 1.0) / 1                  # one kept token
-  row1 = (0.9 * -0.5 + 1.2 * -0.5) / 2    # two kept tokens: -0.525
+  row0 = (1.1 * 1.0) / 1  # one kept token
+  row1 = (0.9 * -0.5 + 1.2 * -0.5) / 2  # two kept tokens: -0.525
   np.testing.assert_allclose(float(loss), -(row0 + row1) / 2, rtol=1e-6)  # -0.2875
   np.testing.assert_allclose(float(m["pg_loss"]), -(row0 + row1) / 2, rtol=1e-6)
   np.testing.assert_allclose(float(m["async_masked_frac"]), 2 / 5, rtol=1e-6)
@@ -252,6 +293,7 @@ def test_async_policy_loss_hand():
 
 # ---------------------------------------------------------------------------------------------------------------
 # advantages and aggregation
+
 
 def test_group_advantages_hand():
   a = losses.group_advantages(jnp.asarray([1, 0, 0, 1, 1, 1, 1, 0], jnp.float32), 4)
@@ -275,8 +317,9 @@ def test_group_advantages_degenerate_groups():
 def test_distill_advantages_value_and_no_grad():
   teacher = jnp.asarray([[-0.5, -1.0], [-2.0, -0.1]], jnp.float32)
   student = jnp.asarray([[-1.5, -0.25], [-2.0, -3.0]], jnp.float32)
-  np.testing.assert_allclose(np.asarray(losses.distill_advantages(teacher, student)),
-                             [[1.0, -0.75], [0.0, 2.9]], rtol=1e-6)
+  np.testing.assert_allclose(
+    np.asarray(losses.distill_advantages(teacher, student)), [[1.0, -0.75], [0.0, 2.9]], rtol=1e-6
+  )
   gt, gs = jax.grad(lambda t, s: jnp.sum(losses.distill_advantages(t, s) * s), argnums=(0, 1))(teacher, student)
   assert not np.any(np.asarray(gt))
   # d/ds sum(sg(t - s) * s) = sg(t - s): only the explicit factor carries gradient.
@@ -294,12 +337,15 @@ def test_masked_sequence_mean():
 # ---------------------------------------------------------------------------------------------------------------
 # bad input
 
+
 def _grpo_args():
   logp, old, rollout, adv, mask = hand_inputs()
   return dict(logp=logp, old_logp=old, rollout_logp=rollout, advantages=adv, mask=mask)
 
 
-@pytest.mark.parametrize("change, names", [
+@pytest.mark.parametrize(
+  "change, names",
+  [
     (dict(logp=jnp.zeros((6,))), ["logp", "(6,)"]),
     (dict(old_logp=jnp.zeros((2, 4))), ["old_logp", "(2, 4)"]),
     (dict(rollout_logp=jnp.zeros((3, 3))), ["rollout_logp", "(3, 3)"]),
@@ -315,7 +361,8 @@ def _grpo_args():
     (dict(kl_coef=-1.0), ["kl_coef", "-1.0"]),
     (dict(kl_coef=0.1), ["kl_coef", "ref_logp"]),
     (dict(ref_logp=jnp.zeros((2, 2))), ["ref_logp", "(2, 2)"]),
-])
+  ],
+)
 def test_grpo_bad_input(change, names):
   kwargs = _grpo_args() | change
   with pytest.raises(ValueError) as err:
@@ -324,14 +371,17 @@ def test_grpo_bad_input(change, names):
     assert name in str(err.value), (name, str(err.value))
 
 
-@pytest.mark.parametrize("change, names", [
+@pytest.mark.parametrize(
+  "change, names",
+  [
     (dict(rollout_logp=jnp.zeros((2, 4))), ["rollout_logp", "(2, 4)"]),
     (dict(mask=jnp.ones((3,), bool)), ["mask", "(3,)"]),
     (dict(advantages=jnp.zeros((4,))), ["advantages", "(4,)"]),
     (dict(eps_low=1.5), ["eps_low", "1.5"]),
     (dict(eps_high=-1.0), ["eps_high", "-1.0"]),
     (dict(eps_low=0.0, eps_high=0.0), ["eps_low", "eps_high", "empty"]),
-])
+  ],
+)
 def test_async_bad_input(change, names):
   logp, roll, adv, mask = async_inputs()
   kwargs = dict(logp=logp, rollout_logp=roll, advantages=adv, mask=mask) | change

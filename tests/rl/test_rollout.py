@@ -11,9 +11,18 @@ from glm_jax.rl.rollout import Rollout, RolloutWorker, is_stale
 
 def fake_rollout(version: int, index: int) -> Rollout:
   z = np.zeros((1, 4))
-  return Rollout(version=version, problems=[index], tokens=z.astype(np.int32), response_mask=z.astype(bool),
-                 rollout_logp=z, prompt_lens=np.ones(1, np.int32), lengths=np.ones(1, np.int32),
-                 finished=np.ones(1, bool), rewards=np.zeros(1, np.float32), failures=[])
+  return Rollout(
+    version=version,
+    problems=[index],
+    tokens=z.astype(np.int32),
+    response_mask=z.astype(bool),
+    rollout_logp=z,
+    prompt_lens=np.ones(1, np.int32),
+    lengths=np.ones(1, np.int32),
+    finished=np.ones(1, bool),
+    rewards=np.zeros(1, np.float32),
+    failures=[],
+  )
 
 
 def test_is_stale():

@@ -21,8 +21,19 @@ from glm_jax.rl.rollout_engine import ProcessRolloutWorker
 def process_config(**rl) -> ml_collections.ConfigDict:
   config = configs.grpo_tiny.get_config()
   config.sft.steps = 0
-  config.rl.update(dict(tensorboard=False, async_rollouts=True, rollout_process=True, prompts_per_step=8,
-                        group_size=4, eval_prompts=8, eval_every=1000, checkpoint_every=1000), **rl)
+  config.rl.update(
+    dict(
+      tensorboard=False,
+      async_rollouts=True,
+      rollout_process=True,
+      prompts_per_step=8,
+      group_size=4,
+      eval_prompts=8,
+      eval_every=1000,
+      checkpoint_every=1000,
+    ),
+    **rl,
+  )
   return config
 
 
@@ -75,8 +86,10 @@ def test_a_killed_and_a_hung_worker_are_replaced_and_nothing_is_trained_twice(tm
     first = worker_pid(workdir, 1)
     os.kill(first, signal.SIGKILL)  # the process dies: its connection closes
     # Three steps trained on worker 2's rollouts (it is serving: not still starting), then it hangs.
-    wait_for(lambda: sum(r.get("workers_replaced") == 1 for r in metric_steps(workdir)) >= 4 or "error" in result,
-             "4 steps after the first replacement")
+    wait_for(
+      lambda: sum(r.get("workers_replaced") == 1 for r in metric_steps(workdir)) >= 4 or "error" in result,
+      "4 steps after the first replacement",
+    )
     second = worker_pid(workdir, 2)
     assert second is not None and second != first
     os.kill(second, signal.SIGSTOP)  # the process hangs: no heartbeat, its connection stays open
@@ -101,10 +114,18 @@ def test_weights_go_forward_only_and_the_config_is_checked(tmp_path):
   worker.push_weights(5, {"w": jnp.ones(2)}, {})
   with pytest.raises(ValueError, match="push_weights: version 3 is older than the worker's 5; weights go forward only"):
     worker.push_weights(3, {"w": jnp.ones(2)}, {})
-  for changes, message in (({"async_rollouts": False}, r"rl.rollout_process=True is invalid; .* set "
-                                                        r"rl.async_rollouts=True"),
-                           ({"heartbeat_timeout": 0.5}, r"rl.heartbeat_timeout=0.5 is invalid; must exceed "
-                                                        r"rl.heartbeat_every=1.0"),
-                           ({"max_worker_restarts": -1}, r"rl.max_worker_restarts=-1 is invalid")):
+  for changes, message in (
+    (
+      {"async_rollouts": False},
+      r"rl.rollout_process=True is invalid; .* set "
+      r"rl.async_rollouts=True",
+    ),
+    (
+      {"heartbeat_timeout": 0.5},
+      r"rl.heartbeat_timeout=0.5 is invalid; must exceed "
+      r"rl.heartbeat_every=1.0",
+    ),
+    ({"max_worker_restarts": -1}, r"rl.max_worker_restarts=-1 is invalid"),
+  ):
     with pytest.raises(ValueError, match=message):
       rl_config.validate_rl_config(process_config(**changes))

@@ -57,16 +57,23 @@ def logp_of(graphdef, params, rest, tokens):
 
 def sgd_update(graphdef, params, rest, step_maker, cfg, batch, lr=0.5):
   opt = optax.sgd(lr)
-  state = TrainState(step=jnp.zeros((), jnp.int32), params=params, rest=rest, opt_state=opt.init(params),
-                     loss_ema=jnp.zeros(()), skipped=jnp.zeros((), jnp.int32))
+  state = TrainState(
+    step=jnp.zeros((), jnp.int32),
+    params=params,
+    rest=rest,
+    opt_state=opt.init(params),
+    loss_ema=jnp.zeros(()),
+    skipped=jnp.zeros((), jnp.int32),
+  )
   new, metrics = step_maker(graphdef, opt, lambda s: lr, cfg)(state, batch)
   return jax.tree.map(lambda a, b: (b - a) / -lr, params, new.params), metrics, new
 
 
 def assert_trees_close(a, b, rtol=2e-4, atol=1e-6):
   for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
-    np.testing.assert_allclose(x, y, rtol=rtol, atol=atol * max(1.0, float(jnp.max(jnp.abs(y)))),
-                               err_msg=jax.tree_util.keystr(path))
+    np.testing.assert_allclose(
+      x, y, rtol=rtol, atol=atol * max(1.0, float(jnp.max(jnp.abs(y)))), err_msg=jax.tree_util.keystr(path)
+    )
 
 
 def reference_grad(setup, token_objective):
@@ -94,8 +101,14 @@ def test_grpo_step_is_icepop_weighted_reinforce(setup):
   rho = np.exp(-shift)
   w = np.where((rho >= 0.5) & (rho <= 2.0), rho, 0.0)
   want = reference_grad(setup, lambda lp: w * np.asarray(adv)[:, None] * lp)
-  got, m, _ = sgd_update(graphdef, params, rest, rl_step.make_grpo_step, rl_cfg(),
-                         dict(tokens=tokens, response_mask=mask, rollout_logp=rollout_logp, advantages=adv))
+  got, m, _ = sgd_update(
+    graphdef,
+    params,
+    rest,
+    rl_step.make_grpo_step,
+    rl_cfg(),
+    dict(tokens=tokens, response_mask=mask, rollout_logp=rollout_logp, advantages=adv),
+  )
   assert_trees_close(got, want)
   assert float(m["icepop_drop_frac"]) == pytest.approx(2 / int(mask.sum()))
   assert int(m["skipped"]) == 0
@@ -109,8 +122,14 @@ def test_distill_step_uses_teacher_gap_as_advantage(setup):
   teacher = logp0 + jnp.asarray(np.random.default_rng(1).normal(0, 0.5, (N, S)), jnp.float32)
   gap = np.asarray(teacher - logp0)
   want = reference_grad(setup, lambda lp: gap * lp)
-  got, m, _ = sgd_update(graphdef, params, rest, rl_step.make_distill_step, rl_cfg(group_size=1),
-                         dict(tokens=tokens, response_mask=mask, rollout_logp=logp0, teacher_logp=teacher))
+  got, m, _ = sgd_update(
+    graphdef,
+    params,
+    rest,
+    rl_step.make_distill_step,
+    rl_cfg(group_size=1),
+    dict(tokens=tokens, response_mask=mask, rollout_logp=logp0, teacher_logp=teacher),
+  )
   assert_trees_close(got, want)
   np.testing.assert_allclose(float(m["teacher_kl"]), float(np.sum(-gap * np.asarray(mask)) / mask.sum()), rtol=1e-5)
 
@@ -133,8 +152,14 @@ def test_async_step_masks_tokens_outside_the_ratio_band(setup):
     return -sum(rows) / N
 
   want = jax.jit(jax.grad(loss))(params)
-  got, m, _ = sgd_update(graphdef, params, rest, rl_step.make_grpo_step, rl_cfg(objective="async"),
-                         dict(tokens=tokens, response_mask=mask, rollout_logp=logp0 + shift, advantages=adv))
+  got, m, _ = sgd_update(
+    graphdef,
+    params,
+    rest,
+    rl_step.make_grpo_step,
+    rl_cfg(objective="async"),
+    dict(tokens=tokens, response_mask=mask, rollout_logp=logp0 + shift, advantages=adv),
+  )
   assert_trees_close(got, want)
   assert float(m["async_masked_frac"]) == pytest.approx(2 / int(mask.sum()))
 
@@ -142,9 +167,14 @@ def test_async_step_masks_tokens_outside_the_ratio_band(setup):
 def test_non_finite_loss_skips_the_update(setup):
   cfg, graphdef, params, rest, tokens, mask = setup
   logp0 = logp_of(graphdef, params, rest, tokens)
-  _, m, new = sgd_update(graphdef, params, rest, rl_step.make_grpo_step, rl_cfg(),
-                         dict(tokens=tokens, response_mask=mask, rollout_logp=logp0,
-                              advantages=jnp.asarray([1.0, jnp.nan, 0.0, 0.0])))
+  _, m, new = sgd_update(
+    graphdef,
+    params,
+    rest,
+    rl_step.make_grpo_step,
+    rl_cfg(),
+    dict(tokens=tokens, response_mask=mask, rollout_logp=logp0, advantages=jnp.asarray([1.0, jnp.nan, 0.0, 0.0])),
+  )
   assert int(m["skipped"]) == 1 and int(new.skipped) == 1
   for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(new.params)):
     np.testing.assert_array_equal(a, b)
@@ -161,8 +191,7 @@ def test_frozen_indexer_stays_fixed():
   mask = jnp.zeros((2, S), bool).at[:, 3:].set(True)
   logp0 = rl_step.token_logprobs(nnx.merge(graphdef, state.params, state.rest), tokens)
   step = rl_step.make_grpo_step(graphdef, optimizer, schedule, rl_cfg())
-  new, _ = step(state, dict(tokens=tokens, response_mask=mask, rollout_logp=logp0,
-                            advantages=jnp.asarray([1.0, -1.0])))
+  new, _ = step(state, dict(tokens=tokens, response_mask=mask, rollout_logp=logp0, advantages=jnp.asarray([1.0, -1.0])))
   changed = {}
   for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(state.params), jax.tree.leaves(new.params)):
     changed[jax.tree_util.keystr(path)] = bool(jnp.any(a != b))
@@ -173,20 +202,25 @@ def test_frozen_indexer_stays_fixed():
 
 def test_rl_config_errors():
   config = configs.grpo_tiny.get_config()
-  for field, value, message in (("group_size", 1, "rl.group_size=1 is invalid; GRPO needs >= 2"),
-                                ("objective", "ppo", "rl.objective='ppo' is invalid; one of"),
-                                ("objective", "async", "rl.objective='async' is invalid; 'async' .* needs rl.async"),
-                                ("is_correction", "x", "rl.is_correction='x' is invalid"),
-                                ("icepop_beta", 0.5, "rl.icepop_beta=0.5 is invalid; must be > 1"),
-                                ("tau", -1, "rl.tau=-1 is invalid"),
-                                ("temperature", 0.0, "rl.temperature=0.0 is invalid"),
-                                ("speculate", -2, r"rl.speculate=-2 is invalid; must be an integer >= 0")):
+  for field, value, message in (
+    ("group_size", 1, "rl.group_size=1 is invalid; GRPO needs >= 2"),
+    ("objective", "ppo", "rl.objective='ppo' is invalid; one of"),
+    ("objective", "async", "rl.objective='async' is invalid; 'async' .* needs rl.async"),
+    ("is_correction", "x", "rl.is_correction='x' is invalid"),
+    ("icepop_beta", 0.5, "rl.icepop_beta=0.5 is invalid; must be > 1"),
+    ("tau", -1, "rl.tau=-1 is invalid"),
+    ("temperature", 0.0, "rl.temperature=0.0 is invalid"),
+    ("speculate", -2, r"rl.speculate=-2 is invalid; must be an integer >= 0"),
+  ):
     bad = ml_collections.ConfigDict(config.to_dict())
     bad.rl[field] = value
     with pytest.raises(ValueError, match=message):
       rl_config.validate_rl_config(bad)
   bad = ml_collections.ConfigDict(config.to_dict())
   bad.rl.speculate, bad.model.num_nextn_predict_layers = 2, 0
-  with pytest.raises(ValueError, match=r"rl.speculate=2 is invalid; speculative rollouts draft with the MTP layer, "
-                                       r"but model.num_nextn_predict_layers=0"):
+  with pytest.raises(
+    ValueError,
+    match=r"rl.speculate=2 is invalid; speculative rollouts draft with the MTP layer, "
+    r"but model.num_nextn_predict_layers=0",
+  ):
     rl_config.validate_rl_config(bad)

@@ -10,16 +10,41 @@ import pytest
 
 from glm_jax.rl import rewards as rewards_lib
 from glm_jax.rl.rewards import REWARD_FNS, exact_match, make_reward_fn, score
-from glm_jax.rl.tasks import (AdditionTask, CharVocab, Problem, ReverseTask, SortTask, make_task, mixed_prompts,
-                              sft_batch)
+from glm_jax.rl.tasks import (
+  AdditionTask,
+  CharVocab,
+  Problem,
+  ReverseTask,
+  SortTask,
+  make_task,
+  mixed_prompts,
+  sft_batch,
+)
 
 VOCAB = CharVocab()
 # Hand-written: pad 0, eos 1, then "0123456789+=-sr," from id 2.
-EXPECTED_IDS = {"0": 2, "1": 3, "2": 4, "3": 5, "4": 6, "5": 7, "6": 8, "7": 9, "8": 10, "9": 11,
-                "+": 12, "=": 13, "-": 14, "s": 15, "r": 16, ",": 17}
+EXPECTED_IDS = {
+  "0": 2,
+  "1": 3,
+  "2": 4,
+  "3": 5,
+  "4": 6,
+  "5": 7,
+  "6": 8,
+  "7": 9,
+  "8": 10,
+  "9": 11,
+  "+": 12,
+  "=": 13,
+  "-": 14,
+  "s": 15,
+  "r": 16,
+  ",": 17,
+}
 
 
 # ----------------------------------------------------------------------------------------------------- vocab
+
 
 def test_vocab_ids_and_round_trip_of_every_character():
   assert (VOCAB.pad_id, VOCAB.eos_id, VOCAB.vocab_size) == (0, 1, 18)
@@ -52,6 +77,7 @@ def test_decode_stops_at_eos_and_skips_pad():
 
 # ----------------------------------------------------------------------------------------------------- tasks
 
+
 def test_addition_answers_demonstrations_and_length_bounds():
   task = AdditionTask(digits=2)
   problems = task.sample(np.random.default_rng(0), 1000)
@@ -62,7 +88,7 @@ def test_addition_answers_demonstrations_and_length_bounds():
     assert m is not None, p.prompt
     a, b = int(m.group(1)), int(m.group(2))
     assert 0 <= a < 100 and 0 <= b < 100
-    assert str(a) == m.group(1) and str(b) == m.group(2)          # no leading zeros
+    assert str(a) == m.group(1) and str(b) == m.group(2)  # no leading zeros
     seen_a.add(a)
     assert p.task == "addition"
     assert p.answer == str(a + b)
@@ -71,7 +97,7 @@ def test_addition_answers_demonstrations_and_length_bounds():
     assert demo[-1] == 1
     assert demo == [EXPECTED_IDS[c] for c in p.prompt + p.answer] + [1]
     assert VOCAB.decode(demo) == p.prompt + p.answer
-  assert len(seen_a) > 95                                          # uniform over 100 values, 1000 draws
+  assert len(seen_a) > 95  # uniform over 100 values, 1000 draws
   # "99+99=" is 6 tokens; "198" + eos is 4; both bounds are reached within 1000 samples.
   assert (task.max_prompt_len, task.max_answer_len) == (6, 4)
   assert max(len(p.prompt_ids) for p in problems) == 6
@@ -127,6 +153,7 @@ def test_make_task_and_constructor_errors():
 
 # ----------------------------------------------------------------------------------------------------- sft_batch
 
+
 class _FixedAddition(AdditionTask):
   """Always "12+5=" -> "17", so a batch row can be written by hand."""
 
@@ -135,10 +162,9 @@ class _FixedAddition(AdditionTask):
 
 
 def test_sft_batch_matches_a_hand_built_row():
-  batch = sft_batch([(_FixedAddition(digits=2), 1.0)], np.random.default_rng(0), batch_size=3, seq_len=12,
-                    vocab=VOCAB)
+  batch = sft_batch([(_FixedAddition(digits=2), 1.0)], np.random.default_rng(0), batch_size=3, seq_len=12, vocab=VOCAB)
   assert set(batch) == {"input_ids", "segment_ids", "positions"}
-  row_ids = [3, 4, 12, 7, 13, 3, 9, 1, 0, 0, 0, 0]        # "12+5=" "17" eos, then pad
+  row_ids = [3, 4, 12, 7, 13, 3, 9, 1, 0, 0, 0, 0]  # "12+5=" "17" eos, then pad
   row_seg = [1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0]
   row_pos = [0, 1, 2, 3, 4, 5, 6, 7, 0, 0, 0, 0]
   for key, row in (("input_ids", row_ids), ("segment_ids", row_seg), ("positions", row_pos)):
@@ -155,7 +181,7 @@ def test_sft_batch_on_mixed_real_tasks():
     np.testing.assert_array_equal(seg, (np.arange(11) < n).astype(np.int32))
     np.testing.assert_array_equal(pos, np.where(np.arange(11) < n, np.arange(11), 0))
     np.testing.assert_array_equal(ids[n:], 0)
-    assert ids[n - 1] == 1 and np.sum(ids == 1) == 1           # exactly one eos, the last token
+    assert ids[n - 1] == 1 and np.sum(ids == 1) == 1  # exactly one eos, the last token
     text = VOCAB.decode(ids.tolist())
     prompt, answer = text.split("=")
     if prompt.startswith("s"):
@@ -181,15 +207,16 @@ def test_sft_batch_rejects_a_too_short_seq_len():
 
 # ----------------------------------------------------------------------------------------------------- mixed_prompts
 
+
 def test_mixed_prompts_follow_the_weights():
   add, srt = AdditionTask(), SortTask()
   n = 4000
-  problems = mixed_prompts([(add, 3.0), (srt, 1.0)], np.random.default_rng(4), n)   # 0.75 / 0.25, unnormalised
+  problems = mixed_prompts([(add, 3.0), (srt, 1.0)], np.random.default_rng(4), n)  # 0.75 / 0.25, unnormalised
   assert len(problems) == n
   frac_add = sum(p.task == "addition" for p in problems) / n
   se = math.sqrt(0.75 * 0.25 / n)
   assert abs(frac_add - 0.75) < 3 * se
-  for p in problems:                                     # every problem is a valid one of its own task
+  for p in problems:  # every problem is a valid one of its own task
     if p.task == "sort":
       assert p.answer == "".join(sorted(p.prompt[1:-1]))
     else:
@@ -197,7 +224,7 @@ def test_mixed_prompts_follow_the_weights():
       assert p.answer == str(int(a) + int(b))
   again = mixed_prompts([(add, 3.0), (srt, 1.0)], np.random.default_rng(4), n)
   assert again == problems
-  only_add = mixed_prompts({add: 1.0, srt: 0.0}, np.random.default_rng(5), 50)   # a mapping works too
+  only_add = mixed_prompts({add: 1.0, srt: 0.0}, np.random.default_rng(5), 50)  # a mapping works too
   assert [p.task for p in only_add] == ["addition"] * 50
 
 
@@ -216,27 +243,28 @@ def test_mixed_prompts_rejects_bad_weights():
 
 # ----------------------------------------------------------------------------------------------------- rewards
 
+
 def _problem(answer: str = "132") -> Problem:
   return Problem(task="addition", prompt="47+85=", answer=answer, prompt_ids=(6, 9, 12, 10, 7, 13))
 
 
 def test_exact_match():
   reward = exact_match(VOCAB)
-  p = _problem()                                          # 47 + 85 = 132; "1" 3, "3" 5, "2" 4
+  p = _problem()  # 47 + 85 = 132; "1" 3, "3" 5, "2" 4
   assert reward(p, [3, 5, 4, 1]) == 1.0
-  assert reward(p, [3, 5, 5, 1]) == 0.0                   # wrong digit
-  assert reward(p, [3, 5, 4]) == 0.0                      # right digits, cut off without eos
-  assert reward(p, [3, 5, 4, 1, 11, 11, 0]) == 1.0        # tokens after eos are ignored
-  assert reward(p, [3, 5, 1]) == 0.0                      # too short
-  assert reward(p, [3, 5, 4, 2, 1]) == 0.0                # too long
+  assert reward(p, [3, 5, 5, 1]) == 0.0  # wrong digit
+  assert reward(p, [3, 5, 4]) == 0.0  # right digits, cut off without eos
+  assert reward(p, [3, 5, 4, 1, 11, 11, 0]) == 1.0  # tokens after eos are ignored
+  assert reward(p, [3, 5, 1]) == 0.0  # too short
+  assert reward(p, [3, 5, 4, 2, 1]) == 0.0  # too long
   assert reward(p, [1]) == 0.0 and reward(p, []) == 0.0
-  assert reward(p, [3, 0, 5, 4, 1]) == 0.0                # a pad inside the answer is wrong
-  assert reward(p, [3, 5, 4, 25, 1]) == 0.0               # an id beyond the vocab (model vocab 32) is wrong
+  assert reward(p, [3, 0, 5, 4, 1]) == 0.0  # a pad inside the answer is wrong
+  assert reward(p, [3, 5, 4, 25, 1]) == 0.0  # an id beyond the vocab (model vocab 32) is wrong
   assert reward(p, np.array([3, 5, 4, 1], dtype=np.int32)) == 1.0
   # Every task's demonstration, minus its prompt, earns the full reward.
   for task in (AdditionTask(), SortTask(), ReverseTask()):
     for q in task.sample(np.random.default_rng(6), 50):
-      assert reward(q, task.demonstration(q)[len(q.prompt_ids):]) == 1.0
+      assert reward(q, task.demonstration(q)[len(q.prompt_ids) :]) == 1.0
 
 
 def test_score_survives_reward_fn_failures(monkeypatch):

@@ -41,8 +41,8 @@ def demonstrations(problems, task):
   tokens = np.zeros((len(demos), max(map(len, demos))), np.int32)
   mask = np.zeros(tokens.shape, bool)
   for i, (p, d) in enumerate(zip(problems, demos)):
-    tokens[i, :len(d)] = d
-    mask[i, len(p.prompt_ids):len(d)] = True
+    tokens[i, : len(d)] = d
+    mask[i, len(p.prompt_ids) : len(d)] = True
   return jnp.asarray(tokens), jnp.asarray(mask)
 
 
@@ -116,8 +116,20 @@ def test_async_drops_stale_rollouts_and_survives_failing_rewards(tmp_path, monke
   monkeypatch.setitem(rewards_lib.REWARD_FNS, "flaky", flaky)
   config = configs.grpo_tiny.get_config()
   config.sft.steps = 0
-  quiet(config, steps=4, async_rollouts=True, objective="async", tau=0, max_pending=2, reward="flaky",
-        prompts_per_step=8, group_size=4, eval_prompts=8, eval_every=1000, checkpoint_every=1000)
+  quiet(
+    config,
+    steps=4,
+    async_rollouts=True,
+    objective="async",
+    tau=0,
+    max_pending=2,
+    reward="flaky",
+    prompts_per_step=8,
+    group_size=4,
+    eval_prompts=8,
+    eval_every=1000,
+    checkpoint_every=1000,
+  )
   summary = rl_trainer.run(config, str(tmp_path))
   assert summary["step"] == 4 and summary["dropped_stale"] >= 2
   rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl") if "reward_mean" in line]
@@ -133,15 +145,22 @@ def test_distillation_lowers_kl_to_teachers(tmp_path):
   computed exactly per token: on 512 answers the student samples (fixed prompts and key) before and after,
   sum_v p_s(v) (log p_s(v) - log p_t(v)) at each answer position, over the whole vocabulary, with each prompt's
   own teacher; averaged over answer tokens."""
-  config = quiet(configs.distill_tiny.get_config(), steps=20, prompts_per_step=32, eval_prompts=8, eval_every=1000,
-                 checkpoint_every=1000)
+  config = quiet(
+    configs.distill_tiny.get_config(),
+    steps=20,
+    prompts_per_step=32,
+    eval_prompts=8,
+    eval_every=1000,
+    checkpoint_every=1000,
+  )
   for t in config.teachers.values():
     t.sft_steps = 40
   rl_trainer.run(config, str(tmp_path))
   cfg = ModelConfig.from_dict(config.model)
   names = list(config.teachers.keys())
-  tasks = [(tasks_lib.make_task(config.teachers[n].task, **config.teachers[n].task_kwargs.to_dict()), 1.0)
-           for n in names]
+  tasks = [
+    (tasks_lib.make_task(config.teachers[n].task, **config.teachers[n].task_kwargs.to_dict()), 1.0) for n in names
+  ]
   problems = tasks_lib.mixed_prompts(tasks, np.random.default_rng(3), 512)
   graphdef, state, _, _ = warm_start.make_policy(cfg, config.optimizer, 0, False)
   teachers = []
@@ -156,7 +175,7 @@ def test_distillation_lowers_kl_to_teachers(tmp_path):
     tokens, mask = out.tokens, out.response_mask[:, 1:]  # the logits at t - 1 predict token t
     _, logp_s = answer_logprobs(cfg, *student, tokens)
     total, count = 0.0, 0.0
-    for k, n in enumerate(names):
+    for k in range(len(names)):
       rows = np.asarray([p.task == tasks[k][0].name for p in problems])[:, None] & np.asarray(mask)
       _, logp_t = answer_logprobs(cfg, *teachers[k], tokens)
       kl = jnp.sum(jnp.exp(logp_s) * (logp_s - logp_t), -1)
@@ -193,6 +212,7 @@ def test_quantization_aware_grpo_samples_from_the_packed_weights(tmp_path):
   forward's: the logged mismatch KL stays at fp32 rounding, where the unquantized weights' log-probs differ from
   the packed ones' by far more. The final weights stay unquantized (fp32) in the checkpoint."""
   from glm_jax.model import quantization as Q
+
   config = configs.grpo_tiny.get_config()
   config.sft.steps = 0
   config.quant = Q.default_quant_config()

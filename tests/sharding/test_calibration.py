@@ -62,8 +62,13 @@ def test_an_offloaded_all_reduce_by_hand(program):
 @pytest.mark.slow  # a process with jax and the whole program's cost (about 20 s)
 def test_the_calibration_is_what_the_script_prints(tmp_path):
   out = tmp_path / "calibration.json"
-  proc = subprocess.run([sys.executable, os.path.join(ROOT, "experiments/calibrate_maxtext.py"), f"--out={out}"],
-                        cwd=ROOT, capture_output=True, text=True, timeout=600)
+  proc = subprocess.run(
+    [sys.executable, os.path.join(ROOT, "experiments/calibrate_maxtext.py"), f"--out={out}"],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
   assert proc.returncode == 0, proc.stderr[-3000:]
   report = json.loads(out.read_text())
   assert report["realism_factor"] == hlo_cost.CALIBRATION["realism_factor"]

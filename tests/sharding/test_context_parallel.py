@@ -51,17 +51,25 @@ def test_zigzag_gives_each_device_an_early_and_a_late_chunk():
   np.testing.assert_array_equal(context_parallel.to_zigzag(x, 1), x)  # no context axis: the identity
 
 
-@pytest.mark.parametrize("kwargs, message", [
+@pytest.mark.parametrize(
+  "kwargs, message",
+  [
     (dict(seq_len=36, c=4), r"seq_len=36 must divide into 2 x mesh.context = 8 equal chunks"),
-    (dict(seq_len=64, c=4, attention_chunk=3),
-     r"model.attention_chunk=3 must divide each device's chunk of seq_len / \(2 x mesh.context\) = 64 / 8 = 8"),
-    (dict(seq_len=131072, c=8, attention_impl="reference", use_dsa=True, index_topk=2048),
-     r"attention_impl='reference' builds the indexer's \[T / c, T\] fp32 scores, 16384 x 131072 x 4 B = 8.0 GiB"),
-])
+    (
+      dict(seq_len=64, c=4, attention_chunk=3),
+      r"model.attention_chunk=3 must divide each device's chunk of seq_len / \(2 x mesh.context\) = 64 / 8 = 8",
+    ),
+    (
+      dict(seq_len=131072, c=8, attention_impl="reference", use_dsa=True, index_topk=2048),
+      r"attention_impl='reference' builds the indexer's \[T / c, T\] fp32 scores, 16384 x 131072 x 4 B = 8.0 GiB",
+    ),
+  ],
+)
 def test_sizes_context_parallelism_cannot_serve_are_named(kwargs, message):
   seq_len, c = kwargs.pop("seq_len"), kwargs.pop("c")
-  cfg = types.SimpleNamespace(**{**dict(attention_chunk=0, attention_impl="pallas", use_dsa=False, index_topk=0),
-                                 **kwargs})
+  cfg = types.SimpleNamespace(
+    **{**dict(attention_chunk=0, attention_impl="pallas", use_dsa=False, index_topk=0), **kwargs}
+  )
   with pytest.raises(ValueError, match=message):
     context_parallel.check(seq_len, c, cfg)
   context_parallel.check(seq_len, 1, cfg)  # no context axis: nothing to check
@@ -90,9 +98,11 @@ def two_documents(b: int, t: int) -> dict:
   """Random tokens, two packed documents a row (the boundary inside a zig-zag chunk), positions restarting."""
   rng = np.random.default_rng(0)
   cut = 5 * t // 8 - 3
-  return {"input_ids": jnp.asarray(rng.integers(0, 512, (b, t)), jnp.int32),
-          "segment_ids": jnp.asarray(np.repeat([[1] * cut + [2] * (t - cut)], b, axis=0), jnp.int32),
-          "positions": jnp.asarray(np.repeat([list(range(cut)) + list(range(t - cut))], b, axis=0), jnp.int32)}
+  return {
+    "input_ids": jnp.asarray(rng.integers(0, 512, (b, t)), jnp.int32),
+    "segment_ids": jnp.asarray(np.repeat([[1] * cut + [2] * (t - cut)], b, axis=0), jnp.int32),
+    "positions": jnp.asarray(np.repeat([list(range(cut)) + list(range(t - cut))], b, axis=0), jnp.int32),
+  }
 
 
 @pytest.fixture(scope="module")
@@ -106,9 +116,17 @@ def one_device():
     init = jax.device_get(state)
     step = step_lib.make_train_step(graphdef, optimizer, schedule, config.train)
     new, metrics = step.lower(state, batch).compile(compiler_options=FAST_COMPILE)(state, batch)
-    out[stage] = types.SimpleNamespace(config=config, graphdef=graphdef, optimizer=optimizer, schedule=schedule,
-                                       batch=batch, init=init, loss=float(metrics["loss"]),
-                                       metrics=jax.device_get(metrics), params=jax.device_get(new.params))
+    out[stage] = types.SimpleNamespace(
+      config=config,
+      graphdef=graphdef,
+      optimizer=optimizer,
+      schedule=schedule,
+      batch=batch,
+      init=init,
+      loss=float(metrics["loss"]),
+      metrics=jax.device_get(metrics),
+      params=jax.device_get(new.params),
+    )
   return out
 
 
@@ -218,6 +236,7 @@ def test_the_long_context_tpu_step_holds_no_sequence_by_sequence_array(stage):
   tokens; every model dimension is shorter), where one device's [T, S] mask, scores or KL target would have two,
   and the layer inputs sit in host memory (S(5) buffers)."""
   from glm_jax.train import aot
+
   t, c = 16384, 4
   config = glm5_tiny.get_config()
   config.data.seq_len, config.data.batch_size = t, 1

@@ -19,13 +19,13 @@ from glm_jax.sharding.topology import install_hint, libtpu_installed, torus_of, 
 needs_libtpu = pytest.mark.skipif(not libtpu_installed(), reason=f"libtpu is not installed: {install_hint()}")
 
 EINSUMS = {  # equation -> operand shapes; the FLOPs are 2 x the product of every distinct index's size
-    "ij,jk->ik": ((256, 512), (512, 128)),
-    "ij,ik->jk": ((256, 64), (256, 32)),
-    "bij,bjk->bik": ((4, 32, 64), (4, 64, 32)),
-    "btr,rhk->bthk": ((2, 64, 24), (24, 4, 32)),  # MLA's up-projection of the latent to heads
-    "bthk,bsk->bhts": ((2, 64, 4, 24), (2, 64, 24)),  # absorbed-form scores
-    "bhts,bshv->bthv": ((2, 4, 64, 64), (2, 64, 4, 16)),
-    "bthv,hvd->btd": ((2, 64, 4, 16), (4, 16, 64)),
+  "ij,jk->ik": ((256, 512), (512, 128)),
+  "ij,ik->jk": ((256, 64), (256, 32)),
+  "bij,bjk->bik": ((4, 32, 64), (4, 64, 32)),
+  "btr,rhk->bthk": ((2, 64, 24), (24, 4, 32)),  # MLA's up-projection of the latent to heads
+  "bthk,bsk->bhts": ((2, 64, 4, 24), (2, 64, 24)),  # absorbed-form scores
+  "bhts,bshv->bthv": ((2, 4, 64, 64), (2, 64, 4, 16)),
+  "bthv,hvd->btd": ((2, 64, 4, 16), (4, 16, 64)),
 }
 
 
@@ -53,8 +53,7 @@ def test_collective_wire_bytes():
   that of its [256, 128] operand."""
   mesh = jax.make_mesh((4,), ("x",), axis_types=(AxisType.Auto,), devices=tpu_topology_devices("v5p:2x2x1"))
   arg = jax.ShapeDtypeStruct((1024, 128), jnp.float32, sharding=NamedSharding(mesh, P("x")))
-  fns = {"all-gather": lambda a: jax.lax.all_gather(a, "x", tiled=True),
-         "all-reduce": lambda a: jax.lax.psum(a, "x")}
+  fns = {"all-gather": lambda a: jax.lax.all_gather(a, "x", tiled=True), "all-reduce": lambda a: jax.lax.psum(a, "x")}
   for kind, fn in fns.items():
     f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
     ops = [o for o in hlo_cost.program_ops(f.lower(arg).compile().as_text()) if o.wire]
@@ -92,16 +91,20 @@ def test_collectives_over_one_axis_of_a_2d_mesh_by_hand():
   b = 128 * 512 * 4
   arg = jax.ShapeDtypeStruct((1024, 512), jnp.float32, sharding=NamedSharding(mesh, P(("a", "b"))))
   cases = {
-      "reduce-scatter": (lambda x: jax.lax.psum_scatter(x, "b", tiled=True), 3 / 4 * b, 3 / 4 * b / (2 * W) + 2 * LAT),
-      "all-gather": (lambda x: jax.lax.all_gather(x, "b", tiled=True), 3 / 4 * 4 * b, 3 / 4 * 4 * b / (2 * W) + 2 * LAT),
-      "all-to-all": (lambda x: jax.lax.all_to_all(x, "b", 0, 0, tiled=True), 3 / 4 * b, b / 2 / W + 2 * LAT),
-      "collective-permute": (lambda x: jax.lax.ppermute(x, "b", [(i, (i + 1) % 4) for i in range(4)]), b,
-                             b / W + 2 * LAT),
+    "reduce-scatter": (lambda x: jax.lax.psum_scatter(x, "b", tiled=True), 3 / 4 * b, 3 / 4 * b / (2 * W) + 2 * LAT),
+    "all-gather": (lambda x: jax.lax.all_gather(x, "b", tiled=True), 3 / 4 * 4 * b, 3 / 4 * 4 * b / (2 * W) + 2 * LAT),
+    "all-to-all": (lambda x: jax.lax.all_to_all(x, "b", 0, 0, tiled=True), 3 / 4 * b, b / 2 / W + 2 * LAT),
+    "collective-permute": (
+      lambda x: jax.lax.ppermute(x, "b", [(i, (i + 1) % 4) for i in range(4)]),
+      b,
+      b / W + 2 * LAT,
+    ),
   }
   for kind, (fn, wire, seconds) in cases.items():
     f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P(("a", "b")), out_specs=P(("a", "b"))))
-    ops = [o for o in hlo_cost.program_ops(f.lower(arg).compile().as_text(), chip=chip)
-           if o.collective and o.role != "done"]
+    ops = [
+      o for o in hlo_cost.program_ops(f.lower(arg).compile().as_text(), chip=chip) if o.collective and o.role != "done"
+    ]
     assert [(o.kind, o.wire) for o in ops] == [(kind, wire)]
     assert ops[0].wire_seconds == pytest.approx(seconds, rel=1e-9)
 
@@ -130,7 +133,8 @@ def test_an_fsdp_step_where_the_partitioner_inserts_the_collectives():
   ops = [o for o in hlo_cost.program_ops(text, chip=chip) if o.collective and o.role != "done"]
   gathered, grads = d * f * 2, 2 * d * f * 4
   assert sorted((o.kind, o.wire) for o in ops) == sorted(
-      [("all-gather", 7 / 8 * gathered)] * 2 + [("all-reduce", 2 * 7 / 8 * grads)])
+    [("all-gather", 7 / 8 * gathered)] * 2 + [("all-reduce", 2 * 7 / 8 * grads)]
+  )
   seconds = {o.kind: o.wire_seconds for o in ops}
   assert seconds["all-gather"] == pytest.approx(7 / 8 * gathered / (3 * W) + 3 * LAT, rel=1e-9)
   assert seconds["all-reduce"] == pytest.approx(2 * (7 / 8 * grads / (3 * W) + 3 * LAT), rel=1e-9)
@@ -160,8 +164,7 @@ def test_a_reduce_scatter_fusion_is_a_reduce_scatter():
   fusions = [o for o in ops if o.opcode == "fusion" and "all-reduce-scatter" in by_name[o.name].attrs]
   assert fusions
   for o in fusions:
-    [inner] = [i for i in comps[hlo_cost._attr(by_name[o.name].attrs, "calls").lstrip("%")]
-               if i.opcode == "all-reduce"]
+    [inner] = [i for i in comps[hlo_cost._attr(by_name[o.name].attrs, "calls").lstrip("%")] if i.opcode == "all-reduce"]
     size = hlo_cost.nbytes(by_name[inner.operands[0]].shapes)
     assert (o.kind, o.wire) == ("reduce-scatter", 3 / 4 * size * o.runs)
   # Every collective of the program is read (no group of 1 on a 4-chip step): 94 all-gathers and 8 all-reduces
@@ -217,6 +220,7 @@ def test_a_scanned_layer_moves_its_slice_of_the_stack(platform):
     def body(c, wl):
       y = jnp.tanh(c @ wl)
       return y, y[:1]
+
     return jax.lax.scan(body, x, w)
 
   device = jax.devices("cpu")[0] if platform == "cpu" else tpu_topology_devices("v5p:2x2x1")[0]
@@ -231,8 +235,11 @@ def test_a_scanned_layer_moves_its_slice_of_the_stack(platform):
     sliced = [o for o in looped if "dynamic-slice" in o.name]
     assert len(sliced) == 1 and sliced[0].bytes == layers * (2 * 4 * d * d + 4)
   # The output rows: y read whole (a static slice), the [1, d] row written into the stacked output in place.
-  rows = [o for o in looped if "dynamic-update-slice" in o.name or (platform == "tpu" and not o.flops
-                                                                     and "copy" not in o.opcode)]
+  rows = [
+    o
+    for o in looped
+    if "dynamic-update-slice" in o.name or (platform == "tpu" and not o.flops and "copy" not in o.opcode)
+  ]
   assert any(o.bytes == layers * (4 * n * d + 2 * 4 * d + 4) for o in rows), [(o.name, o.bytes) for o in looped]
 
 
@@ -266,13 +273,17 @@ def test_cost_report_of_the_expert_parallel_step(tmp_path):
   assert balanced == 8 * 64 // 4 * 2 and hot == 4 * balanced  # n K and P n K rows
   assert report["routings"]["hot"]["per_moe_layer"]["flops"] > report["routings"]["balanced"]["per_moe_layer"]["flops"]
   balanced = report["routings"]["balanced"]
-  assert np.isfinite(balanced["estimated_mfu"]) and balanced["estimated_step_seconds"] <= balanced["serial_step_seconds"]
+  assert (
+    np.isfinite(balanced["estimated_mfu"]) and balanced["estimated_step_seconds"] <= balanced["serial_step_seconds"]
+  )
   assert balanced["linearity"]["scheduled_seconds_rel_error"] < 0.05, balanced["linearity"]
   # MFU over the useful-work numerator on 4 chips' peaks; the calibrated step is the scheduled one x the factor
   assert balanced["estimated_mfu"] == pytest.approx(
-      report["useful_flops_per_step"] / (4 * 459e12 * balanced["estimated_step_seconds"]), rel=1e-3)
+    report["useful_flops_per_step"] / (4 * 459e12 * balanced["estimated_step_seconds"]), rel=1e-3
+  )
   assert balanced["calibrated_step_seconds"] == pytest.approx(
-      balanced["estimated_step_seconds"] * hlo_cost.CALIBRATION["realism_factor"], rel=1e-3)
+    balanced["estimated_step_seconds"] * hlo_cost.CALIBRATION["realism_factor"], rel=1e-3
+  )
   # The programs kept (launch/compile.py --hlo_dir) give the same report without compiling.
   aot.save_depths(depths, str(tmp_path))
   assert aot.cost_report(config, devices, aot.load_depths(str(tmp_path)), top=1000) == report
@@ -342,8 +353,11 @@ def test_a_multislice_step_reduces_gradients_over_dcn():
     return w1 - 0.1 * g1, w2 - 0.1 * g2
 
   ws, xs = NamedSharding(mesh, P("fsdp", None)), NamedSharding(mesh, P(("data", "fsdp"), None))
-  args = [jax.ShapeDtypeStruct((d, f), jnp.float32, sharding=ws), jax.ShapeDtypeStruct((f, d), jnp.float32, sharding=ws),
-          jax.ShapeDtypeStruct((512, d), jnp.float32, sharding=xs)]
+  args = [
+    jax.ShapeDtypeStruct((d, f), jnp.float32, sharding=ws),
+    jax.ShapeDtypeStruct((f, d), jnp.float32, sharding=ws),
+    jax.ShapeDtypeStruct((512, d), jnp.float32, sharding=xs),
+  ]
   with jax.set_mesh(mesh):
     text = jax.jit(step).lower(*args).compile().as_text()
   ops = hlo_cost.program_ops(text, chip=chip)
@@ -366,12 +380,14 @@ def test_a_branch_model_counts_the_branch_that_runs(platform):
     def fast(x, w):
       with jax.named_scope("fast"):
         return jnp.pad(jnp.tanh(x[:128] @ w), ((0, 1024 - 128), (0, 0)))
+
     return jax.lax.cond(pred, fast, lambda x, w: jnp.tanh(x @ w), x, w)
 
   device = jax.devices("cpu")[0] if platform == "cpu" else tpu_topology_devices("v5p:2x2x1")[0]
   s = SingleDeviceSharding(device)
   args = [jax.ShapeDtypeStruct((), jnp.bool_, sharding=s)] + [
-      jax.ShapeDtypeStruct(shape, jnp.float32, sharding=s) for shape in ((1024, k), (k, n))]
+    jax.ShapeDtypeStruct(shape, jnp.float32, sharding=s) for shape in ((1024, k), (k, n))
+  ]
   text = jax.jit(f).lower(*args).compile().as_text()
   pick = lambda want: lambda branches: next(i for i, names in enumerate(branches) if ("fast" in names) == want)
   flops = lambda model: sum(o.flops for o in hlo_cost.program_ops(text, branch_model=model))

@@ -30,9 +30,11 @@ def test_all_gather_on_a_wrapped_ring_uses_both_directions():
   v = 8e6
   assert ici.collective_seconds(t, "all-gather", [list(range(8))], v) == pytest.approx(7 / 8 * v / (2 * W) + 7 * LAT)
   assert ici.collective_seconds(t, "reduce-scatter", [list(range(8))], v) == pytest.approx(
-      7 / 8 * v / (2 * W) + 7 * LAT)
-  assert ici.collective_seconds(t, "all-reduce", [list(range(8))], v) == pytest.approx(2 * (7 / 8 * v / (2 * W)
-                                                                                              + 7 * LAT))
+    7 / 8 * v / (2 * W) + 7 * LAT
+  )
+  assert ici.collective_seconds(t, "all-reduce", [list(range(8))], v) == pytest.approx(
+    2 * (7 / 8 * v / (2 * W) + 7 * LAT)
+  )
 
 
 def test_all_gather_without_the_wrap_link_is_half_as_fast():
@@ -61,7 +63,8 @@ def test_strided_groups_share_links():
   groups = [[i, i + 4] for i in range(4)]
   assert ici.collective_seconds(t, "all-gather", groups, v) == pytest.approx(v / W + LAT)
   assert ici.collective_seconds(t, "all-gather", [[2 * i, 2 * i + 1] for i in range(4)], v) == pytest.approx(
-      v / 2 / W + LAT)
+    v / 2 / W + LAT
+  )
 
 
 def test_all_to_all_on_a_wrapped_ring_of_four():
@@ -112,7 +115,9 @@ def _ins(attrs, opcode="all-gather"):
   return hlo_cost._Instr("ag.1", opcode, [("f32", (8,))], ["x"], attrs, "")
 
 
-@pytest.mark.parametrize("attrs,want", [
+@pytest.mark.parametrize(
+  "attrs,want",
+  [
     ("replica_groups={{0,1},{2,3}}, dimensions={0}", [[0, 1], [2, 3]]),
     ("replica_groups={}, to_apply=%add", [[0, 1, 2, 3]]),
     ("dimensions={0}", [[0, 1, 2, 3]]),
@@ -127,7 +132,8 @@ def _ins(attrs, opcode="all-gather"):
     ("replica_groups=mesh['a'=4] {'a':(1)2}, x", [[0, 2], [1, 3]]),  # the major half of a: positions 0/2, 1/3
     ("replica_groups=mesh['a'=4] {'a':(2)2}, x", [[0, 1], [2, 3]]),
     ("replica_groups=mesh['a'=2,'b'=2] {'b','a'}, x", [[0, 2, 1, 3]]),
-])
+  ],
+)
 def test_replica_group_syntaxes(attrs, want):
   assert hlo_cost.replica_groups(_ins(attrs), 4) == want
 
@@ -158,8 +164,10 @@ ENTRY %main (x: f32[125000]) -> f32[250000] {
   ROOT %c = f32[250000] fusion(%g, %b), kind=kLoop, calls=%fa, backend_config={"estimated_cycles":"500"}
 }
 """
-_ASYNC = ("%gs = (f32[125000], f32[250000]) all-gather-start(%a), channel_id=1, replica_groups={{0,1}}, "
-          "dimensions={0}", "%g = f32[250000] all-gather-done(%gs)")
+_ASYNC = (
+  "%gs = (f32[125000], f32[250000]) all-gather-start(%a), channel_id=1, replica_groups={{0,1}}, dimensions={0}",
+  "%g = f32[250000] all-gather-done(%gs)",
+)
 _SYNC = ("%g = f32[250000] all-gather(%a), channel_id=1, replica_groups={{0,1}}, dimensions={0}", "")
 
 

@@ -44,12 +44,15 @@ def test_mesh_shape_resolves_the_remaining_devices():
   assert mesh_shape({"context": 4, "fsdp": -1}, 8) == (1, 2, 1, 4, 1)
 
 
-@pytest.mark.parametrize("cfg, message", [
+@pytest.mark.parametrize(
+  "cfg, message",
+  [
     ({"data": 3}, r"multiplies to 3, but there are 8 devices"),
     ({"data": -1, "fsdp": -1}, r"more than one -1"),
     ({"data": 3, "fsdp": -1}, r"multiply to 3, which does not divide the 8 devices"),
     ({"tensor": 0}, r"mesh\.tensor=0 is invalid"),
-])
+  ],
+)
 def test_bad_mesh_names_the_sizes(cfg, message):
   with pytest.raises(ValueError, match=message):
     mesh_shape(cfg, 8)
@@ -58,7 +61,9 @@ def test_bad_mesh_names_the_sizes(cfg, message):
 def test_logical_rules():
   # the model dimension over fsdp and context; a mesh whose context axis has size 1 keeps fsdp alone
   assert logical_to_spec(("layers", "experts", "embed", "expert_mlp")) == P(
-      None, "expert", ("fsdp", "context"), "tensor")
+    None, "expert", ("fsdp", "context"), "tensor"
+  )
+
   def on(**sizes):  # logical_to_spec(("embed", "vocab")) for a mesh of these sizes (the other axes of size 1)
     mesh = AbstractMesh(tuple(sizes.get(a, 1) for a in MESH_AXES), MESH_AXES)
     return spec_for_mesh(logical_to_spec(("embed", "vocab")), mesh)
@@ -87,7 +92,9 @@ def test_indivisible_heads_are_named():
   config = tiny_config()
   make_state, _ = train_state_factory(config, model_config_for_stage(config))
   state = jax.eval_shape(make_state)  # the shapes and logical axes, nothing computed
-  with pytest.raises(ValueError, match=r"parameter \S+: dimension of size 4 is sharded over mesh axis 'tensor' of size 8"):
+  with pytest.raises(
+    ValueError, match=r"parameter \S+: dimension of size 4 is sharded over mesh axis 'tensor' of size 8"
+  ):
     param_specs(state.params, make_mesh({"tensor": 8}))
 
 
@@ -98,15 +105,25 @@ def single_device_step():
   on the host)."""
   config = tiny_config()
   rng = np.random.default_rng(0)
-  batch = {"input_ids": jnp.asarray(rng.integers(0, 512, (8, 32)), jnp.int32),
-           "segment_ids": jnp.asarray(np.repeat([[1] * 20 + [2] * 12], 8, axis=0), jnp.int32),
-           "positions": jnp.asarray(np.repeat([list(range(20)) + list(range(12))], 8, axis=0), jnp.int32)}
+  batch = {
+    "input_ids": jnp.asarray(rng.integers(0, 512, (8, 32)), jnp.int32),
+    "segment_ids": jnp.asarray(np.repeat([[1] * 20 + [2] * 12], 8, axis=0), jnp.int32),
+    "positions": jnp.asarray(np.repeat([list(range(20)) + list(range(12))], 8, axis=0), jnp.int32),
+  }
   graphdef, state, optimizer, schedule = create_train_state(config, model_config_for_stage(config))
   init = jax.device_get(state)
   step = step_lib.make_train_step(graphdef, optimizer, schedule, config.train)
   new, metrics = step.lower(state, batch).compile(compiler_options=FAST_COMPILE)(state, batch)
-  return types.SimpleNamespace(config=config, graphdef=graphdef, optimizer=optimizer, schedule=schedule, batch=batch,
-                               init=init, loss=float(metrics["loss"]), params=jax.device_get(new.params))
+  return types.SimpleNamespace(
+    config=config,
+    graphdef=graphdef,
+    optimizer=optimizer,
+    schedule=schedule,
+    batch=batch,
+    init=init,
+    loss=float(metrics["loss"]),
+    params=jax.device_get(new.params),
+  )
 
 
 def sharded_step(ref, mesh):
@@ -114,8 +131,14 @@ def sharded_step(ref, mesh):
   AbstractTrainState.fresh gives it, from abstract_sharded) and the train step jitted for that layout."""
   make_state, _ = train_state_factory(ref.config, model_config_for_stage(ref.config))
   _, shardings = abstract_sharded(make_state, lambda s: s.params, mesh)
-  step = step_lib.make_train_step(ref.graphdef, ref.optimizer, ref.schedule, ref.config.train,
-                                  state_shardings=shardings, batch_sharding=batch_sharding(mesh))
+  step = step_lib.make_train_step(
+    ref.graphdef,
+    ref.optimizer,
+    ref.schedule,
+    ref.config.train,
+    state_shardings=shardings,
+    batch_sharding=batch_sharding(mesh),
+  )
   return jax.device_put(ref.init, shardings), step
 
 
@@ -141,8 +164,11 @@ def test_sharded_step_equals_one_device(single_device_step, mesh_cfg):
   gate = state.params["moe_layers"]["mlp"]["gate_proj"][...]
   assert gate.sharding.spec == P(None, "expert", "fsdp", "tensor")
   assert gate.addressable_shards[0].data.shape == (  # [layers, experts, embed, expert_mlp]
-      gate.shape[0], gate.shape[1] // mesh.shape["expert"], gate.shape[2] // mesh.shape["fsdp"],
-      gate.shape[3] // mesh.shape["tensor"])
+    gate.shape[0],
+    gate.shape[1] // mesh.shape["expert"],
+    gate.shape[2] // mesh.shape["fsdp"],
+    gate.shape[3] // mesh.shape["tensor"],
+  )
   batch = jax.device_put(ref.batch, batch_sharding(mesh))
   with jax.set_mesh(mesh):
     compiled = step.lower(state, batch).compile(compiler_options=FAST_COMPILE)
@@ -164,8 +190,9 @@ def test_checkpoint_restores_onto_another_mesh(single_device_step, tmp_path):
   and tensor (it equals the one-device initial state); a checkpoint of it restores onto another mesh, array for array.
   (Mesh A is test_train_and_evaluate_on_a_mesh_matches_one_device's, whose state creation is the same program.)"""
   config = single_device_step.config
-  _, state_a, _, _, _ = create_sharded_train_state(config, model_config_for_stage(config),
-                                                   make_mesh({"fsdp": 2, "expert": 2, "tensor": 2}))
+  _, state_a, _, _, _ = create_sharded_train_state(
+    config, model_config_for_stage(config), make_mesh({"fsdp": 2, "expert": 2, "tensor": 2})
+  )
   for a, b in zip(jax.tree.leaves(jax.device_get(state_a)), jax.tree.leaves(single_device_step.init)):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)  # one jitted init vs op by op: rounding apart
   ckpt = Checkpointer(str(tmp_path), save_every=1, keep=1, async_save=False)
@@ -173,8 +200,9 @@ def test_checkpoint_restores_onto_another_mesh(single_device_step, tmp_path):
   ckpt.wait()
   mesh_b = make_mesh({"data": 2, "tensor": 4})
   # The restore target: shapes, dtypes and mesh_b's shardings (all Checkpointer.restore reads of a state).
-  target, _ = abstract_sharded(train_state_factory(config, model_config_for_stage(config))[0], lambda s: s.params,
-                               mesh_b)
+  target, _ = abstract_sharded(
+    train_state_factory(config, model_config_for_stage(config))[0], lambda s: s.params, mesh_b
+  )
   restored = Checkpointer(str(tmp_path), read_only=True).restore(0, target)
   gate = restored.params["moe_layers"]["mlp"]["gate_proj"][...]
   assert gate.sharding.mesh.shape == mesh_b.shape and gate.sharding.spec == P(None, "expert", "fsdp", "tensor")
@@ -212,7 +240,9 @@ def test_train_and_evaluate_on_a_mesh_matches_one_device(tmp_path):
 
 
 @multi_device
-@pytest.mark.parametrize("mesh_cfg, axes, shape", [
+@pytest.mark.parametrize(
+  "mesh_cfg, axes, shape",
+  [
     # experts over `expert`, the model dimension over fsdp (all-to-all), the width over tensor (all-to-all)
     ({"fsdp": 2, "expert": 2, "tensor": 2}, ("layers", "experts", "embed", "expert_mlp"), (3, 4, 16, 12)),
     # the model dimension over fsdp x expert, `data` holding replicas, 3 matrices over 4 of them
@@ -221,7 +251,8 @@ def test_train_and_evaluate_on_a_mesh_matches_one_device(tmp_path):
     ({"fsdp": 4, "tensor": 2}, ("layers", "q_lora", "heads", "qk_head_dim"), (3, 8, 4, 6)),
     # the model dimension over three axes, fsdp x context x expert
     ({"fsdp": 2, "expert": 2, "context": 2}, ("layers", "embed", "mlp"), (3, 16, 24)),
-])
+  ],
+)
 def test_muon_orthogonalizes_whole_matrices_on_any_mesh(mesh_cfg, axes, shape):
   """muon.orthogonalize under a mesh (shard_map, all-to-alls, replicas) equals a plain-jnp Newton-Schulz of each
   matrix on one device."""
@@ -270,8 +301,9 @@ def test_pallas_dsa_on_a_mesh_equals_the_reference_on_one_device():
   seg = jnp.asarray(np.repeat([[0, 1]], [8, 12], axis=1).repeat(b, 0), jnp.int32)
 
   def loss(impl, q, kv, q_i, k_i, w_i):
-    idx, _ = dsa.select_topk(impl, q_i, k_i, w_i, topk=5, q_offset=s_len - t_len, q_segment_ids=seg[:, -t_len:],
-                             kv_segment_ids=seg)
+    idx, _ = dsa.select_topk(
+      impl, q_i, k_i, w_i, topk=5, q_offset=s_len - t_len, q_segment_ids=seg[:, -t_len:], kv_segment_ids=seg
+    )
     out, lse = dsa.attend(impl, q, kv, idx, sm_scale=0.3, v_dim=8)
     p = dsa.head_probs(impl, q, kv, idx, lse, sm_scale=0.3)  # the indexer KL's target, summed over head shards
     return jnp.sum(out * probe) + jnp.sum(jnp.where(jnp.isneginf(lse), 0.0, lse)), (idx, p)

@@ -10,9 +10,18 @@ from configs import glm5_tiny
 from tests.helpers import ROOT
 
 # A short run: 9 steps of 4 x 64 tokens, a checkpoint every 3 steps, every step logged.
-OVERRIDES = {"data.seq_len": 64, "data.batch_size": 4, "data.eval_batches": 2, "train.steps": 9,
-             "train.log_every": 1, "train.eval_every": 100, "train.checkpoint_every": 3,
-             "train.tensorboard": False, "optimizer.warmup_steps": 2, "optimizer.decay_steps": 7}
+OVERRIDES = {
+  "data.seq_len": 64,
+  "data.batch_size": 4,
+  "data.eval_batches": 2,
+  "train.steps": 9,
+  "train.log_every": 1,
+  "train.eval_every": 100,
+  "train.checkpoint_every": 3,
+  "train.tensorboard": False,
+  "optimizer.warmup_steps": 2,
+  "optimizer.decay_steps": 7,
+}
 
 
 def make_config(data_cache_dir, **changes):
@@ -30,19 +39,23 @@ def flag_args(data_cache_dir, **changes):
 
 def run_script(script, *args, timeout=600, env=None):
   """`python <script> args...` from the repository root, as a user runs it."""
-  return subprocess.run([sys.executable, script, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                        env=env)
+  return subprocess.run(
+    [sys.executable, script, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env
+  )
 
 
 def run_train(workdir, data_cache_dir, **changes):
-  return run_script("launch/train.py", "--config=configs/glm5_tiny.py", f"--workdir={workdir}",
-                    *flag_args(data_cache_dir, **changes))
+  return run_script(
+    "launch/train.py", "--config=configs/glm5_tiny.py", f"--workdir={workdir}", *flag_args(data_cache_dir, **changes)
+  )
 
 
 def strict_loads(text):
   """json.loads that refuses a bare NaN or Infinity, as strict parsers do."""
+
   def refuse(constant):
     raise ValueError(f"not strict JSON: a bare {constant}")
+
   return json.loads(text, parse_constant=refuse)
 
 
@@ -58,7 +71,12 @@ def train_rows(workdir):
 
 def snapshot(directory):
   """Every file under `directory` with its size and modification time."""
-  return sorted((os.path.relpath(os.path.join(d, f), directory), os.path.getsize(os.path.join(d, f)),
-                 os.stat(os.path.join(d, f)).st_mtime_ns)
-                for d, _, files in os.walk(directory) for f in files)
-
+  return sorted(
+    (
+      os.path.relpath(os.path.join(d, f), directory),
+      os.path.getsize(os.path.join(d, f)),
+      os.stat(os.path.join(d, f)).st_mtime_ns,
+    )
+    for d, _, files in os.walk(directory)
+    for f in files
+  )

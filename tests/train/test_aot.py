@@ -44,7 +44,7 @@ def shard_bytes(x, tiled: bool) -> int:
   spec, mesh = x.sharding.spec, x.sharding.mesh
   shape = list(x.shape)
   for i, entry in enumerate(spec):
-    for axis in (entry if isinstance(entry, tuple) else (entry,)):
+    for axis in entry if isinstance(entry, tuple) else (entry,):
       if axis is not None:
         shape[i] //= mesh.shape[axis]
   assert np.dtype(x.dtype).itemsize == 4, x.dtype
@@ -58,15 +58,22 @@ def shard_bytes(x, tiled: bool) -> int:
 
 def run_compile(*args):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  return subprocess.run([sys.executable, "launch/compile.py", *args], cwd=ROOT, env=env, capture_output=True,
-                        text=True, timeout=600)
+  return subprocess.run(
+    [sys.executable, "launch/compile.py", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+  )
 
 
 @needs_libtpu
 @pytest.mark.slow  # a TPU compile of the train step
 def test_compile_prints_one_json_line_that_fits():
-  out = run_compile("--config=configs/glm5_tiny.py", "--topology=v5p:2x2x1", "--config.mesh.fsdp=2",
-                    "--config.mesh.expert=2", "--config.data.seq_len=64", "--config.data.batch_size=8")
+  out = run_compile(
+    "--config=configs/glm5_tiny.py",
+    "--topology=v5p:2x2x1",
+    "--config.mesh.fsdp=2",
+    "--config.mesh.expert=2",
+    "--config.data.seq_len=64",
+    "--config.data.batch_size=8",
+  )
   assert out.returncode == 0, out.stderr[-3000:]
   report = json.loads(out.stdout.strip().splitlines()[-1])
   assert report["chips"] == 4 and report["device_kind"] == "TPU v5" and report["fits"] is True
@@ -75,7 +82,8 @@ def test_compile_prints_one_json_line_that_fits():
   b = report["per_chip_bytes"]
   assert b["total"] == b["arguments"] + b["outputs"] + b["temporaries"] + b["generated_code"] - b["aliased"]
   assert report["hbm_usable_bytes"] - max(b["total"], b["peak"]) == pytest.approx(
-      report["hbm_headroom_gib"] * (1 << 30), abs=0.01 * (1 << 30))
+    report["hbm_headroom_gib"] * (1 << 30), abs=0.01 * (1 << 30)
+  )
 
   # The arguments are the train state, donated (the new state is written over it), and three batch arrays,
   # each sized here from the shapes and the config's shardings alone.
@@ -90,16 +98,31 @@ def test_compile_prints_one_json_line_that_fits():
     assert compare(3 * shard_bytes(batch, tiled), b["arguments"] - b["aliased"]), (tiled, b)
 
 
-@pytest.mark.parametrize("args, message", [
+@pytest.mark.parametrize(
+  "args, message",
+  [
     (["--topology=v9z:2x2"], r"unknown TPU topology 'v9z:2x2'"),
-    (["--topology=v5p:2x2x1", "--config.mesh.fsdp=3"], r"mesh: .*'fsdp': 3.* multiplies to 3, but there are 4 "
-                                                         r"devices"),
-    (["--topology=v5p:2x2x1", "--config.mesh.fsdp=1", "--config.mesh.tensor=-1", "--config.model.num_attention_heads=2",
-      "--config.model.num_key_value_heads=2"],
-     r"size 2 is sharded over mesh axis 'tensor' of size 4"),
-    (["--topology=v5p:2x2x1", "--config.train.xla_flags=--xla_tpu_x=true xla_y=1"],
-     r"train.xla_flags: 'xla_y=1' is not an XLA flag; valid: --xla_name=value"),
-])
+    (
+      ["--topology=v5p:2x2x1", "--config.mesh.fsdp=3"],
+      r"mesh: .*'fsdp': 3.* multiplies to 3, but there are 4 "
+      r"devices",
+    ),
+    (
+      [
+        "--topology=v5p:2x2x1",
+        "--config.mesh.fsdp=1",
+        "--config.mesh.tensor=-1",
+        "--config.model.num_attention_heads=2",
+        "--config.model.num_key_value_heads=2",
+      ],
+      r"size 2 is sharded over mesh axis 'tensor' of size 4",
+    ),
+    (
+      ["--topology=v5p:2x2x1", "--config.train.xla_flags=--xla_tpu_x=true xla_y=1"],
+      r"train.xla_flags: 'xla_y=1' is not an XLA flag; valid: --xla_name=value",
+    ),
+  ],
+)
 def test_bad_input_is_named_before_compiling(args, message):
   if "v9z" not in args[0] and not libtpu_installed():
     pytest.skip(f"libtpu is not installed: {install_hint()}")
@@ -114,6 +137,7 @@ def test_bad_input_is_named_before_compiling(args, message):
 def test_xla_flags_reach_the_compiler():
   """train.xla_flags are the step's compiler options on TPU: with glm5_744b's (async collective fusion) some of the
   partitioner's all-gathers become asynchronous (a start, then continuations); without them none is."""
+
   def all_gather_roles(flags):
     config = tiny({"fsdp": 4})
     config.model.num_hidden_layers = 6
@@ -145,16 +169,24 @@ def test_expert_parallel_step_sends_real_rows_to_grouped_matmul_kernels():
   assert result.error is None, result.error[-2000:]
   text = result.compiled.as_text()
   assert text.count("ragged-all-to-all(") >= 4  # dispatch and combine, forward and backward
-  kernels = {m.group(1) for m in map(GROUPED_MATMUL.search, re.findall(
-      r'custom_call_target="tpu_custom_call".*op_name="([^"]*pallas_call)"', text)) if m}
+  kernels = {
+    m.group(1)
+    for m in map(
+      GROUPED_MATMUL.search, re.findall(r'custom_call_target="tpu_custom_call".*op_name="([^"]*pallas_call)"', text)
+    )
+    if m
+  }
   assert kernels == {"gmm", "tgmm"}, kernels
   n = config.data.batch_size * config.data.seq_len // 4  # tokens a device
   rows = 4 * n * config.model.num_experts_per_tok
   shapes = re.findall(r"= \w+\[([\d,]*)\]\S* (?:dot|convolution|ragged-dot)\(", text)
   assert shapes and not [s for s in shapes if str(rows) in s.split(",")], rows
   d, pairs = config.model.hidden_size, n * config.model.num_experts_per_tok
-  unfilled = re.findall(r'= \w+\[(\d+),(\d+)\]\S* custom-call\(\), custom_call_target="AllocateBuffer", '
-                        r'metadata=\{op_name="([^"]*)/empty"', text)
+  unfilled = re.findall(
+    r'= \w+\[(\d+),(\d+)\]\S* custom-call\(\), custom_call_target="AllocateBuffer", '
+    r'metadata=\{op_name="([^"]*)/empty"',
+    text,
+  )
   fast = 2 * pairs
   assert fast < rows and " conditional(" in text
   for shape in ((rows, d), (fast, d), (pairs, d)):  # dispatch's receive buffers, combine's; backward: gradients'
@@ -180,8 +212,13 @@ def test_pallas_sparse_stage_compiles_the_kernels_for_tpu():
     result = aot.compile_train_step(config, tpu_topology_devices("v5p:2x2x1"))
     assert result.error is None, result.error[-2000:]
     text = result.compiled.as_text()
-    kernels = len([name for name in re.findall(r'custom_call_target="tpu_custom_call".*op_name="([^"]*pallas_call)"',
-                                                text) if not GROUPED_MATMUL.search(name)])  # the DSA kernels
+    kernels = len(
+      [
+        name
+        for name in re.findall(r'custom_call_target="tpu_custom_call".*op_name="([^"]*pallas_call)"', text)
+        if not GROUPED_MATMUL.search(name)
+      ]
+    )  # the DSA kernels
     if impl == "reference":
       assert kernels == 0 and scores.search(text)
     else:  # indexer, attention forward, backward, head probs at each of the 2 sites

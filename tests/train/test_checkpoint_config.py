@@ -4,8 +4,11 @@ weights (train.init_from) may change index_topk, which changes what the model co
 
 from glm_jax.train.checkpoint import COMPARED_SECTIONS, INIT_FROM_FREE_FIELDS, config_differences
 
-SAVED = {"model": {"hidden_size": 64, "index_topk": 128, "attention_impl": "reference"},
-         "optimizer": {"lr": 3e-3}, "train": {"dsa_stage": "warmup"}}
+SAVED = {
+  "model": {"hidden_size": 64, "index_topk": 128, "attention_impl": "reference"},
+  "optimizer": {"lr": 3e-3},
+  "train": {"dsa_stage": "warmup"},
+}
 
 
 def changed(**sections):
@@ -16,18 +19,19 @@ def changed(**sections):
 
 
 def test_a_resume_refuses_another_index_topk_and_names_it():
-  assert config_differences(SAVED, changed(model={"index_topk": 64})) == [
-      "model.index_topk: checkpoint 128, config 64"]
+  assert config_differences(SAVED, changed(model={"index_topk": 64})) == ["model.index_topk: checkpoint 128, config 64"]
   assert config_differences(SAVED, changed(model={"attention_impl": "pallas"})) == []  # a runtime field
   assert config_differences(SAVED, changed(train={"dsa_stage": "sparse"}), sections=COMPARED_SECTIONS) == [
-      "train.dsa_stage: checkpoint 'warmup', config 'sparse'"]
+    "train.dsa_stage: checkpoint 'warmup', config 'sparse'"
+  ]
 
 
 def test_init_from_allows_another_index_topk_but_not_another_shape():
   init_from = dict(sections=("model",), train_fields=(), free=INIT_FROM_FREE_FIELDS)
   assert config_differences(SAVED, changed(model={"index_topk": 64}, train={"dsa_stage": "sparse"}), **init_from) == []
   assert config_differences(SAVED, changed(model={"index_topk": 64, "hidden_size": 96}), **init_from) == [
-      "model.hidden_size: checkpoint 64, config 96"]
+    "model.hidden_size: checkpoint 64, config 96"
+  ]
 
 
 def test_a_field_either_side_lacks_counts_as_its_default(caplog):
@@ -35,19 +39,28 @@ def test_a_field_either_side_lacks_counts_as_its_default(caplog):
   (checkpoint.SECTION_DEFAULTS: the library's own), and the log says which fields it took so; a run that leaves a
   field out of its config gets the default too."""
   saved = {"model": {"hidden_size": 64}, "optimizer": {"lr": 3e-3}, "train": {}}
-  current = {"model": {"hidden_size": 64, "norm_style": "prenorm"}, "optimizer": {"lr": 3e-3, "b2": 0.95},
-             "train": {"dsa_stage": "dense"}}
+  current = {
+    "model": {"hidden_size": 64, "norm_style": "prenorm"},
+    "optimizer": {"lr": 3e-3, "b2": 0.95},
+    "train": {"dsa_stage": "dense"},
+  }
   with caplog.at_level("INFO"):
     assert config_differences(saved, current) == []
   said = [r.getMessage() for r in caplog.records if "does not give" in r.getMessage()]
   assert len(said) == 1 and all(f in said[0] for f in ("model.norm_style", "optimizer.b2", "train.dsa_stage"))
   assert config_differences(saved, {**current, "optimizer": {"lr": 3e-3, "b2": 0.99}}) == [
-      "optimizer.b2: checkpoint absent (default 0.95), config 0.99"]
-  assert config_differences({**saved, "optimizer": {"lr": 3e-3, "b2": 0.99}}, {**current, "optimizer": {"lr": 3e-3}}
-                            ) == ["optimizer.b2: checkpoint 0.99, config absent (default 0.95)"]
+    "optimizer.b2: checkpoint absent (default 0.95), config 0.99"
+  ]
+  assert config_differences(
+    {**saved, "optimizer": {"lr": 3e-3, "b2": 0.99}}, {**current, "optimizer": {"lr": 3e-3}}
+  ) == ["optimizer.b2: checkpoint 0.99, config absent (default 0.95)"]
   # a nested section's new field too (data.glm)
-  assert config_differences({"data": {"glm": {}}}, {"data": {"glm": {"mask_ratio": 0.15}}}, sections=("data",),
-                            train_fields=()) == []
+  assert (
+    config_differences(
+      {"data": {"glm": {}}}, {"data": {"glm": {"mask_ratio": 0.15}}}, sections=("data",), train_fields=()
+    )
+    == []
+  )
 
 
 def test_the_fields_that_change_no_parameter_may_differ():
@@ -55,4 +68,5 @@ def test_the_fields_that_change_no_parameter_may_differ():
   them so; tests/model/test_config.py checks the state under each runtime field)."""
   assert config_differences(SAVED, changed(model={"attention_chunk": 64, "moe_buffer_factor": 2.0})) == []
   assert config_differences(SAVED, changed(model={"param_dtype": "bfloat16"})) == [
-      "model.param_dtype: checkpoint absent (default 'float32'), config 'bfloat16'"]
+    "model.param_dtype: checkpoint absent (default 'float32'), config 'bfloat16'"
+  ]

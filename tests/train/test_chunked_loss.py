@@ -67,10 +67,13 @@ def tiny():
 
 def loss_and_grads(tiny, chunk):
   def fn(params, batch):
-    cfg = types.SimpleNamespace(mtp_loss_weight=0.3, balance_loss_weight=1e-4, indexer_loss_weight=1.0,
-                                loss_chunk=chunk)
+    cfg = types.SimpleNamespace(
+      mtp_loss_weight=0.3, balance_loss_weight=1e-4, indexer_loss_weight=1.0, loss_chunk=chunk
+    )
     return jax.value_and_grad(step_lib._forward_losses, argnums=1, has_aux=True)(
-        tiny.graphdef, params, tiny.rest, batch, "dense", cfg)
+      tiny.graphdef, params, tiny.rest, batch, "dense", cfg
+    )
+
   return compile_fast(jax.jit(fn), tiny.params, tiny.batch)
 
 
@@ -101,8 +104,11 @@ def test_the_eval_step_with_chunks_equals_the_whole_logits():
   batch["loss_mask"] = (rng.random(batch["input_ids"].shape) < 0.6).astype(np.int32)
   batch["block_positions"] = np.tile(np.array([0, 0, 0, 1, 2, 3, 1, 2, 0, 0, 1, 2, 3, 4, 1, 2], np.int32), (4, 1))
   # one span per row whose targets are the model's own argmax, so spans_exact is not trivially 0
-  logits = np.asarray(jax.jit(lambda p, b: nnx.merge(graphdef, p, rest)(
-      b["input_ids"], **step_lib.model_inputs(b), compute_mtp=False).logits)(to_device(params), to_device(batch)))
+  logits = np.asarray(
+    jax.jit(
+      lambda p, b: nnx.merge(graphdef, p, rest)(b["input_ids"], **step_lib.model_inputs(b), compute_mtp=False).logits
+    )(to_device(params), to_device(batch))
+  )
   batch["targets"][:, 3:6] = logits[:, 3:6].argmax(-1)
   batch["loss_mask"][:, 3:6] = 1
   batch = to_device(batch)

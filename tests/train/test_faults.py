@@ -57,8 +57,9 @@ def without_speed(rows):
 
 
 def largest_array_file(step_dir):
-  files = [f for f in glob.glob(os.path.join(step_dir, "state", "**", "*"), recursive=True)
-           if os.path.isfile(f) and "/d/" in f]
+  files = [
+    f for f in glob.glob(os.path.join(step_dir, "state", "**", "*"), recursive=True) if os.path.isfile(f) and "/d/" in f
+  ]
   return max(files, key=os.path.getsize)
 
 
@@ -74,10 +75,14 @@ def delete_manifests(path):
     os.remove(m)
 
 
-@pytest.mark.parametrize("corrupt", [lambda step_dir: truncate(largest_array_file(step_dir)), delete_manifests],
-                         ids=["truncated_array_file", "deleted_manifest"])
-def test_a_corrupt_latest_checkpoint_falls_back_to_the_step_before(six_steps, straight, data_cache_dir, tmp_path,
-                                                                   corrupt, caplog):
+@pytest.mark.parametrize(
+  "corrupt",
+  [lambda step_dir: truncate(largest_array_file(step_dir)), delete_manifests],
+  ids=["truncated_array_file", "deleted_manifest"],
+)
+def test_a_corrupt_latest_checkpoint_falls_back_to_the_step_before(
+  six_steps, straight, data_cache_dir, tmp_path, corrupt, caplog
+):
   workdir = copy_of(six_steps, tmp_path)
   bad = os.path.join(workdir, "checkpoints", "6")
   corrupt(bad)
@@ -108,15 +113,23 @@ def test_when_no_step_restores_the_error_names_each_and_moves_nothing(six_steps,
   assert snapshot(workdir) == before
 
 
-@pytest.mark.parametrize("changes, named", [
+@pytest.mark.parametrize(
+  "changes, named",
+  [
     ({"data.batch_size": 8}, r"data\.batch_size: checkpoint 4, config 8"),
     ({"data.seq_len": 32}, r"data\.seq_len: checkpoint 64, config 32"),
-    ({"data.source": "text", "data.path": __file__, "data.text_document": "paragraph"},
-     r"data\.path: checkpoint '', config '.*test_faults\.py'; data\.source: checkpoint 'embedded', config 'text'; "
-     r"data\.text_document: checkpoint 'file', config 'paragraph'"),
-    ({"data.bpe_vocab_size": 384}, r"data\.bpe_vocab_size: checkpoint 512, config 384; tokenizer: checkpoint "
-                                   r"'.*bpe512-.*' \(sha256 \w{12}, 512 ids\), config '.*bpe384-.*'"),
-])
+    (
+      {"data.source": "text", "data.path": __file__, "data.text_document": "paragraph"},
+      r"data\.path: checkpoint '', config '.*test_faults\.py'; data\.source: checkpoint 'embedded', config 'text'; "
+      r"data\.text_document: checkpoint 'file', config 'paragraph'",
+    ),
+    (
+      {"data.bpe_vocab_size": 384},
+      r"data\.bpe_vocab_size: checkpoint 512, config 384; tokenizer: checkpoint "
+      r"'.*bpe512-.*' \(sha256 \w{12}, 512 ids\), config '.*bpe384-.*'",
+    ),
+  ],
+)
 def test_resuming_on_other_data_is_refused_by_name(six_steps, data_cache_dir, changes, named):
   before = snapshot(six_steps)
   with pytest.raises(ValueError, match=named + r".*--config\.train\.allow_data_change=True"):
@@ -152,8 +165,11 @@ def test_a_checkpoint_written_before_fields_were_added_resumes(six_steps, straig
 
 def test_init_from_a_run_with_another_tokenizer_is_refused(six_steps, data_cache_dir, tmp_path):
   config = make_config(data_cache_dir, **{"train.init_from": six_steps, "data.bpe_vocab_size": 384})
-  with pytest.raises(ValueError, match=r"train\.init_from='.*': .* was trained with the tokenizer '.*bpe512-.*' "
-                                       r"\(sha256 \w{12}, 512 ids\), but this run uses '.*bpe384-.*'"):
+  with pytest.raises(
+    ValueError,
+    match=r"train\.init_from='.*': .* was trained with the tokenizer '.*bpe512-.*' "
+    r"\(sha256 \w{12}, 512 ids\), but this run uses '.*bpe384-.*'",
+  ):
     train_and_evaluate(config, str(tmp_path / "run"))
   assert not os.path.exists(tmp_path / "run")
 
@@ -171,6 +187,7 @@ def test_allow_data_change_resumes_the_state_on_fresh_data(six_steps, data_cache
   graphdef, state, optimizer, schedule = create_train_state(config, model_cfg)
   state = Checkpointer(six_steps, read_only=True).restore(6, state)
   from glm_jax.train import step as step_lib
+
   step = step_lib.make_train_step(graphdef, optimizer, schedule, config.train)
   _, m = step(state, {k: np.asarray(v) for k, v in first.items() if k in ("input_ids", "segment_ids", "positions")})
   assert train_rows(workdir)[-1]["step"] == 7
@@ -190,8 +207,10 @@ def test_an_unwritable_checkpoints_directory_fails_at_once_and_creates_nothing(t
   seconds = time.perf_counter() - t0
   assert proc.returncode == 1
   lines = proc.stderr.strip().splitlines()
-  assert lines[-1] == (f"error: {workdir}/checkpoints: checkpoints cannot be written there ({parent}: Permission "
-                       "denied); use another --workdir"), proc.stderr[-2000:]
+  assert lines[-1] == (
+    f"error: {workdir}/checkpoints: checkpoints cannot be written there ({parent}: Permission "
+    "denied); use another --workdir"
+  ), proc.stderr[-2000:]
   assert "Traceback" not in proc.stderr
   assert not os.path.exists(workdir)
   assert seconds < 60, seconds  # the process's start-up; nothing is built (it hung 340 s before)
@@ -201,28 +220,51 @@ def test_a_diverging_run_stops_non_zero_and_checkpoints_only_finite_weights(tmp_
   """AdamW at lr 1e12 without clipping: the first update makes the weights huge, every later loss is NaN and
   every later step is skipped; after 3 in a row the run stops with exit code 1."""
   workdir = str(tmp_path / "run")
-  proc = run_train(workdir, data_cache_dir, **{
-      "optimizer.name": "adamw", "optimizer.lr": 1e12, "optimizer.warmup_steps": 0, "train.grad_clip_norm": 0.0,
-      "train.max_consecutive_skips": 3, "train.checkpoint_every": 1, "train.keep_checkpoints": 10})
+  proc = run_train(
+    workdir,
+    data_cache_dir,
+    **{
+      "optimizer.name": "adamw",
+      "optimizer.lr": 1e12,
+      "optimizer.warmup_steps": 0,
+      "train.grad_clip_norm": 0.0,
+      "train.max_consecutive_skips": 3,
+      "train.checkpoint_every": 1,
+      "train.keep_checkpoints": 10,
+    },
+  )
   assert proc.returncode == 1, proc.stderr[-3000:]
   last = proc.stderr.strip().splitlines()[-1]
   assert last.startswith("error: the run is diverging: 3 steps in a row were skipped (steps 2-4"), last
   assert "train.max_consecutive_skips=3" in last and "Traceback" not in proc.stderr
   rows = train_rows(workdir)
-  assert [r["skipped"] for r in rows] == [0, 1, 1, 1, 1][:len(rows)] and len(rows) >= 4
+  assert [r["skipped"] for r in rows] == [0, 1, 1, 1, 1][: len(rows)] and len(rows) >= 4
   # Strict JSON: the NaN losses are null, and the row says so.
   assert rows[1]["loss"] is None and "loss" in rows[1]["nonfinite"]
   # Without the stop (0 = never), the rerun resumes from step 4, skips steps 5-6 too and ends with NaN losses: it
   # prints its JSON line (strict: null, with the fields named) and then fails.
-  proc = run_train(workdir, data_cache_dir, **{
-      "optimizer.name": "adamw", "optimizer.lr": 1e12, "optimizer.warmup_steps": 0, "train.grad_clip_norm": 0.0,
-      "train.max_consecutive_skips": 0, "train.checkpoint_every": 1, "train.keep_checkpoints": 10, "train.steps": 6})
+  proc = run_train(
+    workdir,
+    data_cache_dir,
+    **{
+      "optimizer.name": "adamw",
+      "optimizer.lr": 1e12,
+      "optimizer.warmup_steps": 0,
+      "train.grad_clip_norm": 0.0,
+      "train.max_consecutive_skips": 0,
+      "train.checkpoint_every": 1,
+      "train.keep_checkpoints": 10,
+      "train.steps": 6,
+    },
+  )
   assert proc.returncode == 1, proc.stderr[-3000:]
   summary = strict_loads(proc.stdout.strip().splitlines()[-1])
   assert summary["eval_loss"] is None and summary["train_loss"] is None
   assert summary["nonfinite"] == ["eval_loss", "train_loss"] and summary["skipped_steps"] == 5
-  assert one_error_line(proc) == (f"error: the run ended with a non-finite eval_loss and train_loss (step 6, 5 steps "
-                                  f"skipped in all); see {workdir}/metrics.jsonl")
+  assert one_error_line(proc) == (
+    f"error: the run ended with a non-finite eval_loss and train_loss (step 6, 5 steps "
+    f"skipped in all); see {workdir}/metrics.jsonl"
+  )
   config = make_config(data_cache_dir)
   _, state, _, _ = create_train_state(config, model_config_for_stage(config))
   ckpt = Checkpointer(workdir, read_only=True)
@@ -235,6 +277,7 @@ def test_non_finite_weights_are_never_saved(tmp_path, data_cache_dir):
   config = make_config(data_cache_dir)
   _, state, _, _ = create_train_state(config, model_config_for_stage(config))
   from flax import nnx
+
   flat = list(nnx.to_flat_state(state.params))
   path, var = flat[3]
   value = var[...]
@@ -249,9 +292,17 @@ def test_non_finite_weights_are_never_saved(tmp_path, data_cache_dir):
 def test_sample_py_decodes_with_the_recorded_tokenizer(six_steps, data_cache_dir):
   """The sampler is given a config whose data section would build another tokenizer (a 384-token BPE); it uses
   the one recorded with the checkpoint, so its text is the right run's greedy continuation."""
-  args = ["--config=configs/glm5_tiny.py", f"--workdir={six_steps}", "--prompt=And God said",
-          "--max_new_tokens=8", "--temperature=0", f"--config.data.cache_dir={data_cache_dir}",
-          "--config.data.seq_len=64", "--config.optimizer.warmup_steps=2", "--config.optimizer.decay_steps=7"]
+  args = [
+    "--config=configs/glm5_tiny.py",
+    f"--workdir={six_steps}",
+    "--prompt=And God said",
+    "--max_new_tokens=8",
+    "--temperature=0",
+    f"--config.data.cache_dir={data_cache_dir}",
+    "--config.data.seq_len=64",
+    "--config.optimizer.warmup_steps=2",
+    "--config.optimizer.decay_steps=7",
+  ]
   right = run_script("launch/sample.py", *args)
   wrong = run_script("launch/sample.py", *args, "--config.data.bpe_vocab_size=384")
   assert right.returncode == 0 and wrong.returncode == 0, wrong.stderr[-3000:]
@@ -262,26 +313,39 @@ def test_post_training_refuses_an_init_from_with_another_vocabulary(six_steps, d
   """GRPO and distillation read a character vocabulary; a pretraining run's checkpoint (a 512-token BPE) would be
   read as other tokens. rl.init_from and teachers.<name>.init_from check the recorded tokenizer first."""
   from glm_jax.rl.tasks import CharVocab
+
   ckpt = Checkpointer(six_steps, read_only=True)
   ckpt.require_tokenizer(ckpt.recorded_tokenizer(6), "rl.init_from")  # the same tokenizer passes
-  with pytest.raises(ValueError, match=r"rl\.init_from: .*/checkpoints \(step 6\) was trained with the tokenizer "
-                                       r"'.*bpe512-.*' \(sha256 \w{12}, 512 ids\), but this run uses "
-                                       r"\"CharVocab\('0123456789\+=-sr,'\)\" \(sha256 \w{12}, 18 ids\)"):
+  with pytest.raises(
+    ValueError,
+    match=r"rl\.init_from: .*/checkpoints \(step 6\) was trained with the tokenizer "
+    r"'.*bpe512-.*' \(sha256 \w{12}, 512 ids\), but this run uses "
+    r"\"CharVocab\('0123456789\+=-sr,'\)\" \(sha256 \w{12}, 18 ids\)",
+  ):
     ckpt.require_tokenizer(CharVocab().record(), "rl.init_from")
 
 
 def test_metrics_are_strict_json_with_the_non_finite_named(tmp_path):
   from glm_jax.train.metrics import MetricsWriter
+
   writer = MetricsWriter(str(tmp_path), tensorboard=False)
   row = writer.write(5, {"loss": np.float32("nan"), "lr": 1e-3, "expert_load_entropy": np.array([1.5, np.inf])})
   writer.close()
   assert math.isnan(row["loss"])  # the caller still sees the value
-  assert metric_rows(str(tmp_path)) == [{"step": 5, "loss": None, "lr": 1e-3, "expert_load_entropy": [1.5, None],
-                                         "nonfinite": ["loss", "expert_load_entropy[1]"]}]
+  assert metric_rows(str(tmp_path)) == [
+    {
+      "step": 5,
+      "loss": None,
+      "lr": 1e-3,
+      "expert_load_entropy": [1.5, None],
+      "nonfinite": ["loss", "expert_load_entropy[1]"],
+    }
+  ]
 
 
 def test_metrics_rows_after_the_restored_step_are_moved_aside(tmp_path):
   from glm_jax.train.metrics import DROPPED_FILE, MetricsWriter
+
   lines = [json.dumps({"step": s, "loss": float(s)}) for s in (1, 2, 3, 4, 5)] + ['{"step": 6, "lo']  # torn
   path = tmp_path / "metrics.jsonl"
   path.write_text("\n".join(lines) + "\n")
@@ -292,17 +356,21 @@ def test_metrics_rows_after_the_restored_step_are_moved_aside(tmp_path):
 
 # --- the launch scripts: one line, exit code, nothing created ---
 
+
 def one_error_line(proc):
   assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
   return proc.stderr.strip().splitlines()[-1]
 
 
 def test_an_unknown_config_field_is_one_line_naming_the_flag(tmp_path):
-  proc = run_script("launch/train.py", "--config=configs/glm5_tiny.py", f"--workdir={tmp_path}/run",
-                    "--config.train.stepz=3")
+  proc = run_script(
+    "launch/train.py", "--config=configs/glm5_tiny.py", f"--workdir={tmp_path}/run", "--config.train.stepz=3"
+  )
   assert proc.returncode == 2
-  assert one_error_line(proc) == ("error: --config.train.stepz=3: the config has no field 'stepz'; did you mean "
-                                  "\"steps\" instead of \"stepz\"? (--helpfull lists the flags)")
+  assert one_error_line(proc) == (
+    "error: --config.train.stepz=3: the config has no field 'stepz'; did you mean "
+    "\"steps\" instead of \"stepz\"? (--helpfull lists the flags)"
+  )
   assert not os.path.exists(tmp_path / "run")
 
 
@@ -325,12 +393,18 @@ def test_sample_py_checks_its_flags_and_workdir_first(tmp_path):
   assert one_error_line(proc).startswith("error: --speculate=-1: the drafted tokens a round must be an integer >= 1")
   proc = run_script("launch/sample.py", *base)
   assert proc.returncode == 1
-  assert one_error_line(proc) == (f"error: {tmp_path}/missing: no checkpoints directory ({tmp_path}/missing/"
-                                  "checkpoints does not exist)")
+  assert one_error_line(proc) == (
+    f"error: {tmp_path}/missing: no checkpoints directory ({tmp_path}/missing/checkpoints does not exist)"
+  )
   assert not os.path.exists(tmp_path / "missing")
 
 
 def test_the_traceback_is_one_variable_away(tmp_path):
-  proc = run_script("launch/train.py", "--config=configs/glm5_tiny.py", f"--workdir={tmp_path}/run",
-                    "--config.optimizer.lr=-1.0", env={**os.environ, "GLM_JAX_TRACEBACK": "1"})
+  proc = run_script(
+    "launch/train.py",
+    "--config=configs/glm5_tiny.py",
+    f"--workdir={tmp_path}/run",
+    "--config.optimizer.lr=-1.0",
+    env={**os.environ, "GLM_JAX_TRACEBACK": "1"},
+  )
   assert proc.returncode == 1 and "Traceback" in proc.stderr and "lr=-1.0; expected > 0" in proc.stderr

@@ -20,13 +20,16 @@ def test_glm130b_tiny_reports_infilling_loss_and_exact_match(tmp_path):
   run = restore_run(config, str(tmp_path / "run"))
   batches = data_lib.make_eval_batches(config.data, run.tokenizer)
   from flax import nnx
+
   model = nnx.merge(run.graphdef, run.state.params, run.state.rest)
   nll, count, spans, exact = 0.0, 0, 0, 0
   for batch in batches:
-    logits = np.asarray(model(batch["input_ids"], **step_lib.model_inputs(batch), compute_mtp=False).logits,
-                        np.float64)
-    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(
-        -1, keepdims=True)
+    logits = np.asarray(model(batch["input_ids"], **step_lib.model_inputs(batch), compute_mtp=False).logits, np.float64)
+    logp = (
+      logits
+      - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True))
+      - logits.max(-1, keepdims=True)
+    )
     for r in range(batch["input_ids"].shape[0]):
       for t in np.flatnonzero(batch["loss_mask"][r]):
         nll -= logp[r, t, batch["targets"][r, t]]
@@ -36,8 +39,11 @@ def test_glm130b_tiny_reports_infilling_loss_and_exact_match(tmp_path):
       while t < n:
         if batch["loss_mask"][r, t] and batch["block_positions"][r, t] == 1:
           u = t + 1
-          while u < n and batch["loss_mask"][r, u] and batch["block_positions"][r, u] == batch["block_positions"][
-              r, u - 1] + 1:
+          while (
+            u < n
+            and batch["loss_mask"][r, u]
+            and batch["block_positions"][r, u] == batch["block_positions"][r, u - 1] + 1
+          ):
             u += 1
           spans += 1
           exact += all(logits[r, v].argmax() == batch["targets"][r, v] for v in range(t, u))

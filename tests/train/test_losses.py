@@ -14,10 +14,8 @@ from glm_jax.train import losses
 
 # Two packed rows of 8: row 0 holds document 1 (3 tokens), document 2 (3 tokens) and 2 padding tokens;
 # row 1 is one document.
-IDS = np.array([[10, 11, 12, 13, 14, 15, 16, 17],
-                [20, 21, 22, 23, 24, 25, 26, 27]], np.int32)
-SEG = np.array([[1, 1, 1, 2, 2, 2, 0, 0],
-                [4, 4, 4, 4, 4, 4, 4, 4]], np.int32)
+IDS = np.array([[10, 11, 12, 13, 14, 15, 16, 17], [20, 21, 22, 23, 24, 25, 26, 27]], np.int32)
+SEG = np.array([[1, 1, 1, 2, 2, 2, 0, 0], [4, 4, 4, 4, 4, 4, 4, 4]], np.int32)
 
 
 def np_log_softmax(x, axis=-1):
@@ -44,33 +42,26 @@ def np_mean_nll(logits, ids, seg, shift):
 
 def test_shifted_targets_shift_1():
   targets, valid = losses.shifted_targets(jnp.asarray(IDS), jnp.asarray(SEG), 1)
-  np.testing.assert_array_equal(targets, [[11, 12, 13, 14, 15, 16, 17, 0],
-                                          [21, 22, 23, 24, 25, 26, 27, 0]])
+  np.testing.assert_array_equal(targets, [[11, 12, 13, 14, 15, 16, 17, 0], [21, 22, 23, 24, 25, 26, 27, 0]])
   # Row 0: t=2 -> t=3 crosses from document 1 into 2; t=5 -> 6 runs into padding; t=6 is padding;
   # t=7 has no next token in the row.
-  np.testing.assert_array_equal(valid, [[1, 1, 0, 1, 1, 0, 0, 0],
-                                        [1, 1, 1, 1, 1, 1, 1, 0]])
+  np.testing.assert_array_equal(valid, [[1, 1, 0, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1, 1, 0]])
 
 
 def test_shifted_targets_shift_2():
   targets, valid = losses.shifted_targets(jnp.asarray(IDS), jnp.asarray(SEG), 2)
-  np.testing.assert_array_equal(targets, [[12, 13, 14, 15, 16, 17, 0, 0],
-                                          [22, 23, 24, 25, 26, 27, 0, 0]])
-  np.testing.assert_array_equal(valid, [[1, 0, 0, 1, 0, 0, 0, 0],
-                                        [1, 1, 1, 1, 1, 1, 0, 0]])
+  np.testing.assert_array_equal(targets, [[12, 13, 14, 15, 16, 17, 0, 0], [22, 23, 24, 25, 26, 27, 0, 0]])
+  np.testing.assert_array_equal(valid, [[1, 0, 0, 1, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1, 0, 0]])
 
 
 def test_shifted_targets_keep_only_the_masked_targets():
   """SFT: row 0's documents are prompt [10] + response [11, 12] and prompt [13, 14] + response [15]; row 1 is
   prompt [20, 21, 22] + response [23..27]. A prediction counts when its target is a response token."""
-  mask = np.array([[0, 1, 1, 0, 0, 1, 0, 0],
-                   [0, 0, 0, 1, 1, 1, 1, 1]], np.int32)
+  mask = np.array([[0, 1, 1, 0, 0, 1, 0, 0], [0, 0, 0, 1, 1, 1, 1, 1]], np.int32)
   _, valid = losses.shifted_targets(jnp.asarray(IDS), jnp.asarray(SEG), 1, jnp.asarray(mask))
-  np.testing.assert_array_equal(valid, [[1, 1, 0, 0, 1, 0, 0, 0],
-                                        [0, 0, 1, 1, 1, 1, 1, 0]])
+  np.testing.assert_array_equal(valid, [[1, 1, 0, 0, 1, 0, 0, 0], [0, 0, 1, 1, 1, 1, 1, 0]])
   _, valid = losses.shifted_targets(jnp.asarray(IDS), jnp.asarray(SEG), 2, jnp.asarray(mask))
-  np.testing.assert_array_equal(valid, [[1, 0, 0, 1, 0, 0, 0, 0],
-                                        [0, 1, 1, 1, 1, 1, 0, 0]])
+  np.testing.assert_array_equal(valid, [[1, 0, 0, 1, 0, 0, 0, 0], [0, 1, 1, 1, 1, 1, 0, 0]])
 
 
 # ---- cross entropy, LM and MTP losses -------------------------------------------------------------------------
@@ -95,8 +86,9 @@ def test_lm_and_mtp_losses_vs_numpy(depths):
   ids = IDS % v
   logits = 2 * rng.standard_normal((2, 8, v)).astype(np.float32)
   mtp = 2 * rng.standard_normal((depths, 2, 8, v)).astype(np.float32)
-  out = losses.lm_and_mtp_losses(jnp.asarray(logits), jnp.asarray(mtp),
-                                 {"input_ids": jnp.asarray(ids), "segment_ids": jnp.asarray(SEG)})
+  out = losses.lm_and_mtp_losses(
+    jnp.asarray(logits), jnp.asarray(mtp), {"input_ids": jnp.asarray(ids), "segment_ids": jnp.asarray(SEG)}
+  )
   lm, n = np_mean_nll(logits, ids, SEG, 1)
   # MTP depth k (0-based) predicts the token k + 2 ahead; the loss is the mean over depths.
   mtp_want = np.mean([np_mean_nll(mtp[k], ids, SEG, k + 2)[0] for k in range(depths)])
@@ -108,8 +100,9 @@ def test_lm_and_mtp_losses_vs_numpy(depths):
 def test_lm_loss_without_mtp_logits():
   rng = np.random.default_rng(2)
   logits = rng.standard_normal((2, 8, 30)).astype(np.float32)
-  out = losses.lm_and_mtp_losses(jnp.asarray(logits), None,
-                                 {"input_ids": jnp.asarray(IDS % 30), "segment_ids": jnp.asarray(SEG)})
+  out = losses.lm_and_mtp_losses(
+    jnp.asarray(logits), None, {"input_ids": jnp.asarray(IDS % 30), "segment_ids": jnp.asarray(SEG)}
+  )
   np.testing.assert_allclose(float(out["lm_loss"]), np_mean_nll(logits, IDS % 30, SEG, 1)[0], rtol=1e-6)
   assert float(out["mtp_loss"]) == 0.0
 
@@ -148,8 +141,9 @@ def test_sequence_balance_loss_is_one_when_uniform():
 
 
 def test_expert_load_entropy_vs_numpy():
-  counts = np.array([[[3, 0, 1, 4], [2, 0, 5, 1]],
-                     [[1, 1, 1, 1], [7, 0, 0, 1]]], np.int32)  # [L=2, B=2, E=4], expert 1 idle in layer 0
+  counts = np.array(
+    [[[3, 0, 1, 4], [2, 0, 5, 1]], [[1, 1, 1, 1], [7, 0, 0, 1]]], np.int32
+  )  # [L=2, B=2, E=4], expert 1 idle in layer 0
   load = counts.sum(1).astype(np.float64)
   share = load / load.sum(-1, keepdims=True)
   want = [-sum(p * math.log(p) for p in row if p > 0) for row in share]
@@ -163,15 +157,12 @@ def test_expert_load_entropy_uniform_is_log_e():
 
 def test_expert_bias_update_sign_rule():
   rate = 0.01
-  bias = np.array([[0.1, 0.2, -0.3, 0.0],
-                   [0.5, -0.5, 0.25, 1.0]], np.float32)
+  bias = np.array([[0.1, 0.2, -0.3, 0.0], [0.5, -0.5, 0.25, 1.0]], np.float32)
   # Loads summed over the batch: layer 0 [5, 3, 4, 4] (mean 4), layer 1 [2, 6, 2, 6] (mean 4).
-  counts = np.array([[[2, 1, 4, 0], [3, 2, 0, 4]],
-                     [[1, 3, 2, 6], [1, 3, 0, 0]]], np.int32)
+  counts = np.array([[[2, 1, 4, 0], [3, 2, 0, 4]], [[1, 3, 2, 6], [1, 3, 0, 0]]], np.int32)
   got = np.asarray(losses.expert_bias_update(jnp.asarray(bias), jnp.asarray(counts), rate))
   # Over-loaded: down by rate; under-loaded: up by rate; exactly at the mean: unchanged (bitwise).
-  want = np.array([[0.09, 0.21, -0.3, 0.0],
-                   [0.51, -0.51, 0.26, 0.99]])
+  want = np.array([[0.09, 0.21, -0.3, 0.0], [0.51, -0.51, 0.26, 0.99]])
   np.testing.assert_allclose(got, want, rtol=1e-6)
   assert got[0, 2] == bias[0, 2] and got[0, 3] == bias[0, 3]
 
@@ -241,16 +232,24 @@ GLM_BLOCKS = np.array([[0, 0, 0, 0, 1, 2, 3, 1, 2], [0] * 9])
 
 
 def _glm_batch():
-  return {"input_ids": jnp.asarray(GLM_IDS), "targets": jnp.asarray(GLM_TARGETS), "loss_mask": jnp.asarray(GLM_MASK),
-          "segment_ids": jnp.asarray(GLM_SEG), "block_positions": jnp.asarray(GLM_BLOCKS)}
+  return {
+    "input_ids": jnp.asarray(GLM_IDS),
+    "targets": jnp.asarray(GLM_TARGETS),
+    "loss_mask": jnp.asarray(GLM_MASK),
+    "segment_ids": jnp.asarray(GLM_SEG),
+    "block_positions": jnp.asarray(GLM_BLOCKS),
+  }
 
 
-@pytest.mark.parametrize("depth, want_valid, want_targets", [
+@pytest.mark.parametrize(
+  "depth, want_valid, want_targets",
+  [
     (0, [0, 0, 0, 0, 1, 1, 1, 1, 1], {4: 11, 5: 12, 6: 5, 7: 14, 8: 5}),
     # depth 1 at t predicts targets[t + 1] when input t + 1 is targets[t]: not at 6 (the next input is a <sop>)
     (1, [0, 0, 0, 0, 1, 1, 0, 1, 0], {4: 12, 5: 5, 7: 5}),
     (2, [0, 0, 0, 0, 1, 0, 0, 0, 0], {4: 5}),
-])
+  ],
+)
 def test_explicit_targets_by_hand(depth, want_valid, want_targets):
   targets, valid = losses.prediction_targets(_glm_batch(), depth)
   np.testing.assert_array_equal(np.asarray(valid[0]), np.asarray(want_valid, bool))

@@ -22,11 +22,21 @@ from glm_jax.train.checkpoint import Checkpointer
 from glm_jax.train.config import model_config_for_stage
 from tests.helpers import ROOT
 
-OVERRIDES = {"train.steps": 2, "train.log_every": 1, "train.eval_every": 2, "train.checkpoint_every": 2,
-             "train.async_checkpoints": False, "train.tensorboard": False, "data.batch_size": 8,
-             "data.seq_len": 64, "data.eval_batches": 1, "mesh.fsdp": -1,
-             # one dense and one MoE layer, no MTP: what is tested is the processes, not the depth
-             "model.num_hidden_layers": 2, "model.num_nextn_predict_layers": 0}
+OVERRIDES = {
+  "train.steps": 2,
+  "train.log_every": 1,
+  "train.eval_every": 2,
+  "train.checkpoint_every": 2,
+  "train.async_checkpoints": False,
+  "train.tensorboard": False,
+  "data.batch_size": 8,
+  "data.seq_len": 64,
+  "data.eval_batches": 1,
+  "mesh.fsdp": -1,
+  # one dense and one MoE layer, no MTP: what is tested is the processes, not the depth
+  "model.num_hidden_layers": 2,
+  "model.num_nextn_predict_layers": 0,
+}
 
 
 def free_port() -> int:
@@ -40,17 +50,27 @@ def test_two_processes_train_as_one(tmp_path):
   workdir = str(tmp_path / "run")
   port = free_port()
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
-  cmd = [sys.executable, "launch/train.py", "--config=configs/glm5_tiny.py", f"--workdir={workdir}",
-         f"--coordinator_address=localhost:{port}", "--num_processes=2"]
+  cmd = [
+    sys.executable,
+    "launch/train.py",
+    "--config=configs/glm5_tiny.py",
+    f"--workdir={workdir}",
+    f"--coordinator_address=localhost:{port}",
+    "--num_processes=2",
+  ]
   cmd += [f"--config.{k}={v}" for k, v in OVERRIDES.items()]
-  procs = [subprocess.Popen(cmd + [f"--process_id={i}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True) for i in range(2)]
+  procs = [
+    subprocess.Popen(
+      cmd + [f"--process_id={i}"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    for i in range(2)
+  ]
   try:
     outs = [p.communicate(timeout=600) for p in procs]
   finally:
     for p in procs:
       p.kill()
-  for p, (out, err) in zip(procs, outs):
+  for p, (_, err) in zip(procs, outs):
     assert p.returncode == 0, err[-4000:]
   assert json.loads(outs[0][0].strip().splitlines()[-1])["step"] == 2
   assert not any(line.startswith("{") for line in outs[1][0].splitlines())  # only process 0 prints the summary
@@ -71,8 +91,9 @@ def test_two_processes_train_as_one(tmp_path):
   want = []
   for _ in range(2):
     local = [next(it) for it in shards]
-    batch = {k: jax.numpy.asarray(np.concatenate([b[k] for b in local])) for k in ("input_ids", "segment_ids",
-                                                                                   "positions")}
+    batch = {
+      k: jax.numpy.asarray(np.concatenate([b[k] for b in local])) for k in ("input_ids", "segment_ids", "positions")
+    }
     state, metrics = train_step(state, batch)
     want.append(float(metrics["loss"]))
   np.testing.assert_allclose(losses, want, rtol=1e-5)
@@ -86,15 +107,19 @@ def test_two_processes_train_as_one(tmp_path):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("kwargs, message", [
+@pytest.mark.parametrize(
+  "kwargs, message",
+  [
     ({"mode": "sometimes"}, r"distributed='sometimes' is invalid; one of \('auto', 'on', 'off'\)"),
     ({"coordinator_address": "localhost:1", "num_processes": 2}, r"given without \['process_id'\]"),
-    ({"coordinator_address": "localhost:1", "num_processes": 2, "process_id": 2},
-     r"process_id=2 is invalid; an integer in \[0, num_processes=2\)"),
+    (
+      {"coordinator_address": "localhost:1", "num_processes": 2, "process_id": 2},
+      r"process_id=2 is invalid; an integer in \[0, num_processes=2\)",
+    ),
     ({"coordinator_address": "localhost", "num_processes": 2, "process_id": 0}, r"host:port of process 0"),
-    ({"mode": "off", "coordinator_address": "localhost:1", "num_processes": 2, "process_id": 0},
-     r"'off' contradicts"),
-])
+    ({"mode": "off", "coordinator_address": "localhost:1", "num_processes": 2, "process_id": 0}, r"'off' contradicts"),
+  ],
+)
 def test_bad_distributed_arguments_are_named(kwargs, message):
   with pytest.raises(ValueError, match=message):
     distributed.maybe_initialize(**kwargs)

@@ -1,5 +1,6 @@
 """Optimizers: Muon's Newton-Schulz update against a plain-jnp quintic, the Muon split per head, the update RMS,
-the other leaves equal to the optax optimizer named (AdamW, Lion) by optax's own, frozen leaves bitwise still, schedules and weight-decay masks by hand."""
+the other leaves equal to the optax optimizer named (AdamW, Lion) by optax's own, frozen leaves bitwise still,
+schedules and weight-decay masks by hand."""
 
 import math
 import re
@@ -39,29 +40,30 @@ def cfg(**kw):
 # A tree named like the model's: L=2 stacked layers, D=16, R=8 latents, H=2 heads, qk_nope 4, qk_rope 2, v 6.
 L, D, R, H, DN, DR, DV, E, I = 2, 16, 8, 2, 4, 2, 6, 3, 8
 SHAPES = {
-    "embed_tokens": {"embedding": (32, D)},
-    "lm_head": (D, 32),
-    "norm": {"weight": (D,)},
-    "moe_layers": {
-        "input_layernorm": {"weight": (L, D)},
-        "self_attn": {
-            "q_a_proj": (L, D, R),
-            "q_b_proj": (L, R, H, DN + DR),
-            "kv_a_proj_with_mqa": (L, D, R + DR),
-            "kv_a_layernorm": {"weight": (L, R)},
-            "kv_b_proj": (L, R, H, DN + DV),
-            "o_proj": (L, H, DV, D),
-            "indexer": {"wk": (L, D, 4), "k_norm": {"weight": (L, 4), "bias": (L, 4)}},
-        },
-        "mlp": {"router": (L, D, E), "gate_proj": (L, E, D, I), "down_proj": (L, E, I, D)},
+  "embed_tokens": {"embedding": (32, D)},
+  "lm_head": (D, 32),
+  "norm": {"weight": (D,)},
+  "moe_layers": {
+    "input_layernorm": {"weight": (L, D)},
+    "self_attn": {
+      "q_a_proj": (L, D, R),
+      "q_b_proj": (L, R, H, DN + DR),
+      "kv_a_proj_with_mqa": (L, D, R + DR),
+      "kv_a_layernorm": {"weight": (L, R)},
+      "kv_b_proj": (L, R, H, DN + DV),
+      "o_proj": (L, H, DV, D),
+      "indexer": {"wk": (L, D, 4), "k_norm": {"weight": (L, 4), "bias": (L, 4)}},
     },
+    "mlp": {"router": (L, D, E), "gate_proj": (L, E, D, I), "down_proj": (L, E, I, D)},
+  },
 }
 
 
 def tree_of(seed, shapes=SHAPES):
   rng = np.random.default_rng(seed)
-  return jax.tree.map(lambda s: jnp.asarray(rng.standard_normal(s), jnp.float32), shapes,
-                      is_leaf=lambda x: isinstance(x, tuple))
+  return jax.tree.map(
+    lambda s: jnp.asarray(rng.standard_normal(s), jnp.float32), shapes, is_leaf=lambda x: isinstance(x, tuple)
+  )
 
 
 def first_update(c, grads, params=None, **kw):
@@ -98,14 +100,17 @@ def test_muon_split_orthogonalizes_each_head_and_part(default_update):
   for l in range(L):
     for h in range(H):
       # W_UK_h = kv_b_proj[:, h, :qk_nope], W_UV_h = kv_b_proj[:, h, qk_nope:], each on its own
-      np.testing.assert_allclose(u["kv_b_proj"][l, :, h, :DN], muon_update(g["kv_b_proj"][l, :, h, :DN], 0.5),
-                                 atol=2e-6)
-      np.testing.assert_allclose(u["kv_b_proj"][l, :, h, DN:], muon_update(g["kv_b_proj"][l, :, h, DN:], 0.5),
-                                 atol=2e-6)
+      np.testing.assert_allclose(
+        u["kv_b_proj"][l, :, h, :DN], muon_update(g["kv_b_proj"][l, :, h, :DN], 0.5), atol=2e-6
+      )
+      np.testing.assert_allclose(
+        u["kv_b_proj"][l, :, h, DN:], muon_update(g["kv_b_proj"][l, :, h, DN:], 0.5), atol=2e-6
+      )
       np.testing.assert_allclose(u["q_b_proj"][l, :, h], muon_update(g["q_b_proj"][l, :, h], 0.5), atol=2e-6)
     # o_proj [H, v, D] is one [H*v, D] matrix
-    np.testing.assert_allclose(u["o_proj"][l].reshape(H * DV, D),
-                               muon_update(g["o_proj"][l].reshape(H * DV, D), 0.5), atol=2e-6)
+    np.testing.assert_allclose(
+      u["o_proj"][l].reshape(H * DV, D), muon_update(g["o_proj"][l].reshape(H * DV, D), 0.5), atol=2e-6
+    )
   # without the split, kv_b_proj is one [R, H*(qk_nope+v)] matrix per layer, and that is a different update
   whole = first_update(cfg(muon_split=False), grads)["moe_layers"]["self_attn"]["kv_b_proj"]
   for l in range(L):
@@ -137,35 +142,65 @@ def test_update_rms_matches_config():
     assert 0.8 * rms <= got <= rms  # an exactly orthogonal O would give rms itself
 
 
-PARTNER_LEAVES = [("embed_tokens", "embedding"), ("lm_head",), ("norm", "weight"),
-                  ("moe_layers", "input_layernorm", "weight"), ("moe_layers", "mlp", "router"),
-                  ("moe_layers", "self_attn", "kv_a_layernorm", "weight"),
-                  ("moe_layers", "self_attn", "indexer", "k_norm", "weight"),
-                  ("moe_layers", "self_attn", "indexer", "k_norm", "bias")]
-MATRICES = [("lm_head",), ("moe_layers", "mlp", "router"), ("moe_layers", "mlp", "gate_proj"),
-            ("moe_layers", "mlp", "down_proj"), ("moe_layers", "self_attn", "indexer", "wk")] + [
-    ("moe_layers", "self_attn", k) for k in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")]
+PARTNER_LEAVES = [
+  ("embed_tokens", "embedding"),
+  ("lm_head",),
+  ("norm", "weight"),
+  ("moe_layers", "input_layernorm", "weight"),
+  ("moe_layers", "mlp", "router"),
+  ("moe_layers", "self_attn", "kv_a_layernorm", "weight"),
+  ("moe_layers", "self_attn", "indexer", "k_norm", "weight"),
+  ("moe_layers", "self_attn", "indexer", "k_norm", "bias"),
+]
+MATRICES = [
+  ("lm_head",),
+  ("moe_layers", "mlp", "router"),
+  ("moe_layers", "mlp", "gate_proj"),
+  ("moe_layers", "mlp", "down_proj"),
+  ("moe_layers", "self_attn", "indexer", "wk"),
+] + [("moe_layers", "self_attn", k) for k in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")]
 ALL_LEAVES = [path_names(p) for p, _ in jax.tree_util.tree_leaves_with_path(tree_of(0))]
 
 
-@pytest.mark.parametrize("setting, reference, compared, decayed", [
+@pytest.mark.parametrize(
+  "setting, reference, compared, decayed",
+  [
     # GLM-5's: Muon with AdamW for the rest; only lm_head and the router among those leaves decay
-    ({}, lambda c, lr, mask: optax.adamw(lr, b1=c.b1, b2=c.b2, eps=c.eps, weight_decay=0.1, mask=mask),
-     PARTNER_LEAVES, MATRICES[:2]),
+    (
+      {},
+      lambda c, lr, mask: optax.adamw(lr, b1=c.b1, b2=c.b2, eps=c.eps, weight_decay=0.1, mask=mask),
+      PARTNER_LEAVES,
+      MATRICES[:2],
+    ),
     # Muon's partner by config, with a hyperparameter of its own
-    ({"partner": "lion", "hparams": {"b2": 0.99}},
-     lambda c, lr, mask: optax.lion(lr, b1=c.b1, b2=0.99, weight_decay=0.1, mask=mask), PARTNER_LEAVES, MATRICES[:2]),
+    (
+      {"partner": "lion", "hparams": {"b2": 0.99}},
+      lambda c, lr, mask: optax.lion(lr, b1=c.b1, b2=0.99, weight_decay=0.1, mask=mask),
+      PARTNER_LEAVES,
+      MATRICES[:2],
+    ),
     # any optax optimizer by name takes every leaf; every matrix but the embedding decays
-    ({"name": "lion"}, lambda c, lr, mask: optax.lion(lr, b1=c.b1, b2=c.b2, weight_decay=0.1, mask=mask), ALL_LEAVES,
-     MATRICES),
-    ({"name": "adamw"}, lambda c, lr, mask: optax.adamw(lr, b1=c.b1, b2=c.b2, eps=c.eps, weight_decay=0.1, mask=mask),
-     ALL_LEAVES, MATRICES),
-], ids=["muon+adamw", "muon+lion", "lion", "adamw"])
+    (
+      {"name": "lion"},
+      lambda c, lr, mask: optax.lion(lr, b1=c.b1, b2=c.b2, weight_decay=0.1, mask=mask),
+      ALL_LEAVES,
+      MATRICES,
+    ),
+    (
+      {"name": "adamw"},
+      lambda c, lr, mask: optax.adamw(lr, b1=c.b1, b2=c.b2, eps=c.eps, weight_decay=0.1, mask=mask),
+      ALL_LEAVES,
+      MATRICES,
+    ),
+  ],
+  ids=["muon+adamw", "muon+lion", "lion", "adamw"],
+)
 def test_elementwise_leaves_get_the_named_optax_optimizers_updates(setting, reference, compared, decayed):
   """Four steps of updates of the leaves the optax optimizer takes equal optax's own optimizer's, with the
   schedule, the betas and weight decay on the matrices listed here by hand."""
-  c = cfg(lr=1e-2, warmup_steps=3, lr_init=1e-3, weight_decay=0.1, schedule="linear", decay_steps=10,
-          lr_end=1e-3, **setting)
+  c = cfg(
+    lr=1e-2, warmup_steps=3, lr_init=1e-3, weight_decay=0.1, schedule="linear", decay_steps=10, lr_end=1e-3, **setting
+  )
   params = tree_of(0)
   tx = opt.make_optimizer(c, params)
   mask = jax.tree_util.tree_map_with_path(lambda p, _: path_names(p) in decayed, params)
@@ -177,8 +212,7 @@ def test_elementwise_leaves_get_the_named_optax_optimizers_updates(setting, refe
     u, state = update(grads, state, p)
     ru, ref_state = ref_update(grads, ref_state, ref_p)
     p, ref_p = optax.apply_updates(p, u), optax.apply_updates(ref_p, ru)
-    flat, ref_flat = (
-        {path_names(k): v for k, v in jax.tree_util.tree_leaves_with_path(t)} for t in (u, ru))
+    flat, ref_flat = ({path_names(k): v for k, v in jax.tree_util.tree_leaves_with_path(t)} for t in (u, ru))
     for name in compared:
       np.testing.assert_array_equal(flat[name], ref_flat[name], err_msg=str((step, name)))
 
@@ -191,17 +225,26 @@ def test_the_partners_matrices_are_a_pattern():
   assert plan[("lm_head",)].label == plan[("moe_layers", "mlp", "router")].label == "muon"
   plan = leaf_plan(cfg(partner_matrices=r"^moe_layers/self_attn/"), params)
   assert {n for n, p in plan.items() if p.label == "muon"} == (
-      {("embed_tokens", "embedding"), ("lm_head",), ("moe_layers", "mlp", "router"), ("moe_layers", "mlp", "gate_proj"),
-       ("moe_layers", "mlp", "down_proj")})
+    {
+      ("embed_tokens", "embedding"),
+      ("lm_head",),
+      ("moe_layers", "mlp", "router"),
+      ("moe_layers", "mlp", "gate_proj"),
+      ("moe_layers", "mlp", "down_proj"),
+    }
+  )
 
 
-@pytest.mark.parametrize("changes, message", [
+@pytest.mark.parametrize(
+  "changes, message",
+  [
     ({"name": "adamx"}, "name='adamx'; expected 'muon' or the name of an optax optimizer"),
     ({"partner": "muon"}, "partner='muon'; expected the name of an optax optimizer"),
     ({"name": "lion", "hparams": {"beta": 0.9}}, "hparams ['beta'] are not arguments of optax.lion; it takes "),
     ({"name": "sgd", "weight_decay": 0.1}, "weight_decay=0.1; optax.sgd (name) takes no weight decay"),
     ({"partner_matrices": "(embedding"}, "partner_matrices='(embedding'; expected a regular expression"),
-])
+  ],
+)
 def test_optimizer_names_and_hyperparameters_are_checked(changes, message):
   with pytest.raises(ValueError, match=re.escape(message)):
     opt.make_optimizer(cfg(**changes), tree_of(0))
@@ -239,14 +282,18 @@ def _leaf(tree, names):
   return dict((path_names(k), v) for k, v in jax.tree_util.tree_leaves_with_path(tree))[names]
 
 
-@pytest.mark.parametrize("kind,mid,quarter", [
+@pytest.mark.parametrize(
+  "kind,mid,quarter",
+  [
     ("cosine", 5.5e-4, 1e-4 + 9e-4 * (1 + math.cos(math.pi / 4)) / 2),
     ("linear", 5.5e-4, 1e-3 - 9e-4 * 0.25),
     ("constant", 1e-3, 1e-3),
-])
+  ],
+)
 def test_schedule_values(kind, mid, quarter):
-  s = opt.learning_rate_schedule(cfg(lr=1e-3, lr_init=0.0, lr_end=1e-4, warmup_steps=10, decay_steps=100,
-                                     schedule=kind))
+  s = opt.learning_rate_schedule(
+    cfg(lr=1e-3, lr_init=0.0, lr_end=1e-4, warmup_steps=10, decay_steps=100, schedule=kind)
+  )
   end = 1e-3 if kind == "constant" else 1e-4
   expected = {0: 0.0, 5: 5e-4, 9: 9e-4, 10: 1e-3, 35: quarter, 60: mid, 110: end, 1000: end}
   for step, value in expected.items():
@@ -259,13 +306,20 @@ def test_weight_decay_mask(name):
   zeros = jax.tree.map(jnp.zeros_like, params)
   u = first_update(cfg(name=name, lr=0.1, weight_decay=0.5), zeros, params)
   new = optax.apply_updates(params, u)
-  for names in [("norm", "weight"), ("moe_layers", "input_layernorm", "weight"), ("embed_tokens", "embedding"),
-                ("moe_layers", "self_attn", "indexer", "k_norm", "bias")]:
+  for names in [
+    ("norm", "weight"),
+    ("moe_layers", "input_layernorm", "weight"),
+    ("embed_tokens", "embedding"),
+    ("moe_layers", "self_attn", "indexer", "k_norm", "bias"),
+  ]:
     np.testing.assert_array_equal(_leaf(new, names), _leaf(params, names), err_msg=str(names))
-  for names in [("lm_head",), ("moe_layers", "mlp", "router"), ("moe_layers", "self_attn", "kv_b_proj"),
-                ("moe_layers", "mlp", "gate_proj")]:
-    np.testing.assert_allclose(_leaf(new, names), _leaf(params, names) * (1 - 0.1 * 0.5), rtol=1e-6,
-                               err_msg=str(names))
+  for names in [
+    ("lm_head",),
+    ("moe_layers", "mlp", "router"),
+    ("moe_layers", "self_attn", "kv_b_proj"),
+    ("moe_layers", "mlp", "gate_proj"),
+  ]:
+    np.testing.assert_allclose(_leaf(new, names), _leaf(params, names) * (1 - 0.1 * 0.5), rtol=1e-6, err_msg=str(names))
 
 
 def test_nnx_state_and_pure_dict_give_the_same_updates(default_update):
@@ -285,8 +339,20 @@ def test_plan_of_the_tiny_model():
   for names, p in plan.items():
     labels.setdefault(p.label, set()).add(names[-1] if isinstance(names[-1], str) else names)
   assert labels["elementwise"] == {"weight", "bias", "embedding", "lm_head", "router"}
-  assert labels["muon"] == {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "wq_b", "wk",
-                            "weights_proj", "gate_proj", "up_proj", "down_proj", "eh_proj"}
+  assert labels["muon"] == {
+    "q_a_proj",
+    "q_b_proj",
+    "kv_a_proj_with_mqa",
+    "kv_b_proj",
+    "o_proj",
+    "wq_b",
+    "wk",
+    "weights_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "eh_proj",
+  }
   for prefix in [("dense_layers",), ("moe_layers",), ("mtp", 0, "layer")]:
     assert plan[prefix + ("self_attn", "kv_b_proj")].split_sizes == (mc.qk_nope_head_dim, mc.v_head_dim)
   assert not plan[("embed_tokens", "embedding")].weight_decay and plan[("lm_head",)].weight_decay

@@ -42,9 +42,20 @@ def model_config(**overrides) -> ModelConfig:
 
 
 def train_config(**overrides) -> ml_collections.ConfigDict:
-  c = ml_collections.ConfigDict(dict(
-      dsa_stage="dense", microbatches=1, grad_clip_norm=0.0, mtp_loss_weight=MTP_W, balance_loss_weight=BAL_W,
-      indexer_loss_weight=1.0, expert_bias_rate=BIAS_RATE, spike_factor=0.0, spike_min_steps=0, spike_ema=0.99))
+  c = ml_collections.ConfigDict(
+    dict(
+      dsa_stage="dense",
+      microbatches=1,
+      grad_clip_norm=0.0,
+      mtp_loss_weight=MTP_W,
+      balance_loss_weight=BAL_W,
+      indexer_loss_weight=1.0,
+      expert_bias_rate=BIAS_RATE,
+      spike_factor=0.0,
+      spike_min_steps=0,
+      spike_ema=0.99,
+    )
+  )
   c.update(overrides)
   return c
 
@@ -93,15 +104,21 @@ def to_device(tree):
 
 def new_state(params, rest, optimizer):
   p = to_device(params)
-  return step_lib.TrainState(step=jnp.zeros((), jnp.int32), params=p, rest=to_device(rest),
-                             opt_state=optimizer.init(p), loss_ema=jnp.zeros((), jnp.float32),
-                             skipped=jnp.zeros((), jnp.int32))
+  return step_lib.TrainState(
+    step=jnp.zeros((), jnp.int32),
+    params=p,
+    rest=to_device(rest),
+    opt_state=optimizer.init(p),
+    loss_ema=jnp.zeros((), jnp.float32),
+    skipped=jnp.zeros((), jnp.int32),
+  )
 
 
 def run_steps(graphdef, optimizer, train_cfg, state, batches, lr=LR):
   """Runs the jit step over `batches`; returns host snapshots [before, after 1, ...] and host metrics."""
-  step = compile_fast(step_lib.make_train_step(graphdef, optimizer, lambda s: lr, train_cfg), state,
-                      to_device(batches[0]))
+  step = compile_fast(
+    step_lib.make_train_step(graphdef, optimizer, lambda s: lr, train_cfg), state, to_device(batches[0])
+  )
   snaps, metrics = [to_host(state)], []
   for batch in batches:
     state, m = step(state, to_device(batch))
@@ -142,7 +159,8 @@ def grads_fn(graphdef, rest, stage, params, batch):
   def fn(params, batch, mtp_w, bal_w, idx_w):
     cfg = types.SimpleNamespace(mtp_loss_weight=mtp_w, balance_loss_weight=bal_w, indexer_loss_weight=idx_w)
     (loss, (m, counts)), g = jax.value_and_grad(step_lib._forward_losses, argnums=1, has_aux=True)(
-        graphdef, params, rest, batch, stage, cfg)
+      graphdef, params, rest, batch, stage, cfg
+    )
     return (loss, m, counts), g
 
   w = np.float32(0)
@@ -160,8 +178,15 @@ def dense():
   w = np.float32
   (_, _, counts), g_mtp = fn(to_device(params), to_device(batch), w(MTP_W), w(BAL_W), w(0))
   _, g_0 = fn(to_device(params), to_device(batch), w(0), w(BAL_W), w(0))
-  return types.SimpleNamespace(graphdef=graphdef, params=params, rest=rest, batch=batch, grads=to_host(g_mtp),
-                               grads_no_mtp=to_host(g_0), expert_counts=to_host(counts))
+  return types.SimpleNamespace(
+    graphdef=graphdef,
+    params=params,
+    rest=rest,
+    batch=batch,
+    grads=to_host(g_mtp),
+    grads_no_mtp=to_host(g_0),
+    expert_counts=to_host(counts),
+  )
 
 
 @pytest.fixture(scope="module")
@@ -173,8 +198,9 @@ def run_main(dense):
   cfg = train_config(spike_factor=0.5, spike_min_steps=1)
   bad = dict(dense.batch, input_ids=dense.batch["input_ids"].copy())
   bad["input_ids"][1, 3] = 512  # == vocab_size
-  snaps, metrics = run_steps(dense.graphdef, opt, cfg, new_state(dense.params, dense.rest, opt),
-                             [dense.batch, bad, dense.batch])
+  snaps, metrics = run_steps(
+    dense.graphdef, opt, cfg, new_state(dense.params, dense.rest, opt), [dense.batch, bad, dense.batch]
+  )
   return snaps, metrics
 
 
@@ -236,8 +262,9 @@ def test_clipping(dense, run_clipped_no_mtp):
   np.testing.assert_allclose(global_norm(update), LR * clip, rtol=1e-5)
   scale = clip / (raw + 1e-6)
   for k, g in flat(dense.grads_no_mtp).items():
-    np.testing.assert_allclose(flat(s1.params)[k], flat(s0.params)[k] - LR * scale * g, rtol=0, atol=1e-6,
-                               err_msg=str(k))
+    np.testing.assert_allclose(
+      flat(s1.params)[k], flat(s0.params)[k] - LR * scale * g, rtol=0, atol=1e-6, err_msg=str(k)
+    )
 
 
 def test_mtp_weight_scales_only_the_mtp_term(run_main, run_clipped_no_mtp):
@@ -289,8 +316,10 @@ def test_expert_bias_update(dense, run_main):
   np.testing.assert_allclose(m1["expert_load_entropy"], entropy, rtol=1e-6)
 
   old, new = flat(s0.rest), flat(s1.rest)
-  biases = {"moe": ("moe_layers", "mlp", "e_score_correction_bias"),
-            "mtp": ("mtp", 0, "layer", "mlp", "e_score_correction_bias")}
+  biases = {
+    "moe": ("moe_layers", "mlp", "e_score_correction_bias"),
+    "mtp": ("mtp", 0, "layer", "mlp", "e_score_correction_bias"),
+  }
   assert set(old) == set(biases.values())
   for name, key in biases.items():
     load = counts[name].sum(1)  # [L, E] selections per expert over the batch
@@ -308,8 +337,9 @@ def run_warmup(dense):
   """25 warm-up steps on one batch, AdamW on the indexer only (every other parameter frozen)."""
   opt_cfg = dict(name="adamw", lr=3e-2, warmup_steps=0, schedule="constant", weight_decay=0.0)
   opt = optimizers.make_optimizer(opt_cfg, dense.params, trainable=step_lib.is_indexer_param)
-  return run_steps(dense.graphdef, opt, train_config(dsa_stage="warmup"), new_state(dense.params, dense.rest, opt),
-                   [dense.batch] * 25)
+  return run_steps(
+    dense.graphdef, opt, train_config(dsa_stage="warmup"), new_state(dense.params, dense.rest, opt), [dense.batch] * 25
+  )
 
 
 def test_warmup_trains_only_the_indexer(run_warmup):
@@ -349,10 +379,12 @@ def test_sparse_stage_gradients():
 
   def lm_grads(params):
     def lm_loss(p):
-      out = nnx.merge(graphdef, p, rest)(batch["input_ids"], positions=batch["positions"],
-                                         segment_ids=batch["segment_ids"], compute_mtp=False)
+      out = nnx.merge(graphdef, p, rest)(
+        batch["input_ids"], positions=batch["positions"], segment_ids=batch["segment_ids"], compute_mtp=False
+      )
       lm = losses.lm_and_mtp_losses(out.logits, None, {k: batch[k] for k in ("input_ids", "segment_ids")})["lm_loss"]
       return lm, out.aux["topk_indices"]
+
     return jax.grad(lm_loss, has_aux=True)(params)
 
   g_lm, topk = compile_fast(jax.jit(lm_grads), to_device(params))(to_device(params))

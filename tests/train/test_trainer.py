@@ -22,6 +22,7 @@ from tests.train.runs import OVERRIDES, make_config, metric_rows, run_train, sna
 # training runs end to end, several of them in subprocesses
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("shared_compilation_cache")]
 
+
 @pytest.fixture(scope="module")
 def straight_run(tmp_path_factory, data_cache_dir):
   """9 uninterrupted steps through launch/train.py, as a user runs it."""
@@ -47,15 +48,25 @@ def test_train_py_end_to_end(straight_run, data_cache_dir):
   graphdef, state, _, _ = create_train_state(config, model_cfg)
   state = Checkpointer(workdir, save_every=3, keep=2).restore(9, state)
   from flax import nnx
+
   model = nnx.merge(graphdef, state.params, state.rest)
   tok = data_lib.load_tokenizer(config.data)
   total, count = 0.0, 0
   for batch in data_lib.make_eval_batches(config.data, tok):
-    logits = np.asarray(model(jnp.asarray(batch["input_ids"]), positions=jnp.asarray(batch["positions"]),
-                              segment_ids=jnp.asarray(batch["segment_ids"])).logits, np.float64)
+    logits = np.asarray(
+      model(
+        jnp.asarray(batch["input_ids"]),
+        positions=jnp.asarray(batch["positions"]),
+        segment_ids=jnp.asarray(batch["segment_ids"]),
+      ).logits,
+      np.float64,
+    )
     ids, seg = batch["input_ids"], batch["segment_ids"]
-    logp = logits - np.log(np.sum(np.exp(logits - logits.max(-1, keepdims=True)), -1, keepdims=True)) \
-        - logits.max(-1, keepdims=True)
+    logp = (
+      logits
+      - np.log(np.sum(np.exp(logits - logits.max(-1, keepdims=True)), -1, keepdims=True))
+      - logits.max(-1, keepdims=True)
+    )
     for b in range(ids.shape[0]):
       for t in range(ids.shape[1] - 1):
         if seg[b, t] != 0 and seg[b, t + 1] == seg[b, t]:
@@ -98,13 +109,19 @@ def test_kill_during_async_save_resumes_from_last_complete_checkpoint(straight_r
   the same train_and_evaluate) resumes from step 3 and logs the uninterrupted run's losses."""
   workdir = str(tmp_path)
   overrides = json.dumps({**OVERRIDES, "data.cache_dir": data_cache_dir})
-  proc = subprocess.run([sys.executable, "-c", KILL_DURING_SAVE, workdir, overrides, "6"], cwd=ROOT,
-                        capture_output=True, text=True, timeout=600)
+  proc = subprocess.run(
+    [sys.executable, "-c", KILL_DURING_SAVE, workdir, overrides, "6"],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
   assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
   ckpt_dir = os.path.join(workdir, "checkpoints")
   # Step 6 was being written when the process died: it is not a complete checkpoint.
   assert Checkpointer(workdir, save_every=3, keep=2).latest_step() == 3, os.listdir(ckpt_dir)
   assert train_and_evaluate(make_config(data_cache_dir), workdir)["step"] == 9
+
   # Steps 4-6 ran twice: before the kill and after the resume from step 3. metrics.jsonl holds each step once,
   # as the uninterrupted run wrote it (but its speed); the first run's rows of steps 4-6 were moved aside, and
   # they too equal the uninterrupted run's.
@@ -117,6 +134,7 @@ def test_kill_during_async_save_resumes_from_last_complete_checkpoint(straight_r
 
 
 # --- bad input: stopped before any work, with the field and value named, checkpoints untouched ---
+
 
 def test_incompatible_checkpoint_is_refused(straight_run, data_cache_dir):
   workdir, _ = straight_run
@@ -133,7 +151,9 @@ def test_unknown_flag_override_is_refused(tmp_path, data_cache_dir):
   assert not os.path.exists(tmp_path / "checkpoints")
 
 
-@pytest.mark.parametrize("changes, message", [
+@pytest.mark.parametrize(
+  "changes, message",
+  [
     ({"data.source": "text", "data.path": "/no/such/corpus.txt"}, r"data\.path='/no/such/corpus\.txt'"),
     ({"data.bpe_vocab_size": 1024}, r"1024.*512|512.*1024"),
     ({"train.steps": 0}, r"train\.steps=0"),
@@ -141,22 +161,34 @@ def test_unknown_flag_override_is_refused(tmp_path, data_cache_dir):
     ({"train.dsa_stage": "sideways"}, r"train\.dsa_stage='sideways'"),
     ({"optimizer.lr": -1.0}, r"lr=-1\.0; expected > 0"),
     ({"data.batch_size": 3, "train.microbatches": 2}, r"microbatches=2"),
-])
+  ],
+)
 def test_bad_input_stops_before_work(tmp_path, data_cache_dir, changes, message):
   with pytest.raises((ValueError, FileNotFoundError), match=message):
     train_and_evaluate(make_config(data_cache_dir, **changes), str(tmp_path / "run"))
   assert not os.path.exists(tmp_path / "run")  # nothing was created
 
 
-@pytest.mark.parametrize("change, message", [
-    (lambda c: c.data.update(format="sft"), r"data\.format='sft' is invalid; config\.trainer='pretrain' trains on 'lm'"),
+@pytest.mark.parametrize(
+  "change, message",
+  [
+    (
+      lambda c: c.data.update(format="sft"),
+      r"data\.format='sft' is invalid; config\.trainer='pretrain' trains on 'lm'",
+    ),
     (lambda c: setattr(c, "trainer", "sft"), r"data\.format='lm' is invalid; config\.trainer='sft' trains on 'sft'"),
-    (lambda c: setattr(c, "quant", common.quant(scheme="w8a8")), r"quant\.scheme='w8a8' is invalid; quantization-aware "
-     r"training takes \['int4', 'int4_row'\]"),
-    (lambda c: setattr(c, "quant", common.quant(scheme="int4", group_size=48)),
-     r"quant\.group_size=48 does not divide moe_layers/mlp/down_proj's input of 32"),
+    (
+      lambda c: setattr(c, "quant", common.quant(scheme="w8a8")),
+      r"quant\.scheme='w8a8' is invalid; quantization-aware "
+      r"training takes \['int4', 'int4_row'\]",
+    ),
+    (
+      lambda c: setattr(c, "quant", common.quant(scheme="int4", group_size=48)),
+      r"quant\.group_size=48 does not divide moe_layers/mlp/down_proj's input of 32",
+    ),
     (lambda c: setattr(c, "quant", common.quant(scheme="int4", scope="re:no_such_weight")), r"matches no parameter"),
-])
+  ],
+)
 def test_bad_sft_and_quant_sections_stop_before_work(tmp_path, data_cache_dir, change, message):
   config = make_config(data_cache_dir)
   change(config)
@@ -184,8 +216,11 @@ def test_init_from_starts_the_warmup_stage_from_a_dense_run(straight_run, data_c
   source = Checkpointer(workdir, read_only=True).restore_weights(9, state.params, state.rest)[0]
   trained = Checkpointer(str(tmp_path), read_only=True).restore_weights(3, state.params, state.rest)[0]
   from flax import nnx
-  changed = {p: not np.array_equal(a[...], b[...])
-             for (p, a), (_, b) in zip(nnx.to_flat_state(source), nnx.to_flat_state(trained))}
+
+  changed = {
+    p: not np.array_equal(a[...], b[...])
+    for (p, a), (_, b) in zip(nnx.to_flat_state(source), nnx.to_flat_state(trained))
+  }
   assert not any(c for p, c in changed.items() if "indexer" not in p)
   assert any(c for p, c in changed.items() if "indexer" in p)
 

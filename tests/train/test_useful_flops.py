@@ -19,20 +19,40 @@ B = 2
 
 
 def small_config(**changes) -> ModelConfig:
-  return ModelConfig(vocab_size=V, hidden_size=D, intermediate_size=I, moe_intermediate_size=I_E,
-                     num_hidden_layers=L, first_k_dense_replace=L_DENSE, num_nextn_predict_layers=M,
-                     num_attention_heads=H, num_key_value_heads=H, q_lora_rank=R_Q, kv_lora_rank=R_KV,
-                     qk_nope_head_dim=D_N, qk_rope_head_dim=D_R, v_head_dim=D_V, n_routed_experts=E,
-                     n_shared_experts=S, num_experts_per_tok=KE, index_n_heads=H_I, index_head_dim=D_I,
-                     index_topk=K, max_position_embeddings=64, **changes)
+  return ModelConfig(
+    vocab_size=V,
+    hidden_size=D,
+    intermediate_size=I,
+    moe_intermediate_size=I_E,
+    num_hidden_layers=L,
+    first_k_dense_replace=L_DENSE,
+    num_nextn_predict_layers=M,
+    num_attention_heads=H,
+    num_key_value_heads=H,
+    q_lora_rank=R_Q,
+    kv_lora_rank=R_KV,
+    qk_nope_head_dim=D_N,
+    qk_rope_head_dim=D_R,
+    v_head_dim=D_V,
+    n_routed_experts=E,
+    n_shared_experts=S,
+    num_experts_per_tok=KE,
+    index_n_heads=H_I,
+    index_head_dim=D_I,
+    index_topk=K,
+    max_position_embeddings=64,
+    **changes,
+  )
 
 
 # Matmul parameters one token passes through, weight by weight.
-ATTN = (D * R_Q  # q_a_proj
-        + R_Q * H * (D_N + D_R)  # q_b_proj
-        + D * (R_KV + D_R)  # kv_a_proj_with_mqa
-        + R_KV * H * (D_N + D_V)  # kv_b_proj
-        + H * D_V * D)  # o_proj
+ATTN = (
+  D * R_Q  # q_a_proj
+  + R_Q * H * (D_N + D_R)  # q_b_proj
+  + D * (R_KV + D_R)  # kv_a_proj_with_mqa
+  + R_KV * H * (D_N + D_V)  # kv_b_proj
+  + H * D_V * D
+)  # o_proj
 MLP = D * I + D * I + I * D  # gate, up, down
 EXPERT = D * I_E + D * I_E + I_E * D
 MOE = D * E + S * EXPERT + KE * EXPERT  # router, shared experts, the routed experts a token uses
@@ -61,14 +81,26 @@ def hand_count(stage: str, t: int, indexer_layers: int = L + M) -> int:
     return 6 * n * (MAIN + MTP) + 3 * B * causal(t) * DENSE_PAIR * (L + M)
   indexer_proj = (2 + 2) * n * INDEXER * indexer_layers  # forward + weight gradients, no input gradients
   if stage == "warmup":  # the model forward only; the indexer trained on every visible key
-    return (2 * n * (MAIN + MTP) + B * causal(t) * DENSE_PAIR * (L + M) + indexer_proj
-            + 3 * B * causal(t) * INDEXER_PAIR * indexer_layers)
+    return (
+      2 * n * (MAIN + MTP)
+      + B * causal(t) * DENSE_PAIR * (L + M)
+      + indexer_proj
+      + 3 * B * causal(t) * INDEXER_PAIR * indexer_layers
+    )
   if t <= K:  # the sparse stage where top-K selects every key: dense attention, KL over every visible key
-    return (6 * n * (MAIN + MTP) + 3 * B * causal(t) * DENSE_PAIR * (L + M) + indexer_proj
-            + 3 * B * causal(t) * INDEXER_PAIR * indexer_layers)
-  return (6 * n * (MAIN + MTP) + 3 * B * selected(t) * SPARSE_PAIR * (L + M) + indexer_proj
-          + B * causal(t) * INDEXER_PAIR * indexer_layers  # the selection: forward, no gradient
-          + 3 * B * selected(t) * INDEXER_PAIR * indexer_layers)  # the KL over the selected keys
+    return (
+      6 * n * (MAIN + MTP)
+      + 3 * B * causal(t) * DENSE_PAIR * (L + M)
+      + indexer_proj
+      + 3 * B * causal(t) * INDEXER_PAIR * indexer_layers
+    )
+  return (
+    6 * n * (MAIN + MTP)
+    + 3 * B * selected(t) * SPARSE_PAIR * (L + M)
+    + indexer_proj
+    + B * causal(t) * INDEXER_PAIR * indexer_layers  # the selection: forward, no gradient
+    + 3 * B * selected(t) * INDEXER_PAIR * indexer_layers
+  )  # the KL over the selected keys
 
 
 @pytest.mark.parametrize("stage", ["dense", "warmup", "sparse"])
@@ -115,8 +147,11 @@ def test_parameters_count_as_analytic(stage):
     assert u[key] == a[key]
 
 
-@pytest.mark.parametrize("cfg,t", [(small_config(), 40), (small_config(), 200), (ModelConfig(), 8192),
-                                   (ModelConfig(), 131072)], ids=["small-40", "small-200", "744b-8K", "744b-128K"])
+@pytest.mark.parametrize(
+  "cfg,t",
+  [(small_config(), 40), (small_config(), 200), (ModelConfig(), 8192), (ModelConfig(), 131072)],
+  ids=["small-40", "small-200", "744b-8K", "744b-128K"],
+)
 def test_sparse_numerator_below_analytic_for_long_sequences(cfg, t):
   u, a = useful_flops(cfg, 1, t, "sparse"), analytic_flops(cfg, 1, t, "sparse")
   assert u["total"] < a["total"]
@@ -136,20 +171,22 @@ def _stage(config, stage=None):
 
 
 GLM5_STEPS = {
-    "4K dense": _stage(glm5_744b.get_config(), "dense"),
-    "4K sparse": _stage(glm5_744b.get_config(), "sparse"),
-    "128K sparse": glm5_744b_128k.get_config(),
-    "200K sparse": glm5_744b_200k.get_config(),
-    "128K warmup": glm5_744b_128k.get_config("warmup"),
-    "200K warmup": glm5_744b_200k.get_config("warmup"),
+  "4K dense": _stage(glm5_744b.get_config(), "dense"),
+  "4K sparse": _stage(glm5_744b.get_config(), "sparse"),
+  "128K sparse": glm5_744b_128k.get_config(),
+  "200K sparse": glm5_744b_200k.get_config(),
+  "128K warmup": glm5_744b_128k.get_config("warmup"),
+  "200K warmup": glm5_744b_200k.get_config("warmup"),
 }
 
 
 def test_glm5_744b_ratios():
   """On analytic's numerator, the indexer's scores are 44% of the 128K sparse step's count and 55% of the 200K
   one's. The useful / analytic ratios are printed (pytest -s), not asserted: they are the record."""
-  print(f"\n{'step':12s} {'batch':>5s} {'seq':>7s} {'analytic':>10s} {'useful':>10s} {'ratio':>6s} "
-        f"{'index scores / analytic':>23s} {'indexer / useful':>16s}")
+  print(
+    f"\n{'step':12s} {'batch':>5s} {'seq':>7s} {'analytic':>10s} {'useful':>10s} {'ratio':>6s} "
+    f"{'index scores / analytic':>23s} {'indexer / useful':>16s}"
+  )
   shares = {}
   for name, config in GLM5_STEPS.items():
     stage, b, t = config.train.dsa_stage, config.data.batch_size, config.data.seq_len
@@ -157,8 +194,10 @@ def test_glm5_744b_ratios():
     a, u = analytic_flops(cfg, b, t, stage), useful_flops(cfg, b, t, stage)
     shares[name] = a.get("indexer_scores", 0.0) / a["total"]
     indexer = sum(v for k, v in u.items() if k.startswith("indexer")) / u["total"]
-    print(f"{name:12s} {b:5d} {t:7d} {a['total']:10.4g} {u['total']:10.4g} {u['total'] / a['total']:6.3f} "
-          f"{shares[name]:23.3f} {indexer:16.3f}")
+    print(
+      f"{name:12s} {b:5d} {t:7d} {a['total']:10.4g} {u['total']:10.4g} {u['total'] / a['total']:6.3f} "
+      f"{shares[name]:23.3f} {indexer:16.3f}"
+    )
     assert u["total"] < a["total"]
   assert shares["128K sparse"] == pytest.approx(0.44, abs=0.01)
   assert shares["200K sparse"] == pytest.approx(0.55, abs=0.01)
