@@ -75,11 +75,15 @@ def persistent_compilation_cache(path: str):
         os.environ[key] = value
 
 
+SIMULATED_DEVICES = 8  # the devices of tests/test_multi_device.py's session
+
+
 def multi_device(devices: int):
-  """A decorator for a test that needs `devices` devices: marked `multi_device` and skipped with fewer, it runs in the
-  process rerun_on_simulated_devices starts (which runs only such tests)."""
+  """A decorator for a test that needs `devices` (at most SIMULATED_DEVICES) devices: marked `multi_device` and
+  skipped with fewer, it runs in the one process with simulated devices that tests/test_multi_device.py starts
+  for every such test (`simulated_devices_session`)."""
   skip = pytest.mark.skipif(
-    jax.device_count() < devices, reason=f"runs inside the rerun on {devices} simulated devices"
+    jax.device_count() < devices, reason=f"runs in tests/test_multi_device.py's session of {SIMULATED_DEVICES} devices"
   )
 
   def mark(test):
@@ -88,29 +92,23 @@ def multi_device(devices: int):
   return mark
 
 
-def rerun_on_simulated_devices(
-  test_file: str, devices: int, cache_dir=None, *, select: str | None = None, timeout: int = 1800
-) -> str:
-  """Runs the pytest module `test_file`'s multi-device tests (those marked by `multi_device`, or those selected by
-  `-k select`) in a process with `devices` simulated CPU devices, and asserts they passed; returns pytest's summary
-  line. The module's other tests ran in this process already and are not run again there. cache_dir: a
-  persistent compilation cache, so a program two tests compile is compiled once."""
-  env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu"}
-  if cache_dir is not None:
-    env.update(JAX_COMPILATION_CACHE_DIR=str(cache_dir), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
-  args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(test_file)]
-  proc = subprocess.run(
-    args + (["-k", select] if select else ["-m", "multi_device"]),
-    cwd=ROOT,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=timeout,
-  )
+def simulated_devices_session(paths: list[str], cache_dir: str, *, timeout: int = 2400) -> str:
+  """Runs the multi_device tests of `paths` in one pytest process with SIMULATED_DEVICES simulated CPU devices and
+  a persistent compilation cache in cache_dir (a program two tests compile is compiled once), and asserts they
+  passed; returns pytest's summary line."""
+  env = {
+    **os.environ,
+    "XLA_FLAGS": f"--xla_force_host_platform_device_count={SIMULATED_DEVICES}",
+    "JAX_PLATFORMS": "cpu",
+    "JAX_COMPILATION_CACHE_DIR": str(cache_dir),
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+  }
+  args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "multi_device", *paths]
+  proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
   print(proc.stdout[-3000:])
-  assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+  assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-3000:]
   summary = proc.stdout.splitlines()[-1]
-  assert " passed" in summary
+  assert " passed" in summary and " skipped" not in summary, summary
   return summary
 
 

@@ -17,7 +17,6 @@ import os
 import re
 import shutil
 
-import jax
 import jax.numpy as jnp
 import ml_collections
 import ml_dtypes
@@ -35,11 +34,10 @@ from glm_jax.sharding import checkpoint_arrays
 from glm_jax.train.checkpoint import Checkpointer
 from glm_jax.train.trainer import restore_run
 from tests.convert.test_hf import TOL, hf_logits, make_hf_model, max_diff, token_ids
-from tests.helpers import rerun_on_simulated_devices
+from tests import helpers
 
 VOCAB = 512  # the embedded tokenizer's size: restore_run checks the model covers it
 BLOCK = (16, 16)  # FP8 blocks small enough that the tiny model's weights span several, partial ones included
-MULTI_DEVICE = jax.device_count() >= 8
 
 
 def run_config(cfg, **mesh):
@@ -218,7 +216,7 @@ def test_fp8_checkpoint_converts_to_its_dequantized_weights(fp8_dir, tmp_path):
 # -------------------------------------------------------------------------------------------- 8 devices
 
 
-@pytest.mark.skipif(not MULTI_DEVICE, reason="needs 8 devices (the subprocess below)")
+@helpers.multi_device(8)
 def test_under_a_mesh_every_device_reads_exactly_its_slices(tmp_path, monkeypatch):
   from glm_jax.sharding.mesh import make_mesh
   from glm_jax.train.config import model_config_for_stage
@@ -254,12 +252,6 @@ def test_under_a_mesh_every_device_reads_exactly_its_slices(tmp_path, monkeypatc
         sizes = [n for shape, n in reads if shape == full.shape]
         assert sizes and max(sizes) <= full.size // 8, (p, sizes)  # fsdp x expert: an eighth each, never more
   assert stacks == 3
-
-
-@pytest.mark.slow  # a subprocess with 8 simulated CPU devices
-@pytest.mark.skipif(MULTI_DEVICE, reason="already on 8 devices")
-def test_mesh_loading_on_8_simulated_devices():
-  assert "1 passed" in rerun_on_simulated_devices(__file__, 8, select="under_a_mesh", timeout=900)
 
 
 # ---------------------------------------------------------------------------------------------- bad input

@@ -3,9 +3,8 @@
 On 8 simulated CPU devices, greedy decoding of ragged prompts with DSA selecting (index_topk 6 < the 8-token prompt)
 gives the one-device tokens, and logits within fp32 rounding of each row's scale, on a data x tensor x expert mesh
 (heads over tensor, experts by all-to-all), on an fsdp x expert mesh with the DSA kernels (interpret mode) and
-IndexShare, and with MTP speculative decoding on the first mesh. As in tests/sharding/test_mesh.py, a normal run
-(one device) collects a single slow test that reruns this file with 8 simulated devices in a subprocess, where
-the multi-device tests run; the bad-input tests run anywhere.
+IndexShare, and with MTP speculative decoding on the first mesh. The multi-device tests run in
+tests/test_multi_device.py's 8-device session; the bad-input tests run anywhere.
 """
 
 import jax
@@ -20,10 +19,8 @@ from glm_jax.mesh_axes import MESH_AXES
 from glm_jax.model import GlmMoeDsa, ModelConfig
 from glm_jax.sharding.mesh import make_mesh
 from tests import helpers
-from tests.helpers import rerun_on_simulated_devices
 
-MULTI_DEVICE = jax.device_count() >= 8
-multi_device = helpers.multi_device(8)  # runs inside test_on_8_simulated_devices
+multi_device = helpers.multi_device(8)  # runs in tests/test_multi_device.py's session
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [3, 4, 5, 6, 7, 8, 9, 10], [12], [7, 7, 7], [1, 2, 3, 4, 5, 6], [9, 8], [4]]
 GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0)
 
@@ -31,12 +28,6 @@ GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0)
 def tiny(**changes) -> ModelConfig:
   cfg = ModelConfig.from_dict(configs.glm5_tiny.get_config().model.to_dict())
   return cfg.replace(initializer_range=0.2, index_topk=6, **changes)  # far from uniform logits: no argmax near-ties
-
-
-@pytest.mark.slow  # 8 simulated devices in a subprocess
-@pytest.mark.skipif(MULTI_DEVICE, reason="already on 8 devices")
-def test_on_8_simulated_devices(tmp_path):
-  rerun_on_simulated_devices(__file__, 8, tmp_path / "jax_cache")
 
 
 @multi_device

@@ -23,10 +23,8 @@ from glm_jax.sharding.mesh import make_mesh
 from glm_jax.sharding.topology import tpu_topology_devices
 from pallas_kernels import lightning_indexer_reference as reference
 from pallas_kernels.lightning_indexer import IndexerBlockSizes, lightning_indexer_topk
-from tests.helpers import rerun_on_simulated_devices
+from tests import helpers
 from tests.pallas_kernels.test_lightning_indexer import _assert_same, _int_inputs, needs_libtpu
-
-MULTI_DEVICE = jax.device_count() >= 4
 
 
 def _documents(rng, b, s_len, bounds):
@@ -186,7 +184,7 @@ def test_select_topk_passes_the_prefix_to_the_kernel():
   assert not np.array_equal(np.asarray(want[0]), np.asarray(reference.lightning_indexer_topk(*args, **no_prefix)[0]))
 
 
-@pytest.mark.skipif(not MULTI_DEVICE, reason="runs inside test_select_topk_on_4_simulated_devices")
+@helpers.multi_device(4)
 def test_select_topk_with_a_prefix_under_a_mesh():
   # the kernel in select_topk's shard_map: the prefix ends are split over the batch with the other [B, T] inputs
   args, kw = _select_inputs()
@@ -198,12 +196,6 @@ def test_select_topk_with_a_prefix_under_a_mesh():
     hlo = fn.lower(*args, **kw).as_text()
   assert "shard_map" in hlo or "sdy.manual_computation" in hlo
   _assert_same(got, want)
-
-
-@pytest.mark.slow  # a subprocess with 4 simulated CPU devices
-@pytest.mark.skipif(MULTI_DEVICE, reason="already on 4 or more devices")
-def test_select_topk_on_4_simulated_devices():
-  assert "1 passed" in rerun_on_simulated_devices(__file__, 4, select="under_a_mesh", timeout=600)
 
 
 @needs_libtpu

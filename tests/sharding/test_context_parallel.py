@@ -3,10 +3,8 @@ CPU devices, one train step with the sequence split over the context axis equal 
 and sparse stages (loss, updated parameters, the indexer's selected keys), and glm5_tiny's training loop with
 mesh.context=2 logging the one-device losses.
 
-As in test_mesh.py, a normal run (one device) collects a single slow test that reruns this file with 8 simulated
-devices in a subprocess, where the multi-device tests run."""
+The multi-device tests run in tests/test_multi_device.py's 8-device session."""
 
-import json
 import re
 import types
 
@@ -25,17 +23,9 @@ from glm_jax.train import step as step_lib
 from glm_jax.train.config import model_config_for_stage
 from glm_jax.train.trainer import check_config, create_train_state
 from tests import helpers
-from tests.helpers import rerun_on_simulated_devices
-from tests.sharding.test_mesh import FAST_COMPILE, STEP_TOLERANCE, sharded_step
+from tests.sharding.test_mesh import FAST_COMPILE, STEP_TOLERANCE, one_device_loop, sharded_step, tiny_loop
 
-MULTI_DEVICE = jax.device_count() >= 8
-multi_device = helpers.multi_device(8)  # runs inside test_on_8_simulated_devices
-
-
-@pytest.mark.slow  # 8 simulated devices in a subprocess: ~5 minutes here
-@pytest.mark.skipif(MULTI_DEVICE, reason="already on 8 devices")
-def test_on_8_simulated_devices(tmp_path):
-  rerun_on_simulated_devices(__file__, 8, tmp_path / "jax_cache")
+multi_device = helpers.multi_device(8)  # runs in tests/test_multi_device.py's session
 
 
 def test_zigzag_gives_each_device_an_early_and_a_late_chunk():
@@ -202,26 +192,11 @@ def test_index_share_selection_equals_one_device(one_device):
 
 
 @multi_device
-def test_glm5_tiny_trains_with_context_2(tmp_path):
+def test_glm5_tiny_trains_with_context_2(tmp_path, data_cache_dir):
   """glm5_tiny's training loop (global batches, eval, checkpoint) with --config.mesh.context=2 over fsdp x context
-  logs the one-device losses."""
-  from glm_jax.train.trainer import train_and_evaluate
-
-  def run(workdir, mesh=None):
-    config = glm5_tiny.get_config()
-    config.data.batch_size, config.data.eval_batches, config.data.cache_dir = 8, 1, str(tmp_path / "cache")
-    for k, v in dict(steps=3, log_every=1, eval_every=100, checkpoint_every=3, tensorboard=False).items():
-      config.train[k] = v
-    if mesh:
-      config.mesh = ml_collections.ConfigDict(mesh)
-    else:
-      del config["mesh"]
-    summary = train_and_evaluate(config, str(workdir))
-    with open(workdir / "metrics.jsonl") as f:
-      return summary, [r["loss"] for r in map(json.loads, f) if "loss" in r]
-
-  single, losses_1 = run(tmp_path / "one")
-  meshed, losses_8 = run(tmp_path / "mesh", {"fsdp": 4, "context": 2})
+  logs the one-device losses (test_mesh's loop, its one-device run shared)."""
+  single, losses_1 = one_device_loop(data_cache_dir)
+  meshed, losses_8 = tiny_loop(tmp_path, data_cache_dir, {"fsdp": 4, "context": 2})
   np.testing.assert_allclose(losses_8, losses_1, rtol=1e-5)
   assert meshed["eval_loss"] == pytest.approx(single["eval_loss"], rel=1e-5)
 

@@ -1,13 +1,13 @@
 """Meshes on 8 simulated CPU devices: a sharded train step equals one device, and a checkpoint saved on one
 mesh restores onto another.
 
-Simulated devices must be requested before jax starts, and every simulated device slows all other tests, so
-in a normal run (one device) this file collects a single test that reruns it with
-XLA_FLAGS=--xla_force_host_platform_device_count=8 in a subprocess; there the real tests run, with a persistent
-compilation cache so that a program two tests both compile (the train step on one device or on a mesh, the state
-created in place on a mesh: in a test's own code and again inside train_and_evaluate) is compiled once."""
+Simulated devices must be requested before jax starts, and every simulated device slows all other tests, so the
+tests marked multi_device are skipped in a normal run (one device) and run in one process with 8 simulated devices
+that tests/test_multi_device.py starts for every such test of the suite."""
 
 import functools
+import os
+import tempfile
 import types
 
 import jax
@@ -26,16 +26,9 @@ from glm_jax.train.checkpoint import Checkpointer
 from glm_jax.train.config import model_config_for_stage
 from glm_jax.train.trainer import create_sharded_train_state, create_train_state, train_state_factory
 from tests import helpers
-from tests.helpers import NS_COEFFS, newton_schulz, rerun_on_simulated_devices
+from tests.helpers import NS_COEFFS, newton_schulz
 
-MULTI_DEVICE = jax.device_count() >= 8
-multi_device = helpers.multi_device(8)  # runs inside test_on_8_simulated_devices
-
-
-@pytest.mark.slow  # 8 simulated devices in a subprocess: ~4 minutes here
-@pytest.mark.skipif(MULTI_DEVICE, reason="already on 8 devices")
-def test_on_8_simulated_devices(tmp_path):
-  rerun_on_simulated_devices(__file__, 8, tmp_path / "jax_cache")
+multi_device = helpers.multi_device(8)  # runs in tests/test_multi_device.py's session
 
 
 def test_mesh_shape_resolves_the_remaining_devices():
@@ -210,31 +203,40 @@ def test_checkpoint_restores_onto_another_mesh(single_device_step, tmp_path):
     np.testing.assert_array_equal(a, b)
 
 
-@multi_device
-def test_train_and_evaluate_on_a_mesh_matches_one_device(tmp_path):
-  """The whole loop (sharded state, global batches, expert parallelism, eval, checkpoint) on an
-  fsdp x expert x tensor mesh logs the losses of the single-device loop."""
+def tiny_loop(workdir, data_cache_dir, mesh=None):
+  """tiny_config's training loop, 3 steps of 8 rows (global batches, eval, checkpoint) under `mesh` (a mesh
+  section; None: no mesh section, the unsharded path on device 0): (summary, the logged losses)."""
   import json
 
   import ml_collections
 
   from glm_jax.train.trainer import train_and_evaluate
 
-  def run(workdir, mesh=None):
-    config = tiny_config()
-    config.data.batch_size, config.data.eval_batches, config.data.cache_dir = 8, 1, str(tmp_path / "cache")
-    for k, v in dict(steps=3, log_every=1, eval_every=100, checkpoint_every=3, tensorboard=False).items():
-      config.train[k] = v
-    if mesh:
-      config.mesh = ml_collections.ConfigDict(mesh)
-    else:  # no mesh section: the unsharded path, on device 0
-      del config["mesh"]
-    summary = train_and_evaluate(config, str(workdir))
-    with open(workdir / "metrics.jsonl") as f:
-      return summary, [r["loss"] for r in map(json.loads, f) if "loss" in r]
+  config = tiny_config()
+  config.data.batch_size, config.data.eval_batches, config.data.cache_dir = 8, 1, data_cache_dir
+  for k, v in dict(steps=3, log_every=1, eval_every=100, checkpoint_every=3, tensorboard=False).items():
+    config.train[k] = v
+  if mesh:
+    config.mesh = ml_collections.ConfigDict(mesh)
+  else:
+    del config["mesh"]
+  summary = train_and_evaluate(config, str(workdir))
+  with open(os.path.join(str(workdir), "metrics.jsonl")) as f:
+    return summary, [r["loss"] for r in map(json.loads, f) if "loss" in r]
 
-  single, losses_1 = run(tmp_path / "one")
-  meshed, losses_8 = run(tmp_path / "mesh", {"data": 1, "fsdp": 2, "expert": 2, "tensor": 2})
+
+@functools.cache
+def one_device_loop(data_cache_dir):
+  """tiny_loop on one device, run once for every test that compares a mesh's loop with it."""
+  return tiny_loop(tempfile.mkdtemp(prefix="one_device_loop-"), data_cache_dir)
+
+
+@multi_device
+def test_train_and_evaluate_on_a_mesh_matches_one_device(tmp_path, data_cache_dir):
+  """The whole loop (sharded state, global batches, expert parallelism, eval, checkpoint) on an
+  fsdp x expert x tensor mesh logs the losses of the single-device loop."""
+  single, losses_1 = one_device_loop(data_cache_dir)
+  meshed, losses_8 = tiny_loop(tmp_path, data_cache_dir, {"data": 1, "fsdp": 2, "expert": 2, "tensor": 2})
   np.testing.assert_allclose(losses_8, losses_1, rtol=1e-5)
   assert meshed["eval_loss"] == pytest.approx(single["eval_loss"], rel=1e-5)
 
