@@ -134,20 +134,8 @@ _NO_TRAFFIC = {
   "conditional",
   "add-dependency",
 }
-COLLECTIVES = {
-  "all-gather",
-  "reduce-scatter",
-  "all-reduce",
-  "all-to-all",
-  "ragged-all-to-all",
-  "collective-permute",
-  "all-gather-start",
-  "all-reduce-start",
-  "collective-permute-start",
-  "all-to-all-start",
-  "ragged-all-to-all-start",
-  "reduce-scatter-start",
-}
+# the collectives the link model times (ici.COLLECTIVE_KINDS), synchronous or as the start of an async pair
+COLLECTIVES = set(ici.COLLECTIVE_KINDS) | {f"{kind}-start" for kind in ici.COLLECTIVE_KINDS}
 
 
 @dataclasses.dataclass
