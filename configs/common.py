@@ -113,7 +113,7 @@ def variants(arg: str, config_file: str, names: tuple[str, ...], **typed: type) 
       try:
         out[key] = {"true": True, "false": False}[value.lower()] if kind is bool else kind(value)
       except (KeyError, ValueError):
-        raise ValueError(f"{config_file}: variant {part!r}: {value!r} is not a {kind.__name__}") from None
+        raise ValueError(f"{config_file}: variant {part!r}: {value!r} is not a valid {kind.__name__}") from None
     else:
       raise ValueError(f"{config_file} has no variant {part!r}; {valid}")
   return out

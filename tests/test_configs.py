@@ -75,7 +75,7 @@ def test_variants_parse_names_and_typed_values():
     r"and steps=<int>",
   ):
     common.variants("smok", "configs/x.py", ("long", "smoke"), steps=int)
-  with pytest.raises(ValueError, match=r"configs/x\.py: variant 'steps=many': 'many' is not a int"):
+  with pytest.raises(ValueError, match=r"configs/x\.py: variant 'steps=many': 'many' is not a valid int"):
     common.variants("steps=many", "configs/x.py", (), steps=int)
   with pytest.raises(
     ValueError,
