@@ -15,8 +15,36 @@ import pytest
 from flax import nnx
 from jax.experimental.compilation_cache import compilation_cache
 
+from glm_jax.model.config import ModelConfig
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository, where launch/ scripts run
 NS_COEFFS = (3.4445, -4.7750, 2.0315)  # Muon's quintic (Keller Jordan / Moonlight / optax)
+
+
+# The tests' small GlmMoeDsa: every mechanism (a dense and two MoE layers, MLA's low-rank paths, DSA with index_topk
+# 3, one MTP layer) at toy widths; a test takes it with .replace(...) of what it varies.
+TINY_MODEL = ModelConfig(
+  vocab_size=40,
+  hidden_size=16,
+  intermediate_size=24,
+  moe_intermediate_size=8,
+  num_hidden_layers=3,
+  first_k_dense_replace=1,
+  num_nextn_predict_layers=1,
+  num_attention_heads=2,
+  num_key_value_heads=2,
+  q_lora_rank=12,
+  kv_lora_rank=10,
+  qk_nope_head_dim=6,
+  qk_rope_head_dim=4,
+  v_head_dim=5,
+  n_routed_experts=4,
+  num_experts_per_tok=2,
+  index_topk=3,
+  index_n_heads=2,
+  index_head_dim=8,
+  rope_theta=100.0,
+)
 
 
 def init_module(ctor, seed, scale=0.3):

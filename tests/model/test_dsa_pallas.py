@@ -12,32 +12,12 @@ import pytest
 from flax import nnx
 
 from glm_jax.model import dsa
-from glm_jax.model.config import ModelConfig
 from glm_jax.model.transformer import GlmMoeDsa
-from tests.helpers import init_module
+from tests.helpers import TINY_MODEL, init_module
 
 B, T = 2, 24
-CFG = ModelConfig(
-  vocab_size=40,
-  hidden_size=16,
-  intermediate_size=24,
-  moe_intermediate_size=8,
-  num_hidden_layers=2,
-  first_k_dense_replace=1,
-  num_nextn_predict_layers=1,
-  num_attention_heads=2,
-  num_key_value_heads=2,
-  q_lora_rank=12,
-  kv_lora_rank=10,
-  qk_nope_head_dim=6,
-  qk_rope_head_dim=4,
-  v_head_dim=5,
-  n_routed_experts=4,
-  num_experts_per_tok=2,
-  index_topk=6,
-  index_n_heads=2,
-  index_head_dim=8,
-  rope_theta=100.0,
+CFG = TINY_MODEL.replace(
+  num_hidden_layers=2, index_topk=6
 )  # index_topk < T: DSA selects in every layer; the first 6 queries get -1 padding
 
 

@@ -10,37 +10,14 @@ import pytest
 from flax import nnx
 
 from glm_jax.model import deepnorm
-from glm_jax.model.config import ModelConfig
 from glm_jax.model.layers import apply_rope, rope_angles_2d
 from glm_jax.model.mla import AttentionInputs
 from glm_jax.model.transformer import DecoderLayer, GlmMoeDsa
 from glm_jax.tree_paths import path_names
-from tests.helpers import init_module
+from tests.helpers import TINY_MODEL, init_module
 
 B, T = 2, 12
-CFG = ModelConfig(
-  vocab_size=40,
-  hidden_size=16,
-  intermediate_size=24,
-  moe_intermediate_size=8,
-  num_hidden_layers=3,
-  first_k_dense_replace=1,
-  num_nextn_predict_layers=1,
-  num_attention_heads=2,
-  num_key_value_heads=2,
-  q_lora_rank=12,
-  kv_lora_rank=10,
-  qk_nope_head_dim=6,
-  qk_rope_head_dim=8,
-  v_head_dim=5,
-  n_routed_experts=4,
-  num_experts_per_tok=2,
-  index_topk=4,
-  index_n_heads=2,
-  index_head_dim=8,
-  rope_theta=100.0,
-  rope_2d=True,
-)  # index_topk < T: DSA selects in every layer
+CFG = TINY_MODEL.replace(qk_rope_head_dim=8, index_topk=4, rope_2d=True)  # index_topk < T: DSA selects in every layer
 
 
 def make_model(cfg, seed=0):

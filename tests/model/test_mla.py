@@ -13,7 +13,7 @@ from glm_jax.model.config import ModelConfig
 from glm_jax.model.layers import rope_angles
 from glm_jax.model.mla import MLA, AttentionInputs
 from glm_jax.model.transformer import GlmMoeDsa
-from tests.helpers import init_module
+from tests.helpers import TINY_MODEL, init_module
 
 MLA_CFG = ModelConfig(
   vocab_size=32,
@@ -237,28 +237,7 @@ def _model_apply(graphdef, state, ids, positions, segment_ids):
 
 
 def test_model_packed_segments_equal_separate_sequences():
-  cfg = ModelConfig(
-    vocab_size=48,
-    hidden_size=16,
-    intermediate_size=24,
-    moe_intermediate_size=8,
-    num_hidden_layers=2,
-    first_k_dense_replace=1,
-    num_nextn_predict_layers=1,
-    num_attention_heads=2,
-    num_key_value_heads=2,
-    q_lora_rank=12,
-    kv_lora_rank=10,
-    qk_nope_head_dim=6,
-    qk_rope_head_dim=4,
-    v_head_dim=5,
-    n_routed_experts=4,
-    num_experts_per_tok=2,
-    index_topk=3,
-    index_n_heads=2,
-    index_head_dim=8,
-    rope_theta=100.0,
-  )
+  cfg = TINY_MODEL.replace(vocab_size=48, num_hidden_layers=2)
   model = init_module(lambda: GlmMoeDsa(cfg, nnx.Rngs(0)), 7, 0.3)
   graphdef, state = nnx.split(model)
   n = 6
