@@ -394,7 +394,6 @@ def save(
 ) -> dict[str, Any]:
   """Writes `model` as a HF checkpoint directory (`write`'s format). An existing non-empty `path` is replaced only
   with overwrite=True; a failure leaves it as it was."""
-  cfg.to_hf_dict()  # refuses, before anything is written, a model glm_moe_dsa cannot express (DeepNorm, 2-D rope)
   leaves = {p: v[...] for p, v in nnx.to_flat_state(nnx.state(model))}
   return write(
     cfg,
