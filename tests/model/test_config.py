@@ -139,7 +139,7 @@ def test_hf_fields_are_transformers_fields():
   """to_hf_dict writes the fields declared _hf under their own names: each is a field of transformers'
   GlmMoeDsaConfig, and none of ours (runtime or not) reaches config.json."""
   transformers = pytest.importorskip("transformers")
-  # num_nextn_predict_layers is in the released config.json (shared/GLM5_FACTS.md); transformers' class keeps it as
+  # num_nextn_predict_layers is in the released config.json (docs/glm5_facts.md); transformers' class keeps it as
   # an extra attribute rather than declaring it
   theirs = set(transformers.GlmMoeDsaConfig().to_dict()) | {"num_nextn_predict_layers"}
   fields = set(ModelConfig.defaults())
