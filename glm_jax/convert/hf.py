@@ -394,6 +394,7 @@ def save(
 ) -> dict[str, Any]:
   """Writes `model` as a HF checkpoint directory (`write`'s format). An existing non-empty `path` is replaced only
   with overwrite=True; a failure leaves it as it was."""
+  cfg.to_hf_dict()  # refuses, before the model's values are read, a model glm_moe_dsa cannot express
   leaves = {p: v[...] for p, v in nnx.to_flat_state(nnx.state(model))}
   return write(
     cfg,
