@@ -81,14 +81,14 @@ RUNTIME_FIELDS = frozenset({"cache_dir", "eval_batches"})
 
 def validate_data_config(cfg: ml_collections.ConfigDict) -> None:
   """Raises ValueError naming the field, its value and what is valid, before any work is done."""
-  fmt = data_format(cfg)
+  fmt = cfg.format
   if fmt not in FORMATS:
     raise ValueError(
       f"data.format={fmt!r}: expected one of {FORMATS} (\"lm\": documents, \"sft\": prompt/response examples)"
     )
   if cfg.source not in SOURCES:
     raise ValueError(f"data.source={cfg.source!r}: expected one of {SOURCES}")
-  objective = data_objective(cfg)
+  objective = cfg.objective
   if objective not in OBJECTIVES:
     raise ValueError(
       f"data.objective={objective!r}: expected one of {OBJECTIVES} (\"lm\": next token, \"glm\": GLM's blank infilling)"
@@ -118,16 +118,6 @@ def validate_data_config(cfg: ml_collections.ConfigDict) -> None:
     raise ValueError(f"data.eval_fraction={frac!r}: expected a number in [0, 1)")
   if objective == "glm":
     blank_infilling.max_piece_len(cfg.seq_len, cfg.glm)  # raises when no corrupted document fits a row
-
-
-def data_format(cfg: ml_collections.ConfigDict) -> str:
-  """data.format, "lm" for a data config written before the field existed."""
-  return cfg.get("format", "lm")
-
-
-def data_objective(cfg: ml_collections.ConfigDict) -> str:
-  """data.objective, "lm" for a data config written before the field existed."""
-  return cfg.get("objective", "lm")
 
 
 def _check_sft_source(cfg: ml_collections.ConfigDict) -> None:

@@ -112,7 +112,7 @@ def unigram_entropy(data_cfg: ml_collections.ConfigDict, tokenizer: Tokenizer) -
   within each example's first seq_len tokens. Objective "glm": the same as "lm" (the documents' tokens), a rough
   baseline: the blanks' targets are document tokens plus one <eop> a span."""
   config_lib.validate_data_config(data_cfg)
-  if config_lib.data_format(data_cfg) == "sft":
+  if data_cfg.format == "sft":
     te = tokenized.tokenize_examples(data_cfg, tokenizer)
     tokens = te.loss_tokens(te.train_idx, data_cfg.seq_len)
   else:
@@ -136,7 +136,7 @@ def _split_dataset(
     shuffle_seed=data_cfg.shuffle_seed if train else None,
     repeat=train,
   )
-  if config_lib.data_format(data_cfg) == "sft":
+  if data_cfg.format == "sft":
     te = tokenized.tokenize_examples(data_cfg, tokenizer)
     idx = te.train_idx if train else te.eval_idx
     if len(idx) == 0:
@@ -145,7 +145,7 @@ def _split_dataset(
     return packed_examples_dataset(_ExampleTokens(te, idx, data_cfg.seq_len), **common)
   tc = tokenized.tokenize_corpus(data_cfg, tokenizer)
   idx = tc.train_idx if train else tc.eval_idx
-  if config_lib.data_objective(data_cfg) == "glm":
+  if data_cfg.objective == "glm":
     source = _GlmPieces(tc, idx, data_cfg)
     if not len(source):
       return None

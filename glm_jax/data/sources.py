@@ -131,7 +131,7 @@ def bpe_training_documents(cfg: ml_collections.ConfigDict) -> tuple[list[str], n
   split's documents; for format "sft" from jsonl, each training example's prompt + response. The embedded
   source's BPE learns from the chapters in both formats, so an SFT run on it has its pretraining run's tokenizer
   (train.init_from requires the same one)."""
-  if config_lib.data_format(cfg) == "sft" and cfg.source != "embedded":
+  if cfg.format == "sft" and cfg.source != "embedded":
     ex = load_examples(cfg)
     return [ex.prompts[i] + ex.responses[i] for i in ex.train_idx], ex.hashes[ex.train_idx]
   corpus = load_corpus(cfg)

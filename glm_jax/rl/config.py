@@ -6,10 +6,13 @@ A post-training config (configs/grpo_tiny.py, configs/distill_tiny.py) has the s
   rl         the loop: steps, sampling, the objective and its clipping, IcePop, async rollouts, logging
   sft        the warm start's supervised fine-tuning: steps, batch_size, seq_len, its own optimizer, and
              train_step, the pretraining step's settings (glm_jax/train/step.py) it runs with
-  tasks      (trainer "grpo") {task name: {weight, the task's arguments}}
+  tasks      (trainer "grpo") {label: {weight, task, the task's arguments}}; task (optional, else the label) is a
+             name of glm_jax/rl/tasks.py's TASKS or the import path of a Task class, "package.module:TaskClass"
   teachers   (trainer "distill") {name: {task, task_kwargs, weight, init_from, sft_steps, seed, model}}
   quant      (optional) INT4 quantization-aware RL (glm_jax/model/quantization.py, slime's recipe): the updates
              fake-quantize the planned weights and the rollouts sample from them packed by the same quantizer
+rl.reward is a name of glm_jax/rl/rewards.py's REWARD_FNS or the import path of a reward factory
+("package.module:make_reward"): a new task and its reward live in a module of their own (README.md, post-training).
 `validate_rl_config` checks them, naming the field, its value and what is valid; `task_mix` is the run's
 [(task, weight)].
 """
@@ -21,7 +24,7 @@ import numpy as np
 
 from glm_jax.inference.sampling import MIN_TEMPERATURE
 from glm_jax.model.quantization import WEIGHT_ONLY, check_quant_config
-from glm_jax.rl import losses, step as rl_step, tasks as tasks_lib
+from glm_jax.rl import losses, rewards as rewards_lib, step as rl_step, tasks as tasks_lib
 from glm_jax.train.config import invalid, require_sections, validate_step_config
 
 TRAINERS = ("pretrain", "sft", "grpo", "distill")  # config.trainer's values; launch/train.py dispatches on it
@@ -51,7 +54,7 @@ def default_rl_config() -> ml_collections.ConfigDict:
   c.max_new_tokens = 3
   c.temperature = 1.0
   c.top_p = 1.0
-  c.reward = "exact_match"  # glm_jax/rl/rewards.py
+  c.reward = "exact_match"  # a name of glm_jax/rl/rewards.py's REWARD_FNS, or "package.module:make_reward"
   c.objective = "grpo"  # "grpo" (Eq. 1) | "async" (Eq. 3-5; needs async_rollouts)
   c.eps_low = 0.2
   c.eps_high = 0.28
@@ -96,7 +99,7 @@ def validate_rl_config(config: ml_collections.ConfigDict) -> None:
   )
   rl = config.rl
   _validate_rl_section(rl)
-  if rl.get("speculate", 0) and config.model.num_nextn_predict_layers < 1:
+  if rl.speculate and config.model.num_nextn_predict_layers < 1:
     invalid(
       "rl.speculate",
       rl.speculate,
@@ -132,6 +135,10 @@ def _validate_rl_section(rl: ml_collections.ConfigDict) -> None:
     )
   if not 0 < rl.top_p <= 1:
     invalid("rl.top_p", rl.top_p, "must be in (0, 1]")
+  try:
+    rewards_lib.make_reward_fn(rl.reward, tasks_lib.CharVocab())
+  except ValueError as e:
+    invalid("rl.reward", rl.reward, str(e))
   if rl.objective not in rl_step.OBJECTIVES:
     invalid("rl.objective", rl.objective, f"one of {rl_step.OBJECTIVES}")
   if rl.objective == "async" and not rl.async_rollouts:
@@ -149,7 +156,7 @@ def _validate_rl_section(rl: ml_collections.ConfigDict) -> None:
       invalid(f"rl.{field}", rl[field], "must be >= 0")
   if rl.rollout_dtype not in ("", "float32", "bfloat16"):
     invalid("rl.rollout_dtype", rl.rollout_dtype, "'' (the model's dtype), 'float32' or 'bfloat16'")
-  if rl.get("rollout_process", False):
+  if rl.rollout_process:
     if not rl.async_rollouts:
       invalid(
         "rl.rollout_process",
@@ -163,7 +170,7 @@ def _validate_rl_section(rl: ml_collections.ConfigDict) -> None:
       invalid("rl.heartbeat_timeout", rl.heartbeat_timeout, f"must exceed rl.heartbeat_every={rl.heartbeat_every}")
     if not isinstance(rl.max_worker_restarts, int) or rl.max_worker_restarts < 0:
       invalid("rl.max_worker_restarts", rl.max_worker_restarts, "must be an integer >= 0")
-  speculate = rl.get("speculate", 0)
+  speculate = rl.speculate
   if isinstance(speculate, bool) or not isinstance(speculate, int) or speculate < 0:
     invalid("rl.speculate", speculate, "must be an integer >= 0 (0: plain decoding; k: MTP drafts a round)")
 
@@ -177,7 +184,7 @@ def _validate_distill(config: ml_collections.ConfigDict) -> None:
   if not len(config.teachers):
     invalid("teachers", config.teachers.to_dict(), "give at least one teacher")
   for name, t in config.teachers.items():
-    tasks_lib.make_task(t.task, **t.task_kwargs.to_dict())
+    _make_task(f"teachers.{name}.task", t.task, t.task_kwargs.to_dict())
     if not t.weight >= 0:
       invalid(f"teachers.{name}.weight", t.weight, "must be >= 0")
     vocab = t.model.get("vocab_size", config.model.vocab_size)
@@ -196,15 +203,23 @@ def _validate_sft_train_step(sft: ml_collections.ConfigDict) -> None:
     invalid("sft.train_step.microbatches", sft.train_step.microbatches, f"must divide sft.batch_size={sft.batch_size}")
 
 
+def _make_task(field: str, name: str, kwargs: dict) -> tasks_lib.Task:
+  """make_task(name, **kwargs); its errors name the config field that chose the task."""
+  try:
+    return tasks_lib.make_task(name, **kwargs)
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"{field}: {e}") from e
+
+
 def _task_weights(section: ml_collections.ConfigDict, where: str) -> list[tuple[tasks_lib.Task, float]]:
-  """[(task, weight)] from a {name: {weight, kwargs...}} section."""
+  """[(task, weight)] from a {label: {weight, task (optional; else the label), kwargs...}} section."""
   out = []
-  for name, spec in section.items():
-    kwargs = {k: v for k, v in spec.items() if k != "weight"}
-    try:
-      task = tasks_lib.make_task(name, **kwargs)
-    except (TypeError, ValueError) as e:
-      raise ValueError(f"{where}.{name}: {e}") from e
+  for label, spec in section.items():
+    kwargs = {k: v for k, v in spec.items() if k not in ("weight", "task")}
+    if "task" in spec:  # a task of this library under a label of its own, or one of yours by its import path
+      task = _make_task(f"{where}.{label}.task", spec.task, kwargs)
+    else:
+      task = _make_task(f"{where}.{label}", label, kwargs)
     out.append((task, spec.weight))
   tasks_lib.mixed_prompts(out, np.random.default_rng(0), 1)  # validates the weights
   return out
@@ -215,4 +230,6 @@ def task_mix(config: ml_collections.ConfigDict) -> list[tuple[tasks_lib.Task, fl
   order (the distillation loop finds a row's teacher by its task)."""
   if config.trainer == "grpo":
     return _task_weights(config.tasks, "tasks")
-  return [(tasks_lib.make_task(t.task, **t.task_kwargs.to_dict()), t.weight) for t in config.teachers.values()]
+  return [
+    (_make_task(f"teachers.{n}.task", t.task, t.task_kwargs.to_dict()), t.weight) for n, t in config.teachers.items()
+  ]

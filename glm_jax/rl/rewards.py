@@ -3,7 +3,7 @@
 A reward function takes the Problem and the response: the generated token ids after the prompt (possibly
 ending with eos; pads removed) and returns a real number.
 
-  reward_fn = make_reward_fn("exact_match", CharVocab())
+  reward_fn = make_reward_fn("exact_match", CharVocab())      # or "my_tasks:make_reward": a factory of your own
   rewards, failures = score(reward_fn, problems, responses, sample_ids)   # float32 [n], list[str]
 
 `score` never lets one bad sample stop a training step: a reward function that raises, or returns something
@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from absl import logging
 
-from glm_jax.rl.tasks import CharVocab, Problem
+from glm_jax.rl.tasks import CharVocab, Problem, load_import_path
 
 RewardFn = Callable[[Problem, list[int]], float]
 
@@ -98,7 +98,24 @@ REWARD_FNS: dict[str, Callable[[CharVocab], RewardFn]] = {"exact_match": exact_m
 
 
 def make_reward_fn(name: str, vocab: CharVocab) -> RewardFn:
-  """The reward function registered under `name` (see REWARD_FNS), built for `vocab`."""
-  if name not in REWARD_FNS:
-    raise ValueError(f"make_reward_fn: unknown reward {name!r}; valid names: {sorted(REWARD_FNS)}")
-  return REWARD_FNS[name](vocab)
+  """The reward function registered under `name` (see REWARD_FNS), or made by the factory at the import path
+  `name` ("package.module:make_reward", a function of the vocabulary returning a RewardFn), built for `vocab`."""
+  valid = (
+    f"a registered name {sorted(REWARD_FNS)} or an import path 'package.module:factory' to a function of the "
+    "vocabulary that returns a reward function (problem, response ids) -> float"
+  )
+  if name in REWARD_FNS:
+    return REWARD_FNS[name](vocab)
+  if not isinstance(name, str) or ":" not in name:
+    raise ValueError(f"make_reward_fn: unknown reward {name!r}; valid: {valid}")
+  try:
+    factory = load_import_path(name)
+  except ValueError as e:
+    raise ValueError(f"make_reward_fn: {e}; valid: {valid}") from e
+  try:
+    reward_fn = factory(vocab) if callable(factory) else None
+  except (TypeError, ValueError) as e:  # e.g. a reward function itself named instead of its factory
+    raise ValueError(f"make_reward_fn: {name!r} cannot be called with the vocabulary ({e}); valid: {valid}") from e
+  if not callable(reward_fn):
+    raise ValueError(f"make_reward_fn: {name!r} is {factory!r}, which does not make a reward function; valid: {valid}")
+  return reward_fn

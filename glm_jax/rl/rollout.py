@@ -102,7 +102,7 @@ def make_sampler(
   if rl.rollout_dtype and rl.rollout_dtype != model_cfg.dtype and not greedy:
     # The inference engine in another precision than the trainer: the train/inference mismatch IcePop filters.
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: GlmMoeDsa(model_cfg.replace(dtype=rl.rollout_dtype), nnx.Rngs(0))))
-  return Sampler(graphdef, model_cfg, sampling, width=width, speculate=rl.get("speculate", 0) or None)
+  return Sampler(graphdef, model_cfg, sampling, width=width, speculate=rl.speculate or None)
 
 
 def make_rollout(

@@ -17,6 +17,10 @@ The tasks (a prompt ends with "=", the answer follows it and the model ends it w
                     vocab=CharVocab())        # {"input_ids", "segment_ids", "positions"}: [16, 16] int32
   prompts = mixed_prompts([(add, 0.5), (srt, 0.5)], rng, 64)   # for rollouts / distillation
 
+A task of your own needs no edit here: subclass TaskBase in a module of yours and name it by its import path,
+make_task("my_tasks:CountTask", length=3) (a config's tasks.<label>.task or teachers.<name>.task field;
+README.md's post-training section shows one with its reward).
+
 Host-side numpy only; everything is deterministic given the numpy Generator passed in.
 """
 
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
@@ -106,7 +111,7 @@ class Problem:
 
 
 class Task(Protocol):
-  """What every task provides (see AdditionTask)."""
+  """What every task provides (see AdditionTask; TaskBase is the base class to start a new one from)."""
 
   name: str
   vocab: CharVocab
@@ -130,8 +135,9 @@ def _check_positive(cls: str, field: str, value: int, high: int) -> int:
   return int(value)
 
 
-class _TaskBase:
-  """Shared pieces: problem construction and the demonstration (prompt ids + answer ids + eos)."""
+class TaskBase:
+  """Shared pieces: problem construction and the demonstration (prompt ids + answer ids + eos). A new task
+  subclasses it, sets `name`, `max_prompt_len` and `max_answer_len` (eos included) and writes `sample`."""
 
   name = ""
 
@@ -146,7 +152,7 @@ class _TaskBase:
     return list(problem.prompt_ids) + self.vocab.encode(problem.answer) + [self.vocab.eos_id]
 
 
-class AdditionTask(_TaskBase):
+class AdditionTask(TaskBase):
   """ "a+b=" -> str(a + b), with a and b uniform in [0, 10**digits) (no leading zeros)."""
 
   name = "addition"
@@ -167,7 +173,7 @@ class AdditionTask(_TaskBase):
     return [self._problem(f"{a}+{b}=", str(a + b)) for a, b in ab.tolist()]
 
 
-class _DigitStringTask(_TaskBase):
+class _DigitStringTask(TaskBase):
   """A marker letter, `length` uniform digits, "="; the answer is a function of the digits."""
 
   marker = ""
@@ -218,11 +224,46 @@ class ReverseTask(_DigitStringTask):
 TASKS = {"addition": AdditionTask, "sort": SortTask, "reverse": ReverseTask}
 
 
+def load_import_path(path: str) -> object:
+  """The attribute that an import path "package.module:attr" names (attr may be dotted). ValueError saying what
+  is wrong when `path` has no ":", its module does not import, or the module has no such attribute."""
+  module_name, _, attr = path.partition(":")
+  if not module_name or not attr:
+    raise ValueError(f"{path!r} is not an import path of the form 'package.module:attr'")
+  try:
+    obj = importlib.import_module(module_name)
+  except ImportError as e:
+    raise ValueError(f"import path {path!r}: module {module_name!r} does not import ({type(e).__name__}: {e})") from e
+  for part in attr.split("."):
+    if not hasattr(obj, part):
+      raise ValueError(f"import path {path!r}: {module_name}:{attr} has no attribute {part!r}")
+    obj = getattr(obj, part)
+  return obj
+
+
+_TASK_MEMBERS = ("name", "vocab", "max_prompt_len", "max_answer_len", "sample", "demonstration")  # Task's
+_VALID_TASKS = "a registered name {} or an import path 'package.module:TaskClass' to a Task class (see TaskBase)"
+
+
 def make_task(name: str, **kwargs) -> Task:
-  """The task registered under `name` (see TASKS), built with `kwargs` (e.g. digits=1, length=4)."""
-  if name not in TASKS:
-    raise ValueError(f"make_task: unknown task {name!r}; valid names: {sorted(TASKS)}")
-  return TASKS[name](**kwargs)
+  """The task registered under `name` (see TASKS), or the Task class at the import path `name`
+  ("package.module:TaskClass"), built with `kwargs` (e.g. digits=1, length=4)."""
+  valid = _VALID_TASKS.format(sorted(TASKS))
+  if name in TASKS:
+    return TASKS[name](**kwargs)
+  if not isinstance(name, str) or ":" not in name:
+    raise ValueError(f"make_task: unknown task {name!r}; valid: {valid}")
+  try:
+    cls = load_import_path(name)
+  except ValueError as e:
+    raise ValueError(f"make_task: {e}; valid: {valid}") from e
+  if not isinstance(cls, type):
+    raise ValueError(f"make_task: {name!r} is {cls!r}, not a class; valid: {valid}")
+  task = cls(**kwargs)
+  missing = [m for m in _TASK_MEMBERS if not hasattr(task, m)]
+  if missing:
+    raise ValueError(f"make_task: {name!r} is not a Task (its instances lack {missing}); valid: {valid}")
+  return task
 
 
 TasksAndWeights = Sequence[tuple[Task, float]] | Mapping[Task, float]

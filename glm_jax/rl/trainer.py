@@ -166,7 +166,7 @@ def _grpo_loop(ctx: RunContext, state, start: int):
     return _step_rollout(ctx, params, rest, version, index, rl.group_size)
 
   worker = None
-  if rl.async_rollouts and rl.get("rollout_process", False):  # a worker process (glm_jax/rl/rollout_engine.py)
+  if rl.async_rollouts and rl.rollout_process:  # a worker process (glm_jax/rl/rollout_engine.py)
     worker = ProcessRolloutWorker(ctx.config, ctx.workdir, served=ctx.served)
     worker.push_weights(start, state.params, state.rest)
     worker.start(first_index=start)

@@ -94,7 +94,7 @@ def compile_train_step(
     unroll_microbatches=unrolled,
     quant_plan=trainer.training_quant_plan(config, abstract_state.params),
   )
-  keys = trainer.BATCH_KEYS if config.data.get("objective", "lm") == "glm" else trainer.BATCH_KEYS[:4]
+  keys = trainer.BATCH_KEYS if config.data.objective == "glm" else trainer.BATCH_KEYS[:4]
   batch = {k: jax.ShapeDtypeStruct((b, t), jnp.int32, sharding=data_sharding) for k in keys}  # the pipeline's batch
   t0 = time.perf_counter()
   with jax.set_mesh(mesh), target_platform(devices[0].platform):  # the DSA kernels compiled, not interpreted

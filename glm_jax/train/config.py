@@ -82,14 +82,14 @@ def validate_train_config(train: ml_collections.ConfigDict) -> None:
     invalid("train.allow_data_change", train.allow_data_change, "True or False")
   if not isinstance(train.init_from, str):
     invalid("train.init_from", train.init_from, "a workdir path or ''")
-  chunk = train.get("loss_chunk", 0)
+  chunk = train.loss_chunk
   if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
     invalid("train.loss_chunk", chunk, "an integer >= 0 that divides data.seq_len (0 = the whole sequence at once)")
-  egs = train.get("embedding_grad_shrink", 1.0)
+  egs = train.embedding_grad_shrink
   if isinstance(egs, bool) or not isinstance(egs, (int, float)) or not 0 < egs <= 1:
     invalid("train.embedding_grad_shrink", egs, "a number in (0, 1] (GLM-130B's 0.1; 1 = off)")
   validate_step_config(train, "train")
-  xla_compiler_options(train.get("xla_flags", ""))  # a ValueError naming the bad token
+  xla_compiler_options(train.xla_flags)  # a ValueError naming the bad token
 
 
 def validate_step_config(step: ml_collections.ConfigDict, where: str) -> None:

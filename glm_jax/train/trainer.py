@@ -207,16 +207,16 @@ def check_config(config: ml_collections.ConfigDict) -> ModelConfig:
   data_lib.validate_data_config(config.data)
   if config.data.batch_size % train.microbatches:
     invalid("train.microbatches", train.microbatches, f"must divide data.batch_size={config.data.batch_size}")
-  if train.get("loss_chunk", 0) and config.data.seq_len % train.loss_chunk:
+  if train.loss_chunk and config.data.seq_len % train.loss_chunk:
     invalid("train.loss_chunk", train.loss_chunk, f"must divide data.seq_len={config.data.seq_len} (or be 0)")
   context = config.mesh.get("context", 1) if "mesh" in config else 1
   if context > 1:  # context parallelism's sizes, named before any compile
     context_parallel.check(config.data.seq_len, context, model_cfg)
   kind = config.get("trainer", "pretrain")
   data_format = "sft" if kind == "sft" else "lm"
-  if config.data.get("format", "lm") != data_format:
-    invalid("data.format", config.data.get("format", "lm"), f"config.trainer={kind!r} trains on {data_format!r} data")
-  if config.data.get("objective", "lm") == "glm" and not model_cfg.rope_2d:
+  if config.data.format != data_format:
+    invalid("data.format", config.data.format, f"config.trainer={kind!r} trains on {data_format!r} data")
+  if config.data.objective == "glm" and not model_cfg.rope_2d:
     invalid(
       "model.rope_2d",
       model_cfg.rope_2d,
@@ -288,7 +288,7 @@ def train_and_evaluate(
   train_step = step_lib.make_train_step(
     graphdef, optimizer, schedule, train, state_shardings=shardings, batch_sharding=data_sharding, quant_plan=plan
   )
-  eval_step = step_lib.make_eval_step(graphdef, plan, loss_chunk=config.train.get("loss_chunk", 0))
+  eval_step = step_lib.make_eval_step(graphdef, plan, loss_chunk=config.train.loss_chunk)
 
   data_iter = data_lib.make_train_iterator(
     config.data, tokenizer, process_index=jax.process_index(), process_count=jax.process_count()
