@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from absl import logging
 
-from glm_jax.rl.tasks import CharVocab, Problem, load_import_path
+from glm_jax.rl.tasks import CharVocab, Problem, registered_or_imported
 
 RewardFn = Callable[[Problem, list[int]], float]
 
@@ -104,14 +104,7 @@ def make_reward_fn(name: str, vocab: CharVocab) -> RewardFn:
     f"a registered name {sorted(REWARD_FNS)} or an import path 'package.module:factory' to a function of the "
     "vocabulary that returns a reward function (problem, response ids) -> float"
   )
-  if name in REWARD_FNS:
-    return REWARD_FNS[name](vocab)
-  if not isinstance(name, str) or ":" not in name:
-    raise ValueError(f"make_reward_fn: unknown reward {name!r}; valid: {valid}")
-  try:
-    factory = load_import_path(name)
-  except ValueError as e:
-    raise ValueError(f"make_reward_fn: {e}; valid: {valid}") from e
+  factory = registered_or_imported("make_reward_fn", "reward", name, REWARD_FNS, valid)
   try:
     reward_fn = factory(vocab) if callable(factory) else None
   except (TypeError, ValueError) as e:  # e.g. a reward function itself named instead of its factory

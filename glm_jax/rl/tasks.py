@@ -241,6 +241,19 @@ def load_import_path(path: str) -> object:
   return obj
 
 
+def registered_or_imported(fn: str, what: str, name: str, registry: Mapping[str, object], valid: str) -> object:
+  """registry[name], or the object at the import path `name` ("package.module:attr"); a ValueError naming `fn`,
+  the value and what is `valid` when it is neither."""
+  if name in registry:
+    return registry[name]
+  if not isinstance(name, str) or ":" not in name:
+    raise ValueError(f"{fn}: unknown {what} {name!r}; valid: {valid}")
+  try:
+    return load_import_path(name)
+  except ValueError as e:
+    raise ValueError(f"{fn}: {e}; valid: {valid}") from e
+
+
 _TASK_MEMBERS = ("name", "vocab", "max_prompt_len", "max_answer_len", "sample", "demonstration")  # Task's
 _VALID_TASKS = "a registered name {} or an import path 'package.module:TaskClass' to a Task class (see TaskBase)"
 
@@ -249,14 +262,7 @@ def make_task(name: str, **kwargs) -> Task:
   """The task registered under `name` (see TASKS), or the Task class at the import path `name`
   ("package.module:TaskClass"), built with `kwargs` (e.g. digits=1, length=4)."""
   valid = _VALID_TASKS.format(sorted(TASKS))
-  if name in TASKS:
-    return TASKS[name](**kwargs)
-  if not isinstance(name, str) or ":" not in name:
-    raise ValueError(f"make_task: unknown task {name!r}; valid: {valid}")
-  try:
-    cls = load_import_path(name)
-  except ValueError as e:
-    raise ValueError(f"make_task: {e}; valid: {valid}") from e
+  cls = registered_or_imported("make_task", "task", name, TASKS, valid)
   if not isinstance(cls, type):
     raise ValueError(f"make_task: {name!r} is {cls!r}, not a class; valid: {valid}")
   task = cls(**kwargs)
