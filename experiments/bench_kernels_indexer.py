@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.visibility import Visibility
 from pallas_kernels import lightning_indexer_reference as reference
 from pallas_kernels.lightning_indexer import IndexerBlockSizes, lightning_indexer_topk
 
@@ -65,10 +66,11 @@ def main():
     f"compare-exchanges (every tile merged; the causal mask skips about half of them)"
   )
 
+  vis = Visibility(q_offset=q_offset)
+
   def kernel(q, k, w):
-    return lightning_indexer_topk(
-      q, k, w, topk=topk, q_offset=q_offset, block_sizes=blocks, interpret=None if args.topology is None else False
-    )
+    interpret = None if args.topology is None else False
+    return lightning_indexer_topk(q, k, w, topk=topk, visibility=vis, block_sizes=blocks, interpret=interpret)
 
   if args.topology is not None:
     from jax.sharding import SingleDeviceSharding
@@ -92,7 +94,7 @@ def main():
   q = jnp.asarray(rng.standard_normal((b, t_len, heads, dim)), dtype)
   k = jnp.asarray(rng.standard_normal((b, s_len, dim)), dtype)
   w = jnp.asarray(rng.standard_normal((b, t_len, heads)) / math.sqrt(heads * dim), jnp.float32)
-  ref = jax.jit(lambda q, k, w: reference.lightning_indexer_topk(q, k, w, topk=topk, q_offset=q_offset))
+  ref = jax.jit(lambda q, k, w: reference.lightning_indexer_topk(q, k, w, topk=topk, visibility=vis))
   results = {}
   for name, fn in [
     ("pallas kernel" + ("" if jax.default_backend() == "tpu" else " (interpret)"), kernel),

@@ -120,7 +120,7 @@ def dense_flops(b: int, t_len: int, s_len: int) -> dict:
 
 def kernels_step(qi_BTHD, ki_BSD, w_BTH, q_BTHD, kv_BSD, do_BTHV, *, topk: int):
   """Indexer kernel top-k, then the sparse attention kernel forward and backward: (o, dq, dkv)."""
-  idx_BTK, _ = lightning_indexer_topk(qi_BTHD, ki_BSD, w_BTH, topk=topk, causal=True, interpret=False)
+  idx_BTK, _ = lightning_indexer_topk(qi_BTHD, ki_BSD, w_BTH, topk=topk, interpret=False)
 
   def attend(q_BTHD, kv_BSD):
     return sparse_mla_attention(q_BTHD, kv_BSD, idx_BTK, sm_scale=SM_SCALE, v_dim=V_DIM, interpret=False)[0]
@@ -141,7 +141,7 @@ def topk_mask(idx_BTK: jax.Array, s_len: int) -> jax.Array:
 
 def dense_step(qi_BTHD, ki_BSD, w_BTH, q_BTHD, kv_BSD, do_BTHV, *, topk: int):
   """Reference indexer ([T, S] scores, lax.top_k), a [B, T, S] mask, dense masked attention fwd + bwd."""
-  idx_BTK, _ = indexer_reference.lightning_indexer_topk(qi_BTHD, ki_BSD, w_BTH, topk=topk, causal=True)
+  idx_BTK, _ = indexer_reference.lightning_indexer_topk(qi_BTHD, ki_BSD, w_BTH, topk=topk)
   mask_BTS = topk_mask(jax.lax.stop_gradient(idx_BTK), kv_BSD.shape[1])
 
   def attend(q_BTHD, kv_BSD):

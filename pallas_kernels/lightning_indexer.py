@@ -9,9 +9,8 @@ zero sum (all terms +-0.0, e.g. every relu zero) depends on the accumulation ord
 (XLA:CPU's dot returns -0.0 at some elements of some shapes), so both this kernel and the reference canonicalise
 it, and the order among zero scores is by key index alone.
 
-Prefix-bidirectional visibility (GLM's blank infilling), as in the reference: with q_prefix_end [B, T], key s is
-visible to query t when s <= max(t + q_offset, q_prefix_end[t] - 1) (and in its segment); an end <= t + q_offset
-+ 1 leaves query t causal, so None and all zeros are the causal mask. The mask reads the ends as a [1, Tb] lane
+Visibility: the rule of pallas_kernels/visibility.py (causal from q_offset, segments, GLM's prefix ends), as in the
+reference. The mask reads the ends as a [1, Tb] lane
 block like the query segment ids; the wrapper reduces them to each (batch, query block)'s reach,
 max(t0 + Tb - 1 + q_offset, max over the block of q_prefix_end - 1), scalar-prefetched into SMEM after q_offset
 ([1 + B * ceil(T / Tb)] int32 in all), and the tile skip and the key blocks' index maps use that reach in place
@@ -67,6 +66,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.common import check_block_sizes, check_ranks, resolve_interpret, round_up, vmem_limit
+from pallas_kernels.visibility import Visibility
 
 _INT32_MAX = np.iinfo(np.int32).max
 # The order key of -inf: int32 bits of -inf with the 31 low bits flipped (see _order_key).
@@ -364,22 +364,17 @@ def lightning_indexer_topk(
   w_BTH: jax.Array,
   *,
   topk: int,
-  causal: bool = True,
-  q_offset: int = 0,
-  q_segment_ids: jax.Array | None = None,
-  kv_segment_ids: jax.Array | None = None,
-  q_prefix_end: jax.Array | None = None,
+  visibility: Visibility | None = None,
   block_sizes: IndexerBlockSizes | None = None,
   interpret=None,
 ) -> tuple[jax.Array, jax.Array]:
   """Top-`topk` keys per query by lightning-indexer score: (indices [B, T, topk] int32, scores [B, T, topk] fp32),
   descending score, ties to the lower key index, -1 / -inf where fewer than topk keys are visible.
 
-  q [B, T, H, D] and k [B, S, D] in bf16 or fp32 (products accumulated in fp32), w [B, T, H]. Key s is visible to
-  query t when s <= t + q_offset (causal; q_offset an int or a traced int scalar, e.g. a decode position: it is
-  a runtime argument of the kernel, so one compile serves every offset) and, with segment ids [B, T] / [B, S], when
-  both are in the same segment. q_prefix_end [B, T] integers (causal only): each query also sees the keys before
-  its prefix end, s <= max(t + q_offset, q_prefix_end[t] - 1) (GLM's bidirectional part A; module docstring).
+  q [B, T, H, D] and k [B, S, D] in bf16 or fp32 (products accumulated in fp32), w [B, T, H]. Which keys each
+  query sees: `visibility` (pallas_kernels/visibility.py; None: causal, no segments, q_offset 0). Its q_offset may be
+  a traced int scalar, e.g. a decode position: it is a runtime argument of the kernel, so one compile serves every
+  offset.
   interpret: None = compiled on TPU, Pallas interpret mode elsewhere; True, False or a pltpu.InterpretParams to
   force.
   No gradient: the inputs pass through stop_gradient, so the scores are constants to autodiff; where a loss needs
@@ -387,11 +382,6 @@ def lightning_indexer_topk(
   """
   if isinstance(topk, bool) or not isinstance(topk, (int, np.integer)) or topk <= 0:
     raise ValueError(f"lightning_indexer_topk: topk={topk!r}; must be a positive integer")
-  if isinstance(q_offset, bool) or not (
-    isinstance(q_offset, (int, np.integer))
-    or (hasattr(q_offset, "dtype") and jnp.issubdtype(q_offset.dtype, jnp.integer) and jnp.ndim(q_offset) == 0)
-  ):
-    raise TypeError(f"lightning_indexer_topk: q_offset={q_offset!r}; must be an int or an integer scalar array")
   check_block_sizes("lightning_indexer_topk", block_sizes, IndexerBlockSizes)
   check_ranks("lightning_indexer_topk", q=(q_BTHD, "[B, T, H, D]"), k=(k_BSD, "[B, S, D]"), w=(w_BTH, "[B, T, H]"))
   b, t_len, num_heads, dim = q_BTHD.shape
@@ -401,45 +391,11 @@ def lightning_indexer_topk(
       f"lightning_indexer_topk: q {q_BTHD.shape} needs k [{b}, S, {dim}] and w [{b}, {t_len}, "
       f"{num_heads}]; got k {k_BSD.shape}, w {w_BTH.shape}"
     )
-  if (q_segment_ids is None) != (kv_segment_ids is None):
-    raise ValueError("lightning_indexer_topk: give both q_segment_ids and kv_segment_ids, or neither")
-  if q_segment_ids is not None and (q_segment_ids.shape != (b, t_len) or kv_segment_ids.shape != (b, s_len)):
-    raise ValueError(
-      f"lightning_indexer_topk: segment ids must be q [{b}, {t_len}] and kv [{b}, {s_len}]; got "
-      f"{q_segment_ids.shape}, {kv_segment_ids.shape}"
-    )
-  if q_prefix_end is not None:
-    q_prefix_end = jnp.asarray(q_prefix_end)
-    if not causal:
-      raise ValueError(
-        "lightning_indexer_topk: q_prefix_end given with causal=False; a prefix widens the causal "
-        "mask only (a non-causal mask already shows every key): pass causal=True or q_prefix_end=None"
-      )
-    if q_prefix_end.shape != (b, t_len):
-      raise ValueError(
-        f"lightning_indexer_topk: q_prefix_end shape {q_prefix_end.shape}; want [B, T] = [{b}, "
-        f"{t_len}] (each query's prefix end)"
-      )
-    if not jnp.issubdtype(q_prefix_end.dtype, jnp.integer):
-      raise ValueError(
-        f"lightning_indexer_topk: q_prefix_end dtype {q_prefix_end.dtype}; want an integer dtype (a key position)"
-      )
+  vis = (visibility or Visibility()).check("lightning_indexer_topk", b, t_len, s_len)
   interpret = resolve_interpret(interpret)
   q_BTHD, k_BSD, w_BTH = (lax.stop_gradient(x) for x in (q_BTHD, k_BSD, w_BTH))
-  q_offset_1 = jnp.asarray(q_offset, jnp.int32).reshape(1)
-  return _indexer_topk(
-    q_BTHD,
-    k_BSD,
-    w_BTH,
-    q_segment_ids,
-    kv_segment_ids,
-    q_prefix_end,
-    q_offset_1,
-    topk=int(topk),
-    causal=bool(causal),
-    block_sizes=block_sizes,
-    interpret=interpret,
-  )
+  vis = dataclasses.replace(vis, q_offset=jnp.asarray(vis.offset, jnp.int32))  # a runtime scalar: one compile
+  return _indexer_topk(q_BTHD, k_BSD, w_BTH, vis, topk=int(topk), block_sizes=block_sizes, interpret=interpret)
 
 
 def _indexer_cost(
@@ -486,12 +442,13 @@ def _indexer_cost(
   return pl.CostEstimate(flops=int(flops), transcendentals=0, bytes_accessed=int(q_w + keys + outputs + scalars))
 
 
-@functools.partial(jax.jit, static_argnames=("topk", "causal", "block_sizes", "interpret"))
-def _indexer_topk(
-  q_BTHD, k_BSD, w_BTH, q_segment_ids, kv_segment_ids, q_prefix_end, q_offset_1, *, topk, causal, block_sizes, interpret
-):
+@functools.partial(jax.jit, static_argnames=("topk", "block_sizes", "interpret"))
+def _indexer_topk(q_BTHD, k_BSD, w_BTH, vis: Visibility, *, topk, block_sizes, interpret):
   b, t_len, num_heads, dim = q_BTHD.shape
   s_len = k_BSD.shape[1]
+  causal, q_prefix_end = vis.causal, vis.q_prefix_end
+  q_segment_ids, kv_segment_ids = vis.q_segment_ids, vis.kv_segment_ids
+  q_offset_1 = vis.q_offset.reshape(1)
   has_segments = q_segment_ids is not None
   has_prefix = q_prefix_end is not None
   kp = max(8, _next_pow2(topk))

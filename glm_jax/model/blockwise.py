@@ -3,7 +3,7 @@
 The warm-up stage trains the indexer towards the dense attention distribution: per query t, the head-summed
 attention p[t, :] over every visible key, and the indexer's softmax over the same keys. Computed whole, that is
 [B, H, T, S] scores (64 heads x 131,072^2 at 128K). Here a scan takes `chunk` query rows at a time: their
-visibility (from the segment ids, the position in the sequence and GLM's prefix ends, not a [B, T, S] mask), their
+visibility (a Visibility's rows: segment ids, positions and GLM's prefix ends, not a [B, T, S] mask), their
 scores against every key in MLA's absorbed form (the shared 576-wide latent key; the value is its latent part), the
 softmax, the latent output, the index scores and the KL rows. Each step is rematerialized, so the forward and the
 backward hold one block's [B, H, chunk, S] at a time.
@@ -14,7 +14,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.lightning_indexer_reference import lightning_indexer_scores, visible_mask
+from pallas_kernels.lightning_indexer_reference import lightning_indexer_scores
+from pallas_kernels.visibility import Visibility
 
 
 def kl_rows(p_BTS: jax.Array, scores_BTS: jax.Array, valid_BTS: jax.Array) -> jax.Array:
@@ -47,25 +48,24 @@ def latent_attention_and_kl(
   sm_scale: float,
   v_dim: int,
   chunk: int,
-  segment_ids_BT: jax.Array,
-  prefix_end_BT: jax.Array | None,
+  visibility: Visibility,
   out_dtype,
-  piece_offsets=(0,),
-  kv_segment_ids_BS: jax.Array | None = None,
+  piece_offsets=None,
   head_axis: str | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
-  """Causal (prefix-bidirectional with prefix_end) dense attention of the absorbed queries q [B, T, H, A] against
-  the shared keys kv [B, S, A], `chunk` query rows at a time. Returns (the latent output [B, T, H, v_dim] in
-  out_dtype, and with indexer = (q_i [B, T, Hi, Di], k_i [B, S, Di], w_i [B, T, Hi]) each query's KL of the
-  indexer to the head-summed attention [B, T] fp32 (kl_rows), else None).
+  """Dense attention of the absorbed queries q [B, T, H, A] against the shared keys kv [B, S, A], the keys each
+  query sees given by `visibility` (pallas_kernels/visibility.py: q arrays [B, T], kv segment ids [B, S]), `chunk`
+  query rows at a time. Returns (the latent output [B, T, H, v_dim] in out_dtype, and with indexer = (q_i
+  [B, T, Hi, Di], k_i [B, S, Di], w_i [B, T, Hi]) each query's KL of the indexer to the head-summed attention
+  [B, T] fp32 (kl_rows), else None).
 
-  Self-attention (the default) has S == T and the queries at positions 0..T-1. Under context parallelism
+  The queries sit at positions visibility.q_offset + 0, 1, ... among the S keys. Under context parallelism
   (glm_jax/model/context_parallel.py) q holds a device's queries: len(piece_offsets) equal consecutive pieces of
-  T, piece j's rows at positions piece_offsets[j] + 0, 1, ... (ints or traced scalars) among the S keys, whose
-  segment ids are kv_segment_ids_BS; with the heads split over `head_axis` (a mesh axis, inside a shard_map) the
-  KL's head sum is completed over it."""
+  T, piece j's rows at positions piece_offsets[j] + 0, 1, ... (ints or traced scalars), in place of q_offset; with
+  the heads split over `head_axis` (a mesh axis, inside a shard_map) the KL's head sum is completed over it."""
   b, t_len, h, a = q_BTHA.shape
   s_len = kv_BSA.shape[1]
+  piece_offsets = (visibility.offset,) if piece_offsets is None else piece_offsets
   pieces = len(piece_offsets)
   if t_len % (pieces * chunk):
     raise ValueError(
@@ -75,26 +75,16 @@ def latent_attention_and_kl(
     )
   n = t_len // chunk
   per_piece = n // pieces
-  kv_segment_ids_BS = segment_ids_BT if kv_segment_ids_BS is None else kv_segment_ids_BS
   blocks = lambda x: jnp.moveaxis(x.reshape(b, n, chunk, *x.shape[2:]), 1, 0)  # noqa: E731  [n, B, chunk, ...]
   offsets = jnp.concatenate([off + jnp.arange(per_piece, dtype=jnp.int32) * chunk for off in piece_offsets])
-  xs = {"q": blocks(q_BTHA), "seg": blocks(segment_ids_BT), "offset": offsets}
-  if prefix_end_BT is not None:
-    xs["prefix_end"] = blocks(prefix_end_BT)
+  xs = {"q": blocks(q_BTHA), "vis": visibility.query_blocks(n, offsets)}
   if indexer is not None:
     q_i, k_i, w_i = indexer
     xs["q_i"], xs["w_i"] = blocks(q_i), blocks(w_i)
 
   @jax.checkpoint
   def one(carry, x):
-    mask_BCS = visible_mask(
-      chunk,
-      s_len,
-      q_offset=x["offset"],
-      q_segment_ids=x["seg"],
-      kv_segment_ids=kv_segment_ids_BS,
-      q_prefix_end=x.get("prefix_end"),
-    )
+    mask_BCS = x["vis"].with_keys(visibility.kv_segment_ids).mask(chunk, s_len)
     s_BHCS = jnp.einsum("bchl,bsl->bhcs", x["q"], kv_BSA, preferred_element_type=jnp.float32)
     p_BHCS = safe_softmax(jnp.where(mask_BCS[:, None], s_BHCS * sm_scale, -jnp.inf))
     o_BCHR = jnp.einsum(

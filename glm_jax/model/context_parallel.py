@@ -18,12 +18,15 @@ the result is the one-device result, and nothing outside the model sees the orde
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from glm_jax.mesh_axes import BATCH_AXES, CONTEXT, TENSOR
 from glm_jax.model import blockwise, dsa
+from pallas_kernels.visibility import Visibility
 
 # The reference path's largest array under context parallelism is the indexer's [T / c, T] scores (fp32) a
 # sequence; past this many bytes `check` refuses it (the Pallas kernels hold nothing [T, S]).
@@ -94,8 +97,7 @@ def attention(
   kv_BTA: jax.Array,
   indexer: tuple | None,
   *,
-  segment_ids: jax.Array,
-  prefix_end: jax.Array | None,
+  visibility: Visibility,
   sparse: bool,
   indexer_loss: bool,
   sm_scale: float,
@@ -107,7 +109,8 @@ def attention(
 ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
   """MLA's attention in the absorbed form under the context axis. Every [B, T, ...] operand is in the zig-zag
   layout: q [B, T, H, A] (absorbed queries), kv [B, T, A] (the shared key; its first v_dim numbers are the value),
-  indexer = (q_i [B, T, Hi, Di], k_i [B, T, Di], w_i [B, T, Hi]) or None, segment_ids and prefix_end [B, T].
+  indexer = (q_i [B, T, Hi, Di], k_i [B, T, Di], w_i [B, T, Hi]) or None; visibility: the sequence's self-attention
+  (`Visibility.self_attention`: segment ids and prefix ends [B, T], q_offset 0).
   sparse: DSA (the indexer's top-`topk`, sparse attention); else dense causal attention, `chunk` query rows at a
   time (0: a device's chunk at once). Returns (latent output [B, T, H, v_dim], the selected keys [B, T, topk] as
   natural-order positions or None, each query's indexer KL [B, T] when indexer_loss or None), in the layout.
@@ -127,7 +130,9 @@ def attention(
     i = jax.lax.axis_index(CONTEXT)
     piece = q.shape[1] // 2
     offsets = (i * piece, (2 * c - 1 - i) * piece)  # the positions of this device's two chunks
-    kv_all, seg_all = gather(kv), gather(seg)
+    kv_all = gather(kv)
+    # this device's queries against the whole sequence's keys
+    vis = Visibility(q_segment_ids=seg, kv_segment_ids=None if seg is None else gather(seg), q_prefix_end=pe)
     k_i_all = None if k_i is None else gather(k_i)
     if not sparse:
       o, kl = blockwise.latent_attention_and_kl(
@@ -137,17 +142,15 @@ def attention(
         sm_scale=sm_scale,
         v_dim=v_dim,
         chunk=chunk or piece,
-        segment_ids_BT=seg,
-        prefix_end_BT=pe,
+        visibility=vis,
         out_dtype=out_dtype,
         piece_offsets=offsets,
-        kv_segment_ids_BS=seg_all,
         head_axis=heads,
       )
       return o, None, kl
 
     def rows(x, j):
-      return None if x is None else x[:, j * piece : (j + 1) * piece]
+      return x[:, j * piece : (j + 1) * piece]
 
     def select():
       picks = [
@@ -157,10 +160,7 @@ def attention(
           k_i_all,
           rows(w_i, j),
           topk=topk,
-          q_offset=offsets[j],
-          q_segment_ids=rows(seg, j),
-          kv_segment_ids=seg_all,
-          q_prefix_end=rows(pe, j),
+          visibility=vis.rows(j * piece, piece, q_offset=offsets[j]),
         )
         for j in (0, 1)
       ]
@@ -181,7 +181,12 @@ def attention(
 
   q_i, k_i, w_i = indexer if indexer is not None else (None, None, None)
   shared, prev = (share.shared, share.prev_topk) if share is not None else (None, None)
-  operands = [q_BTHA, kv_BTA, segment_ids, prefix_end, q_i, k_i, w_i, shared, prev]
+  if not dataclasses.replace(visibility, q_prefix_end=None).is_static_causal:
+    raise ValueError(
+      f"context parallel attention: want a causal self-attention visibility (q_offset 0); got causal="
+      f"{visibility.causal}, q_offset={visibility.q_offset!r}"
+    )
+  operands = [q_BTHA, kv_BTA, visibility.q_segment_ids, visibility.q_prefix_end, q_i, k_i, w_i, shared, prev]
   specs = [P(batch, CONTEXT, heads, None), tok, tok, tok, P(batch, CONTEXT, None, None), tok, tok, P(), tok]
   present = [x is not None for x in operands]
   returned = (True, sparse, indexer_loss)  # which of (o, idx, kl) the body returns

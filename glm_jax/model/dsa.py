@@ -13,11 +13,11 @@ mesh's data / fsdp / expert axes) and, for the attention, of the heads (tensor; 
 gradient is summed over tensor by the shard_map's transpose). A Mosaic kernel is opaque to XLA's partitioner,
 which would otherwise gather every operand whole onto each device. Sizes that do not divide run unsplit.
 
-Both paths take a q_offset (queries are the last T of S keys: chunked prefill, or decoding against a longer
-cache; an int or a traced scalar, so one compiled decode step serves every position) and give the same
-indices, outputs and gradients. The kernels' top-k scores carry no gradient, so where a loss needs the
-indexer's scores on the selected keys (the sparse-stage indexer KL), `selected_index_scores` recomputes them
-with the reference formula on the selected keys only.
+Both paths take a Visibility (pallas_kernels/visibility.py; its q_offset places the queries as the last T of S keys
+in chunked prefill or decoding against a longer cache, an int or a traced scalar, so one compiled decode step serves
+every position) and give the same indices, outputs and gradients. The kernels' top-k scores carry no gradient, so
+where a loss needs the indexer's scores on the selected keys (the sparse-stage indexer KL), `selected_index_scores`
+recomputes them with the reference formula on the selected keys only.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from glm_jax.model import splash
 from glm_jax.model.platform import current_platform
 from pallas_kernels import lightning_indexer, lightning_indexer_reference, sparse_mla_attention
 from pallas_kernels import sparse_mla_attention_reference
+from pallas_kernels.visibility import Visibility
 
 _logged: set[str] = set()
 
@@ -107,43 +108,31 @@ def select_topk(
   w_BTJ: jax.Array,
   *,
   topk: int,
-  q_offset: int = 0,
-  q_segment_ids: jax.Array | None = None,
-  kv_segment_ids: jax.Array | None = None,
-  q_prefix_end: jax.Array | None = None,
+  visibility: Visibility,
 ) -> tuple[jax.Array, jax.Array]:
-  """The causal top-`topk` keys per query: (indices [B, T, topk] int32, scores [B, T, topk] fp32), -1 / -inf
-  where fewer are visible. The scores carry the indexer's gradient on the reference path only. q_prefix_end
-  [B, T] (GLM's blank infilling): query t also sees the keys s < q_prefix_end[t], bidirectionally; None is causal."""
-  kw = dict(topk=topk, causal=True, q_offset=q_offset)
+  """The top-`topk` visible keys per query (`visibility`, pallas_kernels/visibility.py): (indices [B, T, topk]
+  int32, scores [B, T, topk] fp32), -1 / -inf where fewer are visible. The scores carry the indexer's gradient on
+  the reference path only."""
   mode = kernel_mode(impl)
   if mode == "reference":
-    return lightning_indexer_reference.lightning_indexer_topk(
-      q_BTJZ, k_BSZ, w_BTJ, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, q_prefix_end=q_prefix_end, **kw
-    )
-  kernel = functools.partial(lightning_indexer.lightning_indexer_topk, interpret=mode == "interpret", **kw)
+    return lightning_indexer_reference.lightning_indexer_topk(q_BTJZ, k_BSZ, w_BTJ, topk=topk, visibility=visibility)
+  kernel = functools.partial(lightning_indexer.lightning_indexer_topk, topk=topk, interpret=mode == "interpret")
   batch = _batch_axes(q_BTJZ.shape[0])
   if not batch:
-    return kernel(
-      q_BTJZ, k_BSZ, w_BTJ, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, q_prefix_end=q_prefix_end
-    )
-  # The optional [B, T] / [B, S] operands are split over the batch like q; None ones stay out of the shard_map.
-  optional = {
-    name: x
-    for name, x in (
-      ("q_segment_ids", q_segment_ids),
-      ("kv_segment_ids", kv_segment_ids),
-      ("q_prefix_end", q_prefix_end),
-    )
-    if x is not None
-  }
-  args = [q_BTJZ, k_BSZ, w_BTJ, *optional.values()]
-  specs = [_spec(batch, None, None, None), _spec(batch, None, None), _spec(batch)] + [_spec(batch)] * len(optional)
+    return kernel(q_BTJZ, k_BSZ, w_BTJ, visibility=visibility)
+  # The [B, T] / [B, S] arrays of the visibility are split over the batch like q; q_offset is the same everywhere.
+  arrays = {k: x for k, x in _batch_arrays(visibility).items() if x is not None}
+  args = [q_BTJZ, k_BSZ, w_BTJ, *arrays.values()]
+  specs = [_spec(batch, None, None, None), _spec(batch, None, None), _spec(batch)] + [_spec(batch)] * len(arrays)
 
   def local(q, k, w, *rest):
-    return kernel(q, k, w, **dict(zip(optional, rest)))
+    return kernel(q, k, w, visibility=dataclasses.replace(visibility, **dict(zip(arrays, rest))))
 
   return jax.shard_map(local, in_specs=tuple(specs), out_specs=(_spec(batch), _spec(batch)), check_vma=False)(*args)
+
+
+def _batch_arrays(vis: Visibility) -> dict[str, jax.Array | None]:
+  return {"q_segment_ids": vis.q_segment_ids, "kv_segment_ids": vis.kv_segment_ids, "q_prefix_end": vis.q_prefix_end}
 
 
 def attend(
@@ -172,22 +161,29 @@ def dense_causal_attend(
   q_BTHP: jax.Array,
   k_BTHP: jax.Array,
   v_BTHO: jax.Array,
-  segment_ids_BT: jax.Array | None,
+  visibility: Visibility,
   *,
   sm_scale: float,
   interpret: bool,
 ) -> jax.Array:
   """The dense stage's causal MHA with the splash kernel (glm_jax/model/splash.py): o [B, T, H, O]; batch and heads
-  split over the mesh as for `attend`. For attention_impl "pallas" where kernel_mode is not "reference"."""
+  split over the mesh as for `attend`. For attention_impl "pallas" where kernel_mode is not "reference", and a
+  visibility splash's static mask expresses (`Visibility.is_static_causal`; a ValueError otherwise)."""
   kernel = functools.partial(splash.causal_attention, sm_scale=sm_scale, interpret=interpret)
   batch = _batch_axes(q_BTHP.shape[0])
   heads = split_axes(q_BTHP.shape[2], (TENSOR,)) or None
-  seg = jnp.zeros(q_BTHP.shape[:2], jnp.int32) if segment_ids_BT is None else segment_ids_BT
   if not batch and not heads:
-    return kernel(q_BTHP, k_BTHP, v_BTHO, seg)
+    return kernel(q_BTHP, k_BTHP, v_BTHO, visibility)
+  # The segment ids are split over the batch like q; without them every row is one document.
+  zeros = jnp.zeros(q_BTHP.shape[:2], jnp.int32)
+  segs = [zeros if x is None else x for x in (visibility.q_segment_ids, visibility.kv_segment_ids)]
+
+  def local(q, k, v, q_seg, kv_seg):
+    return kernel(q, k, v, dataclasses.replace(visibility, q_segment_ids=q_seg, kv_segment_ids=kv_seg))
+
   qkv = _spec(batch, None, heads, None)
-  return jax.shard_map(kernel, in_specs=(qkv, qkv, qkv, _spec(batch)), out_specs=qkv, check_vma=False)(
-    q_BTHP, k_BTHP, v_BTHO, seg
+  return jax.shard_map(local, in_specs=(qkv, qkv, qkv, _spec(batch), _spec(batch)), out_specs=qkv, check_vma=False)(
+    q_BTHP, k_BTHP, v_BTHO, *segs
   )
 
 

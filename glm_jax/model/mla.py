@@ -22,19 +22,19 @@ from glm_jax.model.indexer import Indexer
 from glm_jax.model.kv_cache import LayerCache
 from glm_jax.model.layers import RMSNorm, apply_rope, dense, dtype_of, float_weight, param
 from pallas_kernels.lightning_indexer_reference import lightning_indexer_scores
+from pallas_kernels.visibility import Visibility
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class AttentionInputs:
-  """Per-sequence tensors every layer shares: rope angles, segment ids and the dense visibility mask."""
+  """Per-sequence tensors every layer shares: rope angles and which keys each query sees."""
 
   cos: jax.Array  # [B, T, qk_rope_head_dim / 2]
   sin: jax.Array
-  segment_ids: jax.Array  # [B, T] int32; tokens attend only within their segment
-  mask: jax.Array | None  # [B, T, T] bool: causal (bidirectional over a prefix) and same segment; None under
-  # context parallelism (glm_jax/model/context_parallel.py), whose attention builds no [T, T] mask
-  prefix_end: jax.Array | None = None  # [B, T] int32: key s visible to query t when s <= max(t, prefix_end[t] - 1)
+  visibility: Visibility  # the sequence's self-attention (pallas_kernels/visibility.py): segments, GLM's prefixes
+  mask: jax.Array | None  # [B, T, T] bool, visibility.mask(T, T) built once for every layer; None under context
+  # parallelism (glm_jax/model/context_parallel.py), whose attention builds no [T, T] mask
 
 
 class MLA(nnx.Module):
@@ -150,131 +150,125 @@ class MLA(nnx.Module):
     share.shared is true and DSA selects, the layer attends over share.prev_topk (the previous full layer's
     selection) and its own indexer does not score; aux["indexer_kl"] of such a layer is computed on zero scores
     and means nothing (GlmMoeDsa drops it)."""
-    cfg = self.cfg
     seq_len = x_BTD.shape[1]
-    cq_BTQ, q_nope, q_rope, ckv_BTC, k_rope_BTR = self.project(x_BTD, inp)
-    aux: dict[str, jax.Array] = {}
     sparse = self.dsa_active(seq_len)
+    cq_BTQ, *qkv = self.project(x_BTD, inp)  # qkv: (q_nope, q_rope, c_kv, k_rope)
+    memo = []
+
+    def indexer():  # the indexer's (q_i, k_i, w_i) on a detached copy of its inputs, projected once
+      if not memo:
+        memo.append(self.indexer(jax.lax.stop_gradient(x_BTD), jax.lax.stop_gradient(cq_BTQ), inp.cos, inp.sin))
+      return memo[0]
+
     if context_parallel.context_size() > 1:
+      unsupported = dict(return_index_scores=return_index_scores, return_cache=return_cache)
       return self._context_parallel(
-        x_BTD,
-        inp,
-        cq_BTQ,
-        q_nope,
-        q_rope,
-        ckv_BTC,
-        k_rope_BTR,
-        sparse=sparse,
-        indexer_loss=indexer_loss,
-        share=share,
-        unsupported=dict(return_index_scores=return_index_scores, return_cache=return_cache),
+        qkv, inp, indexer, sparse=sparse, indexer_loss=indexer_loss, share=share, **unsupported
       )
+    aux: dict[str, jax.Array] = {}
     if return_cache:
-      aux["cache_kv"] = jnp.concatenate([ckv_BTC, k_rope_BTR], axis=-1)
+      aux["cache_kv"] = jnp.concatenate(qkv[2:], axis=-1)
+      if self.cfg.use_dsa:
+        aux["cache_index_k"] = indexer()[1]
+    if return_index_scores:
+      aux["index_scores"] = self._index_scores(indexer(), inp)
+    path = "sparse" if sparse else self.dense_path(seq_len, form=form, indexer_loss=indexer_loss, inp=inp)
+    o_BTHO, path_aux = getattr(self, f"_attend_{path}")(qkv, inp, indexer, indexer_loss=indexer_loss, share=share)
+    return dense(o_BTHO, self.o_proj, self.dtype, "bthv,hvd->btd"), aux | path_aux
 
-    def own_indexer():
-      return self.indexer(jax.lax.stop_gradient(x_BTD), jax.lax.stop_gradient(cq_BTQ), inp.cos, inp.sin)
-
-    # An IndexShare layer in the sparse stage projects its indexer in the branch only a full layer runs (below).
-    deferred = sparse and share is not None and not (return_index_scores or return_cache)
-    if not deferred and (sparse or return_index_scores or indexer_loss or (return_cache and cfg.use_dsa)):
-      q_i, k_i, w_i = own_indexer()
-      if return_cache:
-        aux["cache_index_k"] = k_i
-      if return_index_scores or (
-        indexer_loss and not sparse and not (cfg.attention_chunk and seq_len > cfg.attention_chunk)
-      ):
-        scores_BTS = jnp.where(inp.mask, lightning_indexer_scores(q_i, k_i, w_i), -jnp.inf)
-      if return_index_scores:
-        aux["index_scores"] = scores_BTS
-    if sparse:
-      impl = cfg.attention_impl
-
-      def select():
-        qi, ki, wi = own_indexer() if deferred else (q_i, k_i, w_i)
-        idx, vals = dsa.select_topk(
-          impl,
-          qi,
-          ki,
-          wi,
-          topk=cfg.index_topk,
-          q_segment_ids=inp.segment_ids,
-          kv_segment_ids=inp.segment_ids,
-          q_prefix_end=inp.prefix_end,
-        )
-        if indexer_loss and dsa.kernel_mode(impl) != "reference":  # the kernel's top-k scores carry no gradient
-          vals = dsa.selected_index_scores(qi, ki, wi, idx)
-        return idx, vals
-
-      idx_BTK, vals_BTK = select() if share is None else share.select(select)
-      aux["topk_indices"] = idx_BTK
-      q_BTHA, kv_BSA = self.absorbed_q_kv(q_nope, q_rope, ckv_BTC, k_rope_BTR)
-      o_lat, lse_BTH = dsa.attend(impl, q_BTHA, kv_BSA, idx_BTK, sm_scale=cfg.softmax_scale, v_dim=cfg.kv_lora_rank)
-      o_BTHO = self.absorbed_out(o_lat)
-      if indexer_loss:
-        p_BTK = dsa.head_probs(impl, q_BTHA, kv_BSA, idx_BTK, lse_BTH, sm_scale=cfg.softmax_scale)
-        aux["indexer_kl"] = indexer_kl(p_BTK, vals_BTK, idx_BTK >= 0)
-    elif (
-      form == "mha"
-      and not indexer_loss
-      and dsa.kernel_mode(cfg.attention_impl) != "reference"
-      and splash.fits(seq_len)
-      and inp.prefix_end is None
-    ):
-      # The dense stage on TPU (CPU: interpret mode): splash attention skips the blocks above the diagonal.
-      # Sequences no block size divides (short prompts, odd lengths) take the reference below: same values. So
-      # does a bidirectional prefix (GLM's blank infilling): splash's masks are static, the prefixes are data.
-      o_BTHO = dsa.dense_causal_attend(
-        *self.mha_qkv(q_nope, q_rope, ckv_BTC, k_rope_BTR),
-        inp.segment_ids,
-        sm_scale=cfg.softmax_scale,
-        interpret=dsa.kernel_mode(cfg.attention_impl) == "interpret",
-      )
-    elif form == "mha" and cfg.attention_chunk and seq_len > cfg.attention_chunk:
-      # Long sequences: dense attention (and the warm-up's KL) a block of queries at a time, in the absorbed
-      # form, never a [B, H, T, S] array (glm_jax/model/blockwise.py).
-      q_BTHA, kv_BSA = self.absorbed_q_kv(q_nope, q_rope, ckv_BTC, k_rope_BTR)
-      o_lat, kl = blockwise.latent_attention_and_kl(
-        q_BTHA,
-        kv_BSA,
-        (q_i, k_i, w_i) if indexer_loss else None,
-        sm_scale=cfg.softmax_scale,
-        v_dim=cfg.kv_lora_rank,
-        chunk=cfg.attention_chunk,
-        segment_ids_BT=inp.segment_ids,
-        prefix_end_BT=inp.prefix_end,
-        out_dtype=self.dtype,
-      )
-      o_BTHO = self.absorbed_out(o_lat)
-      if indexer_loss:
-        aux["indexer_kl"] = jnp.mean(kl)
-    elif form == "mha":
-      p_BHTS, v_BSHO = self.mha_probs(q_nope, q_rope, ckv_BTC, k_rope_BTR, inp.mask)
-      o_BTHO = self._mha_out(p_BHTS, v_BSHO)
-      if indexer_loss:
-        aux["indexer_kl"] = indexer_kl(jnp.sum(p_BHTS, axis=1), scores_BTS, inp.mask)
-    elif form == "absorbed":
+  def dense_path(self, seq_len: int, *, form: str, indexer_loss: bool, inp: AttentionInputs) -> str:
+    """Which dense attention runs (DSA does not select): "splash" (the kernel, where it applies: TPU, or CPU in
+    interpret mode; a static causal mask, so no GLM prefix; a block size dividing the sequence; no KL to compute),
+    "blockwise" (sequences longer than model.attention_chunk: a block of queries at a time, never [B, H, T, S]),
+    "mha" (the reference, with the warm-up's KL) or "absorbed" (form='absorbed': the decode path's shape). Each
+    name is a method `_attend_<name>`: a new attention option is one method and one line here."""
+    cfg = self.cfg
+    if form not in ("mha", "absorbed"):
+      raise ValueError(f"MLA form={form!r}; one of 'mha', 'absorbed'")
+    if form == "absorbed":
       if indexer_loss:
         raise ValueError("indexer_loss with dense attention needs form='mha'")
-      o_BTHO = self.absorbed_dense(q_nope, q_rope, ckv_BTC, k_rope_BTR, inp.mask)
-    else:
-      raise ValueError(f"MLA form={form!r}; one of 'mha', 'absorbed'")
-    return dense(o_BTHO, self.o_proj, self.dtype, "bthv,hvd->btd"), aux
+      return "absorbed"
+    kernels = dsa.kernel_mode(cfg.attention_impl) != "reference"
+    if kernels and not indexer_loss and splash.fits(seq_len) and inp.visibility.is_static_causal:
+      return "splash"
+    if cfg.attention_chunk and seq_len > cfg.attention_chunk:
+      return "blockwise"
+    return "mha"
+
+  def _index_scores(self, indexer_out, inp: AttentionInputs) -> jax.Array:
+    """The indexer's scores of every key [B, T, S] fp32, -inf where not visible."""
+    return jnp.where(inp.mask, lightning_indexer_scores(*indexer_out), -jnp.inf)
+
+  # The attention paths: (qkv, inputs, the indexer's memoized projection) -> (o [B, T, H, O], aux).
+
+  def _attend_sparse(self, qkv, inp, indexer, *, indexer_loss, share):
+    """DSA: the indexer's top-k keys (or, on an IndexShare layer, the previous full layer's), absorbed-form sparse
+    attention over them, and the sparse stage's KL over the selected keys."""
+    cfg, impl = self.cfg, self.cfg.attention_impl
+
+    def select():
+      q_i, k_i, w_i = indexer()
+      idx, vals = dsa.select_topk(impl, q_i, k_i, w_i, topk=cfg.index_topk, visibility=inp.visibility)
+      if indexer_loss and dsa.kernel_mode(impl) != "reference":  # the kernel's top-k scores carry no gradient
+        vals = dsa.selected_index_scores(q_i, k_i, w_i, idx)
+      return idx, vals
+
+    idx_BTK, vals_BTK = select() if share is None else share.select(select)
+    aux = {"topk_indices": idx_BTK}
+    q_BTHA, kv_BSA = self.absorbed_q_kv(*qkv)
+    o_lat, lse_BTH = dsa.attend(impl, q_BTHA, kv_BSA, idx_BTK, sm_scale=cfg.softmax_scale, v_dim=cfg.kv_lora_rank)
+    if indexer_loss:
+      p_BTK = dsa.head_probs(impl, q_BTHA, kv_BSA, idx_BTK, lse_BTH, sm_scale=cfg.softmax_scale)
+      aux["indexer_kl"] = indexer_kl(p_BTK, vals_BTK, idx_BTK >= 0)
+    return self.absorbed_out(o_lat), aux
+
+  def _attend_splash(self, qkv, inp, indexer, *, indexer_loss, share):
+    """The dense stage on TPU (CPU: interpret mode): splash attention skips the blocks above the diagonal."""
+    mode = dsa.kernel_mode(self.cfg.attention_impl)
+    o_BTHO = dsa.dense_causal_attend(
+      *self.mha_qkv(*qkv), inp.visibility, sm_scale=self.cfg.softmax_scale, interpret=mode == "interpret"
+    )
+    return o_BTHO, {}
+
+  def _attend_blockwise(self, qkv, inp, indexer, *, indexer_loss, share):
+    """Dense attention (and the warm-up's KL) a block of queries at a time, in the absorbed form
+    (glm_jax/model/blockwise.py)."""
+    cfg = self.cfg
+    q_BTHA, kv_BSA = self.absorbed_q_kv(*qkv)
+    o_lat, kl = blockwise.latent_attention_and_kl(
+      q_BTHA,
+      kv_BSA,
+      indexer() if indexer_loss else None,
+      sm_scale=cfg.softmax_scale,
+      v_dim=cfg.kv_lora_rank,
+      chunk=cfg.attention_chunk,
+      visibility=inp.visibility,
+      out_dtype=self.dtype,
+    )
+    return self.absorbed_out(o_lat), ({"indexer_kl": jnp.mean(kl)} if indexer_loss else {})
+
+  def _attend_mha(self, qkv, inp, indexer, *, indexer_loss, share):
+    """The reference: MHA form over the [B, T, T] mask; the warm-up's KL over every visible key."""
+    p_BHTS, v_BSHO = self.mha_probs(*qkv, inp.mask)
+    aux = {}
+    if indexer_loss:
+      aux["indexer_kl"] = indexer_kl(jnp.sum(p_BHTS, axis=1), self._index_scores(indexer(), inp), inp.mask)
+    return self._mha_out(p_BHTS, v_BSHO), aux
+
+  def _attend_absorbed(self, qkv, inp, indexer, *, indexer_loss, share):
+    return self.absorbed_dense(*qkv, inp.mask), {}
 
   def _context_parallel(
     self,
-    x_BTD,
-    inp,
-    cq_BTQ,
-    q_nope,
-    q_rope,
-    ckv_BTC,
-    k_rope_BTR,
+    qkv,
+    inp: AttentionInputs,
+    indexer,
     *,
     sparse: bool,
     indexer_loss: bool,
     share: dsa.IndexShare | None,
-    unsupported: dict[str, bool],
+    **unsupported: bool,
   ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """__call__ under a mesh with a context axis (glm_jax/model/context_parallel.py): every [B, T] operand in the
     zig-zag layout, attention in the absorbed form (dense: blockwise; DSA: the indexer's top-k and sparse
@@ -286,17 +280,13 @@ class MLA(nnx.Module):
           f"MLA: {name}=True under context parallelism (mesh.context > 1): it needs whole-sequence "
           "[T, S] scores or a whole-sequence cache on one device; run it with mesh.context=1"
         )
-    indexer = None
-    if sparse or indexer_loss:
-      indexer = self.indexer(jax.lax.stop_gradient(x_BTD), jax.lax.stop_gradient(cq_BTQ), inp.cos, inp.sin)
-    q_BTHA, kv_BTA = self.absorbed_q_kv(q_nope, q_rope, ckv_BTC, k_rope_BTR)
+    q_BTHA, kv_BTA = self.absorbed_q_kv(*qkv)
     o_lat, idx_BTK, kl_BT = context_parallel.attention(
       cfg.attention_impl,
       q_BTHA,
       kv_BTA,
-      indexer,
-      segment_ids=inp.segment_ids,
-      prefix_end=inp.prefix_end,
+      indexer() if sparse or indexer_loss else None,
+      visibility=inp.visibility,
       sparse=sparse,
       indexer_loss=indexer_loss,
       sm_scale=cfg.softmax_scale,
@@ -329,10 +319,9 @@ class MLA(nnx.Module):
     to share.prev_topk on an IndexShare layer whose share.shared is true.
     Returns (out [B, T, D], the updated cache, the selected slots [B, T, K] or None when DSA does not select)."""
     cfg = self.cfg
-    (b, t), s_len = x_BTD.shape[:2], cache.length
-    reach_BT = pos_B[:, None] + jnp.arange(t)  # the last slot each query sees: its own
-    visible_BTS = jnp.arange(s_len)[None, None, :] <= reach_BT[:, :, None]
-    inp = AttentionInputs(cos=cos, sin=sin, segment_ids=jnp.zeros((b, t), jnp.int32), mask=visible_BTS)
+    t, s_len = x_BTD.shape[1], cache.length
+    visibility = Visibility.up_to(pos_B[:, None] + jnp.arange(t))  # the last slot each query sees: its own
+    inp = AttentionInputs(cos=cos, sin=sin, visibility=visibility, mask=None)
     cq_BTQ, q_nope, q_rope, ckv_BTC, k_rope_BTR = self.project(x_BTD, inp)
     k_i = q_i = w_i = None
     if cfg.use_dsa:
@@ -342,19 +331,16 @@ class MLA(nnx.Module):
     kv_BSA = cache.kv.astype(self.dtype)
     idx_BTK = None
     if self.dsa_active(s_len):
-      # Visibility as a prefix: with q_offset 0 the causal rule admits slots <= t, and q_prefix_end = reach + 1
-      # widens each query's view to the slots up to its own (reach >= t), no further.
+
       def select():
-        return dsa.select_topk(
-          cfg.attention_impl, q_i, cache.index_k, w_i, topk=cfg.index_topk, q_prefix_end=reach_BT + 1
-        )
+        return dsa.select_topk(cfg.attention_impl, q_i, cache.index_k, w_i, topk=cfg.index_topk, visibility=visibility)
 
       idx_BTK, _ = select() if share is None else share.select(select)
       o_lat, _ = dsa.attend(
         cfg.attention_impl, q_BTHA, kv_BSA, idx_BTK, sm_scale=cfg.softmax_scale, v_dim=cfg.kv_lora_rank
       )
     else:
-      o_lat = self._latent_attention(q_BTHA, kv_BSA, visible_BTS)
+      o_lat = self._latent_attention(q_BTHA, kv_BSA, visibility.mask(t, s_len))
     o_BTHO = self.absorbed_out(o_lat)
     return dense(o_BTHO, self.o_proj, self.dtype, "bthv,hvd->btd"), cache, idx_BTK
 

@@ -4,7 +4,7 @@ diagonal: about half the T x T work), forward and backward (a fused dq/dkv kerne
 
 MLA in its MHA form is ordinary multi-head attention with a query/key head dim P = qk_nope + qk_rope and a value
 head dim O (256 and 256 for GLM-5): q [H, T, P], k [H, S, P] (the rope key broadcast to every head), v [H, S, O].
-The mask is the reference's (pallas_kernels/lightning_indexer_reference.visible_mask): causal and, for packed
+The mask is a Visibility's (pallas_kernels/visibility.py) that a static mask expresses: causal and, for packed
 documents, the same segment (splash's CausalMask with SegmentIds). The softmax scale is applied to q.
 
 `causal_attention` takes the batch-major layout of glm_jax/model/mla.py and runs one splash kernel per sequence
@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+
+from pallas_kernels.visibility import Visibility
 
 BLOCKS = (512, 256, 128)  # block sizes tried, largest first: one must divide the sequence length
 
@@ -58,28 +60,37 @@ def causal_attention(
   q_BTHP: jax.Array,
   k_BTHP: jax.Array,
   v_BTHO: jax.Array,
-  segment_ids_BT: jax.Array,
+  visibility: Visibility,
   *,
   sm_scale: float,
   interpret: bool = False,
 ) -> jax.Array:
-  """softmax(q k^T * sm_scale over the visible keys) v, visible = causal and same segment (segment_ids [B, T]; all
-  zeros for one document a row): o [B, T, H, O] in v's dtype (fp32 softmax and accumulation inside the kernel)."""
+  """softmax(q k^T * sm_scale over the visible keys) v: o [B, T, H, O] in v's dtype (fp32 softmax and accumulation
+  inside the kernel). visibility: static causal (`Visibility.is_static_causal`), with segment ids [B, T] or none
+  (one document a row)."""
   b, t, h, p = q_BTHP.shape
   if k_BTHP.shape != (b, t, h, p) or v_BTHO.shape[:3] != (b, t, h):
     raise ValueError(
       f"splash causal_attention: q {q_BTHP.shape}, k {k_BTHP.shape}, v {v_BTHO.shape}; want "
       "q, k [B, T, H, P] and v [B, T, H, O]"
     )
+  if not visibility.is_static_causal:
+    raise ValueError(
+      f"splash causal_attention: its mask is static causal; this visibility has causal={visibility.causal}, "
+      f"q_offset={visibility.q_offset!r}, a prefix: {visibility.q_prefix_end is not None}"
+    )
+  vis = visibility.check("splash causal_attention", b, t, t)
   kernel = _kernel(h, t, interpret)
-  seg = segment_ids_BT.astype(jnp.int32)
+  zeros = jnp.zeros((b, t), jnp.int32)
+  q_seg = zeros if vis.q_segment_ids is None else vis.q_segment_ids.astype(jnp.int32)
+  kv_seg = zeros if vis.kv_segment_ids is None else vis.kv_segment_ids.astype(jnp.int32)
   heads_first = lambda x: jnp.swapaxes(x, 1, 2)  # [B, T, H, .] -> [B, H, T, .]
 
-  def one(q, k, v, s):
-    return kernel(q, k, v, segment_ids=splash.SegmentIds(q=s, kv=s))
+  def one(q, k, v, qs, ks):
+    return kernel(q, k, v, segment_ids=splash.SegmentIds(q=qs, kv=ks))
 
   q = (q_BTHP.astype(jnp.float32) * sm_scale).astype(q_BTHP.dtype)
-  o = jax.vmap(one)(heads_first(q), heads_first(k_BTHP), heads_first(v_BTHO), seg)
+  o = jax.vmap(one)(heads_first(q), heads_first(k_BTHP), heads_first(v_BTHO), q_seg, kv_seg)
   return heads_first(o).astype(v_BTHO.dtype)
 
 

@@ -41,7 +41,7 @@ from glm_jax.model.layers import (
 )
 from glm_jax.model.mla import MLA, AttentionInputs
 from glm_jax.model.moe import MoE
-from pallas_kernels.lightning_indexer_reference import visible_mask
+from pallas_kernels.visibility import Visibility
 
 # What jax.checkpoint saves under each of config.REMAT_POLICIES but "none" (which does not wrap the layer).
 CHECKPOINT_POLICIES: dict[str, Callable | None] = {
@@ -406,13 +406,9 @@ class GlmMoeDsa(nnx.Module):
         None if x is None else context_parallel.to_zigzag(x, c)
         for x in (input_ids, positions, segment_ids, block_positions, prefix_end)
       )
-      mask = None
-    else:
-      mask = visible_mask(
-        t, t, causal=True, q_segment_ids=segment_ids, kv_segment_ids=segment_ids, q_prefix_end=prefix_end
-      )
+    visibility = Visibility.self_attention(segment_ids, prefix_end)
     cos, sin = self.rope(positions, block_positions)
-    inp = AttentionInputs(cos=cos, sin=sin, segment_ids=segment_ids, mask=mask, prefix_end=prefix_end)
+    inp = AttentionInputs(cos=cos, sin=sin, visibility=visibility, mask=None if c > 1 else visibility.mask(t, t))
     emb_BTD = self.embed_tokens(input_ids)
     if not isinstance(embedding_grad_shrink, (int, float)) or embedding_grad_shrink != 1.0:  # GLM-130B's EGS:
       # the same values, a times the gradient (a may be traced)

@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 from glm_jax.model import blockwise
+from pallas_kernels.visibility import Visibility
 from tests.train.test_step import build, make_batch, model_config, to_device
 
 B, T, H, A, R, HI, DI = 2, 12, 3, 10, 6, 2, 4
@@ -59,8 +60,7 @@ def test_blocks_equal_the_whole_matrix_values_and_gradients(chunk):
       sm_scale=SCALE,
       v_dim=R,
       chunk=chunk,
-      segment_ids_BT=jnp.asarray(seg),
-      prefix_end_BT=jnp.asarray(prefix_end),
+      visibility=Visibility.self_attention(jnp.asarray(seg), jnp.asarray(prefix_end)),
       out_dtype=jnp.float32,
     )
     kl = jnp.mean(kl)  # per query row -> the loss's mean
@@ -88,8 +88,7 @@ def test_a_chunk_that_does_not_divide_is_named():
       sm_scale=SCALE,
       v_dim=R,
       chunk=5,
-      segment_ids_BT=jnp.asarray(seg),
-      prefix_end_BT=None,
+      visibility=Visibility.self_attention(jnp.asarray(seg)),
       out_dtype=jnp.float32,
     )
 

@@ -13,6 +13,7 @@ from flax import nnx
 
 from glm_jax.model import dsa
 from glm_jax.model.transformer import GlmMoeDsa
+from pallas_kernels.visibility import Visibility
 from tests.helpers import TINY_MODEL, init_module
 
 B, T = 2, 24
@@ -73,7 +74,7 @@ def test_q_offset_against_a_longer_cache(t_len, s_len):
   q, kv = normal(B, t_len, 3, 12), normal(B, s_len, 12)
   out = {}
   for impl in ("reference", "pallas"):
-    idx, vals = dsa.select_topk(impl, q_i, k_i, w_i, topk=16, q_offset=s_len - t_len)
+    idx, vals = dsa.select_topk(impl, q_i, k_i, w_i, topk=16, visibility=Visibility(q_offset=s_len - t_len))
     out[impl] = (idx, vals, *dsa.attend(impl, q, kv, idx, sm_scale=0.3, v_dim=8))
   np.testing.assert_array_equal(np.asarray(out["pallas"][0]), np.asarray(out["reference"][0]))
   for got, want in zip(out["pallas"][1:], out["reference"][1:]):
@@ -90,13 +91,14 @@ def test_q_offset_against_a_longer_cache(t_len, s_len):
 def test_selected_index_scores_in_chunks_keep_values_and_gradients():
   rng = np.random.default_rng(2)
   q_i, k_i, w_i = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in [(B, 13, 2, 8), (B, 30, 8), (B, 13, 2)])
-  idx, vals = dsa.select_topk("reference", q_i, k_i, w_i, topk=9, q_offset=17)  # differentiable top-k values
+  vis = Visibility(q_offset=17)
+  idx, vals = dsa.select_topk("reference", q_i, k_i, w_i, topk=9, visibility=vis)  # differentiable top-k values
 
   def total(fn, q, k, w):
     return jnp.sum(jnp.where(idx >= 0, fn(q, k, w), 0.0) ** 2)
 
   want = jax.grad(
-    lambda q, k, w: total(lambda *a: dsa.select_topk("reference", *a, topk=9, q_offset=17)[1], q, k, w),
+    lambda q, k, w: total(lambda *a: dsa.select_topk("reference", *a, topk=9, visibility=vis)[1], q, k, w),
     argnums=(0, 1, 2),
   )(q_i, k_i, w_i)
   for chunk in (4, 512):  # 13 queries: four chunks (the last padded), or one

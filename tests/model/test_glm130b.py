@@ -11,6 +11,7 @@ from flax import nnx
 
 from glm_jax.model import deepnorm
 from glm_jax.model.layers import apply_rope, rope_angles_2d
+from pallas_kernels.visibility import Visibility
 from glm_jax.model.mla import AttentionInputs
 from glm_jax.model.transformer import DecoderLayer, GlmMoeDsa
 from glm_jax.tree_paths import path_names
@@ -120,7 +121,7 @@ def test_deepnorm_layer_is_the_plain_formula():
   inp = AttentionInputs(
     cos=cos,
     sin=sin,
-    segment_ids=jnp.zeros((B, T), jnp.int32),
+    visibility=Visibility(),
     mask=jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T)),
   )
 

@@ -13,6 +13,7 @@ from flax import nnx
 from glm_jax.model.config import ModelConfig
 from glm_jax.model.indexer import Indexer
 from glm_jax.model.layers import rope_angles
+from pallas_kernels.visibility import Visibility
 from pallas_kernels.lightning_indexer_reference import lightning_indexer_scores, lightning_indexer_topk
 
 
@@ -53,8 +54,9 @@ def int_inputs(seed, b, t, s, h=3, d=4):
   return q, k, w
 
 
-def run_topk(q, k, w, **kw):
-  idx, val = lightning_indexer_topk(jnp.asarray(q), jnp.asarray(k), jnp.asarray(w), **kw)
+def run_topk(q, k, w, topk, **visibility):
+  vis = Visibility(**visibility)
+  idx, val = lightning_indexer_topk(jnp.asarray(q), jnp.asarray(k), jnp.asarray(w), topk=topk, visibility=vis)
   return np.asarray(idx), np.asarray(val)
 
 

@@ -11,6 +11,7 @@ from flax import nnx
 
 from glm_jax.model.config import ModelConfig
 from glm_jax.model.layers import rope_angles
+from pallas_kernels.visibility import Visibility
 from glm_jax.model.mla import MLA, AttentionInputs
 from glm_jax.model.transformer import GlmMoeDsa
 from tests.helpers import TINY_MODEL, init_module
@@ -54,9 +55,9 @@ def mask_numpy(t_len, seg):
 
 def inputs(positions, seg):
   cos, sin = rope_angles(jnp.asarray(positions), MLA_CFG.qk_rope_head_dim, MLA_CFG.rope_theta)
-  return AttentionInputs(
-    cos=cos, sin=sin, segment_ids=jnp.asarray(seg, jnp.int32), mask=jnp.asarray(mask_numpy(positions.shape[1], seg))
-  )
+  seg = jnp.asarray(seg, jnp.int32)
+  vis = Visibility.self_attention(seg)
+  return AttentionInputs(cos=cos, sin=sin, visibility=vis, mask=jnp.asarray(mask_numpy(positions.shape[1], seg)))
 
 
 def default_inputs(b, t):

@@ -15,7 +15,7 @@ from glm_jax.model.config import ModelConfig
 from glm_jax.model.layers import rope_angles
 from glm_jax.model.mla import MLA, AttentionInputs
 from glm_jax.sharding.topology import install_hint, libtpu_installed
-from pallas_kernels.lightning_indexer_reference import visible_mask
+from pallas_kernels.visibility import Visibility
 from tests.helpers import init_module
 
 B, T, H, P, O = 2, 256, 2, 64, 32
@@ -27,9 +27,15 @@ def segments():
   return jnp.asarray([[1] * 100 + [2] * 156, [1] * T], jnp.int32)
 
 
+def causal_same_segment(seg):
+  """[B, T, T]: the lower triangle, within a document."""
+  t = seg.shape[1]
+  return jnp.tril(jnp.ones((t, t), bool))[None] & (seg[:, :, None] == seg[:, None, :])
+
+
 def reference(q, k, v, seg):
   s = jnp.einsum("bthp,bshp->bhts", q, k, precision="highest") * SCALE
-  mask = visible_mask(T, T, causal=True, q_segment_ids=seg, kv_segment_ids=seg)
+  mask = causal_same_segment(seg)
   p = jax.nn.softmax(jnp.where(mask[:, None], s, -jnp.inf), axis=-1)
   return jnp.einsum("bhts,bshv->bthv", p, v, precision="highest")
 
@@ -43,9 +49,10 @@ def test_splash_equals_softmax_attention_forward_and_backward():
   def value_and_grads(fn):
     return jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(fn(q, k, v) * ct), argnums=(0, 1, 2)))(q, k, v)
 
-  got = value_and_grads(lambda q, k, v: splash.causal_attention(q, k, v, seg, sm_scale=SCALE, interpret=True))
+  vis = Visibility.self_attention(seg)
+  got = value_and_grads(lambda q, k, v: splash.causal_attention(q, k, v, vis, sm_scale=SCALE, interpret=True))
   want = value_and_grads(lambda q, k, v: reference(q, k, v, seg))
-  y = splash.causal_attention(q, k, v, seg, sm_scale=SCALE, interpret=True)
+  y = splash.causal_attention(q, k, v, vis, sm_scale=SCALE, interpret=True)
   np.testing.assert_allclose(np.asarray(y), np.asarray(reference(q, k, v, seg)), atol=1e-5)
   for g, w in zip(got[1], want[1]):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-5 * max(1.0, float(jnp.max(jnp.abs(w)))))
@@ -80,9 +87,7 @@ def test_mla_dense_stage_with_pallas_equals_reference():
   x = jnp.asarray(np.random.default_rng(1).standard_normal((2, t, 64)), jnp.float32)
   seg = jnp.asarray([[1] * 40 + [2] * 88, [1] * t], jnp.int32)
   cos, sin = rope_angles(jnp.broadcast_to(jnp.arange(t), (2, t)), cfg.qk_rope_head_dim, cfg.rope_theta)
-  inp = AttentionInputs(
-    cos=cos, sin=sin, segment_ids=seg, mask=visible_mask(t, t, causal=True, q_segment_ids=seg, kv_segment_ids=seg)
-  )
+  inp = AttentionInputs(cos=cos, sin=sin, visibility=Visibility.self_attention(seg), mask=causal_same_segment(seg))
   results = {}
   for impl in ("reference", "pallas"):
     graphdef, params = nnx.split(init_module(lambda: MLA(cfg.replace(attention_impl=impl), nnx.Rngs(0)), 2, 0.2))

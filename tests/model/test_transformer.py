@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 from glm_jax.model.layers import rope_angles
+from pallas_kernels.visibility import Visibility
 from glm_jax.model.mla import AttentionInputs
 from glm_jax.model.transformer import GlmMoeDsa
 from tests.helpers import TINY_MODEL, init_module
@@ -51,7 +52,7 @@ def manual(model, ids):
   b, t = ids.shape
   cos, sin = rope_angles(jnp.broadcast_to(jnp.arange(t), (b, t)), cfg.qk_rope_head_dim, cfg.rope_theta)
   causal = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
-  inp = AttentionInputs(cos=cos, sin=sin, segment_ids=jnp.zeros((b, t), jnp.int32), mask=causal)
+  inp = AttentionInputs(cos=cos, sin=sin, visibility=Visibility(), mask=causal)
   table = model.embed_tokens.embedding[...]
   w_head = table.T if cfg.tie_word_embeddings else model.lm_head[...]
 

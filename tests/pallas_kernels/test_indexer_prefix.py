@@ -1,5 +1,6 @@
 """Prefix-bidirectional visibility (GLM's blank infilling) in the lightning indexer's top-k: the kernel
-(pallas_kernels/lightning_indexer.py) against the reference, and the reference's mask against a plain loop.
+(pallas_kernels/lightning_indexer.py) against the reference, and the Visibility's mask (pallas_kernels/visibility.py)
+against a plain loop.
 
 The rule: with q_prefix_end [B, T], key s is visible to query t when s <= max(t + q_offset, q_prefix_end[t] - 1)
 and both lie in the same segment. In the kernel a prefix widens each query block's reach past its causal diagonal,
@@ -10,6 +11,7 @@ so indices and scores must be equal exactly. Interpret mode on CPU; the TPU test
 topology descriptions (skipped without libtpu).
 """
 
+import dataclasses
 import time
 
 import jax
@@ -23,6 +25,7 @@ from glm_jax.sharding.mesh import make_mesh
 from glm_jax.sharding.topology import tpu_topology_devices
 from pallas_kernels import lightning_indexer_reference as reference
 from pallas_kernels.lightning_indexer import IndexerBlockSizes, lightning_indexer_topk
+from pallas_kernels.visibility import Visibility
 from tests import helpers
 from tests.pallas_kernels.test_lightning_indexer import _assert_same, _int_inputs, needs_libtpu
 
@@ -78,13 +81,8 @@ def test_kernel_equals_reference_with_prefixes(b, t_len, s_len, q_offset, bounds
   past = _reach_past_diagonal(pe, q_offset, 128 if t_len > 128 else t_len, block_k)
   assert past[0, 0] and not past[1, 0]  # the data exercises the prefix reach, per batch row
   q, k, w = _int_inputs(12, b, t_len, s_len, 3, 8)
-  kw = {
-    "topk": topk,
-    "q_offset": q_offset,
-    "q_segment_ids": jnp.asarray(q_seg),
-    "kv_segment_ids": jnp.asarray(kv_seg),
-    "q_prefix_end": jnp.asarray(pe),
-  }
+  vis = Visibility(q_offset, jnp.asarray(q_seg), jnp.asarray(kv_seg), jnp.asarray(pe))
+  kw = {"topk": topk, "visibility": vis}
   got = lightning_indexer_topk(q, k, w, block_sizes=IndexerBlockSizes(128, block_k), **kw)
   want = reference.lightning_indexer_topk(q, k, w, **kw)
   _assert_same(got, want)
@@ -95,7 +93,7 @@ def test_kernel_equals_reference_with_prefixes(b, t_len, s_len, q_offset, bounds
   assert ahead.sum() > t_len and (idx < pe[:, :, None])[ahead].all()
 
 
-def test_visible_mask_equals_the_rule_in_a_loop():
+def test_mask_equals_the_rule_in_a_loop():
   rng = np.random.default_rng(13)
   b, t_len, s_len, q_offset = 2, 9, 15, 4
   kv_seg = np.sort(rng.integers(0, 3, (b, s_len)), axis=1).astype(np.int32)
@@ -103,14 +101,7 @@ def test_visible_mask_equals_the_rule_in_a_loop():
   pe = rng.integers(-3, s_len + 4, (b, t_len)).astype(np.int32)  # negative and past S too
   kv_seg[0] = 0  # row 0: one document
   pe[0, :3] = [0, 6, 8]  # no prefix; query 1's own causal limit (t + q_offset + 1 = 6); one key past query 2's
-  mask = reference.visible_mask(
-    t_len,
-    s_len,
-    q_offset=q_offset,
-    q_segment_ids=jnp.asarray(q_seg),
-    kv_segment_ids=jnp.asarray(kv_seg),
-    q_prefix_end=jnp.asarray(pe),
-  )
+  mask = Visibility(q_offset, jnp.asarray(q_seg), jnp.asarray(kv_seg), jnp.asarray(pe)).mask(t_len, s_len)
   want = _loop_mask(t_len, s_len, q_offset, q_seg, kv_seg, pe)
   np.testing.assert_array_equal(np.asarray(mask), want)
   causal = _loop_mask(t_len, s_len, q_offset, q_seg, kv_seg, np.zeros_like(pe))
@@ -125,30 +116,30 @@ def test_no_prefix_all_zeros_and_causal_ends_are_the_causal_result():
   b, t_len, s_len, q_offset = 2, 20, 48, 28
   q, k, w = _int_inputs(14, b, t_len, s_len, 2, 8)
   blocks = IndexerBlockSizes(128, 8)
-  want = reference.lightning_indexer_topk(q, k, w, topk=12, q_offset=q_offset)
-  _assert_same(lightning_indexer_topk(q, k, w, topk=12, q_offset=q_offset, block_sizes=blocks), want)
-  step = jax.jit(
-    lambda pe: lightning_indexer_topk(q, k, w, topk=12, q_offset=q_offset, q_prefix_end=pe, block_sizes=blocks)
-  )
+  causal = Visibility(q_offset=q_offset)
+  want = reference.lightning_indexer_topk(q, k, w, topk=12, visibility=causal)
+  _assert_same(lightning_indexer_topk(q, k, w, topk=12, visibility=causal, block_sizes=blocks), want)
+  with_prefix = lambda pe: Visibility(q_offset=q_offset, q_prefix_end=pe)  # noqa: E731
+  step = jax.jit(lambda pe: lightning_indexer_topk(q, k, w, topk=12, visibility=with_prefix(pe), block_sizes=blocks))
   zeros = jnp.zeros((b, t_len), jnp.int32)
   own = jnp.broadcast_to(jnp.arange(t_len, dtype=jnp.int32) + q_offset + 1, (b, t_len))
   for pe in (zeros, own, zeros - 5):
     _assert_same(step(pe), want)
-    _assert_same(reference.lightning_indexer_topk(q, k, w, topk=12, q_offset=q_offset, q_prefix_end=pe), want)
+    _assert_same(reference.lightning_indexer_topk(q, k, w, topk=12, visibility=with_prefix(pe)), want)
   assert step._cache_size() == 1
   np.testing.assert_array_equal(
-    np.asarray(reference.visible_mask(t_len, s_len, q_offset=q_offset, q_prefix_end=own)),
-    np.asarray(jnp.broadcast_to(reference.visible_mask(t_len, s_len, q_offset=q_offset), (b, t_len, s_len))),
+    np.asarray(with_prefix(own).mask(t_len, s_len)),
+    np.asarray(jnp.broadcast_to(causal.mask(t_len, s_len), (b, t_len, s_len))),
   )
 
 
-@pytest.mark.parametrize("fn", ["kernel", "reference", "visible_mask"])
+@pytest.mark.parametrize("fn", ["kernel", "reference", "mask"])
 def test_errors_name_q_prefix_end(fn):
   q, k, w = _int_inputs(0, 2, 8, 12, 2, 8)
   call = {
-    "kernel": lambda **kw: lightning_indexer_topk(q, k, w, topk=4, **kw),
-    "reference": lambda **kw: reference.lightning_indexer_topk(q, k, w, topk=4, **kw),
-    "visible_mask": lambda **kw: reference.visible_mask(8, 12, **kw),
+    "kernel": lambda **kw: lightning_indexer_topk(q, k, w, topk=4, visibility=Visibility(**kw)),
+    "reference": lambda **kw: reference.lightning_indexer_topk(q, k, w, topk=4, visibility=Visibility(**kw)),
+    "mask": lambda **kw: Visibility(**kw).mask(8, 12),
   }[fn]
   with pytest.raises(ValueError, match=r"q_prefix_end shape \(2, 9\); want \[B, T\] = \[(2|B), 8\]"):
     call(q_prefix_end=jnp.zeros((2, 9), jnp.int32))
@@ -164,13 +155,8 @@ def _select_inputs():
   b, t_len, s_len, q_offset = 4, 16, 40, 24
   kv_seg, end_S = _documents(np.random.default_rng(5), b, s_len, [[10, 30], [25], [], [5, 20]])
   q, k, w = _int_inputs(15, b, t_len, s_len, 2, 8)
-  kw = {
-    "topk": 8,
-    "q_offset": q_offset,
-    "q_segment_ids": jnp.asarray(kv_seg[:, q_offset:]),
-    "kv_segment_ids": jnp.asarray(kv_seg),
-    "q_prefix_end": jnp.asarray(end_S[:, q_offset:]),
-  }
+  vis = Visibility(q_offset, jnp.asarray(kv_seg[:, q_offset:]), jnp.asarray(kv_seg), jnp.asarray(end_S[:, q_offset:]))
+  kw = {"topk": 8, "visibility": vis}
   return (q, k, w), kw
 
 
@@ -180,7 +166,7 @@ def test_select_topk_passes_the_prefix_to_the_kernel():
   want = reference.lightning_indexer_topk(*args, **kw)
   _assert_same(dsa.select_topk("pallas", *args, **kw), want)
   _assert_same(dsa.select_topk("reference", *args, **kw), want)
-  no_prefix = dict(kw, q_prefix_end=None)
+  no_prefix = dict(kw, visibility=dataclasses.replace(kw["visibility"], q_prefix_end=None))
   assert not np.array_equal(np.asarray(want[0]), np.asarray(reference.lightning_indexer_topk(*args, **no_prefix)[0]))
 
 
@@ -219,10 +205,7 @@ def test_compiles_for_tpu_with_a_prefix():
       k,
       w,
       topk=topk,
-      q_offset=s_len - t_len,
-      q_segment_ids=q_seg,
-      kv_segment_ids=kv_seg,
-      q_prefix_end=pe,
+      visibility=Visibility(s_len - t_len, q_seg, kv_seg, pe),
       block_sizes=IndexerBlockSizes(128, 1024),
       interpret=False,
     )

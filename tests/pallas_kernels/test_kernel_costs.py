@@ -14,6 +14,7 @@ import pytest
 from jax.sharding import SingleDeviceSharding
 
 from glm_jax.sharding.topology import install_hint, libtpu_installed, tpu_topology_devices
+from pallas_kernels.visibility import Visibility
 from pallas_kernels.lightning_indexer import IndexerBlockSizes, lightning_indexer_topk
 from pallas_kernels.sparse_mla_attention import (
   SparseAttentionBlockSizes,
@@ -55,8 +56,9 @@ def test_indexer_cost_causal_padded():
   # B=2, T=200 -> 2 query blocks of 128 (T_pad=256), S=1000 -> 4 key blocks of 256 (S_pad=1024), H=4, D=128 bf16,
   # topk=50 -> Kp=64. Causal with a traced offset: every tile of the grid counted (what it statically visits).
   def indexer(q, k, w):
+    vis = Visibility(q_offset=800)
     return lightning_indexer_topk(
-      q, k, w, topk=50, q_offset=800, block_sizes=IndexerBlockSizes(128, 256), interpret=False
+      q, k, w, topk=50, visibility=vis, block_sizes=IndexerBlockSizes(128, 256), interpret=False
     )
 
   costs = _compiled_costs(
@@ -76,9 +78,8 @@ def test_indexer_cost_one_key_block_segments():
   # B=1, T=100 -> one query block of 104, S=200 -> one key block of 256 (fetched once: its index never changes),
   # H=2, D=64 fp32, topk=16 -> Kp=16, non-causal, with segment ids.
   def indexer(q, k, w, q_seg, kv_seg):
-    return lightning_indexer_topk(
-      q, k, w, topk=16, causal=False, q_segment_ids=q_seg, kv_segment_ids=kv_seg, interpret=False
-    )
+    vis = Visibility(q_segment_ids=q_seg, kv_segment_ids=kv_seg, causal=False)
+    return lightning_indexer_topk(q, k, w, topk=16, visibility=vis, interpret=False)
 
   costs = _compiled_costs(
     indexer,

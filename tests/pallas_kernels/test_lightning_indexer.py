@@ -17,6 +17,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import SingleDeviceSharding
 
 from glm_jax.sharding.topology import compiled_memory, install_hint, libtpu_installed, tpu_topology_devices
+from pallas_kernels.visibility import Visibility
 from pallas_kernels import lightning_indexer_reference as reference
 from pallas_kernels.lightning_indexer import IndexerBlockSizes, lightning_indexer_topk
 
@@ -78,10 +79,9 @@ def _assert_same(got, want):
 )
 def test_matches_reference(b, t_len, s_len, topk, q_offset, causal, block_q, block_k, dtype):
   q, k, w = _int_inputs(0, b, t_len, s_len, 3, 8, dtype)
-  got = lightning_indexer_topk(
-    q, k, w, topk=topk, causal=causal, q_offset=q_offset, block_sizes=IndexerBlockSizes(block_q, block_k)
-  )
-  _assert_same(got, reference.lightning_indexer_topk(q, k, w, topk=topk, causal=causal, q_offset=q_offset))
+  vis = Visibility(q_offset=q_offset, causal=causal)
+  got = lightning_indexer_topk(q, k, w, topk=topk, visibility=vis, block_sizes=IndexerBlockSizes(block_q, block_k))
+  _assert_same(got, reference.lightning_indexer_topk(q, k, w, topk=topk, visibility=vis))
 
 
 def test_fewer_visible_keys_than_topk_gives_minus_one():
@@ -98,7 +98,7 @@ def test_segment_ids():
   b, t_len = 2, 48
   q, k, w = _int_inputs(2, b, t_len, t_len, 3, 8)
   seg = jnp.asarray(np.sort(np.random.default_rng(3).integers(0, 4, (b, t_len)), axis=1))  # packed documents
-  kw = {"topk": 12, "q_segment_ids": seg, "kv_segment_ids": seg}
+  kw = {"topk": 12, "visibility": Visibility.self_attention(seg)}
   idx, val = lightning_indexer_topk(q, k, w, block_sizes=IndexerBlockSizes(128, 16), **kw)
   _assert_same((idx, val), reference.lightning_indexer_topk(q, k, w, **kw))
   idx_np, seg_np = np.asarray(idx), np.asarray(seg)
@@ -116,8 +116,9 @@ def test_exact_ties_go_to_the_lower_key_index():
   k = jnp.asarray(np.tile(base, (1, 8, 1)), jnp.float32)  # S = 40
   q = jnp.asarray(rng.integers(-2, 3, (1, 16, 2, 8)), jnp.float32)
   w = jnp.asarray(rng.integers(1, 3, (1, 16, 2)), jnp.float32)
-  idx, val = lightning_indexer_topk(q, k, w, topk=24, causal=False, block_sizes=IndexerBlockSizes(128, 8))
-  _assert_same((idx, val), reference.lightning_indexer_topk(q, k, w, topk=24, causal=False))
+  everything = Visibility(causal=False)
+  idx, val = lightning_indexer_topk(q, k, w, topk=24, visibility=everything, block_sizes=IndexerBlockSizes(128, 8))
+  _assert_same((idx, val), reference.lightning_indexer_topk(q, k, w, topk=24, visibility=everything))
   idx_np, val_np = np.asarray(idx), np.asarray(val)
   assert (np.diff(val_np, axis=-1) <= 0).all()
   same = np.diff(val_np, axis=-1) == 0
@@ -134,7 +135,8 @@ def test_zero_scores_are_positive_zero_and_tie_by_index(heads):
   q = jnp.asarray(rng.integers(-2, 3, (1, 32, heads, 8)), jnp.float32)
   k = jnp.asarray(rng.integers(-2, 3, (1, 32, 8)), jnp.float32)
   w = -jnp.ones((1, 32, heads), jnp.float32)  # every score is <= 0; most rows have several exact zeros
-  idx, val = lightning_indexer_topk(q, k, w, topk=16, causal=False, block_sizes=IndexerBlockSizes(128, 8))
+  vis = Visibility(causal=False)
+  idx, val = lightning_indexer_topk(q, k, w, topk=16, visibility=vis, block_sizes=IndexerBlockSizes(128, 8))
   scores = reference.lightning_indexer_scores(q, k, w)
   val_ref, idx_ref = jax.lax.top_k(jnp.where(scores == 0, 0.0, scores), 16)  # no mask: causal=False, S=32
   _assert_same((idx, val), (idx_ref, val_ref))
@@ -153,11 +155,12 @@ def test_random_bf16_inputs_and_determinism():
   k = jnp.asarray(rng.standard_normal((2, 96, 32)), jnp.bfloat16)
   w = jnp.asarray(rng.standard_normal((2, 64, 4)) / 4, jnp.float32)
   blocks = IndexerBlockSizes(128, 32)
-  idx, val = lightning_indexer_topk(q, k, w, topk=20, q_offset=32, block_sizes=blocks)
-  idx_ref, val_ref = reference.lightning_indexer_topk(q, k, w, topk=20, q_offset=32)
+  vis = Visibility(q_offset=32)
+  idx, val = lightning_indexer_topk(q, k, w, topk=20, visibility=vis, block_sizes=blocks)
+  idx_ref, val_ref = reference.lightning_indexer_topk(q, k, w, topk=20, visibility=vis)
   np.testing.assert_array_equal(np.asarray(idx), np.asarray(idx_ref))
   np.testing.assert_allclose(np.asarray(val), np.asarray(val_ref), rtol=1e-5, atol=1e-5)
-  idx2, val2 = lightning_indexer_topk(q, k, w, topk=20, q_offset=32, block_sizes=blocks)
+  idx2, val2 = lightning_indexer_topk(q, k, w, topk=20, visibility=vis, block_sizes=blocks)
   assert np.array_equal(np.asarray(idx), np.asarray(idx2)) and np.asarray(val).tobytes() == np.asarray(val2).tobytes()
 
 
@@ -166,7 +169,7 @@ def test_tpu_interpret_mode():
   # that reads scratch it never wrote, or past a block, fails here even where the plain interpreter passes.
   q, k, w = _int_inputs(7, 1, 40, 72, 3, 8)
   seg = jnp.asarray(np.repeat([[0, 1, 2]], [10, 30, 32], axis=1))
-  kw = {"topk": 12, "q_offset": 32, "q_segment_ids": seg[:, 32:], "kv_segment_ids": seg}
+  kw = {"topk": 12, "visibility": Visibility(q_offset=32, q_segment_ids=seg[:, 32:], kv_segment_ids=seg)}
   got = lightning_indexer_topk(q, k, w, block_sizes=IndexerBlockSizes(128, 16), interpret=pltpu.InterpretParams(), **kw)
   _assert_same(got, reference.lightning_indexer_topk(q, k, w, **kw))
 
@@ -181,11 +184,11 @@ def test_errors_name_the_field():
     q2, k2, w2 = _int_inputs(0, 1, 200, 8, 2, 8)
     lightning_indexer_topk(q2, k2, w2, topk=4, block_sizes=IndexerBlockSizes(64, 8))
   with pytest.raises(ValueError, match=r"give both q_segment_ids and kv_segment_ids"):
-    lightning_indexer_topk(q, k, w, topk=4, q_segment_ids=jnp.zeros((1, 8), jnp.int32))
+    lightning_indexer_topk(q, k, w, topk=4, visibility=Visibility(q_segment_ids=jnp.zeros((1, 8), jnp.int32)))
   with pytest.raises(ValueError, match=r"need.* k \[1, S, 8\]"):
     lightning_indexer_topk(q, k[..., :4], w, topk=4)
   with pytest.raises(TypeError, match=r"q_offset=2.5; must be an int or an integer scalar array"):
-    lightning_indexer_topk(q, k, w, topk=4, q_offset=2.5)
+    lightning_indexer_topk(q, k, w, topk=4, visibility=Visibility(q_offset=2.5))
 
 
 def test_traced_q_offset_one_compile_for_every_decode_position():
@@ -193,10 +196,13 @@ def test_traced_q_offset_one_compile_for_every_decode_position():
   # one compiled step serves every position; each equals the reference at that offset.
   q, k, w = _int_inputs(9, 2, 1, 40, 3, 8)
   step = jax.jit(
-    lambda off: lightning_indexer_topk(q, k, w, topk=6, q_offset=off, block_sizes=IndexerBlockSizes(128, 16))
+    lambda off: lightning_indexer_topk(
+      q, k, w, topk=6, visibility=Visibility(q_offset=off), block_sizes=IndexerBlockSizes(128, 16)
+    )
   )
   for pos in (0, 3, 17, 39):
-    _assert_same(step(jnp.int32(pos)), reference.lightning_indexer_topk(q, k, w, topk=6, q_offset=pos))
+    want = reference.lightning_indexer_topk(q, k, w, topk=6, visibility=Visibility(q_offset=pos))
+    _assert_same(step(jnp.int32(pos)), want)
   assert step._cache_size() == 1
 
 
@@ -239,9 +245,7 @@ def test_compiles_for_tpu(topology, t_len, s_len, block_q, dtype, segments):
       k,
       w,
       topk=topk,
-      q_offset=s_len - t_len,
-      q_segment_ids=q_seg,
-      kv_segment_ids=kv_seg,
+      visibility=Visibility(q_offset=s_len - t_len, q_segment_ids=q_seg, kv_segment_ids=kv_seg),
       block_sizes=IndexerBlockSizes(block_q, 2048),
       interpret=False,
     )

@@ -24,6 +24,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import SingleDeviceSharding
 
 from glm_jax.sharding.topology import compiled_memory, install_hint, libtpu_installed, tpu_topology_devices
+from pallas_kernels.visibility import Visibility
 from pallas_kernels import lightning_indexer_reference as indexer_reference
 from pallas_kernels import sparse_mla_attention_reference as reference
 from pallas_kernels.sparse_mla_attention import (
@@ -44,7 +45,9 @@ def _inputs(seed, b, t_len, s_len, heads, dim, topk, dtype):
   qi, ki, wi = (
     jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in [(b, t_len, 2, 8), (b, s_len, 8), (b, t_len, 2)]
   )
-  idx, _ = indexer_reference.lightning_indexer_topk(qi, ki, wi, topk=topk, q_offset=s_len - t_len)
+  idx, _ = indexer_reference.lightning_indexer_topk(
+    qi, ki, wi, topk=topk, visibility=Visibility(q_offset=s_len - t_len)
+  )
   return q, kv, idx
 
 

@@ -25,6 +25,7 @@ from glm_jax.train import step as step_lib
 from glm_jax.train.checkpoint import Checkpointer
 from glm_jax.train.config import model_config_for_stage
 from glm_jax.train.trainer import create_sharded_train_state, create_train_state, train_state_factory
+from pallas_kernels.visibility import Visibility
 from tests import helpers
 from tests.helpers import NS_COEFFS, newton_schulz
 
@@ -303,9 +304,8 @@ def test_pallas_dsa_on_a_mesh_equals_the_reference_on_one_device():
   seg = jnp.asarray(np.repeat([[0, 1]], [8, 12], axis=1).repeat(b, 0), jnp.int32)
 
   def loss(impl, q, kv, q_i, k_i, w_i):
-    idx, _ = dsa.select_topk(
-      impl, q_i, k_i, w_i, topk=5, q_offset=s_len - t_len, q_segment_ids=seg[:, -t_len:], kv_segment_ids=seg
-    )
+    vis = Visibility(q_offset=s_len - t_len, q_segment_ids=seg[:, -t_len:], kv_segment_ids=seg)
+    idx, _ = dsa.select_topk(impl, q_i, k_i, w_i, topk=5, visibility=vis)
     out, lse = dsa.attend(impl, q, kv, idx, sm_scale=0.3, v_dim=8)
     p = dsa.head_probs(impl, q, kv, idx, lse, sm_scale=0.3)  # the indexer KL's target, summed over head shards
     return jnp.sum(out * probe) + jnp.sum(jnp.where(jnp.isneginf(lse), 0.0, lse)), (idx, p)
