@@ -1,8 +1,10 @@
 """Fixtures shared by the test packages (helpers that are not fixtures: tests/helpers.py; the data tests'
 own fixtures: tests/data/conftest.py)."""
 
+import gc
 import os
 
+import jax
 import pytest
 
 from tests.helpers import persistent_compilation_cache
@@ -27,3 +29,33 @@ def shared_compilation_cache(tmp_path_factory):
   os.makedirs(path, exist_ok=True)
   with persistent_compilation_cache(path):
     yield path
+
+
+@pytest.fixture(autouse=True, scope="module")
+def release_compiled_programs():
+  """Drops the compiled programs and traces of a test file when it ends. Without it a worker keeps every file's
+  executables to the end of the suite (8 GB a worker on this 2-core, 24 GB machine), and the page cache thrashes."""
+  yield
+  jax.clear_caches()
+  gc.collect()
+
+
+# The files that take longest (minutes each: the 8-device session is one subprocess of several minutes), in the
+# order they start: pytest-xdist's --dist loadfile hands files to the workers in collection order, so a long file
+# collected last would run alone at the end while the other worker idles.
+LONG_FILES = (
+  "tests/test_multi_device.py",
+  "tests/rl/test_trainer.py",
+  "tests/test_notebooks.py",
+  "tests/train/test_faults.py",
+  "tests/train/test_aot.py",
+  "tests/sharding/test_hlo_cost.py",
+)
+
+
+def pytest_collection_modifyitems(session, config, items):
+  def rank(item):
+    path = os.path.relpath(str(item.path), os.path.dirname(os.path.dirname(__file__)))
+    return LONG_FILES.index(path) if path in LONG_FILES else len(LONG_FILES)
+
+  items.sort(key=rank)  # stable: the other files, and the tests within a file, keep their order

@@ -3,7 +3,6 @@ parameters built without per-shape XLA compiles, a plain-jnp Newton-Schulz, a pe
 module rerun as a script on simulated CPU devices."""
 
 import contextlib
-import json
 import os
 import subprocess
 import sys
@@ -16,6 +15,7 @@ from flax import nnx
 from jax.experimental.compilation_cache import compilation_cache
 
 from glm_jax.model.config import ModelConfig
+from glm_jax.sharding.topology import install_hint, libtpu_installed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository, where launch/ scripts run
 NS_COEFFS = (3.4445, -4.7750, 2.0315)  # Muon's quintic (Keller Jordan / Moonlight / optax)
@@ -103,6 +103,21 @@ def persistent_compilation_cache(path: str):
         os.environ[key] = value
 
 
+# A test that compiles for TPU through libtpu's topology descriptions (compile only, nothing runs): marked
+# `tpu_compile` (`-m tpu_compile` runs them alone; CI runs them with the rest) and skipped, with the hint, where
+# libtpu is not installed. TPU_COMPILE for a module's pytestmark, needs_libtpu to decorate a test.
+TPU_COMPILE = [
+  pytest.mark.tpu_compile,
+  pytest.mark.skipif(not libtpu_installed(), reason=f"libtpu is not installed: {install_hint()}"),
+]
+
+
+def needs_libtpu(test):
+  for mark in reversed(TPU_COMPILE):
+    test = mark(test)
+  return test
+
+
 SIMULATED_DEVICES = 8  # the devices of tests/test_multi_device.py's session
 
 
@@ -138,20 +153,3 @@ def simulated_devices_session(paths: list[str], cache_dir: str, *, timeout: int 
   summary = proc.stdout.splitlines()[-1]
   assert " passed" in summary and " skipped" not in summary, summary
   return summary
-
-
-def run_on_simulated_devices(script: str, *args: str, devices: int = 8, timeout: int = 300) -> dict:
-  """Runs the test module `script` as a script (`python script args...`) in a process with `devices` simulated CPU
-  devices and returns the JSON object its last line of output prints: for checks that need more devices than
-  this test process has (jax's device count is fixed when it initialises)."""
-  env = dict(
-    os.environ,
-    XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-    JAX_PLATFORMS="cpu",
-    PYTHONPATH=os.pathsep.join(filter(None, (ROOT, os.environ.get("PYTHONPATH")))),
-  )
-  proc = subprocess.run(
-    [sys.executable, os.path.abspath(script), *args], env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT
-  )
-  assert proc.returncode == 0, proc.stderr[-4000:]
-  return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -26,6 +26,8 @@ def test_the_files_with_multi_device_tests_are_found():
     "tests/inference/test_sharded_decoding.py",
     "tests/convert/test_stream.py",
     "tests/pallas_kernels/test_indexer_prefix.py",
+    "tests/model/test_moe_parallel.py",
+    "tests/model/test_ragged_all_to_all.py",
   } <= set(FILES)
 
 

@@ -14,13 +14,11 @@ from glm_jax.sharding.topology import (
   compiled_flops,
   compiled_memory,
   generation_of,
-  install_hint,
-  libtpu_installed,
   parse_topology,
   tpu_topology_devices,
 )
+from tests.helpers import needs_libtpu
 
-needs_libtpu = pytest.mark.skipif(not libtpu_installed(), reason=f"libtpu is not installed: {install_hint()}")
 MiB = 1 << 20
 
 

@@ -13,10 +13,10 @@ import pytest
 
 from configs import glm5_tiny
 from glm_jax.model import ModelConfig, param_counts
-from glm_jax.sharding.topology import install_hint, libtpu_installed
 from tests.helpers import ROOT
+from tests.helpers import TPU_COMPILE
 
-pytestmark = pytest.mark.skipif(not libtpu_installed(), reason=f"libtpu is not installed: {install_hint()}")
+pytestmark = TPU_COMPILE
 
 
 def compile_decode(*args: str, timeout: int = 600) -> tuple[int, dict | None, str]:

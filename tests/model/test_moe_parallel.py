@@ -6,14 +6,10 @@ filled with NaN in a second program (outputs, gradients) and in the capacity che
 The fast path (buffer_factor: a receive buffer sized for the balanced load, taken when the routing fits it) gives
 the same outputs and gradients for routings that fit it and routings that do not.
 
-The checks need 8 devices; when this process has fewer, each check reruns this file as a script in a subprocess
-with 8 simulated devices (tests/helpers.py: run_on_simulated_devices), and the test asserts on the JSON it
-prints."""
+The checks need 8 devices: they run in tests/test_multi_device.py's session of 8 simulated devices."""
 
 import contextlib
-import json
 import math
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +20,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from glm_jax.model import moe_parallel, ragged_all_to_all as rat
 from glm_jax.model.grouped_ffn import grouped_ffn
 from glm_jax.model.moe_parallel import expert_parallel_ffn, expert_parallel_specs
-from tests.helpers import run_on_simulated_devices
+from tests import helpers
 
 N, D, I, E, K = 64, 16, 8, 16, 3
 TOL = 1e-5
@@ -218,13 +214,10 @@ def capacity_check(mesh, args, idxs, put, specs) -> dict:
   return out
 
 
-def run_check(name: str) -> dict:
-  return check(name) if jax.device_count() >= 8 else run_on_simulated_devices(__file__, name)
-
-
-@pytest.mark.parametrize("name", [n if n == "expert8" else pytest.param(n, marks=pytest.mark.slow) for n in MESHES])
+@helpers.multi_device(8)
+@pytest.mark.parametrize("name", list(MESHES))
 def test_expert_parallel_equals_grouped_ffn(name):
-  result = run_check(name)
+  result = check(name)
   assert (
     set(result["errors"]) == set(result["nan_filled_errors"]) == {"random", "all_to_expert_0", "all_to_last_experts"}
   )
@@ -264,7 +257,3 @@ def test_errors_name_the_sizes():
   np.testing.assert_allclose(
     ffn(x, w, gate, up, down, mesh), grouped_ffn(x, w, idxs["random"], gate, up, down, jnp.float32)[0], atol=TOL
   )
-
-
-if __name__ == "__main__":  # the subprocess of run_check
-  print(json.dumps(check(sys.argv[1])))

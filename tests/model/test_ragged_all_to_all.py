@@ -1,10 +1,8 @@
 """The CPU emulation of jax.lax.ragged_all_to_all (glm_jax/model/ragged_all_to_all.py) against numpy running the
-pseudo-code of jax's docstring, on 4 simulated devices: one and two slices a device, empty slices, gaps in the
-operand, rows of the output no slice writes; its gradient against the same loop transposed. (The TPU program's
+pseudo-code of jax's docstring, on 4 simulated devices (in tests/test_multi_device.py's session): one and two slices
+a device, empty slices, gaps in the operand, rows of the output no slice writes; its gradient against the same loop
+transposed. (The TPU program's
 use of the real collective is checked by tests/train/test_aot.py.)"""
-
-import json
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +11,7 @@ import pytest
 from jax.sharding import AxisType, PartitionSpec as P
 
 from glm_jax.model.ragged_all_to_all import dense_ragged_all_to_all
-from tests.helpers import run_on_simulated_devices
+from tests import helpers
 
 DEVICES, ROWS_IN, ROWS_OUT, WIDTH = 4, 10, 12, 3
 
@@ -99,24 +97,9 @@ def check(seed: int, per_device: int) -> dict:
   }
 
 
-@pytest.mark.parametrize(
-  "seed, per_device",
-  [
-    (0, 2),
-    pytest.param(0, 1, marks=pytest.mark.slow),
-    pytest.param(1, 1, marks=pytest.mark.slow),
-    pytest.param(1, 2, marks=pytest.mark.slow),
-  ],
-)
+@helpers.multi_device(DEVICES)
+@pytest.mark.parametrize("seed, per_device", [(0, 2), (0, 1), (1, 1), (1, 2)])
 def test_dense_emulation_follows_jax_contract(seed, per_device):
-  got = (
-    check(seed, per_device)
-    if jax.device_count() >= DEVICES
-    else run_on_simulated_devices(__file__, str(seed), str(per_device), devices=DEVICES)
-  )
+  got = check(seed, per_device)
   assert got["rows_sent"] > 0 and got["empty_slices"] > 0 and got["rows_kept"] > 0, got  # the case has all three
   assert got["result"] == 0.0 and got["d_operand"] == 0.0 and got["d_output"] == 0.0, got  # rows are moved
-
-
-if __name__ == "__main__":  # the subprocess of run_on_simulated_devices
-  print(json.dumps(check(int(sys.argv[1]), int(sys.argv[2]))))

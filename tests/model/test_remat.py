@@ -14,8 +14,9 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from configs import glm5_tiny
 from glm_jax.model import ModelConfig
 from glm_jax.model.transformer import GlmMoeDsa
-from glm_jax.sharding.topology import install_hint, libtpu_installed, tpu_topology_devices
+from glm_jax.sharding.topology import tpu_topology_devices
 from tests.train.test_step import build
+from tests.helpers import needs_libtpu
 
 B, T = 2, 16
 
@@ -51,7 +52,7 @@ def test_offloaded_remat_gives_the_gradient_without_remat_and_puts_the_layer_inp
   assert {f"{cfg.num_dense_layers},{B},{T},{d}", f"{cfg.num_moe_layers},{B},{T},{d}"} <= host
 
 
-@pytest.mark.skipif(not libtpu_installed(), reason=f"libtpu is not installed: {install_hint()}")
+@needs_libtpu
 @pytest.mark.slow  # two TPU compiles of the gradient
 def test_the_tpu_program_keeps_the_layer_inputs_in_host_memory():
   """The gradient compiled for v5p:2x2x1 (batch over 4 chips): with the offload policy the stacked layer inputs

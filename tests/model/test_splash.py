@@ -14,9 +14,9 @@ from glm_jax.model import splash
 from glm_jax.model.config import ModelConfig
 from glm_jax.model.layers import rope_angles
 from glm_jax.model.mla import MLA, AttentionInputs
-from glm_jax.sharding.topology import install_hint, libtpu_installed
 from pallas_kernels.visibility import Visibility
 from tests.helpers import init_module
+from tests.helpers import needs_libtpu
 
 B, T, H, P, O = 2, 256, 2, 64, 32
 SCALE = P**-0.5
@@ -99,7 +99,7 @@ def test_mla_dense_stage_with_pallas_equals_reference():
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4 * max(1.0, float(jnp.max(jnp.abs(b)))))
 
 
-@pytest.mark.skipif(not libtpu_installed(), reason=f"libtpu is not installed: {install_hint()}")
+@needs_libtpu
 @pytest.mark.slow  # a TPU compile of the train step
 def test_dense_stage_compiles_splash_kernels_for_tpu():
   """The dense-stage train step with attention_impl="pallas", compiled for v5p: splash's kernels (forward and the

@@ -27,7 +27,8 @@ from pallas_kernels import lightning_indexer_reference as reference
 from pallas_kernels.lightning_indexer import IndexerBlockSizes, lightning_indexer_topk
 from pallas_kernels.visibility import Visibility
 from tests import helpers
-from tests.pallas_kernels.test_lightning_indexer import _assert_same, _int_inputs, needs_libtpu
+from tests.helpers import needs_libtpu
+from tests.pallas_kernels.test_lightning_indexer import _assert_same, _int_inputs
 
 
 def _documents(rng, b, s_len, bounds):

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import SingleDeviceSharding
 
-from glm_jax.sharding.topology import install_hint, libtpu_installed, tpu_topology_devices
+from glm_jax.sharding.topology import tpu_topology_devices
 from pallas_kernels.visibility import Visibility
 from pallas_kernels.lightning_indexer import IndexerBlockSizes, lightning_indexer_topk
 from pallas_kernels.sparse_mla_attention import (
@@ -21,8 +21,8 @@ from pallas_kernels.sparse_mla_attention import (
   sparse_attention_head_probs,
   sparse_mla_attention,
 )
+from tests.helpers import needs_libtpu
 
-needs_libtpu = pytest.mark.skipif(not libtpu_installed(), reason=f"libtpu is not installed: {install_hint()}")
 
 _COST = re.compile(r'"cost_estimate":\{"flops":"(\d+)","transcendentals":"(\d+)","bytes_accessed":"(\d+)"')
 _OP_NAME = re.compile(r'op_name="([^"]*)"')

@@ -16,12 +16,11 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import SingleDeviceSharding
 
-from glm_jax.sharding.topology import compiled_memory, install_hint, libtpu_installed, tpu_topology_devices
+from glm_jax.sharding.topology import compiled_memory, tpu_topology_devices
 from pallas_kernels.visibility import Visibility
 from pallas_kernels import lightning_indexer_reference as reference
 from pallas_kernels.lightning_indexer import IndexerBlockSizes, lightning_indexer_topk
-
-needs_libtpu = pytest.mark.skipif(not libtpu_installed(), reason=f"libtpu is not installed: {install_hint()}")
+from tests.helpers import needs_libtpu
 
 
 def _int_inputs(seed, b, t_len, s_len, heads, dim, dtype=jnp.float32):

@@ -23,7 +23,7 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import SingleDeviceSharding
 
-from glm_jax.sharding.topology import compiled_memory, install_hint, libtpu_installed, tpu_topology_devices
+from glm_jax.sharding.topology import compiled_memory, tpu_topology_devices
 from pallas_kernels.visibility import Visibility
 from pallas_kernels import lightning_indexer_reference as indexer_reference
 from pallas_kernels import sparse_mla_attention_reference as reference
@@ -32,8 +32,8 @@ from pallas_kernels.sparse_mla_attention import (
   sparse_attention_head_probs,
   sparse_mla_attention,
 )
+from tests.helpers import needs_libtpu
 
-needs_libtpu = pytest.mark.skipif(not libtpu_installed(), reason=f"libtpu is not installed: {install_hint()}")
 BF16_BOUND = 2.0**-6
 
 

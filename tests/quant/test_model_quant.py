@@ -17,7 +17,7 @@ from glm_jax.model import quantization as Q
 from glm_jax.model.layers import dense
 from glm_jax.quant.packed import PackedWeight, dequantize_weight, pack_weight
 from glm_jax.tree_paths import path_names, path_str
-from tests.helpers import init_module
+from tests.helpers import init_module, needs_libtpu
 
 ROUTED = [
   "moe_layers/mlp/down_proj",
@@ -232,6 +232,7 @@ def test_packed_checkpoint_round_trip_and_refusals(tiny_model, tmp_path):
   assert sorted(p.name for p in tmp_path.iterdir()) == ["w4a8"]
 
 
+@needs_libtpu
 @pytest.mark.slow  # XLA:TPU compiles a 744B-shaped decode step (two layers)
 def test_packed_744b_decode_step_compiles_to_integer_dots_for_tpu():
   """glm5_744b's shapes (one dense and one MoE layer: the step of every layer of the stacks) packed as w4a8, its
@@ -242,10 +243,8 @@ def test_packed_744b_decode_step_compiles_to_integer_dots_for_tpu():
 
   from configs import glm5_744b
   from glm_jax.model.platform import target_platform
-  from glm_jax.sharding.topology import install_hint, libtpu_installed, tpu_topology_devices
+  from glm_jax.sharding.topology import tpu_topology_devices
 
-  if not libtpu_installed():
-    pytest.skip(f"libtpu is not installed: {install_hint()}")
   cfg = ModelConfig.from_dict(glm5_744b.get_config().model).replace(
     num_hidden_layers=2, first_k_dense_replace=1, num_nextn_predict_layers=0
   )

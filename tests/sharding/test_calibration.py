@@ -16,11 +16,11 @@ import sys
 import pytest
 
 from glm_jax.sharding import hlo_cost, ici
-from glm_jax.sharding.topology import install_hint, libtpu_installed, torus_of, tpu_topology_devices
+from glm_jax.sharding.topology import torus_of, tpu_topology_devices
 from tests.helpers import ROOT
+from tests.helpers import needs_libtpu
 
 HLO = os.path.join(os.path.dirname(__file__), "maxtext_deepseek3_671b_v5p1024_b5.hlo.txt.xz")
-needs_libtpu = pytest.mark.skipif(not libtpu_installed(), reason=f"libtpu is not installed: {install_hint()}")
 
 
 @pytest.fixture(scope="module")

@@ -18,12 +18,13 @@ from flax import nnx
 from configs import glm5_tiny
 from glm_jax.model import GlmMoeDsa, context_parallel
 from glm_jax.sharding.mesh import batch_sharding, make_mesh
-from glm_jax.sharding.topology import install_hint, libtpu_installed, tpu_topology_devices
+from glm_jax.sharding.topology import tpu_topology_devices
 from glm_jax.train import step as step_lib
 from glm_jax.train.config import model_config_for_stage
 from glm_jax.train.trainer import check_config, create_train_state
 from tests import helpers
 from tests.sharding.test_mesh import FAST_COMPILE, STEP_TOLERANCE, one_device_loop, sharded_step, tiny_loop
+from tests.helpers import needs_libtpu
 
 multi_device = helpers.multi_device(8)  # runs in tests/test_multi_device.py's session
 
@@ -201,7 +202,7 @@ def test_glm5_tiny_trains_with_context_2(tmp_path, data_cache_dir):
   assert meshed["eval_loss"] == pytest.approx(single["eval_loss"], rel=1e-5)
 
 
-@pytest.mark.skipif(not libtpu_installed(), reason=f"libtpu is not installed: {install_hint()}")
+@needs_libtpu
 @pytest.mark.slow  # two TPU compiles of a 16K-token train step
 @pytest.mark.parametrize("stage", ["warmup", "sparse"])
 def test_the_long_context_tpu_step_holds_no_sequence_by_sequence_array(stage):

@@ -14,9 +14,9 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P, Sing
 
 from glm_jax.model.grouped_matmul import megablox_grid_cost
 from glm_jax.sharding import hlo_cost, ici
-from glm_jax.sharding.topology import install_hint, libtpu_installed, torus_of, tpu_topology_devices
+from glm_jax.sharding.topology import torus_of, tpu_topology_devices
+from tests.helpers import needs_libtpu
 
-needs_libtpu = pytest.mark.skipif(not libtpu_installed(), reason=f"libtpu is not installed: {install_hint()}")
 
 EINSUMS = {  # equation -> operand shapes; the FLOPs are 2 x the product of every distinct index's size
   "ij,jk->ik": ((256, 512), (512, 128)),

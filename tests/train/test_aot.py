@@ -22,8 +22,7 @@ from glm_jax.train import aot, trainer
 from glm_jax.train.config import model_config_for_stage
 from configs import glm5_744b, glm5_tiny
 from tests.helpers import ROOT
-
-needs_libtpu = pytest.mark.skipif(not libtpu_installed(), reason=f"libtpu is not installed: {install_hint()}")
+from tests.helpers import needs_libtpu
 
 
 def tiny(mesh: dict, **train):
