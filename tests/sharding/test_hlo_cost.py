@@ -15,7 +15,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P, Sing
 from glm_jax.model.grouped_matmul import megablox_grid_cost
 from glm_jax.sharding import hlo_cost, ici
 from glm_jax.sharding.topology import torus_of, tpu_topology_devices
-from tests.helpers import needs_libtpu
+from tests.helpers import TPU_COMPILE, needs_libtpu
 
 
 EINSUMS = {  # equation -> operand shapes; the FLOPs are 2 x the product of every distinct index's size
@@ -187,7 +187,7 @@ def test_megablox_grid_cost_by_hand():
     megablox_grid_cost("x", 40, 64, 200, sizes, tiling=tiling)
 
 
-@pytest.mark.parametrize("platform", ["cpu", pytest.param("tpu", marks=needs_libtpu)])
+@pytest.mark.parametrize("platform", ["cpu", pytest.param("tpu", marks=TPU_COMPILE)])
 def test_loop_bodies_count_once_per_iteration(platform):
   """A scan of 3 inside a scan of 5 and a fori_loop from 2 to 6 run the matmul 5 x 3 + 4 = 19 times. XLA:CPU's
   HLO states each loop's trip count; XLA:TPU's does not, and the count is read from the loop's counter."""
@@ -207,7 +207,7 @@ def test_loop_bodies_count_once_per_iteration(platform):
   assert any("x15 (loop)" in o.note for o in ops) and any("x4 (loop)" in o.note for o in ops)
 
 
-@pytest.mark.parametrize("platform", ["cpu", pytest.param("tpu", marks=needs_libtpu)])
+@pytest.mark.parametrize("platform", ["cpu", pytest.param("tpu", marks=TPU_COMPILE)])
 def test_a_scanned_layer_moves_its_slice_of_the_stack(platform):
   """A scan over 8 stacked [d, d] weights reads one layer's slice an iteration, not the stack (XLA's operand is the
   whole stack; a dynamic-slice, at top level or in a fusion, reads its slice), and its stacked output rows are
@@ -370,7 +370,7 @@ def test_a_multislice_step_reduces_gradients_over_dcn():
   assert timed["seconds"] >= 2 * shard / (50e9 / 8)  # one DCN queue: the two transfers one after the other
 
 
-@pytest.mark.parametrize("platform", ["cpu", pytest.param("tpu", marks=needs_libtpu)])
+@pytest.mark.parametrize("platform", ["cpu", pytest.param("tpu", marks=TPU_COMPILE)])
 def test_a_branch_model_counts_the_branch_that_runs(platform):
   """lax.cond between a 128-row matmul (named scope "fast") and a 1024-row one: every branch counted once without a
   branch model (2 x (128 + 1024) x k x n FLOPs), only the picked one with it, and the schedule follows it."""
