@@ -24,7 +24,7 @@ from glm_jax.train.checkpoint import Checkpointer
 from glm_jax.train.step import split_model
 
 # the GRPO and distillation loops end to end; the notebooks run the same programs (tests/test_notebooks.py)
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("shared_compilation_cache")]
+pytestmark = pytest.mark.usefixtures("shared_compilation_cache")  # the trained runs: slow, test by test
 
 ALL_SUMS = [tasks_lib.AdditionTask(digits=1)._problem(f"{a}+{b}=", str(a + b)) for a in range(10) for b in range(10)]
 
@@ -68,6 +68,7 @@ def policy_weights(workdir, config, which):
 
 
 @pytest.mark.parametrize("engine", ["in_process", "rollout_process"])
+@pytest.mark.slow
 def test_grpo_raises_expected_reward(tmp_path, engine):
   """grpo_tiny as shipped (1-digit addition, DSA selecting 4 keys, frozen indexer, IcePop), 30 GRPO steps after
   its 60-step SFT. The measure is exact, not sampled: the probability of answering each of the 100 problems
@@ -95,6 +96,7 @@ def test_grpo_raises_expected_reward(tmp_path, engine):
     assert key in rows[-1]
 
 
+@pytest.mark.slow
 def test_async_drops_stale_rollouts_and_survives_failing_rewards(tmp_path, monkeypatch):
   """A worker that runs ahead (the first update includes compiling the step, while it queues two more batches)
   with tau = 0: every rollout made with older weights than the trainer's is dropped, none is trained on. A
@@ -140,6 +142,7 @@ def test_async_drops_stale_rollouts_and_survives_failing_rewards(tmp_path, monke
   assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(params))
 
 
+@pytest.mark.slow
 def test_distillation_lowers_kl_to_teachers(tmp_path):
   """distill_tiny with short teacher fine-tunes, 20 steps. The measure is what on-policy distillation minimizes,
   computed exactly per token: on 512 answers the student samples (fixed prompts and key) before and after,
@@ -206,6 +209,7 @@ def test_bad_configs(tmp_path):
     rl_trainer.run(quiet(config, group_size=8), str(tmp_path / "d"))
 
 
+@pytest.mark.slow
 def test_quantization_aware_grpo_samples_from_the_packed_weights(tmp_path):
   """GRPO with config.quant (per-row INT4 on the routed experts and the attention): the rollouts sample from the
   packed weights and the updates fake-quantize the same weights, so the rollout log-probs are the training

@@ -24,7 +24,7 @@ from glm_jax.train.trainer import create_train_state, train_and_evaluate
 from tests.train.runs import make_config, metric_rows, run_script, run_train, snapshot, strict_loads, train_rows
 
 # training runs, a few of them through launch/train.py
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("shared_compilation_cache")]
+pytestmark = pytest.mark.usefixtures("shared_compilation_cache")  # the trained runs: slow, test by test
 
 # 6 steps with checkpoints at 3 and 6 (both kept), resumed to 9.
 SHORT = {"train.steps": 6, "train.keep_checkpoints": 3}
@@ -80,6 +80,7 @@ def delete_manifests(path):
   [lambda step_dir: truncate(largest_array_file(step_dir)), delete_manifests],
   ids=["truncated_array_file", "deleted_manifest"],
 )
+@pytest.mark.slow
 def test_a_corrupt_latest_checkpoint_falls_back_to_the_step_before(
   six_steps, straight, data_cache_dir, tmp_path, corrupt, caplog
 ):
@@ -101,6 +102,7 @@ def test_a_corrupt_latest_checkpoint_falls_back_to_the_step_before(
   assert Checkpointer(workdir, read_only=True).steps() == [9, 6]  # keep_checkpoints=2
 
 
+@pytest.mark.slow
 def test_when_no_step_restores_the_error_names_each_and_moves_nothing(six_steps, data_cache_dir, tmp_path):
   workdir = copy_of(six_steps, tmp_path)
   steps = Checkpointer(workdir, read_only=True).steps()
@@ -130,6 +132,7 @@ def test_when_no_step_restores_the_error_names_each_and_moves_nothing(six_steps,
     ),
   ],
 )
+@pytest.mark.slow
 def test_resuming_on_other_data_is_refused_by_name(six_steps, data_cache_dir, changes, named):
   before = snapshot(six_steps)
   with pytest.raises(ValueError, match=named + r".*--config\.train\.allow_data_change=True"):
@@ -137,6 +140,7 @@ def test_resuming_on_other_data_is_refused_by_name(six_steps, data_cache_dir, ch
   assert snapshot(six_steps) == before
 
 
+@pytest.mark.slow
 def test_a_checkpoint_written_before_fields_were_added_resumes(six_steps, straight, data_cache_dir, tmp_path, caplog):
   """Adding a field to a config section must not break resuming the runs saved before it: here every compared
   section of the saved configs loses a field, as if the library had added it since, and the run goes on from
@@ -163,6 +167,7 @@ def test_a_checkpoint_written_before_fields_were_added_resumes(six_steps, straig
   assert said and all(f"{s}.{f}" in said[0] for s, f in removed.items()), said
 
 
+@pytest.mark.slow
 def test_init_from_a_run_with_another_tokenizer_is_refused(six_steps, data_cache_dir, tmp_path):
   config = make_config(data_cache_dir, **{"train.init_from": six_steps, "data.bpe_vocab_size": 384})
   with pytest.raises(
@@ -174,6 +179,7 @@ def test_init_from_a_run_with_another_tokenizer_is_refused(six_steps, data_cache
   assert not os.path.exists(tmp_path / "run")
 
 
+@pytest.mark.slow
 def test_allow_data_change_resumes_the_state_on_fresh_data(six_steps, data_cache_dir, tmp_path):
   """With the override, the weights and optimizer continue from step 6 and the new data starts from its first
   batch: step 7's loss is the loss of step 6's state on the new data's first batch."""
@@ -216,6 +222,7 @@ def test_an_unwritable_checkpoints_directory_fails_at_once_and_creates_nothing(t
   assert seconds < 60, seconds  # the process's start-up; nothing is built (it hung 340 s before)
 
 
+@pytest.mark.slow
 def test_a_diverging_run_stops_non_zero_and_checkpoints_only_finite_weights(tmp_path, data_cache_dir):
   """AdamW at lr 1e12 without clipping: the first update makes the weights huge, every later loss is NaN and
   every later step is skipped; after 3 in a row the run stops with exit code 1."""
@@ -273,6 +280,7 @@ def test_a_diverging_run_stops_non_zero_and_checkpoints_only_finite_weights(tmp_
     assert first_nonfinite(ckpt.restore_weights(step, state.params, state.rest)[0]) is None, step
 
 
+@pytest.mark.slow
 def test_non_finite_weights_are_never_saved(tmp_path, data_cache_dir):
   config = make_config(data_cache_dir)
   _, state, _, _ = create_train_state(config, model_config_for_stage(config))
@@ -289,6 +297,7 @@ def test_non_finite_weights_are_never_saved(tmp_path, data_cache_dir):
   assert not os.path.exists(tmp_path / "run")
 
 
+@pytest.mark.slow
 def test_sample_py_decodes_with_the_recorded_tokenizer(six_steps, data_cache_dir):
   """The sampler is given a config whose data section would build another tokenizer (a 384-token BPE); it uses
   the one recorded with the checkpoint, so its text is the right run's greedy continuation."""
@@ -309,6 +318,7 @@ def test_sample_py_decodes_with_the_recorded_tokenizer(six_steps, data_cache_dir
   assert wrong.stdout == right.stdout and right.stdout.startswith("[step 6] And God said")
 
 
+@pytest.mark.slow
 def test_post_training_refuses_an_init_from_with_another_vocabulary(six_steps, data_cache_dir):
   """GRPO and distillation read a character vocabulary; a pretraining run's checkpoint (a 512-token BPE) would be
   read as other tokens. rl.init_from and teachers.<name>.init_from check the recorded tokenizer first."""

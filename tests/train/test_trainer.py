@@ -20,7 +20,7 @@ from tests.helpers import ROOT
 from tests.train.runs import OVERRIDES, make_config, metric_rows, run_train, snapshot, train_rows
 
 # training runs end to end, several of them in subprocesses
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("shared_compilation_cache")]
+pytestmark = pytest.mark.usefixtures("shared_compilation_cache")  # the trained runs: slow, test by test
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +32,7 @@ def straight_run(tmp_path_factory, data_cache_dir):
   return workdir, json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_train_py_end_to_end(straight_run, data_cache_dir):
   workdir, summary = straight_run
   rows = train_rows(workdir)
@@ -76,6 +77,7 @@ def test_train_py_end_to_end(straight_run, data_cache_dir):
   assert summary["unigram_entropy"] == pytest.approx(data_lib.unigram_entropy(config.data, tok))
 
 
+@pytest.mark.slow
 def test_resume_is_bitwise(straight_run, data_cache_dir, tmp_path):
   """Steps 1-4, stop, then resume to 9 in a new call: the logged losses equal the straight run's bit for bit."""
   workdir, _ = straight_run
@@ -104,6 +106,7 @@ train_and_evaluate(config, sys.argv[1], hooks=[kill_at])
 """
 
 
+@pytest.mark.slow
 def test_kill_during_async_save_resumes_from_last_complete_checkpoint(straight_run, data_cache_dir, tmp_path):
   """A training process SIGKILLed while the step-6 checkpoint is being written; the rerun (here in this process,
   the same train_and_evaluate) resumes from step 3 and logs the uninterrupted run's losses."""
@@ -136,6 +139,7 @@ def test_kill_during_async_save_resumes_from_last_complete_checkpoint(straight_r
 # --- bad input: stopped before any work, with the field and value named, checkpoints untouched ---
 
 
+@pytest.mark.slow
 def test_incompatible_checkpoint_is_refused(straight_run, data_cache_dir):
   workdir, _ = straight_run
   before = snapshot(os.path.join(workdir, "checkpoints"))
@@ -197,6 +201,7 @@ def test_bad_sft_and_quant_sections_stop_before_work(tmp_path, data_cache_dir, c
   assert not os.path.exists(tmp_path / "run")
 
 
+@pytest.mark.slow
 def test_init_from_starts_the_warmup_stage_from_a_dense_run(straight_run, data_cache_dir, tmp_path, monkeypatch):
   """Dense -> warm-up, as GLM-5 trains DSA: the warm-up run starts from the dense run's weights and changes
   only the indexer, so its held-out loss (dense attention) is exactly the dense run's. No random initialization is
@@ -225,6 +230,7 @@ def test_init_from_starts_the_warmup_stage_from_a_dense_run(straight_run, data_c
   assert any(c for p, c in changed.items() if "indexer" in p)
 
 
+@pytest.mark.slow
 def test_init_from_an_incompatible_run_is_refused(straight_run, data_cache_dir, tmp_path):
   workdir, _ = straight_run
   config = make_config(data_cache_dir, **{"train.init_from": workdir, "model.hidden_size": 96})
