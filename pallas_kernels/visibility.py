@@ -14,7 +14,9 @@ step against a cache is a prefix too (`up_to`): query t sees the slots up to its
 
 Who reads it: the reference mask (`mask`, for the pure-jnp oracles and the dense MHA path), the indexer kernel (the
 per-block reach it skips key blocks by), blockwise attention and context parallelism (`rows`: their query blocks),
-splash (`is_static_causal`: its mask is static) and decode (`up_to`).
+splash (`is_static_causal`: its mask is static), decode (`up_to`), and the shard_maps that split its arrays over the
+batch or gather the keys' side over a context axis (`arrays`, `with_arrays`). A new option is a field here (an array
+with its side, or a static one), its term in `mask`, and the indexer kernel's own test of it.
 """
 
 from __future__ import annotations
@@ -32,9 +34,11 @@ class Visibility:
   """The rule in the module docstring. A pytree: its arrays (and a traced q_offset) are leaves, `causal` is static."""
 
   q_offset: jax.Array | int | None = None  # None: 0, and known to be 0 through any jit (a pytree without leaves)
-  q_segment_ids: jax.Array | None = None  # [B, T]
-  kv_segment_ids: jax.Array | None = None  # [B, S]
-  q_prefix_end: jax.Array | None = None  # [B, T] integers
+  # The arrays, each a query's ([B, T]) or a key's ([B, S]): `side` says which (a shard_map splits them over the
+  # batch; context parallelism gathers the keys' side).
+  q_segment_ids: jax.Array | None = dataclasses.field(default=None, metadata=dict(side="q"))  # [B, T]
+  kv_segment_ids: jax.Array | None = dataclasses.field(default=None, metadata=dict(side="kv"))  # [B, S]
+  q_prefix_end: jax.Array | None = dataclasses.field(default=None, metadata=dict(side="q"))  # [B, T] integers
   causal: bool = dataclasses.field(default=True, metadata=dict(static=True))
 
   @classmethod
@@ -136,6 +140,22 @@ class Visibility:
       q_segment_ids=blocks(self.q_segment_ids),
       kv_segment_ids=None,
       q_prefix_end=blocks(self.q_prefix_end),
+    )
+
+  def arrays(self) -> dict[str, jax.Array]:
+    """The [B, T] / [B, S] arrays it holds, by field name (the ones not None)."""
+    return {
+      f.name: getattr(self, f.name)
+      for f in dataclasses.fields(self)
+      if "side" in f.metadata and getattr(self, f.name) is not None
+    }
+
+  def with_arrays(self, arrays: dict[str, jax.Array], keys=None) -> Visibility:
+    """These arrays in place of its own (a shard's, inside a shard_map); the keys' side passed through `keys`
+    when given (context parallelism: a device's key arrays -> the whole sequence's)."""
+    side = {f.name: f.metadata.get("side") for f in dataclasses.fields(self)}
+    return dataclasses.replace(
+      self, **{k: keys(x) if keys is not None and side[k] == "kv" else x for k, x in arrays.items()}
     )
 
   def with_keys(self, kv_segment_ids: jax.Array | None) -> Visibility:

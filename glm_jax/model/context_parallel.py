@@ -126,13 +126,12 @@ def attention(
   def gather(x):  # this device's rows -> the whole sequence's, in natural order
     return from_zigzag(jax.lax.all_gather(x, CONTEXT, axis=1, tiled=True), c)
 
-  def local(q, kv, seg, pe, q_i, k_i, w_i, shared, prev):
+  def local(q, kv, q_i, k_i, w_i, shared, prev, vis_arrays):
     i = jax.lax.axis_index(CONTEXT)
     piece = q.shape[1] // 2
     offsets = (i * piece, (2 * c - 1 - i) * piece)  # the positions of this device's two chunks
     kv_all = gather(kv)
-    # this device's queries against the whole sequence's keys
-    vis = Visibility(q_segment_ids=seg, kv_segment_ids=None if seg is None else gather(seg), q_prefix_end=pe)
+    vis = visibility.with_arrays(vis_arrays, keys=gather)  # this device's queries against the whole sequence's keys
     k_i_all = None if k_i is None else gather(k_i)
     if not sparse:
       o, kl = blockwise.latent_attention_and_kl(
@@ -186,24 +185,25 @@ def attention(
       f"context parallel attention: want a causal self-attention visibility (q_offset 0); got causal="
       f"{visibility.causal}, q_offset={visibility.q_offset!r}"
     )
-  operands = [q_BTHA, kv_BTA, visibility.q_segment_ids, visibility.q_prefix_end, q_i, k_i, w_i, shared, prev]
-  specs = [P(batch, CONTEXT, heads, None), tok, tok, tok, P(batch, CONTEXT, None, None), tok, tok, P(), tok]
+  operands = [q_BTHA, kv_BTA, q_i, k_i, w_i, shared, prev]
+  specs = [P(batch, CONTEXT, heads, None), tok, P(batch, CONTEXT, None, None), tok, tok, P(), tok]
   present = [x is not None for x in operands]
+  vis_arrays = visibility.arrays()  # every one [B, T] in the layout, split like the tokens
   returned = (True, sparse, indexer_loss)  # which of (o, idx, kl) the body returns
 
   def body(*args):
     it = iter(args)
-    outs = local(*(next(it) if p else None for p in present))
+    outs = local(*(next(it) if p else None for p in present), dict(zip(vis_arrays, it)))
     return tuple(x for x, r in zip(outs, returned) if r)
 
   out_specs = (P(batch, CONTEXT, heads, None), tok, tok)
   outs = iter(
     jax.shard_map(
       body,
-      in_specs=tuple(s for s, p in zip(specs, present) if p),
+      in_specs=(*(s for s, p in zip(specs, present) if p), *[tok] * len(vis_arrays)),
       out_specs=tuple(s for s, r in zip(out_specs, returned) if r),
       check_vma=False,
-    )(*(x for x in operands if x is not None))
+    )(*(x for x in operands if x is not None), *vis_arrays.values())
   )
   o, idx, kl = (next(outs) if r else None for r in returned)
   return o, idx, kl

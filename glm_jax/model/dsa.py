@@ -121,18 +121,14 @@ def select_topk(
   if not batch:
     return kernel(q_BTJZ, k_BSZ, w_BTJ, visibility=visibility)
   # The [B, T] / [B, S] arrays of the visibility are split over the batch like q; q_offset is the same everywhere.
-  arrays = {k: x for k, x in _batch_arrays(visibility).items() if x is not None}
+  arrays = visibility.arrays()
   args = [q_BTJZ, k_BSZ, w_BTJ, *arrays.values()]
   specs = [_spec(batch, None, None, None), _spec(batch, None, None), _spec(batch)] + [_spec(batch)] * len(arrays)
 
   def local(q, k, w, *rest):
-    return kernel(q, k, w, visibility=dataclasses.replace(visibility, **dict(zip(arrays, rest))))
+    return kernel(q, k, w, visibility=visibility.with_arrays(dict(zip(arrays, rest))))
 
   return jax.shard_map(local, in_specs=tuple(specs), out_specs=(_spec(batch), _spec(batch)), check_vma=False)(*args)
-
-
-def _batch_arrays(vis: Visibility) -> dict[str, jax.Array | None]:
-  return {"q_segment_ids": vis.q_segment_ids, "kv_segment_ids": vis.kv_segment_ids, "q_prefix_end": vis.q_prefix_end}
 
 
 def attend(

@@ -85,3 +85,14 @@ def test_errors_name_the_field():
     Visibility.self_attention(seg).check("f", B, T, 5)
   with pytest.raises(TypeError, match=r"f: q_offset=1.5; must be an int or an integer scalar array"):
     Visibility(q_offset=1.5).check("f", B, T, T)
+
+
+def test_arrays_and_with_arrays_sort_the_query_side_from_the_key_side():
+  seg, pe = _data()
+  vis = Visibility(3, jnp.asarray(seg), jnp.asarray(seg), jnp.asarray(pe))
+  assert sorted(vis.arrays()) == ["kv_segment_ids", "q_prefix_end", "q_segment_ids"]
+  assert sorted(Visibility(q_prefix_end=jnp.asarray(pe)).arrays()) == ["q_prefix_end"]
+  # a shard's arrays back in (keys' side through `keys`): only kv_segment_ids is passed through
+  doubled = vis.with_arrays(vis.arrays(), keys=lambda x: jnp.concatenate([x, x], axis=1))
+  assert doubled.q_segment_ids.shape == doubled.q_prefix_end.shape == (B, T)
+  assert doubled.kv_segment_ids.shape == (B, 2 * T) and doubled.q_offset == 3
