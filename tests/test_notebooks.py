@@ -1,9 +1,13 @@
 """The notebooks (notebooks/*.ipynb) run top to bottom, headless, with their parameters shrunk to seconds; a cell
-that raises fails the test (each notebook asserts its own numbers: the kernels against their references, the
-metrics its runs log). Checked in, they carry no outputs, so none can be stale."""
+that raises fails the test. Each notebook asserts its own numbers at any length (the kernels against their references;
+a training run's summaries against its metrics.jsonl, its checkpoints and recomputations), and its learning claims
+at full length. Then the test reads the metrics.jsonl files the runs wrote and checks what the notebook printed
+against them. Checked in, the notebooks carry no outputs, so none can be stale."""
 
+import ast
 import json
 import os
+import re
 
 import nbformat
 import pytest
@@ -69,3 +73,88 @@ def test_a_notebook_runs_top_to_bottom(name, tmp_path, data_cache_dir):
   text = json.dumps([o.get("text", "") for o in outputs(nb, "stream")])
   if name == "dsa_kernels.ipynb":
     assert "100.00% of the indices equal the reference's" in text
+  else:
+    CHECK_PRINTED[name](stdout(nb), tmp_path / "work", SHRINK[name])
+
+
+def stdout(nb) -> str:
+  return "".join(o.get("text", "") for o in outputs(nb, "stream") if o.get("name") == "stdout")
+
+
+def printed_dicts(text: str, first_key: str) -> list[dict]:
+  """The dicts the notebook printed whose first key is first_key (print(summary)), parsed."""
+  return [ast.literal_eval(line) for line in text.splitlines() if line.startswith("{" + repr(first_key) + ":")]
+
+
+def printed(pattern: str, text: str) -> tuple[str, ...]:
+  m = re.search(pattern, text)
+  assert m, f"the notebook printed no line matching {pattern!r}"
+  return m.groups()
+
+
+def metrics(workdir) -> list[dict]:
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def last(rows: list[dict], key: str) -> dict:
+  return [r for r in rows if key in r][-1]
+
+
+def check_pretrain(text, work, sizes):
+  rows = {stage: metrics(work / stage) for stage in ("dense", "warmup", "sparse")}
+  dense, sparse = printed_dicts(text, "step")
+  for stage, summary in (("dense", dense), ("sparse", sparse)):
+    steps = sizes[f"{stage.upper()}_STEPS"]
+    assert summary["step"] == steps == rows[stage][-1]["step"] == last(rows[stage], "eval_loss")["step"], stage
+    assert summary["eval_loss"] == last(rows[stage], "eval_loss")["eval_loss"], stage
+    assert summary["train_loss"] == last(rows[stage], "loss")["loss"], stage
+  assert rows["warmup"][-1]["step"] == sizes["WARMUP_STEPS"]
+  held = printed(r"held-out loss: dense (\S+), after sparse training (\S+); unigram entropy (\S+)\n", text)
+  assert held == tuple(f"{v:.3f}" for v in (dense["eval_loss"], sparse["eval_loss"], dense["unigram_entropy"]))
+  # The sparse stage's first step (logged: at these sizes every step is) against the notebook's recomputation of it
+  # from the warm-up's weights.
+  step1 = next(r for r in rows["sparse"] if r["step"] == 1 and "lm_loss" in r)["lm_loss"]
+  logged, recomputed = printed(r"sparse stage, step 1: lm_loss (\S+) logged, (\S+) from the warm-up's weights", text)
+  assert logged == f"{step1:.6f}"
+  assert abs(float(recomputed) - step1) <= 1e-5 * step1 + 5e-7, (recomputed, step1)  # the notebook's rtol, rounding
+  printed(r"(\d+) layers x (\d+) queries: each attended to the top min\(visible keys, (\d+)\)", text)
+
+
+def check_rl_summary(text, rows, steps) -> dict:
+  """The run's summary as printed: its step, its accuracies before and after, against the run's rows."""
+  (summary,) = printed_dicts(text, "trainer")
+  evals = [r for r in rows if "eval_accuracy" in r]
+  assert rows[0]["step"] == 0 and summary["start_eval_accuracy"] == rows[0]["eval_accuracy"]
+  assert summary["step"] == steps == rows[-1]["step"] == evals[-1]["step"]
+  assert summary["eval_accuracy"] == evals[-1]["eval_accuracy"]
+  assert summary["reward_mean"] == rows[-1]["reward_mean"]
+  return summary
+
+
+def check_grpo(text, work, sizes):
+  rows = metrics(work)
+  check_rl_summary(text, rows, sizes["STEPS"])
+  start, end = printed(r"greedy accuracy: (\S+) after the warm start -> (\S+)\n", text)
+  assert (start, end) == (f"{rows[0]['eval_accuracy']:.3f}", f"{last(rows, 'eval_accuracy')['eval_accuracy']:.3f}")
+  updates, trained, dropped = printed(
+    r"(\d+) logged updates of \d+ answers: (\d+) answer tokens trained, (\d+) dropped", text
+  )
+  assert int(updates) == len(rows) - 1 == sizes["STEPS"]
+  assert int(trained) == sum(r["response_tokens"] for r in rows[1:])
+  assert int(dropped) == round(sum(r["icepop_drop_frac"] * r["response_tokens"] for r in rows[1:]))
+
+
+def check_distill(text, work, sizes):
+  rows = metrics(work)
+  summary = check_rl_summary(text, rows, sizes["STEPS"])
+  kl = [r["teacher_kl"] for r in rows if "teacher_kl" in r]
+  assert len(kl) == sizes["STEPS"] and summary["teacher_kl"] == kl[-1]
+  assert printed(r"teacher_kl: (\S+) at the first step -> (\S+) at the last", text) == (f"{kl[0]:.3f}", f"{kl[-1]:.3f}")
+
+
+CHECK_PRINTED = {
+  "pretrain_dsa.ipynb": check_pretrain,
+  "grpo_icepop.ipynb": check_grpo,
+  "distillation.ipynb": check_distill,
+}
