@@ -41,21 +41,37 @@ def release_compiled_programs():
 
 
 # The files that take longest (minutes each: the 8-device session is one subprocess of several minutes), in the
-# order they start: pytest-xdist's --dist loadfile hands files to the workers in collection order, so a long file
-# collected last would run alone at the end while the other worker idles.
+# order they start. pytest-xdist's --dist loadfile hands files to the workers in the order of its work queue; by
+# default it sorts that queue by the number of tests a file has, which put the 8-device session (two tests) last,
+# where it ran alone for 7 minutes while the other worker idled. Here the queue is the collection order (the
+# reorder is switched off below), and the collection order is these files first, then the others by their number of
+# tests (xdist's own heuristic), so the short files fill in at the end.
 LONG_FILES = (
   "tests/test_multi_device.py",
-  "tests/rl/test_trainer.py",
   "tests/test_notebooks.py",
+  "tests/rl/test_trainer.py",
   "tests/train/test_faults.py",
   "tests/train/test_aot.py",
   "tests/sharding/test_hlo_cost.py",
+  "tests/quant/test_model_quant.py",
+  "tests/sharding/test_context_parallel.py",
+  "tests/test_sweep.py",
 )
 
 
-def pytest_collection_modifyitems(session, config, items):
-  def rank(item):
-    path = os.path.relpath(str(item.path), os.path.dirname(os.path.dirname(__file__)))
-    return LONG_FILES.index(path) if path in LONG_FILES else len(LONG_FILES)
+def pytest_configure(config):
+  if hasattr(config.option, "loadscopereorder"):  # pytest-xdist's --dist loadfile: keep the collection's order
+    config.option.loadscopereorder = False
 
-  items.sort(key=rank)  # stable: the other files, and the tests within a file, keep their order
+
+def pytest_collection_modifyitems(session, config, items):
+  root = os.path.dirname(os.path.dirname(__file__))
+  files = [os.path.relpath(str(item.path), root) for item in items]
+  count = {f: files.count(f) for f in set(files)}
+  first = {f: files.index(f) for f in set(files)}
+
+  def order(pair):
+    f = pair[1]
+    return (LONG_FILES.index(f) if f in LONG_FILES else len(LONG_FILES), -count[f], first[f])
+
+  items[:] = [item for item, _ in sorted(zip(items, files), key=order)]  # a file's tests keep their order
