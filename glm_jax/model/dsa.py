@@ -170,17 +170,14 @@ def dense_causal_attend(
   heads = split_axes(q_BTHP.shape[2], (TENSOR,)) or None
   if not batch and not heads:
     return kernel(q_BTHP, k_BTHP, v_BTHO, visibility)
-  # The segment ids are split over the batch like q; without them every row is one document.
-  zeros = jnp.zeros(q_BTHP.shape[:2], jnp.int32)
-  segs = [zeros if x is None else x for x in (visibility.q_segment_ids, visibility.kv_segment_ids)]
+  arrays = visibility.arrays()  # split over the batch like q
 
-  def local(q, k, v, q_seg, kv_seg):
-    return kernel(q, k, v, dataclasses.replace(visibility, q_segment_ids=q_seg, kv_segment_ids=kv_seg))
+  def local(q, k, v, *rest):
+    return kernel(q, k, v, visibility.with_arrays(dict(zip(arrays, rest))))
 
   qkv = _spec(batch, None, heads, None)
-  return jax.shard_map(local, in_specs=(qkv, qkv, qkv, _spec(batch), _spec(batch)), out_specs=qkv, check_vma=False)(
-    q_BTHP, k_BTHP, v_BTHO, *segs
-  )
+  specs = (qkv, qkv, qkv, *[_spec(batch)] * len(arrays))
+  return jax.shard_map(local, in_specs=specs, out_specs=qkv, check_vma=False)(q_BTHP, k_BTHP, v_BTHO, *arrays.values())
 
 
 def head_probs(
