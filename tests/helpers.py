@@ -76,6 +76,13 @@ def newton_schulz(g, steps=5):
   return x.T if tall else x
 
 
+def fp32_ulps(x, ulps: float) -> float:
+  """`ulps` float32 units in the last place of x's largest magnitude: an absolute tolerance for results that
+  equal `x` up to the order of their float32 sums (another fusion of the same program, another backend's kernels).
+  A test that uses it for "this does not depend on that" also checks that a real dependence is orders larger."""
+  return float(ulps * np.finfo(np.float32).eps * np.abs(np.asarray(x, np.float32)).max())
+
+
 @contextlib.contextmanager
 def persistent_compilation_cache(path: str):
   """jax's persistent compilation cache in `path` for everything compiled inside, in this process and in the
@@ -146,9 +153,20 @@ def simulated_devices_session(paths: list[str], cache_dir: str, *, timeout: int 
     "JAX_COMPILATION_CACHE_DIR": str(cache_dir),
     "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
   }
-  args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "multi_device", *paths]
+  args = [
+    sys.executable,
+    "-m",
+    "pytest",
+    "-q",
+    "-p",
+    "no:cacheprovider",
+    "--durations=20",
+    "-m",
+    "multi_device",
+    *paths,
+  ]
   proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-  print(proc.stdout[-3000:])
+  print(proc.stdout[-6000:])  # with the slowest tests' durations (pytest -s shows it)
   assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-3000:]
   summary = proc.stdout.splitlines()[-1]
   assert " passed" in summary and " skipped" not in summary, summary

@@ -15,7 +15,7 @@ from pallas_kernels.visibility import Visibility
 from glm_jax.model.mla import AttentionInputs
 from glm_jax.model.transformer import DecoderLayer, GlmMoeDsa
 from glm_jax.tree_paths import path_names
-from tests.helpers import TINY_MODEL, init_module
+from tests.helpers import TINY_MODEL, fp32_ulps, init_module
 
 B, T = 2, 12
 CFG = TINY_MODEL.replace(qk_rope_head_dim=8, index_topk=4, rope_2d=True)  # index_topk < T: DSA selects in every layer
@@ -59,10 +59,13 @@ def test_prefix_is_bidirectional_and_the_rest_causal(changes):
     last = end - 1
     out = run(ids.at[row, last].set((ids[row, last] + 1) % CFG.vocab_size))
     for got, want in ((out.logits, base.logits), (out.mtp_logits[0], base.mtp_logits[0])):
+      # An output the token cannot reach may still move by rounding: exactly 0 on CPU, up to 2 ulps on an H100
+      # (another token's experts reorder fp32 sums there). Reached outputs move by 0.7 or more.
+      rounding = fp32_ulps(want[row], 16)
       moved = np.abs(np.asarray(got - want)[row]).max(axis=-1)
-      assert (moved[start:last] > 1e-6).all(), (row, start, end, moved)
+      assert (moved[start:last] > 1e3 * rounding).all(), (row, start, end, moved)
       others = [t for t in range(T) if layout["segment_ids"][row, t] != layout["segment_ids"][row, start]]
-      assert (moved[others] == 0).all()
+      assert (moved[others] <= rounding).all(), moved[others]
     if CFG.replace(**changes).use_dsa:  # the prefix's queries select keys ahead of them; no other query does
       idx = np.asarray(base.aux["topk_indices"])[:, row]  # [L, T, K]
       ahead = idx > np.arange(T)[None, :, None]
@@ -71,7 +74,8 @@ def test_prefix_is_bidirectional_and_the_rest_causal(changes):
     after = end  # the first token after the prefix (a <sop> in the objective's layout)
     out = run(ids.at[row, after].set((ids[row, after] + 1) % CFG.vocab_size))
     moved = np.abs(np.asarray(out.logits - base.logits)[row]).max(axis=-1)
-    assert (moved[start:end] == 0).all() and (moved[:after] == 0).all() and moved[after] > 1e-6
+    rounding = fp32_ulps(base.logits[row], 16)
+    assert (moved[:after] <= rounding).all() and moved[after] > 1e3 * rounding, moved
 
 
 @pytest.mark.slow  # four model compiles (the fast tier checks the prefix in test_prefix_is_bidirectional_...)

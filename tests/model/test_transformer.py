@@ -14,7 +14,7 @@ from glm_jax.model.layers import rope_angles
 from pallas_kernels.visibility import Visibility
 from glm_jax.model.mla import AttentionInputs
 from glm_jax.model.transformer import GlmMoeDsa
-from tests.helpers import TINY_MODEL, init_module
+from tests.helpers import TINY_MODEL, fp32_ulps, init_module
 
 B, T = 2, 8
 CFG = TINY_MODEL  # index_topk < T: DSA really selects in every layer
@@ -151,7 +151,9 @@ def test_remat_policies_give_the_same_logits_and_gradients(policy):
   probe = jnp.asarray(np.random.default_rng(2).standard_normal((B, T, cfg.vocab_size)), jnp.float32)
   logits_ref, grads_ref = logits_and_grads(cfg, ids, probe)  # remat_policy "none"
   logits, grads = logits_and_grads(cfg.replace(remat_policy=policy), ids, probe)
-  assert_close(logits, logits_ref, rtol=1e-6, atol=1e-6)
+  # The forward is the same program with checkpoints around the layers: equal up to XLA fusing it differently
+  # (bit-equal on CPU; 3 ulps apart on an H100 under "dots").
+  assert_close(logits, logits_ref, rtol=0, atol=fp32_ulps(logits_ref, 16))
   flat_ref, flat = jax.tree.leaves(grads_ref), jax.tree.leaves(grads)
   assert len(flat) == len(flat_ref) > 10
   for g, g_ref in zip(flat, flat_ref):
