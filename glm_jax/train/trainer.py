@@ -92,8 +92,12 @@ class AbstractTrainState:
     )
 
   def _create(self, fn, *args, **jit_kw):
+    if self.mesh is None:  # committed to the device a restored state is on, so both compile one same step program
+      out_shardings = jax.tree.map(lambda leaf: leaf.sharding, self.state)
+    else:
+      out_shardings = self.shardings
     with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
-      return jax.jit(fn, out_shardings=self.shardings, **jit_kw)(*args)
+      return jax.jit(fn, out_shardings=out_shardings, **jit_kw)(*args)
 
 
 def abstract_train_state(config: ml_collections.ConfigDict, model_cfg: ModelConfig, mesh=None) -> AbstractTrainState:

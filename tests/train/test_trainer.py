@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -20,7 +21,6 @@ from tests.helpers import ROOT
 from tests.train.runs import OVERRIDES, make_config, metric_rows, run_train, snapshot, train_rows
 
 # training runs end to end, several of them in subprocesses
-pytestmark = pytest.mark.usefixtures("shared_compilation_cache")  # the trained runs: slow, test by test
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +87,22 @@ def test_resume_is_bitwise(straight_run, data_cache_dir, tmp_path):
   assert [r["step"] for r in resumed] == list(range(1, 10))
   for a, b in zip(straight, resumed):
     assert (a["loss"], a["grad_norm"], a["lm_loss"]) == (b["loss"], b["grad_norm"], b["lm_loss"]), a["step"]
+
+
+def test_a_restored_state_is_laid_out_as_a_fresh_one(tmp_path, data_cache_dir):
+  """A resumed run's state reaches the step with the fresh state's layout (each array on the same device, committed
+  to it), so the step program a resumed run compiles is the fresh run's, which jax's persistent compilation cache
+  then serves (before, a restart after preemption recompiled the whole step)."""
+  config = make_config(data_cache_dir)
+  target = trainer_lib.abstract_train_state(config, model_config_for_stage(config))
+  fresh = target.fresh()
+  Checkpointer(str(tmp_path), async_save=False).save(1, fresh, None, {}, force=True)
+  restored = Checkpointer(str(tmp_path), read_only=True).restore(1, target.state)
+
+  def program(state):  # the shardings of the step's arguments are in the lowered text of any jit that takes them
+    return jax.jit(lambda s: jax.tree.map(lambda x: x + 1, s)).lower(state).as_text()
+
+  assert program(restored) == program(fresh)
 
 
 # A training process that SIGKILLs itself from a step hook (train_and_evaluate's public `hooks`) right after the
