@@ -23,15 +23,16 @@ def data_cache_dir(tmp_path_factory):
   return str(tmp_path_factory.mktemp("data_cache"))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(autouse=True, scope="session")
 def shared_compilation_cache(tmp_path_factory):
-  """One persistent compilation cache for the tests that compile the same programs more than once (the short
-  glm5_tiny runs of the trainer, fault and sweep tests, the RL loops and the notebooks), in this process and in the
-  subprocesses and notebook kernels they start (under pytest-xdist, shared by the workers): each program is
-  compiled once and its executable reused as is."""
+  """One persistent compilation cache for the whole suite, in this process and in the subprocesses and notebook
+  kernels it starts (through the environment), shared by pytest-xdist's workers: a program is compiled once and its
+  executable reused as is wherever it recurs (the short glm5_tiny runs of the trainer, fault and sweep tests, the RL
+  loops and the notebooks, the resumed runs, and the eager initialization ops every file that builds a model
+  compiles again after release_compiled_programs below drops the in-memory caches)."""
   base = tmp_path_factory.getbasetemp()
   root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
-  path = os.path.join(str(root), "jax_cache_short_runs")
+  path = os.path.join(str(root), "jax_cache")
   os.makedirs(path, exist_ok=True)
   with persistent_compilation_cache(path):
     yield path

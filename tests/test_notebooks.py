@@ -61,7 +61,6 @@ def outputs(nb, kind):
 
 
 @pytest.mark.slow
-@pytest.mark.usefixtures("shared_compilation_cache")  # the kernel inherits it through the environment
 @pytest.mark.parametrize("name", NAMES)
 def test_a_notebook_runs_top_to_bottom(name, tmp_path, data_cache_dir):
   nb = execute(name, tmp_path / "work", data_cache_dir)

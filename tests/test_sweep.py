@@ -132,7 +132,6 @@ def test_a_failed_run_is_reported_and_retried(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.usefixtures("shared_compilation_cache")
 def test_a_killed_sweep_finishes_only_its_missing_runs(tmp_path, data_cache_dir):
   """A 2 x 2 sweep of 4-step launch/train.py runs. It is killed (the whole process group, SIGKILL) once its first
   run has finished; the rerun skips that run and trains the other three. Each row carries its overrides, and

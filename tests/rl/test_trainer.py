@@ -21,10 +21,8 @@ from glm_jax.rl import trainer as rl_trainer
 from glm_jax.rl import warm_start
 from glm_jax.rl.rollout import make_sampler
 from glm_jax.train.checkpoint import Checkpointer
-from glm_jax.train.step import split_model
 
 # the GRPO and distillation loops end to end; the notebooks run the same programs (tests/test_notebooks.py)
-pytestmark = pytest.mark.usefixtures("shared_compilation_cache")  # the trained runs: slow, test by test
 
 ALL_SUMS = [tasks_lib.AdditionTask(digits=1)._problem(f"{a}+{b}=", str(a + b)) for a in range(10) for b in range(10)]
 
@@ -48,7 +46,7 @@ def demonstrations(problems, task):
 
 def answer_logprobs(cfg, params, rest, tokens):
   """log p of each token given the ones before it, from the model's logits: [n, L] (0 at position 0)."""
-  graphdef = split_model(GlmMoeDsa(cfg, nnx.Rngs(0)))[0]
+  graphdef = nnx.graphdef(nnx.eval_shape(lambda: GlmMoeDsa(cfg, nnx.Rngs(0))))  # the structure; no weights made
   logits = nnx.merge(graphdef, params, rest)(tokens, compute_mtp=False).logits[:, :-1]
   logp = jax.nn.log_softmax(logits.astype(jnp.float32), -1)
   rows, prev = np.arange(tokens.shape[0])[:, None], np.arange(tokens.shape[1] - 1)[None]
@@ -145,7 +143,8 @@ def test_async_drops_stale_rollouts_and_survives_failing_rewards(tmp_path, monke
 @pytest.mark.slow
 def test_distillation_lowers_kl_to_teachers(tmp_path):
   """distill_tiny with short teacher fine-tunes, 20 steps. The measure is what on-policy distillation minimizes,
-  computed exactly per token: on 512 answers the student samples (fixed prompts and key) before and after,
+  computed exactly per token: on 512 answers the student samples (fixed prompts and keys; in batches of the run's
+  prompts_per_step, the run's compiled sampler) before and after,
   sum_v p_s(v) (log p_s(v) - log p_t(v)) at each answer position, over the whole vocabulary, with each prompt's
   own teacher; averaged over answer tokens."""
   config = quiet(
@@ -171,11 +170,17 @@ def test_distillation_lowers_kl_to_teachers(tmp_path):
     ckpt = Checkpointer(os.path.join(tmp_path, "teachers", n), read_only=True)
     teachers.append(ckpt.restore_weights(ckpt.latest_step(), state.params, state.rest))
   sampler = make_sampler(graphdef, cfg, config.rl, tasks, tasks_lib.CharVocab())
+  rows_per_call = config.rl.prompts_per_step  # the run's rollout batch: its sampling program, already compiled
+  key = jax.random.key(7)
   kls = {}
   for which in ("init", "final"):
     student = policy_weights(str(tmp_path), config, which)
-    out = sampler(*student, [p.prompt_ids for p in problems], jax.random.key(7))
-    tokens, mask = out.tokens, out.response_mask[:, 1:]  # the logits at t - 1 predict token t
+    outs = [
+      sampler(*student, [p.prompt_ids for p in problems[i : i + rows_per_call]], jax.random.fold_in(key, i))
+      for i in range(0, len(problems), rows_per_call)
+    ]
+    tokens = jnp.concatenate([o.tokens for o in outs])
+    mask = jnp.concatenate([o.response_mask for o in outs])[:, 1:]  # the logits at t - 1 predict token t
     _, logp_s = answer_logprobs(cfg, *student, tokens)
     total, count = 0.0, 0.0
     for k in range(len(names)):
