@@ -11,6 +11,7 @@
   enumerating the full forward), with the main model's log-probabilities.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -172,8 +173,9 @@ def test_speculative_greedy_decoding_is_plain_greedy_decoding():
   cfg = tiny(vocab_size=16)
   graphdef, params, rest = train_on_a_cycle(cfg, steps=25)
 
-  def same(sampling, ks):
-    plain = Sampler(graphdef, cfg, sampling, return_logits=True)(params, rest, PROMPTS, jax.random.key(0))
+  def same(sampling, ks, plain=None):
+    if plain is None:
+      plain = Sampler(graphdef, cfg, sampling, return_logits=True)(params, rest, PROMPTS, jax.random.key(0))
     lengths = {}
     for k in ks:
       out = Sampler(graphdef, cfg, sampling, return_logits=True, speculate=k)(params, rest, PROMPTS, jax.random.key(0))
@@ -192,7 +194,25 @@ def test_speculative_greedy_decoding_is_plain_greedy_decoding():
   assert 1.2 < lengths[1] < 2 and lengths[1] < lengths[2] < lengths[4] < 5, lengths
   # A stop token ends rows inside a round: row 1's sixth token, which the other rows reach at other rounds.
   stop = int(plain.tokens[1, 2 + 5])
-  with_stop, _ = same(SamplingParams(max_new_tokens=20, temperature=0.0, stop_ids=(stop,)), (2, 4))
+  # Plain greedy decoding with the stop token, computed here from the run without it (greedy decoding is
+  # deterministic: each row is the same up to its first stop token, which it keeps, then padding), not compiled again.
+  sampling = SamplingParams(max_new_tokens=20, temperature=0.0, stop_ids=(stop,))
+  tokens, mask = np.asarray(plain.tokens), np.asarray(plain.response_mask)
+  hits = mask & (tokens == stop)
+  finished = hits.any(1)
+  lengths = np.where(finished, hits.argmax(1) + 1, np.asarray(plain.lengths))
+  keep = np.arange(tokens.shape[1])[None] < lengths[:, None]
+  mask = mask & keep
+  cut = dataclasses.replace(
+    plain,
+    tokens=jnp.asarray(np.where(keep, tokens, sampling.pad_id)),
+    response_mask=jnp.asarray(mask),
+    lengths=jnp.asarray(lengths, np.asarray(plain.lengths).dtype),
+    finished=jnp.asarray(finished),
+    logp=jnp.where(mask, plain.logp, 0.0),
+    logits=jnp.where(mask[..., None], plain.logits, 0.0),
+  )
+  with_stop, _ = same(sampling, (2, 4), plain=cut)
   assert np.asarray(with_stop.finished).all() and int(with_stop.lengths[1]) == 2 + 6
 
 

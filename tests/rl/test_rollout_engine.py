@@ -17,6 +17,9 @@ from glm_jax.rl import config as rl_config
 from glm_jax.rl import trainer as rl_trainer
 from glm_jax.rl.rollout_engine import ProcessRolloutWorker
 
+# The three worker processes build the same sampler: with the persistent cache (passed on through the environment)
+# the first compiles it and the replacements load it.
+
 
 def process_config(**rl) -> ml_collections.ConfigDict:
   config = configs.grpo_tiny.get_config()
@@ -70,7 +73,10 @@ def alive(pid: int) -> bool:
 @pytest.mark.slow  # three worker processes start (imports and the sampler's compile each)
 def test_a_killed_and_a_hung_worker_are_replaced_and_nothing_is_trained_twice(tmp_path):
   workdir = str(tmp_path)
-  config = process_config(steps=40, tau=2, heartbeat_every=0.5, heartbeat_timeout=10.0, worker_start_timeout=120.0)
+  # Worker 2 hangs after at most ~11 steps (3, up to max_pending more before the kill is seen, 4, a poll's worth), and
+  # the trainer can train at most max_pending more before it waits on the hung worker: 24 leaves worker 3 over 10.
+  steps = 24
+  config = process_config(steps=steps, tau=2, heartbeat_every=0.5, heartbeat_timeout=10.0, worker_start_timeout=120.0)
   result = {}
 
   def train():
@@ -99,11 +105,11 @@ def test_a_killed_and_a_hung_worker_are_replaced_and_nothing_is_trained_twice(tm
     raise result["error"]
   summary = result["summary"]
   # (At least: a heartbeat starved for 10 s on a loaded machine would replace a worker more.)
-  assert summary["step"] == 40 and summary["workers_replaced"] >= 2
+  assert summary["step"] == steps and summary["workers_replaced"] >= 2
   assert not alive(second)  # a stopped process does not exit by itself: the trainer killed it
   assert worker_pid(workdir, 3) is not None
   rows = metric_steps(workdir)
-  assert [r["step"] for r in rows] == list(range(1, 41))
+  assert [r["step"] for r in rows] == list(range(1, steps + 1))
   indices = [r["rollout_index"] for r in rows]
   assert len(set(indices)) == len(indices), indices  # no rollout trained on twice
   assert all(r["staleness"] <= 2 for r in rows) and rows[-1]["workers_replaced"] == summary["workers_replaced"]
