@@ -66,26 +66,54 @@ def test_tiny_decode_on_a_v5p_slice_holds_its_hand_counted_bytes():
   assert spec["verify_ms"] >= spec["draft_ms"] > 0 and spec["break_even_acceptance_length"] > 1
 
 
-@pytest.mark.slow  # a launch/compile.py process each
+def test_bad_sizes_exit_2_with_their_message_and_no_report():
+  """launch/compile.py --decode's contract for bad input: exit status 2, no report, the message on stderr (one
+  process; the messages of the other bad sizes are checked in-process below)."""
+  rc, report, err = compile_decode(
+    "--config=configs/glm5_tiny.py", "--topology=v5p:2x2x1", "--cache_len=64", "--prefill_len=100", timeout=120
+  )
+  assert rc == 2 and report is None
+  assert "error: --prefill_len=100; in [0, cache_len=64]" in err
+
+
 @pytest.mark.parametrize(
   "args, message",
   [
-    (["--cache_len=4096"], "--cache_len=4096 exceeds model.max_position_embeddings=2048"),
-    (["--batch_size=6", "--config.mesh.expert=4"], "a batch of 6 rows; the mesh's batch axes {'expert': 4} split"),
-    (["--prefill_len=100"], "--prefill_len=100; in [0, cache_len=64]"),
-    (["--config.mesh.tensor=8", "--topology=v5p:2x2x2"], "mesh.tensor=8 does not divide model.num_attention_heads=4"),
-    (["--speculate=-1"], "--speculate=-1: the drafted tokens a round must be an integer >= 1"),
-    (["--speculate=2", "--config.model.num_nextn_predict_layers=0"], "model.num_nextn_predict_layers=0"),
+    ({"cache_len": 4096}, "--cache_len=4096 exceeds model.max_position_embeddings=2048"),
+    ({"batch_size": 6, "mesh.expert": 4}, "a batch of 6 rows; the mesh's batch axes {'expert': 4} split"),
+    ({"prefill_len": 100}, "--prefill_len=100; in [0, cache_len=64]"),
+    ({"mesh.tensor": 8, "topology": "v5p:2x2x2"}, "mesh.tensor=8 does not divide model.num_attention_heads=4"),
+    ({"speculate": -1}, "--speculate=-1: the drafted tokens a round must be an integer >= 1"),
+    ({"speculate": 2, "model.num_nextn_predict_layers": 0}, "model.num_nextn_predict_layers=0"),
   ],
 )
 def test_bad_sizes_are_named_before_compiling(args, message):
-  defaults = {"--topology": "v5p:2x2x1", "--cache_len": "64"}
-  given = {a.split("=")[0] for a in args}
-  rc, report, err = compile_decode(
-    "--config=configs/glm5_tiny.py", *args, *(f"{k}={v}" for k, v in defaults.items() if k not in given), timeout=120
-  )
-  assert rc == 2 and report is None
-  assert message in err
+  """What launch/compile.py --decode runs for these flags (its defaults otherwise: --batch_size=64, --prefill_len
+  min(1024, --cache_len), no speculation; here --topology=v5p:2x2x1 and --cache_len=64), in-process: a ValueError
+  naming the bad size (the script prints it and exits 2), raised before anything is compiled (a failed compile is
+  returned, not raised)."""
+  from glm_jax.inference import aot as serving
+  from glm_jax.sharding.topology import parse_topology, tpu_topology_devices
+
+  flags = {"topology": "v5p:2x2x1", "batch_size": 64, "cache_len": 64, "speculate": 0}
+  config = glm5_tiny.get_config()
+  for key, value in args.items():
+    if "." in key:
+      section, field = key.split(".")
+      config[section][field] = value
+    else:
+      flags[key] = value
+  devices = tpu_topology_devices(parse_topology(flags["topology"]).name)
+  with pytest.raises(ValueError) as e:
+    serving.compile_decode(
+      config,
+      devices,
+      batch_size=flags["batch_size"],
+      cache_len=flags["cache_len"],
+      prefill_len=flags.get("prefill_len", min(1024, flags["cache_len"])),
+      speculate=flags["speculate"],
+    )
+  assert message in str(e.value)
 
 
 @pytest.mark.slow  # the 744B decode step and prefill compiled for 64 chips

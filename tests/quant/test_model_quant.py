@@ -131,17 +131,21 @@ def test_qat_steps_then_packed_model_is_bitwise_the_qat_model():
   those from the QAT model (the fake-quantized weights) bit for bit."""
   from configs import sft_tiny
   from glm_jax.train import step as step_lib
-  from glm_jax.train.trainer import create_train_state, training_quant_plan
+  from glm_jax.train.trainer import abstract_train_state, training_quant_plan
 
   config = sft_tiny.get_config()
   config.quant.scope = "routed_experts,attention"
   config.quant.group_size = 16
   config.data.batch_size = 2
   model_cfg = ModelConfig.from_dict(config.model).replace(use_dsa=False)
-  graphdef, state, optimizer, schedule = create_train_state(config, model_cfg)
+  # The trainer's state of given weights (train.init_from's path), the weights filled from numpy: no compile of the
+  # random initialization
+  target = abstract_train_state(config, model_cfg)
+  _, params, rest = nnx.split(init_module(lambda: GlmMoeDsa(model_cfg, nnx.Rngs(0)), 0, 0.2), nnx.Param, ...)
+  graphdef, state = target.graphdef, target.from_weights(params, rest)
   plan = training_quant_plan(config, state.params)
   assert len(plan) == 6 + 5 * 3
-  train_step = step_lib.make_train_step(graphdef, optimizer, schedule, config.train, quant_plan=plan)
+  train_step = step_lib.make_train_step(graphdef, target.optimizer, target.schedule, config.train, quant_plan=plan)
   rng = np.random.default_rng(0)
   before = jax.tree.map(np.asarray, state.params)
   for _ in range(3):
@@ -157,7 +161,9 @@ def test_qat_steps_then_packed_model_is_bitwise_the_qat_model():
     before["moe_layers"]["mlp"]["gate_proj"], np.asarray(state.params["moe_layers"]["mlp"]["gate_proj"][...])
   )
 
-  fake = Q.fake_quant_params(state.params, plan)
+  # The QAT model's weights as its train step computes them (fake_quant_params inside a jit), the packed ones as
+  # launch/quantize.py packs them (pack_params op by op)
+  fake = jax.jit(lambda p: Q.fake_quant_params(p, plan))(state.params)
   packed = Q.pack_params(state.params, plan)
   flat_packed = {
     path_names(p): x
@@ -203,12 +209,10 @@ def test_packed_checkpoint_round_trip_and_refusals(tiny_model, tmp_path):
   loaded = load_packed(out, cfg)
   ids = jax.random.randint(jax.random.key(2), (2, 10), 0, 512)
   model_cfg = loaded.model_cfg
-  want = jax.jit(lambda p: nnx.merge(graphdef, p, rest)(ids, compute_mtp=False).logits)(
-    Q.pack_params(params, Q.quant_plan(params, quant("w4a8")))
-  )
-  got = jax.jit(lambda p, r: nnx.merge(loaded.graphdef, p, r)(ids, compute_mtp=False).logits)(
-    loaded.params, loaded.rest
-  )
+  # One program for both (compiled once when the loaded graphdef equals the one in memory, as it should)
+  forward = jax.jit(lambda g, p, r: nnx.merge(g, p, r)(ids, compute_mtp=False).logits, static_argnums=0)
+  want = forward(graphdef, Q.pack_params(params, Q.quant_plan(params, quant("w4a8"))), rest)
+  got = forward(loaded.graphdef, loaded.params, loaded.rest)
   assert model_cfg.use_dsa is False
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
   with pytest.raises(ValueError, match=r"packed with scheme 'w4a8', not 'int4'"):
