@@ -94,10 +94,20 @@ class AbstractTrainState:
   def _create(self, fn, *args, **jit_kw):
     if self.mesh is None:  # committed to the device a restored state is on, so both compile one same step program
       out_shardings = jax.tree.map(lambda leaf: leaf.sharding, self.state)
+      platform = jax.local_devices()[0].platform
     else:
       out_shardings = self.shardings
+      platform = self.mesh.devices.flat[0].platform
+    if platform == "cpu":
+      jit_kw["compiler_options"] = INIT_CPU_COMPILER_OPTIONS
     with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
       return jax.jit(fn, out_shardings=out_shardings, **jit_kw)(*args)
+
+
+# The state is made once, so on CPU its program is compiled at LLVM's O1: O2 spends over half the compile on the
+# initializers' rolled threefry loops (glm5_tiny's init: 8.7 s -> 3.8 s on 2 cores) and makes the same bits
+# (tests/train/test_trainer.py checks this; O0 does not: it leaves multiplies and adds unfused).
+INIT_CPU_COMPILER_OPTIONS = {"xla_backend_optimization_level": 1}
 
 
 def abstract_train_state(config: ml_collections.ConfigDict, model_cfg: ModelConfig, mesh=None) -> AbstractTrainState:

@@ -105,6 +105,18 @@ def test_a_restored_state_is_laid_out_as_a_fresh_one(tmp_path, data_cache_dir):
   assert program(restored) == program(fresh)
 
 
+@pytest.mark.slow  # two compiles of the initialization
+def test_the_initial_state_is_the_default_compilers_bit_for_bit(data_cache_dir):
+  """The trainer compiles the initialization at LLVM O1 on CPU (trainer.INIT_CPU_COMPILER_OPTIONS): the state is
+  the one the default compilation makes, bit for bit (a run's numbers do not depend on it)."""
+  config = make_config(data_cache_dir)
+  target = trainer_lib.abstract_train_state(config, model_config_for_stage(config))
+  want = jax.jit(target.make_state)()
+  got = target.fresh()
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 # A training process that SIGKILLs itself from a step hook (train_and_evaluate's public `hooks`) right after the
 # asynchronous save of step argv[3] has started, while Orbax is still writing it.
 KILL_DURING_SAVE = """
