@@ -15,6 +15,7 @@ from pallas_kernels.visibility import Visibility
 from glm_jax.model.mla import AttentionInputs
 from glm_jax.model.transformer import DecoderLayer, GlmMoeDsa
 from glm_jax.tree_paths import path_names
+from glm_jax.train.trainer import INIT_CPU_COMPILER_OPTIONS
 from tests.helpers import TINY_MODEL, fp32_ulps, init_module
 
 B, T = 2, 12
@@ -83,14 +84,9 @@ def test_no_prefix_equals_causal_and_rope_2d_with_zero_blocks_equals_half_rotate
   """prefix_end all 0 is the causal model exactly; without block positions the 2-D rope uses 0 for them."""
   model = make_model(CFG)
   ids, layout = ids_and_layout()
-  causal = model(ids, segment_ids=layout["segment_ids"], positions=layout["positions"])
-  zeros = model(
-    ids,
-    segment_ids=layout["segment_ids"],
-    positions=layout["positions"],
-    prefix_end=jnp.zeros((B, T), jnp.int32),
-    block_positions=jnp.zeros((B, T), jnp.int32),
-  )
+  run = jax.jit(lambda **blocks: model(ids, segment_ids=layout["segment_ids"], positions=layout["positions"], **blocks))
+  causal = run()
+  zeros = run(prefix_end=jnp.zeros((B, T), jnp.int32), block_positions=jnp.zeros((B, T), jnp.int32))
   np.testing.assert_array_equal(np.asarray(causal.logits), np.asarray(zeros.logits))
 
 
@@ -157,7 +153,9 @@ def test_deepnorm_initial_weights_have_the_stated_scales():
     num_key_value_heads=4,
   )
   graphdef, state = nnx.split(nnx.eval_shape(lambda: GlmMoeDsa(cfg, nnx.Rngs(0))))
-  model = nnx.merge(graphdef, jax.jit(lambda: nnx.split(GlmMoeDsa(cfg, nnx.Rngs(0)))[1])())  # one compile
+  # one compile, as the trainer compiles a run's initial state (LLVM O1 on CPU: the same bits as the default, faster)
+  init = jax.jit(lambda: nnx.split(GlmMoeDsa(cfg, nnx.Rngs(0)))[1], compiler_options=INIT_CPU_COMPILER_OPTIONS)
+  model = nnx.merge(graphdef, init())
   beta = (2 * cfg.num_hidden_layers) ** -0.5
   d, h, dn, dv = cfg.hidden_size, cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
   want = {  # name -> [(columns of the last axis, fan_in, fan_out, gain)]
