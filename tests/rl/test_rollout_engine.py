@@ -73,9 +73,9 @@ def alive(pid: int) -> bool:
 @pytest.mark.slow  # three worker processes start (imports and the sampler's compile each)
 def test_a_killed_and_a_hung_worker_are_replaced_and_nothing_is_trained_twice(tmp_path):
   workdir = str(tmp_path)
-  # Worker 2 hangs after at most ~11 steps (3, up to max_pending more before the kill is seen, 4, a poll's worth), and
-  # the trainer can train at most max_pending more before it waits on the hung worker: 24 leaves worker 3 over 10.
-  steps = 24
+  # 40 steps: worker 2 is stopped only after 4 steps on its rollouts are seen, and by then it may have made many more
+  # (with a warm compilation cache a step takes well under a second); 24 left it nothing to hang on in one CI run.
+  steps = 40
   config = process_config(steps=steps, tau=2, heartbeat_every=0.5, heartbeat_timeout=10.0, worker_start_timeout=120.0)
   result = {}
 
