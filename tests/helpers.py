@@ -148,7 +148,7 @@ def simulated_devices_session(paths: list[str], cache_dir: str, *, timeout: int 
   passed; returns pytest's summary line."""
   env = {
     **os.environ,
-    "XLA_FLAGS": f"--xla_force_host_platform_device_count={SIMULATED_DEVICES}",
+    "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={SIMULATED_DEVICES}",
     "JAX_PLATFORMS": "cpu",
     "JAX_COMPILATION_CACHE_DIR": str(cache_dir),
     "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",

@@ -127,7 +127,8 @@ class Checkpointer:
 
   The directory is created on the first save, not before, so a run that fails while it is being set up leaves
   nothing behind; whether it can be written is checked at once (a probe file, removed), so an unwritable one
-  fails in a line before any work. read_only: restore only; the directory must exist."""
+  fails in a line before any work. read_only: restore only; the directory must exist. close() it, or use it in a
+  `with` block, so that Orbax's threads stop."""
 
   def __init__(
     self, workdir: str, *, save_every: int = 1, keep: int = 1, async_save: bool = True, read_only: bool = False
@@ -350,7 +351,16 @@ class Checkpointer:
     self.manager.wait_until_finished()
 
   def close(self) -> None:
-    self.manager.close()
+    """Waits for a pending save and stops Orbax's threads; creates nothing (a checkpointer that never saved has
+    no directory, and closing it leaves none)."""
+    if self._manager is not None:
+      self._manager.close()
+
+  def __enter__(self) -> "Checkpointer":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
 
 
 def first_line(error: BaseException, limit: int = 300) -> str:

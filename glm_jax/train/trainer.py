@@ -104,9 +104,9 @@ class AbstractTrainState:
       return jax.jit(fn, out_shardings=out_shardings, **jit_kw)(*args)
 
 
-# The state is made once, so on CPU its program is compiled at LLVM's O1: O2 spends over half the compile on the
-# initializers' rolled threefry loops (glm5_tiny's init: 8.7 s -> 3.8 s on 2 cores) and makes the same bits
-# (tests/train/test_trainer.py checks this; O0 does not: it leaves multiplies and adds unfused).
+# The state is made once, so on CPU its program is compiled at LLVM's O1: XLA's default level (3) spends over half
+# the compile on the initializers' rolled threefry loops (glm5_tiny's init: 8.7 s -> 3.8 s on 2 cores) and makes the
+# same bits (tests/train/test_trainer.py checks this; O0 does not: it leaves multiplies and adds unfused).
 INIT_CPU_COMPILER_OPTIONS = {"xla_backend_optimization_level": 1}
 
 
@@ -182,30 +182,29 @@ def restore_run(config: ml_collections.ConfigDict, workdir: str) -> RestoredRun:
   (whatever config.data says), on one device.
   launch/sample.py and the notebooks sample from it."""
   model_cfg = model_config_for_stage(config)
-  checkpointer = Checkpointer(workdir, read_only=True)
-  if not checkpointer.steps():
-    raise FileNotFoundError(f"--workdir={workdir}: no checkpoint in {checkpointer.directory}")
-  weights_only = checkpointer.weights_only(checkpointer.steps()[0])
-  if weights_only:  # a converted checkpoint (launch/convert.py): the model must match; it has no optimizer state
-    checkpointer.check_compatible(config.to_dict(), sections=("model",), train_fields=(), free=INIT_FROM_FREE_FIELDS)
-  else:
-    checkpointer.check_compatible(config.to_dict())
-  record = checkpointer.recorded_tokenizer(checkpointer.steps()[0])
-  if record is not None:  # the tokenizer the model was trained with, whatever config.data says
-    tokenizer = data_lib.Tokenizer.from_record(record)
-  else:
-    logging.warning(
-      "%s records no tokenizer (saved before runs recorded one); using config.data's", checkpointer.directory
-    )
-    tokenizer = data_lib.load_tokenizer(config.data)
-  data_lib.check_vocab(tokenizer, model_cfg.vocab_size)
-  target = abstract_train_state(config, model_cfg)  # read straight into place: no random initialization first
-  if weights_only:
-    step, weights = checkpointer.restore_latest_weights(target.state.params, target.state.rest)
-    state = target.from_weights(*weights)
-  else:
-    step, state = checkpointer.restore_latest(target.state)
-  checkpointer.close()
+  with Checkpointer(workdir, read_only=True) as checkpointer:
+    if not checkpointer.steps():
+      raise FileNotFoundError(f"--workdir={workdir}: no checkpoint in {checkpointer.directory}")
+    weights_only = checkpointer.weights_only(checkpointer.steps()[0])
+    if weights_only:  # a converted checkpoint (launch/convert.py): the model must match; it has no optimizer state
+      checkpointer.check_compatible(config.to_dict(), sections=("model",), train_fields=(), free=INIT_FROM_FREE_FIELDS)
+    else:
+      checkpointer.check_compatible(config.to_dict())
+    record = checkpointer.recorded_tokenizer(checkpointer.steps()[0])
+    if record is not None:  # the tokenizer the model was trained with, whatever config.data says
+      tokenizer = data_lib.Tokenizer.from_record(record)
+    else:
+      logging.warning(
+        "%s records no tokenizer (saved before runs recorded one); using config.data's", checkpointer.directory
+      )
+      tokenizer = data_lib.load_tokenizer(config.data)
+    data_lib.check_vocab(tokenizer, model_cfg.vocab_size)
+    target = abstract_train_state(config, model_cfg)  # read straight into place: no random initialization first
+    if weights_only:
+      step, weights = checkpointer.restore_latest_weights(target.state.params, target.state.rest)
+      state = target.from_weights(*weights)
+    else:
+      step, state = checkpointer.restore_latest(target.state)
   return RestoredRun(step, model_cfg, target.graphdef, state, tokenizer)
 
 

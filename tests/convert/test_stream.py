@@ -204,9 +204,8 @@ def test_fp8_checkpoint_converts_to_its_dequantized_weights(fp8_dir, tmp_path):
   config = run_config(cfg)
   stream.hf_to_orbax(out, str(tmp_path / "orbax"), config)
   _, params, rest = nnx.split(model, nnx.Param, ...)
-  got_params, got_rest = Checkpointer(str(tmp_path / "orbax"), read_only=True).restore_weights(
-    0, *nnx.split(GlmMoeDsa(cfg, nnx.Rngs(5)), nnx.Param, ...)[1:]
-  )
+  with Checkpointer(str(tmp_path / "orbax"), read_only=True) as ckpt:
+    got_params, got_rest = ckpt.restore_weights(0, *nnx.split(GlmMoeDsa(cfg, nnx.Rngs(5)), nnx.Param, ...)[1:])
   for want, got in ((params, got_params), (rest, got_rest)):
     for (p, a), (_, b) in zip(nnx.to_flat_state(want), nnx.to_flat_state(got)):
       if p[0] != "mtp":  # hf.load and the converter initialize the missing MTP layer alike; compared elsewhere
@@ -238,7 +237,8 @@ def test_under_a_mesh_every_device_reads_exactly_its_slices(tmp_path, monkeypatc
     return out
 
   monkeypatch.setattr(checkpoint_arrays, "read_slice", recorded)
-  params, rest = Checkpointer(str(tmp_path / "orbax"), read_only=True).restore_weights(0, state.params, state.rest)
+  with Checkpointer(str(tmp_path / "orbax"), read_only=True) as ckpt:
+    params, rest = ckpt.restore_weights(0, state.params, state.rest)
   _, want_params, want_rest = nnx.split(model, nnx.Param, ...)
   stacks = 0
   for want, got, before in ((want_params, params, state.params), (want_rest, rest, state.rest)):

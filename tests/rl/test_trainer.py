@@ -59,9 +59,8 @@ def policy_weights(workdir, config, which):
   _, state, _, _ = warm_start.make_policy(cfg, config.optimizer, 0, True)
   if which == "init":
     return warm_start.reference_policy(workdir, state)
-  ckpt = Checkpointer(workdir, read_only=True)
-  state = ckpt.restore(ckpt.latest_step(), state)
-  ckpt.close()
+  with Checkpointer(workdir, read_only=True) as ckpt:
+    state = ckpt.restore(ckpt.latest_step(), state)
   return state.params, state.rest
 
 
@@ -167,8 +166,8 @@ def test_distillation_lowers_kl_to_teachers(tmp_path):
   graphdef, state, _, _ = warm_start.make_policy(cfg, config.optimizer, 0, False)
   teachers = []
   for n in names:
-    ckpt = Checkpointer(os.path.join(tmp_path, "teachers", n), read_only=True)
-    teachers.append(ckpt.restore_weights(ckpt.latest_step(), state.params, state.rest))
+    with Checkpointer(os.path.join(tmp_path, "teachers", n), read_only=True) as ckpt:
+      teachers.append(ckpt.restore_weights(ckpt.latest_step(), state.params, state.rest))
   sampler = make_sampler(graphdef, cfg, config.rl, tasks, tasks_lib.CharVocab())
   rows_per_call = config.rl.prompts_per_step  # the run's rollout batch: its sampling program, already compiled
   key = jax.random.key(7)

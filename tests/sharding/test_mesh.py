@@ -189,15 +189,15 @@ def test_checkpoint_restores_onto_another_mesh(single_device_step, tmp_path):
   )
   for a, b in zip(jax.tree.leaves(jax.device_get(state_a)), jax.tree.leaves(single_device_step.init)):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)  # one jitted init vs op by op: rounding apart
-  ckpt = Checkpointer(str(tmp_path), save_every=1, keep=1, async_save=False)
-  ckpt.manager.save(0, args=ocp.args.Composite(state=ocp.args.StandardSave(state_a)))
-  ckpt.wait()
+  with Checkpointer(str(tmp_path), save_every=1, keep=1, async_save=False) as ckpt:
+    ckpt.manager.save(0, args=ocp.args.Composite(state=ocp.args.StandardSave(state_a)))
   mesh_b = make_mesh({"data": 2, "tensor": 4})
   # The restore target: shapes, dtypes and mesh_b's shardings (all Checkpointer.restore reads of a state).
   target, _ = abstract_sharded(
     train_state_factory(config, model_config_for_stage(config))[0], lambda s: s.params, mesh_b
   )
-  restored = Checkpointer(str(tmp_path), read_only=True).restore(0, target)
+  with Checkpointer(str(tmp_path), read_only=True) as ckpt:
+    restored = ckpt.restore(0, target)
   gate = restored.params["moe_layers"]["mlp"]["gate_proj"][...]
   assert gate.sharding.mesh.shape == mesh_b.shape and gate.sharding.spec == P(None, "expert", "fsdp", "tensor")
   for a, b in zip(jax.tree.leaves(jax.device_get(restored)), jax.tree.leaves(jax.device_get(state_a))):

@@ -98,13 +98,15 @@ def test_a_corrupt_latest_checkpoint_falls_back_to_the_step_before(
   assert summary["eval_loss"] == straight[1]["eval_loss"]
   # The bad step was moved aside, byte for byte, not deleted.
   assert snapshot(bad + ".unreadable") == bad_files
-  assert Checkpointer(workdir, read_only=True).steps() == [9, 6]  # keep_checkpoints=2
+  with Checkpointer(workdir, read_only=True) as ckpt:
+    assert ckpt.steps() == [9, 6]  # keep_checkpoints=2
 
 
 @pytest.mark.slow
 def test_when_no_step_restores_the_error_names_each_and_moves_nothing(six_steps, data_cache_dir, tmp_path):
   workdir = copy_of(six_steps, tmp_path)
-  steps = Checkpointer(workdir, read_only=True).steps()
+  with Checkpointer(workdir, read_only=True) as ckpt:
+    steps = ckpt.steps()
   assert steps == [6, 3, 1]  # Orbax also keeps the first step
   for step in steps:
     truncate(largest_array_file(os.path.join(workdir, "checkpoints", str(step))))
@@ -190,7 +192,8 @@ def test_allow_data_change_resumes_the_state_on_fresh_data(six_steps, data_cache
   first = next(data_lib.make_train_iterator(config.data, tok))
   model_cfg = model_config_for_stage(config)
   graphdef, state, optimizer, schedule = create_train_state(config, model_cfg)
-  state = Checkpointer(six_steps, read_only=True).restore(6, state)
+  with Checkpointer(six_steps, read_only=True) as ckpt:
+    state = ckpt.restore(6, state)
   from glm_jax.train import step as step_lib
 
   step = step_lib.make_train_step(graphdef, optimizer, schedule, config.train)
@@ -274,10 +277,10 @@ def test_a_diverging_run_stops_non_zero_and_checkpoints_only_finite_weights(tmp_
   )
   config = make_config(data_cache_dir)
   _, state, _, _ = create_train_state(config, model_config_for_stage(config))
-  ckpt = Checkpointer(workdir, read_only=True)
-  assert ckpt.steps() == [6, 5, 4, 3, 2, 1]
-  for step in ckpt.steps():
-    assert first_nonfinite(ckpt.restore_weights(step, state.params, state.rest)[0]) is None, step
+  with Checkpointer(workdir, read_only=True) as ckpt:
+    assert ckpt.steps() == [6, 5, 4, 3, 2, 1]
+    for step in ckpt.steps():
+      assert first_nonfinite(ckpt.restore_weights(step, state.params, state.rest)[0]) is None, step
 
 
 @pytest.mark.slow
@@ -291,8 +294,10 @@ def test_non_finite_weights_are_never_saved(tmp_path, data_cache_dir):
   value = var[...]
   flat[3] = (path, var.replace(value=value.at[(0,) * value.ndim].set(math.inf)))
   state.params = nnx.from_flat_state(flat)
-  ckpt = Checkpointer(str(tmp_path / "run"), async_save=False)
-  with pytest.raises(Diverged, match=r"not saving step 1: parameter " + "/".join(map(str, path)) + " is not finite"):
+  with (
+    Checkpointer(str(tmp_path / "run"), async_save=False) as ckpt,
+    pytest.raises(Diverged, match=r"not saving step 1: parameter " + "/".join(map(str, path)) + " is not finite"),
+  ):
     ckpt.save(1, state, None, {}, force=True)
   assert not os.path.exists(tmp_path / "run")
 
@@ -324,15 +329,15 @@ def test_post_training_refuses_an_init_from_with_another_vocabulary(six_steps, d
   read as other tokens. rl.init_from and teachers.<name>.init_from check the recorded tokenizer first."""
   from glm_jax.rl.tasks import CharVocab
 
-  ckpt = Checkpointer(six_steps, read_only=True)
-  ckpt.require_tokenizer(ckpt.recorded_tokenizer(6), "rl.init_from")  # the same tokenizer passes
-  with pytest.raises(
-    ValueError,
-    match=r"rl\.init_from: .*/checkpoints \(step 6\) was trained with the tokenizer "
-    r"'.*bpe512-.*' \(sha256 \w{12}, 512 ids\), but this run uses "
-    r"\"CharVocab\('0123456789\+=-sr,'\)\" \(sha256 \w{12}, 18 ids\)",
-  ):
-    ckpt.require_tokenizer(CharVocab().record(), "rl.init_from")
+  with Checkpointer(six_steps, read_only=True) as ckpt:
+    ckpt.require_tokenizer(ckpt.recorded_tokenizer(6), "rl.init_from")  # the same tokenizer passes
+    with pytest.raises(
+      ValueError,
+      match=r"rl\.init_from: .*/checkpoints \(step 6\) was trained with the tokenizer "
+      r"'.*bpe512-.*' \(sha256 \w{12}, 512 ids\), but this run uses "
+      r"\"CharVocab\('0123456789\+=-sr,'\)\" \(sha256 \w{12}, 18 ids\)",
+    ):
+      ckpt.require_tokenizer(CharVocab().record(), "rl.init_from")
 
 
 def test_metrics_are_strict_json_with_the_non_finite_named(tmp_path):

@@ -49,7 +49,8 @@ def free_port() -> int:
 def test_two_processes_train_as_one(tmp_path):
   workdir = str(tmp_path / "run")
   port = free_port()
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+  flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2"
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags)
   cmd = [
     sys.executable,
     "launch/train.py",
@@ -100,9 +101,8 @@ def test_two_processes_train_as_one(tmp_path):
 
   # The checkpoint both processes wrote restores here, onto one device, and holds those parameters.
   _, fresh, _, _ = trainer.create_train_state(config, model_cfg)
-  ckpt = Checkpointer(workdir, read_only=True)
-  params, _ = ckpt.restore_weights(2, fresh.params, fresh.rest)
-  ckpt.close()
+  with Checkpointer(workdir, read_only=True) as ckpt:
+    params, _ = ckpt.restore_weights(2, fresh.params, fresh.rest)
   for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(state.params)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
 
