@@ -142,17 +142,17 @@ def multi_device(devices: int):
   return mark
 
 
-def simulated_devices_session(paths: list[str], cache_dir: str, *, timeout: int = 2400) -> str:
-  """Runs the multi_device tests of `paths` in one pytest process with SIMULATED_DEVICES simulated CPU devices and
-  a persistent compilation cache in cache_dir (a program two tests compile is compiled once), and asserts they
+def simulated_devices_session(paths: list[str], basetemp: str, *, timeout: int = 2400) -> str:
+  """Runs the multi_device tests of `paths` in one pytest process with SIMULATED_DEVICES simulated CPU devices, its
+  temporary files (and so its persistent compilation cache: tests/conftest.py) under `basetemp`, and asserts they
   passed; returns pytest's summary line."""
-  env = {
-    **os.environ,
-    "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={SIMULATED_DEVICES}",
-    "JAX_PLATFORMS": "cpu",
-    "JAX_COMPILATION_CACHE_DIR": str(cache_dir),
-    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-  }
+  # Not an xdist worker: the inner session keeps its cache in its own basetemp, not beside the outer run's (a
+  # worker's cache is its basetemp's parent, which here would be pytest's root, kept from run to run).
+  env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST") and k != "PYTEST_CURRENT_TEST"}
+  env.update(
+    XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={SIMULATED_DEVICES}",
+    JAX_PLATFORMS="cpu",
+  )
   args = [
     sys.executable,
     "-m",
@@ -160,6 +160,7 @@ def simulated_devices_session(paths: list[str], cache_dir: str, *, timeout: int 
     "-q",
     "-p",
     "no:cacheprovider",
+    f"--basetemp={basetemp}",
     "--durations=20",
     "-m",
     "multi_device",

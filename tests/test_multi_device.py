@@ -33,4 +33,4 @@ def test_the_files_with_multi_device_tests_are_found():
 
 @pytest.mark.slow  # about 8 minutes on 2 cores
 def test_multi_device_tests_on_8_simulated_devices(tmp_path):
-  simulated_devices_session(FILES, str(tmp_path / "jax_cache"))
+  simulated_devices_session(FILES, str(tmp_path / "session"))

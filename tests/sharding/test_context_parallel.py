@@ -1,7 +1,7 @@
 """Context parallelism (glm_jax/model/context_parallel.py): the zig-zag layout, the size checks, and, on 8 simulated
 CPU devices, one train step with the sequence split over the context axis equal to one device in the dense, warm-up
-and sparse stages (loss, updated parameters, the indexer's selected keys), and glm5_tiny's training loop with
-mesh.context=2 logging the one-device losses.
+and sparse stages (loss, updated parameters, the indexer's selected keys). (The training loop on a mesh with a
+context axis is tests/sharding/test_mesh.py's.)
 
 The multi-device tests run in tests/test_multi_device.py's 8-device session."""
 
@@ -23,7 +23,7 @@ from glm_jax.train import step as step_lib
 from glm_jax.train.config import model_config_for_stage
 from glm_jax.train.trainer import check_config, create_train_state
 from tests import helpers
-from tests.sharding.test_mesh import FAST_COMPILE, STEP_TOLERANCE, one_device_loop, sharded_step, tiny_loop
+from tests.sharding.test_mesh import FAST_COMPILE, STEP_TOLERANCE, sharded_step
 from tests.helpers import needs_libtpu
 
 multi_device = helpers.multi_device(8)  # runs in tests/test_multi_device.py's session
@@ -201,16 +201,6 @@ def test_index_share_selection_equals_one_device(one_device):
     got_logits, got_idx = forward(jax.device_put(ref.batch, batch_sharding(mesh)))
   np.testing.assert_array_equal(np.asarray(got_idx), np.asarray(idx))
   np.testing.assert_allclose(np.asarray(got_logits), np.asarray(logits), atol=1e-5, rtol=1e-5)
-
-
-@multi_device
-def test_glm5_tiny_trains_with_context_2(tmp_path, data_cache_dir):
-  """glm5_tiny's training loop (global batches, eval, checkpoint) with --config.mesh.context=2 over fsdp x context
-  logs the one-device losses (test_mesh's loop, its one-device run shared)."""
-  single, losses_1 = one_device_loop(data_cache_dir)
-  meshed, losses_8 = tiny_loop(tmp_path, data_cache_dir, {"fsdp": 4, "context": 2})
-  np.testing.assert_allclose(losses_8, losses_1, rtol=1e-5)
-  assert meshed["eval_loss"] == pytest.approx(single["eval_loss"], rel=1e-5)
 
 
 @needs_libtpu

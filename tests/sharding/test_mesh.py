@@ -234,10 +234,11 @@ def one_device_loop(data_cache_dir):
 
 @multi_device
 def test_train_and_evaluate_on_a_mesh_matches_one_device(tmp_path, data_cache_dir):
-  """The whole loop (sharded state, global batches, expert parallelism, eval, checkpoint) on an
-  fsdp x expert x tensor mesh logs the losses of the single-device loop."""
+  """The whole loop (sharded state, global batches split by row and by sequence, expert and context parallelism,
+  eval, checkpoint) on an fsdp x expert x context mesh logs the losses of the single-device loop. (Tensor
+  parallelism changes no part of the loop: its steps are test_sharded_step_equals_one_device's.)"""
   single, losses_1 = one_device_loop(data_cache_dir)
-  meshed, losses_8 = tiny_loop(tmp_path, data_cache_dir, {"data": 1, "fsdp": 2, "expert": 2, "tensor": 2})
+  meshed, losses_8 = tiny_loop(tmp_path, data_cache_dir, {"data": 1, "fsdp": 2, "expert": 2, "context": 2})
   np.testing.assert_allclose(losses_8, losses_1, rtol=1e-5)
   assert meshed["eval_loss"] == pytest.approx(single["eval_loss"], rel=1e-5)
 
