@@ -113,7 +113,7 @@ def test_a_restored_state_is_laid_out_as_a_fresh_one(tmp_path, data_cache_dir):
 def test_the_initial_state_is_the_default_compilers_bit_for_bit(data_cache_dir):
   """The trainer compiles the initialization at LLVM O1 on CPU (trainer.INIT_CPU_COMPILER_OPTIONS): the state is
   the one the default compilation makes, bit for bit (a run's numbers do not depend on it). The reference asks for
-  XLA's default level (3) itself: the suite compiles at O1 (tests/conftest.py)."""
+  XLA's default level (3) itself: the suite compiles at level 0 (tests/conftest.py)."""
   config = make_config(data_cache_dir)
   target = trainer_lib.abstract_train_state(config, model_config_for_stage(config))
   want = jax.jit(target.make_state, compiler_options={"xla_backend_optimization_level": 3})()
