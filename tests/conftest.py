@@ -10,8 +10,8 @@ import os
 # machine against 21:50 at level 1 (tests/rl/test_trainer.py alone: 148 s at 0, 153 s at 1, 197 s at 3). The
 # programs compute the same functions; their float32 results differ from the default's by rounding only
 # (multiplies and adds left unfused, sums in another order), which the tolerances are derived for. A test that needs
-# the default compilation asks for it (tests/train/test_trainer.py); to run the whole suite at the default, set
-# XLA_FLAGS=--xla_backend_optimization_level=3.
+# the default compilation asks for it (tests/train/test_trainer.py); to run the suite at the default, set
+# XLA_FLAGS=--xla_backend_optimization_level=3 (the step tests that compile with FAST_COMPILE stay at level 0).
 if os.environ.get("JAX_PLATFORMS") == "cpu" and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
 
