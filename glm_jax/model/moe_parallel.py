@@ -7,25 +7,37 @@ E_l = E / P experts (P = size of the expert axis). The P devices along `expert` 
   2. all-gather the per-expert pair counts over `expert` ([P, E], a few KB), so every device knows how many rows
      each sender sends each expert, and with a capacity how many of them each expert takes;
   3. dispatch with one ragged all-to-all, one slice per expert: the rows of expert e go to its shard, into
-     expert e's block after the rows of the senders before this one, so each receiver gets its rows already
+     expert e's run after the rows of the senders before this one, so each receiver gets its rows already
      expert-major and packed (no reorder); the SwiGLU experts run as grouped matmuls over the E_l local groups
      (grouped_matmul.py: only the real rows' tiles);
-  4. combine: the reverse ragged all-to-all returns every row into its sender's sorted order; each token's K
-     rows are gathered ([n, K, D], in `dtype`) and summed with the gate weights in fp32, as grouped_ffn does.
+  4. combine: the reverse ragged all-to-all returns every row to where it sat in its sender's send buffer; each
+     token's K rows are gathered ([n, K, D], in `dtype`) and summed with the gate weights in fp32, as grouped_ffn
+     does.
+
+Blocks. Rows travel in blocks of BLOCK = 8: the exchanged buffers are [blocks, 8, D], and each sender's run of an
+expert's rows is padded to whole blocks with rows of zeros (a zero row gives a zero output and no weight
+gradient; the padding rows come back but no token reads them). A [rows, D] buffer exchanged row by row is laid
+out by XLA:TPU a row at a time ([rows, 2, 3072] in (2, 128) tiles for D = 6144), so every exchange was followed
+(and preceded) by a copy into the grouped matmul's (8, 128) tiles; [blocks, 8, D] is already in them
+(experiments/bench_moe_exchange.py: at glm5_744b's sizes the exchange's forward and backward lose 12.9 ms of
+copies). The padding is at most 7 rows a (sender, expert) run: for glm5_744b under random routing about 1.4% more
+rows in the grouped matmuls.
 
 The collective is ragged_all_to_all.py's: `jax.lax.ragged_all_to_all` on TPU (only the real rows travel), an
 exact emulation with the dense all-to-all elsewhere (XLA:CPU cannot run the ragged one), so the CPU tests run
 the same index arithmetic the TPU program does.
 
-Buffers (static shapes). Send: the n*K sorted rows. Receive: R rows, the most the shard can be sent:
-  dropless (capacity_factor 0, the default, as GLM-5 trains): R = P*n*K, all pairs of the group to one shard.
-    Only the real rows are computed (the grouped matmul skips the tiles past them), but the receive buffer, the
-    expert outputs and their gradients are R x D in `dtype`, plus the fp32 expert intermediates R x 2 I_local,
-    i.e. P times what balanced routing needs. For glm5_744b on v5p-1024 (P = 8, n = 4096, K = 8, D = 6144) one
-    R x D bf16 buffer is 3 GiB.
+Buffers (static shapes, whole blocks). Send: the n*K pairs, each expert's run padded (at most n*K + 7 E rows).
+Receive: R rows, the most the shard can be sent:
+  dropless (capacity_factor 0, the default, as GLM-5 trains): R = P*n*K (+ 7 E_l a sender), all pairs of the group
+    to one shard. Only the real rows are computed (the grouped matmul skips the tiles past them), but the receive
+    buffer, the expert outputs and their gradients are R x D in `dtype`, plus the fp32 expert intermediates
+    R x 2 I_local, i.e. P times what balanced routing needs. For glm5_744b on v5p-1024 (P = 8, n = 8192, K = 8,
+    D = 6144) one R x D bf16 buffer is 6 GiB.
   capacity factor c: each expert takes at most cap = ceil(c * P*n*K / E) pairs of the group, the first senders'
-    first (token order within a sender), so R = E_l * cap = c * n*K rows. The pairs past it are dropped (their
-    rows stay 0 on the way back) and counted. With c = 1.25 the buffer is 1.25 / P of the dropless one.
+    first (token order within a sender), so R = E_l * cap = c * n*K rows (+ 7 P a local expert). The pairs past
+    it are dropped (they are not sent, and read 0 on the way back) and counted. With c = 1.25 the buffer is
+    1.25 / P of the dropless one.
   fast path (buffer_factor f, model.moe_buffer_factor): the buffer is sized for the load routing usually has,
     f x n*K rows, and a step takes it when every shard of the mesh receives no more (the counts are all-gathered
     before the dispatch anyway; one scalar pmax makes the choice the same everywhere); a step whose routing is
@@ -61,6 +73,22 @@ from glm_jax.model.ragged_all_to_all import exchange_rows, exclusive_cumsum
 __all__ = ["expert_parallel_ffn", "expert_parallel_specs", "FAST_PATH"]
 
 FAST_PATH = "moe_fast_buffer"  # the named scope of the fast path's ops (hlo_cost picks the branch a routing takes)
+# Rows a block: the exchanged buffers are [blocks, BLOCK, D], so that XLA:TPU lays them out in the grouped matmul's
+# (8, 128) tiles; [rows, D] rows travel one at a time, laid out row by row and copied to and from those tiles.
+BLOCK = 8
+
+
+def _most_blocks(rows: int, runs: int) -> int:
+  """The most blocks `rows` rows take when cut into at most `runs` runs, each padded to whole blocks."""
+  return (rows + runs * (BLOCK - 1)) // BLOCK
+
+
+def _as_blocks(a: jax.Array) -> jax.Array:
+  return a.reshape((a.shape[0] // BLOCK, BLOCK) + a.shape[1:])
+
+
+def _as_rows(a: jax.Array) -> jax.Array:
+  return a.reshape((a.shape[0] * a.shape[1],) + a.shape[2:])
 
 
 def _resolved_axes(
@@ -200,95 +228,122 @@ def expert_parallel_ffn(
     kept_all = _kept(all_counts)  # [P, E]: how many of them expert e takes
     me = jax.lax.axis_index(expert_axis)
     kept = kept_all[me]
-    totals = kept_all.sum(0)  # [E]: the rows each expert receives
+    # From here on in blocks of BLOCK rows: sender s sends expert e ceil(kept / BLOCK) blocks, the last one padded
+    # with rows of zeros (module docstring, "Blocks").
+    blocks_all = -(-kept_all // BLOCK)  # [P, E]
+    blocks = blocks_all[me]
+    padded_start = exclusive_cumsum(blocks)  # [E]: where expert e's blocks start in my send buffer
+    totals = blocks_all.sum(0)  # [E]: the blocks each expert receives
     expert_start = exclusive_cumsum(totals.reshape(n_shards, e_local), axis=1).reshape(n_experts)
-    before = exclusive_cumsum(kept_all, axis=0)  # [P, E]: rows of expert e from senders before s
+    before = exclusive_cumsum(blocks_all, axis=0)  # [P, E]: blocks of expert e from senders before s
     mine = lambda a: jax.lax.dynamic_slice_in_dim(a, me * e_local, e_local, axis=a.ndim - 1)  # my experts' columns
 
-    back_from = (mine(expert_start)[None] + mine(before)).reshape(-1)  # where sender s's rows of my experts sit
-    back_to = mine(exclusive_cumsum(all_counts, axis=1)).reshape(-1)  # where they sit in s's sorted order
+    back_from = (mine(expert_start)[None] + mine(before)).reshape(-1)  # where sender s's blocks of my experts sit
+    back_to = mine(exclusive_cumsum(blocks_all, axis=1)).reshape(-1)  # where they sit in s's send buffer
     index = (
-      sorted_start,
-      kept,
+      padded_start,
+      blocks,
       expert_start + before[me],
-      mine(kept_all).reshape(-1),
-      mine(totals),
+      mine(blocks_all).reshape(-1),
+      mine(totals) * BLOCK,
       back_from,
       back_to,
     )
-    sent = x[order // k].astype(dtype)
+    # The send buffer: expert e's kept pairs (sorted order) from row padded_start[e] * BLOCK on, zeros after them.
+    row = jnp.arange(send_blocks * BLOCK, dtype=jnp.int32)
+    expert_of_row = jnp.minimum(
+      jnp.searchsorted(jnp.cumsum(blocks) * BLOCK, row, side="right").astype(jnp.int32), n_experts - 1
+    )
+    rank = row - padded_start[expert_of_row] * BLOCK  # the row's place among its expert's pairs
+    real = rank < kept[expert_of_row]
+    token = order[jnp.where(real, sorted_start[expert_of_row] + rank, 0)] // k
+    sent = jnp.where(real[:, None], x[token].astype(dtype), jnp.zeros((), dtype))
     if fast_rows is None:
-      back = round_trip(rows, sent, gate, up, down, index)
+      back = round_trip(rows // BLOCK, sent, gate, up, down, index)
     else:  # the busiest shard of every group (all_counts is the group's; pmax: every group takes the same branch)
       busiest = jax.lax.pmax(jnp.max(totals.reshape(n_shards, e_local).sum(1)), tuple(mesh.axis_names))
-      back = fast_or_full(busiest <= fast_rows, sent, gate, up, down, index)
+      back = fast_or_full(busiest * BLOCK <= fast_rows, sent, gate, up, down, index)
+    # Pair (token, slot) -> its row in the send buffer's layout, where its expert's output came back; a pair its
+    # expert dropped reads 0.
     slot = jnp.zeros((pairs,), jnp.int32).at[order].set(jnp.arange(pairs, dtype=jnp.int32))  # by (token, k)
-    rows_NXD = back[slot].reshape(n_loc, k, d)
+    rank = slot - sorted_start[flat_e]
+    at_row = jnp.where(rank < kept[flat_e], padded_start[flat_e] * BLOCK + rank, send_blocks * BLOCK)
+    rows_NXD = back.at[at_row].get(mode="fill", fill_value=0).reshape(n_loc, k, d)
     y = jnp.einsum("nkd,nk->nd", rows_NXD, w.astype(jnp.float32), preferred_element_type=jnp.float32)
     return finish(y, jnp.sum(counts - kept))
 
   if n_shards == 1 and tensor is None and not tokens:
     return grouped_ffn(x_ND, w_NX, idx_NX, gate_EDI, up_EDI, down_EID, dtype, capacity_factor)
   n_loc = n // n_token_shards
+  pairs = n_loc * k
   cap = expert_capacity(capacity_factor, n_shards * n_loc, k, n_experts)
-  # Receive rows: the most a shard can be sent, all P*n*K pairs of its expert-parallel group when dropless.
-  rows = n_shards * n_loc * k if cap is None else min(n_shards * n_loc * k, e_local * cap)
+  # Buffers in blocks: the send buffer holds my pairs, each expert's run padded to whole blocks; the receive buffer
+  # the most a shard can be sent (dropless: every pair of its expert-parallel group; with a capacity, each of its
+  # experts' cap pairs, P senders' runs).
+  send_blocks = _most_blocks(pairs, min(n_experts, pairs))
+  rows = BLOCK * n_shards * _most_blocks(pairs, e_local)
+  if cap is not None:
+    rows = min(rows, BLOCK * e_local * _most_blocks(cap, n_shards))
 
   def _kept(all_counts):  # [P, E] pairs -> [P, E] kept: an expert takes its first `cap` pairs, senders in order
     return all_counts if cap is None else jnp.clip(cap - exclusive_cumsum(all_counts, axis=0), 0, all_counts)
 
   # The fast path's receive buffer: buffer_factor x the balanced load, in whole tiles of megablox's rows.
-  fast_rows = -(-math.ceil(buffer_factor * n_loc * k) // ROW_TILE) * ROW_TILE if buffer_factor else None
+  fast_rows = -(-math.ceil(buffer_factor * pairs) // ROW_TILE) * ROW_TILE if buffer_factor else None
   fast_rows = fast_rows if fast_rows is not None and fast_rows < rows else None
-  pairs = n_loc * k
 
-  def round_trip(buffer_rows, sent, gate, up, down, index):
-    """My sorted rows to their experts' shards, through the experts, and back: [pairs, D] in `dtype`."""
-    sorted_start, kept, dest, kept_mine, totals_mine, back_from, back_to = index
-    # Dispatch: slice e of my sorted rows (its first kept[e] pairs) goes to expert e's shard, into expert e's block
-    # there after the senders before me: every receiver gets its rows expert-major, ready for the grouped matmul.
-    # The receive buffer is not filled: its rows past the received ones are read only by the grouped matmuls,
-    # which keep them out of the real rows and the weight gradients (expert_swiglu's zero_past=False). Every sorted
-    # row is sent unless an expert's capacity drops it; a dropped row's gradient must be 0.
+  def round_trip(buffer_blocks, sent, gate, up, down, index):
+    """My send buffer's blocks to their experts' shards, through the experts, and back: [send rows, D] in `dtype`."""
+    padded_start, blocks, dest, blocks_mine, group_rows, back_from, back_to = index
+    # Dispatch: the blocks of expert e go to its shard, into expert e's run there after the senders before me:
+    # every receiver gets its rows expert-major, ready for the grouped matmul (a group counts its padding rows,
+    # zeros that give zeros). The receive buffer is not filled: its rows past the received ones are read only by
+    # the grouped matmuls, which keep them out of the real rows and the weight gradients (expert_swiglu's
+    # zero_past=False). The send buffer's rows past its blocks are not sent: their gradient is left undefined, and
+    # the `where` that built them passes none of it on.
     xs = exchange_rows(
-      sent,
-      buffer_rows,
-      sorted_start,
-      kept,
+      _as_blocks(sent),
+      buffer_blocks,
+      padded_start,
+      blocks,
       dest,
-      kept_mine,
+      blocks_mine,
       axis_name=expert_axis,
       zero_unwritten=False,
-      zero_unsent=cap is not None,
-    )
-    out = expert_swiglu(xs, totals_mine, gate, up, down, dtype, out_dtype=dtype, zero_past=False)  # [rows, D]
-    # Combine: slice (s, l), the rows sender s sent my expert l, goes back into s's sorted order; a dropped pair's
-    # row stays 0. Each token's K rows are then gathered ([n, K, D], in `dtype`) and summed with the gate weights
-    # in fp32, so the fp32 work (and the gradient flowing back into the exchanged rows) is n*K rows.
-    # Dropless, every pair's row comes back, so `back` needs no fill; with a capacity a dropped pair's row must be 0.
-    # The rows of `out` past the received ones are not sent back: their gradient is left undefined (see above).
-    return exchange_rows(
-      out,
-      pairs,
-      back_from,
-      kept_mine,
-      back_to,
-      kept,
-      axis_name=expert_axis,
-      zero_unwritten=cap is not None,
       zero_unsent=False,
+    )
+    out = expert_swiglu(_as_rows(xs), group_rows, gate, up, down, dtype, out_dtype=dtype, zero_past=False)
+    # Combine: run (s, l), the blocks sender s sent my expert l, goes back to where they sat in s's send buffer.
+    # Only the rows of kept pairs are read there (a dropped pair reads a 0 of its own), so the buffer needs no
+    # fill. Each token's K rows are then gathered ([n, K, D], in `dtype`) and summed with the gate weights in fp32,
+    # so the fp32 work (and the gradient flowing back into the exchanged rows) is n*K rows. The rows of `out` past
+    # the received ones are not sent back: their gradient is left undefined (see above).
+    return _as_rows(
+      exchange_rows(
+        _as_blocks(out),
+        send_blocks,
+        back_from,
+        blocks_mine,
+        back_to,
+        blocks,
+        axis_name=expert_axis,
+        zero_unwritten=False,
+        zero_unsent=False,
+      )
     )
 
   def fast_round_trip(*args):
     with jax.named_scope(FAST_PATH):
-      return round_trip(fast_rows, *args)
+      return round_trip(fast_rows // BLOCK, *args)
 
   @jax.custom_vjp
   def fast_or_full(fits, sent, gate, up, down, index):
     """round_trip through the fast buffer when every shard's rows fit it, else through the worst-case one. Its own
     backward: jax's would join the two branches' residuals, filling the fast branch's with zeros of the worst
     case's shapes (the fills this module avoids); this one keeps only the inputs and recomputes the branch."""
-    return jax.lax.cond(fits, fast_round_trip, functools.partial(round_trip, rows), sent, gate, up, down, index)
+    return jax.lax.cond(
+      fits, fast_round_trip, functools.partial(round_trip, rows // BLOCK), sent, gate, up, down, index
+    )
 
   def fast_or_full_fwd(fits, sent, gate, up, down, index):
     return fast_or_full(fits, sent, gate, up, down, index), (fits, sent, gate, up, down, index)
@@ -301,7 +356,9 @@ def expert_parallel_ffn(
 
     return (
       None,
-      *jax.lax.cond(fits, grads(fast_round_trip), grads(functools.partial(round_trip, rows)), ct, sent, gate, up, down),
+      *jax.lax.cond(
+        fits, grads(fast_round_trip), grads(functools.partial(round_trip, rows // BLOCK)), ct, sent, gate, up, down
+      ),
       None,
     )
 

@@ -649,7 +649,8 @@ def program_ops(
 
   kernel_model(op_name, instruction, instructions by name) -> (flops, bytes, note) or None: the cost of a Pallas
   kernel as its grid runs (None: keep the kernel's declared cost_estimate).
-  ragged_rows(instruction) -> the real rows a ragged all-to-all moves (None: its whole result).
+  ragged_rows(instruction) -> the real rows a ragged all-to-all moves, counted in entries of its result's leading
+  dimension (a block of rows when the buffer is [blocks, rows a block, ...]; None: its whole result).
   branch_model(op names of each branch) -> the branch of a conditional that runs (None, or no model: every branch
   is counted once, and the schedule takes the longest)."""
   comps, entry, by_name = parse_module(text)

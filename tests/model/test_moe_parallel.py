@@ -122,13 +122,27 @@ def check(name: str) -> dict:
 
 
 FAST_FACTOR, FAST_TILE = 1.5, 8
+# The fast path's check exchanges blocks of 2 rows: at these sizes (1.5 pairs a sender and expert under random
+# routing) blocks of 8 would pad a random routing beyond the skewed ones, so no buffer would fit one and not the other.
+FAST_BLOCK = 2
+
+
+def busiest_rows(idx, p: int, n_loc: int, block: int) -> int:
+  """numpy: the rows the busiest shard receives, each sender's run of an expert padded to whole blocks (a dispatch
+  group is p consecutive devices of n_loc tokens; shard q holds experts [q E/p, (q+1) E/p))."""
+  groups = np.asarray(idx).reshape(-1, p, n_loc * K)
+  return max(
+    sum(-(-int(np.sum(sender == e)) // block) * block for sender in group for e in range(q * E // p, (q + 1) * E // p))
+    for group in groups
+    for q in range(p)
+  )
 
 
 def fast_path_check(mesh, sharded, idxs, put, specs, ref_fn, plain) -> dict:
   """expert_parallel_ffn with buffer_factor=FAST_FACTOR (unfilled buffers NaN) against grouped_ffn, per routing,
-  and whether that routing's busiest shard fits the fast buffer (numpy: a dispatch group is P consecutive blocks
-  of N / shards tokens; shard q holds experts [q E/P, (q+1) E/P))."""
-  saved, moe_parallel.ROW_TILE = moe_parallel.ROW_TILE, FAST_TILE
+  and whether that routing's busiest shard fits the fast buffer (busiest_rows)."""
+  saved = moe_parallel.ROW_TILE, moe_parallel.BLOCK
+  moe_parallel.ROW_TILE, moe_parallel.BLOCK = FAST_TILE, FAST_BLOCK
   try:
     fast = lambda x, w, i, g, u, d: expert_parallel_ffn(
       x, w, i, g, u, d, jnp.float32, mesh=mesh, buffer_factor=FAST_FACTOR
@@ -140,12 +154,14 @@ def fast_path_check(mesh, sharded, idxs, put, specs, ref_fn, plain) -> dict:
         .compile()
       )
   finally:
-    moe_parallel.ROW_TILE = saved
+    moe_parallel.ROW_TILE, moe_parallel.BLOCK = saved
   p = mesh.shape["expert"]
   shards = math.prod(mesh.shape[a] for a in ("data", "fsdp", "expert") if a in mesh.axis_names)
   n_loc = N // shards
   fast_rows = math.ceil(FAST_FACTOR * n_loc * K / FAST_TILE) * FAST_TILE
-  out = {"fast_errors": {}, "fast_fits": {}, "fast_rows": fast_rows, "worst_rows": p * n_loc * K}
+  # the worst case: all of a group's pairs to one shard, each sender's runs of its E / p experts padded
+  worst = p * (n_loc * K + E // p * (FAST_BLOCK - 1)) // FAST_BLOCK * FAST_BLOCK
+  out = {"fast_errors": {}, "fast_fits": {}, "fast_rows": fast_rows, "worst_rows": worst}
   for routing, idx in idxs.items():
     y, grads = fn(*sharded[:2], put(idx, specs["idx"]), *sharded[2:])
     y_ref, grads_ref = ref_fn(*plain[:2], idx, *plain[2:])
@@ -153,9 +169,7 @@ def fast_path_check(mesh, sharded, idxs, put, specs, ref_fn, plain) -> dict:
       key: float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
       for key, a, b in zip(("y", "dx", "dw", "dgate", "dup", "ddown"), (y, *grads), (y_ref, *grads_ref))
     }
-    shard_of = np.asarray(idx).reshape(-1, p * n_loc * K) // (E // p)  # [groups, pairs of the group]
-    busiest = max(int(np.sum(group == q)) for group in shard_of for q in range(p))
-    out["fast_fits"][routing] = busiest <= fast_rows
+    out["fast_fits"][routing] = busiest_rows(idx, p, n_loc, FAST_BLOCK) <= fast_rows
   return out
 
 

@@ -110,6 +110,30 @@ def test_collectives_over_one_axis_of_a_2d_mesh_by_hand():
 
 
 @needs_libtpu
+@pytest.mark.parametrize("block", [1, 8])
+def test_a_ragged_all_to_all_moves_its_real_rows(block):
+  """A ragged all-to-all over axis "b" (4 chips) of a buffer of 256 bf16 rows of 512, as rows ([256, 512]) or as
+  blocks of 8 rows ([32, 8, 512], moe_parallel's layout): with aot.ragged_model's 64 real rows a chip, the wire
+  carries 3/4 of 64 rows (the rest stay on the chip) whatever the layout; with no model, 3/4 of the whole buffer."""
+  from glm_jax.train import aot
+
+  mesh, chip = _cube_mesh()
+  shape = (256, 512) if block == 1 else (32, 8, 512)
+  spec = P(("a", "b"))
+  arg = jax.ShapeDtypeStruct((8 * shape[0],) + shape[1:], jnp.bfloat16, sharding=NamedSharding(mesh, spec))
+  index = jax.ShapeDtypeStruct((8 * 4,), jnp.int32, sharding=NamedSharding(mesh, spec))
+
+  def exchange(x, *offsets_and_sizes):
+    return jax.lax.ragged_all_to_all(x, jnp.zeros_like(x), *offsets_and_sizes, axis_name="b")
+
+  f = jax.jit(jax.shard_map(exchange, mesh=mesh, in_specs=(spec,) * 5, out_specs=spec))
+  text = f.lower(arg, *[index] * 4).compile().as_text()
+  for model, rows in ((aot.ragged_model(64, 512), 64), (None, 256)):
+    ops = [o for o in hlo_cost.program_ops(text, chip=chip, ragged_rows=model) if o.collective and o.role != "done"]
+    assert [(o.kind, o.wire) for o in ops] == [("ragged-all-to-all", 3 / 4 * rows * 512 * 2)]
+
+
+@needs_libtpu
 def test_an_fsdp_step_where_the_partitioner_inserts_the_collectives():
   """A two-matrix MLP's SGD step with both weights [1024, 4096] / [4096, 1024] f32 and the batch split over 8 chips
   (one fsdp axis over the whole 2x2x2 cube): the partitioner gathers each weight (in bf16, as the matmul takes it:

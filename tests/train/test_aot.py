@@ -175,11 +175,12 @@ GROUPED_MATMUL = re.compile(r"jit\((t?gmm)\)/pallas_call")  # megablox's kernels
 @needs_libtpu
 @pytest.mark.slow  # a TPU compile of the train step on an expert mesh
 def test_expert_parallel_step_sends_real_rows_to_grouped_matmul_kernels():
-  """The train step on an expert mesh compiled for v5p: tokens travel by ragged all-to-all and the experts run
-  megablox's grouped matmul kernels (forward and both gradients), no XLA matmul is sized for the dropless
-  receive buffer's P x n x K rows (the dense exchange's worst case), and that buffer is allocated without a fill
+  """The train step on an expert mesh compiled for v5p: tokens travel by ragged all-to-all in blocks of 8 rows and
+  the experts run megablox's grouped matmul kernels (forward and both gradients), no XLA matmul is sized for the
+  dropless receive buffer (the dense exchange's worst case), and that buffer is allocated without a fill
   (AllocateBuffer) in the forward, its remat and the backward, as is the combine's; with model.moe_buffer_factor 2,
-  a conditional picks between that buffer and a fast one of 2 x n x K rows, allocated the same way."""
+  a conditional picks between that buffer and a fast one of 2 x n x K rows, allocated the same way. The exchanged
+  buffers are laid out as the grouped matmul reads them: no copy of one."""
   config = lean(tiny({"expert": 4}))
   config.model.moe_buffer_factor = 2.0
   result = aot.compile_train_step(config, tpu_topology_devices("v5p:2x2x1"))
@@ -195,21 +196,31 @@ def test_expert_parallel_step_sends_real_rows_to_grouped_matmul_kernels():
   }
   assert kernels == {"gmm", "tgmm"}, kernels
   n = config.data.batch_size * config.data.seq_len // 4  # tokens a device
-  rows = 4 * n * config.model.num_experts_per_tok
-  shapes = re.findall(r"= \w+\[([\d,]*)\]\S* (?:dot|convolution|ragged-dot)\(", text)
-  assert shapes and not [s for s in shapes if str(rows) in s.split(",")], rows
   d, pairs = config.model.hidden_size, n * config.model.num_experts_per_tok
+  experts, local = config.model.n_routed_experts, config.model.n_routed_experts // 4
+  # Blocks of 8 rows, each sender's run of an expert padded to whole blocks: a send buffer holds a device's pairs
+  # in at most `experts` runs, a receive buffer the 4 senders' pairs in at most `local` runs each.
+  send = (pairs + experts * 7) // 8
+  worst = 4 * ((pairs + local * 7) // 8)
+  fast = 2 * pairs // 8  # 2 x n x K rows, a whole number of megablox's 256-row tiles here
+  assert pairs % 128 == 0 and fast < worst
+  shapes = re.findall(r"= \w+\[([\d,]*)\]\S* (?:dot|convolution|ragged-dot)\(", text)
+  assert shapes and not [s for s in shapes if str(8 * worst) in s.split(",")], worst
   unfilled = re.findall(
-    r'= \w+\[(\d+),(\d+)\]\S* custom-call\(\), custom_call_target="AllocateBuffer", '
+    r'= \w+\[(\d+),8,(\d+)\]\S* custom-call\(\), custom_call_target="AllocateBuffer", '
     r'metadata=\{op_name="([^"]*)/empty"',
     text,
   )
-  fast = 2 * pairs
-  assert fast < rows and " conditional(" in text
-  for shape in ((rows, d), (fast, d), (pairs, d)):  # dispatch's receive buffers, combine's; backward: gradients'
-    where = {"backward" if "transpose(" in name else "forward" for r, c, name in unfilled if (int(r), int(c)) == shape}
+  assert " conditional(" in text
+  for shape in ((worst, d), (fast, d), (send, d)):  # dispatch's receive buffers, combine's; backward: gradients'
+    where = {"backward" if "transpose(" in name else "forward" for b, c, name in unfilled if (int(b), int(c)) == shape}
     assert where == {"forward", "backward"}, (shape, unfilled)
-  assert not re.findall(rf"= \w+\[{rows},{d}\]\S* broadcast\(", text)  # no fill of zeros
+  assert not re.findall(rf"= \w+\[{worst},8,{d}\]\S* broadcast\(", text)  # no fill of zeros
+  exchanged = {f"[{b},8,{d}]" for b in (worst, fast, send)} | {f"[{8 * b},{d}]" for b in (worst, fast, send)}
+  copies = [
+    line for line in text.splitlines() if " copy(" in line and any(s in line.split(" copy(")[0] for s in exchanged)
+  ]
+  assert not copies, copies[:3]
 
 
 @needs_libtpu
