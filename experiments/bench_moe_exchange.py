@@ -1,13 +1,16 @@
-r"""One MoE layer's expert exchange at glm5_744b's per-chip sizes, compiled for a v5p slice and costed op by op.
+r"""One MoE layer's experts at glm5_744b's per-chip sizes, compiled for a v5p slice and costed op by op.
 
 The pod step's MoE layer is dominated by the expert exchange (moe_parallel.expert_parallel_ffn): the ragged
 all-to-alls, the grouped matmuls and the copies between them. Compiling the whole 744B step to try a change to
-that exchange takes half an hour and 18 GB here; this compiles the exchange alone, forward and backward, on a
-slice whose expert axis has the pod's size (8), with the pod's tokens a chip (two 4096-token sequences: 8,192),
-and prints hlo_cost's figures for it: the scheduled time, and the ops that cost most (balanced routing, the fast
-path as glm5_744b ships it).
+that exchange takes half an hour and 18 GB here; this compiles the routed experts (and the shared expert beside
+them), forward and backward, on a slice whose expert axis has the pod's size (8), with the pod's tokens a chip (two
+4096-token sequences: 8,192), and prints hlo_cost's figures for it: the serial and the scheduled time, the copies,
+and the ops that cost most (balanced routing, the fast path as glm5_744b ships it).
 
   bash scripts/with_env.sh python experiments/bench_moe_exchange.py                    # v5p:2x2x2, expert 8
+  bash scripts/with_env.sh python experiments/bench_moe_exchange.py --shared=0         # the routed experts alone
+  bash scripts/with_env.sh python experiments/bench_moe_exchange.py \
+      --xla=xla_tpu_enable_async_ragged_all_to_all=true                                 # an XLA:TPU option
   bash scripts/with_env.sh python experiments/bench_moe_exchange.py --hlo=/tmp/moe.hlo   # keep the program's text
 """
 
@@ -32,6 +35,10 @@ _I = flags.DEFINE_integer("intermediate", 2048, "moe_intermediate_size")
 _E = flags.DEFINE_integer("experts", 256, "n_routed_experts")
 _K = flags.DEFINE_integer("topk", 8, "num_experts_per_tok")
 _BUFFER = flags.DEFINE_float("buffer_factor", 2.0, "model.moe_buffer_factor (glm5_744b: 2)")
+_SHARED = flags.DEFINE_integer(
+  "shared", 2048, "The shared expert's intermediate size (glm5_744b: 2048), run beside the routed ones; 0: none."
+)
+_XLA = flags.DEFINE_multi_string("xla", [], "XLA:TPU options for the compile, name=value (e.g. the async ones).")
 _HLO = flags.DEFINE_string("hlo", None, "Write the compiled program's text here.")
 _TOP = flags.DEFINE_integer("top", 10, "Ops to list.")
 
@@ -45,6 +52,7 @@ def main(argv):
   bf16 = jnp.bfloat16
   tok = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("expert", None))
   exp = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("expert", None, None))
+  rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   args = (
     jax.ShapeDtypeStruct((n, d), bf16, sharding=tok),
     jax.ShapeDtypeStruct((n, k), jnp.float32, sharding=tok),
@@ -52,15 +60,21 @@ def main(argv):
     jax.ShapeDtypeStruct((e, d, i), bf16, sharding=exp),
     jax.ShapeDtypeStruct((e, d, i), bf16, sharding=exp),
     jax.ShapeDtypeStruct((e, i, d), bf16, sharding=exp),
+    jax.ShapeDtypeStruct((d, 2 * _SHARED.value), bf16, sharding=rep),
+    jax.ShapeDtypeStruct((_SHARED.value, d), bf16, sharding=rep),
   )
 
-  def loss(x, w, idx, gate, up, down):
+  def loss(x, w, idx, gate, up, down, shared_in, shared_out):
     y, _ = expert_parallel_ffn(x, w, idx, gate, up, down, bf16, mesh=mesh, buffer_factor=_BUFFER.value)
+    if _SHARED.value:  # the shared expert: independent of the exchange, so it may run while rows travel
+      g, u = jnp.split(x @ shared_in, 2, axis=-1)
+      y = y + (jax.nn.silu(g) * u) @ shared_out
     return jnp.sum(y.astype(jnp.float32) ** 2)
 
-  step = jax.jit(jax.grad(loss, argnums=(0, 3, 4, 5)))
+  step = jax.jit(jax.grad(loss, argnums=(0, 3, 4, 5, 6, 7)))
+  options = dict(flag.split("=", 1) for flag in _XLA.value)
   with jax.set_mesh(mesh), target_platform("tpu"):
-    compiled = step.lower(*args).compile()
+    compiled = step.lower(*args).compile(compiler_options=options or None)
   text = compiled.as_text()
   if _HLO.value:
     with open(_HLO.value, "w") as f:

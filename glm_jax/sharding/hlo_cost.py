@@ -626,6 +626,12 @@ def _collective_kind(ins: _Instr, comp: list[_Instr]) -> str:
   return kind
 
 
+def ragged_buffer(ins: _Instr) -> tuple[int, ...]:
+  """A ragged all-to-all's output buffer's dimensions: its result, or the largest array of an async start's tuple
+  (which also holds the operand, the offsets and the sizes)."""
+  return max(ins.shapes, key=lambda s: nbytes([s]))[1] if ins.shapes else ()
+
+
 def _collective_bytes(ins: _Instr, kind: str, by_name: dict[str, _Instr]) -> float:
   """The bytes ici.collective_seconds takes: the gathered result, or the operand (the largest array of an async
   start's tuple)."""
@@ -842,7 +848,7 @@ def _add_collective(
   size = _collective_bytes(inner, kind, by_name)
   if kind == "ragged-all-to-all":
     rows = ragged_rows(inner) if ragged_rows else None
-    full_rows = inner.shapes[0][1][0] if inner.shapes and inner.shapes[0][1] else 1
+    full_rows = (ragged_buffer(inner) or (1,))[0]
     size = size * min(1.0, rows / full_rows) if rows is not None else size
     op.note = "real rows only" if rows is not None else "whole buffer"
   if kind == "collective-permute":

@@ -289,8 +289,7 @@ def ragged_model(real_rows: int, row_elements: int) -> hlo_cost.RaggedModel:
   ([rows, 2, 3072] for rows of 6144; [blocks, 8, 6144] for blocks of 8 rows, moe_parallel.BLOCK)."""
 
   def model(ins):
-    per_entry = math.prod(ins.shapes[0][1][1:]) if ins.shapes and ins.shapes[0][1] else 1
-    return real_rows * row_elements / per_entry
+    return real_rows * row_elements / math.prod(hlo_cost.ragged_buffer(ins)[1:])
 
   return model
 

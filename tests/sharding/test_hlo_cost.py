@@ -110,11 +110,13 @@ def test_collectives_over_one_axis_of_a_2d_mesh_by_hand():
 
 
 @needs_libtpu
-@pytest.mark.parametrize("block", [1, 8])
-def test_a_ragged_all_to_all_moves_its_real_rows(block):
-  """A ragged all-to-all over axis "b" (4 chips) of a buffer of 256 bf16 rows of 512, as rows ([256, 512]) or as
-  blocks of 8 rows ([32, 8, 512], moe_parallel's layout): with aot.ragged_model's 64 real rows a chip, the wire
-  carries 3/4 of 64 rows (the rest stay on the chip) whatever the layout; with no model, 3/4 of the whole buffer."""
+@pytest.mark.parametrize("block, asynchronous", [(1, False), (8, False), (8, True)])
+def test_a_ragged_all_to_all_moves_its_real_rows(block, asynchronous):
+  """A ragged all-to-all over axis "b" (4 chips) of 256 bf16 rows of 512 into a buffer of 512, as rows
+  ([256, 512] -> [512, 512]) or as blocks of 8 rows ([32, 8, 512] -> [64, 8, 512], moe_parallel's layout), sync
+  or as an async start/done pair (whose start's tuple holds the operand, the output and the offsets): with
+  aot.ragged_model's 64 real rows a chip, the wire carries 3/4 of 64 rows (the rest stay on the chip) whatever the
+  form; with no model, 3/4 of the whole output buffer."""
   from glm_jax.train import aot
 
   mesh, chip = _cube_mesh()
@@ -122,13 +124,17 @@ def test_a_ragged_all_to_all_moves_its_real_rows(block):
   spec = P(("a", "b"))
   arg = jax.ShapeDtypeStruct((8 * shape[0],) + shape[1:], jnp.bfloat16, sharding=NamedSharding(mesh, spec))
   index = jax.ShapeDtypeStruct((8 * 4,), jnp.int32, sharding=NamedSharding(mesh, spec))
+  w = jax.ShapeDtypeStruct((8 * 512, 512), jnp.bfloat16, sharding=NamedSharding(mesh, spec))
 
-  def exchange(x, *offsets_and_sizes):
-    return jax.lax.ragged_all_to_all(x, jnp.zeros_like(x), *offsets_and_sizes, axis_name="b")
+  def exchange(x, w, *offsets_and_sizes):  # and a matmul the async form can overlap (XLA keeps it sync otherwise)
+    out = jnp.zeros((2 * x.shape[0],) + x.shape[1:], x.dtype)  # room for more rows than a chip sends
+    return jax.lax.ragged_all_to_all(x, out, *offsets_and_sizes, axis_name="b"), w @ w.T
 
-  f = jax.jit(jax.shard_map(exchange, mesh=mesh, in_specs=(spec,) * 5, out_specs=spec))
-  text = f.lower(arg, *[index] * 4).compile().as_text()
-  for model, rows in ((aot.ragged_model(64, 512), 64), (None, 256)):
+  f = jax.jit(jax.shard_map(exchange, mesh=mesh, in_specs=(spec,) * 6, out_specs=(spec, spec)))
+  options = {"xla_tpu_enable_async_ragged_all_to_all": True} if asynchronous else None
+  text = f.lower(arg, w, *[index] * 4).compile(compiler_options=options).as_text()
+  assert ("ragged-all-to-all-start(" in text) == asynchronous
+  for model, rows in ((aot.ragged_model(64, 512), 64), (None, 512)):
     ops = [o for o in hlo_cost.program_ops(text, chip=chip, ragged_rows=model) if o.collective and o.role != "done"]
     assert [(o.kind, o.wire) for o in ops] == [("ragged-all-to-all", 3 / 4 * rows * 512 * 2)]
 
