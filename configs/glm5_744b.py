@@ -32,15 +32,15 @@ def get_config() -> ml_collections.ConfigDict:
     seq_len=4096,
     # 4M tokens a step, two sequences a chip on v5p-1024: 340 tokens a second a chip
     # calibrated against 306 at one (the weights' all-gathers are shared by twice the
-    # tokens), 92.9 GiB of 95.7
+    # tokens); 364 since the expert exchange moves blocks of 8 rows, 86.8 GiB of 95.7
     batch_size=1024,
     eval_fraction=0.0,
   )
   config.train = common.train(steps=100_000, eval_every=1000, checkpoint_every=1000)
   # XLA:TPU's async collective fusion: some of the partitioner's FSDP all-gathers overlap compute (the 4K dense
   # step compiled for v5p-1024: 16.49 -> 16.16 s scheduled, 73.7 -> 67.7 GiB a chip; experiments/bench_pod.py).
-  # The async ragged all-to-all lets the expert exchange overlap the shared expert and the gate (one MoE layer's
-  # experts at this config's sizes: 0.0991 -> 0.0905 s scheduled, experiments/bench_moe_exchange.py).
+  # Not --xla_tpu_enable_async_ragged_all_to_all=true: it hides part of the expert exchange (20.23 -> 18.78 s
+  # scheduled) but keeps its buffers live longer, 86.8 -> 110.9 GiB a chip (bench_pod.py's 4k_dense_async_ragged).
   config.train.xla_flags = " ".join(
     [
       "--xla_tpu_enable_async_collective_fusion=true",
@@ -48,12 +48,11 @@ def get_config() -> ml_collections.ConfigDict:
       "--xla_tpu_enable_async_collective_fusion_multiple_steps=true",
       "--xla_tpu_overlap_compute_collective_tc=true",
       "--xla_enable_async_all_gather=true",
-      "--xla_tpu_enable_async_ragged_all_to_all=true",
     ]
   )
 
   # The mesh for v5p-1024 (512 chips, `python launch/compile.py --config=configs/glm5_744b.py --topology=v5p:8x8x8`:
-  # 92.9 GiB a chip of the 95.7 usable with AdamW, XLA's live peak 67.6 GiB). On other slices fsdp = -1 takes the rest.
+  # 86.8 GiB a chip of the 95.7 usable with AdamW, XLA's live peak 67.8 GiB). On other slices fsdp = -1 takes the rest.
   # - fsdp 64 x expert 8 shards every parameter 512 ways (the routed experts' experts dimension over expert, the
   #   rest over fsdp x expert) together with its gradient and Muon momentum. data = 1 because a data axis
   #   replicates it.
