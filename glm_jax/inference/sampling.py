@@ -6,6 +6,7 @@ log-probabilities (glm_jax/rl/step.py) share.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -23,8 +24,14 @@ class SamplingParams:
   pad_id: int = 0  # fills the rows past their end
 
   def __post_init__(self):
-    if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
+    # Every comparison below is written so that NaN fails it (NaN compares false with everything).
+    if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
       raise ValueError(f"max_new_tokens={self.max_new_tokens!r}; must be a positive integer")
+    if self.temperature == math.inf:
+      raise ValueError(
+        f"temperature={self.temperature!r}; must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE} (an "
+        "infinite one divides every logit to 0: a uniform draw, whatever the model says)"
+      )
     if not (self.temperature == 0 or self.temperature >= MIN_TEMPERATURE):
       raise ValueError(
         f"temperature={self.temperature!r}; must be 0 (greedy) or at least {MIN_TEMPERATURE} (smaller "

@@ -9,6 +9,7 @@ released config.json maps one to one (see `ModelConfig.from_hf_dict`); fields af
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -263,6 +264,10 @@ def _validate(c: ModelConfig) -> None:
   def fail(field: str, valid: str):
     raise ValueError(f"model config: {field}={getattr(c, field)!r} is invalid; {valid}")
 
+  for f in dataclasses.fields(c):  # NaN compares false with everything: refused first, by name
+    v = getattr(c, f.name)
+    if isinstance(v, float) and not math.isfinite(v):
+      fail(f.name, "must be a finite number")
   for f in (
     "vocab_size",
     "hidden_size",
@@ -310,12 +315,13 @@ def _validate(c: ModelConfig) -> None:
     fail("qk_rope_head_dim", "must be even (rope rotates pairs)")
   if c.index_head_dim < c.qk_rope_head_dim:
     fail("index_head_dim", f"must be >= qk_rope_head_dim={c.qk_rope_head_dim} (rope covers its first part)")
-  if c.routed_scaling_factor <= 0:
-    fail("routed_scaling_factor", "must be > 0")
-  if c.rope_theta <= 0:
-    fail("rope_theta", "must be > 0")
-  if c.rms_norm_eps <= 0 or c.mla_norm_eps <= 0 or c.index_norm_eps <= 0:
-    fail("rms_norm_eps", "all norm eps values must be > 0")
+  for f in ("routed_scaling_factor", "rope_theta", "rms_norm_eps", "mla_norm_eps", "index_norm_eps"):
+    v = getattr(c, f)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+      fail(f, "must be a number > 0")
+  ir = c.initializer_range
+  if isinstance(ir, bool) or not isinstance(ir, (int, float)) or not ir >= 0:
+    fail("initializer_range", "must be a number >= 0 (the initializers' standard deviation)")
   if c.hidden_act != "silu":
     fail("hidden_act", "only 'silu' (SwiGLU) is implemented")
   if c.attention_bias:

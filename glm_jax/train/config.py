@@ -1,14 +1,18 @@
 """The pretraining run's config: its sections, the `train` section's checks, and the model config of a DSA stage.
 
 Everything here runs before any work starts, so a bad config stops a run with a message that names the field,
-its value and what is valid, and touches nothing.
+its value and what is valid, and touches nothing. `check_values` is the one check every section shares (no NaN or
+infinity in any float field, every seed in [0, 2**32)); require_sections runs it on the whole config, first.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import ml_collections
+import numpy as np
 
 from glm_jax.model import ModelConfig
 from glm_jax.train.step import STAGES, xla_compiler_options
@@ -45,12 +49,84 @@ def default_train_config() -> ml_collections.ConfigDict:
 
 
 def require_sections(config: ml_collections.ConfigDict, needed: Sequence[str], purpose: str, example: str) -> None:
-  """Raises ValueError naming the sections of `needed` that `config` lacks (and an example config that has them)."""
+  """Raises ValueError naming the sections of `needed` that `config` lacks (and an example config that has them),
+  then checks every value of the whole config with check_values. Every entry point calls this first with the whole
+  config (the pretraining and SFT trainer's check_config, validate_rl_config for GRPO and distillation, so the
+  sweep's per-point check too, and the AOT compiles), so no NaN, infinity or bad seed gets past it to any work."""
   missing = [s for s in needed if s not in config]
   if missing:
     raise ValueError(
       f"config {config.get('name', '?')!r} has no {missing} section(s); {purpose} needs {list(needed)} (see {example})"
     )
+  check_values(config)
+
+
+# Seeds: every key of the code's PRNGs is 32 bits. jax.random.key (jax_enable_x64 off, as here) keeps a seed's low 32
+# bits, so 2**32 is seed 0 again and -1 is 2**32 - 1; from 2**63 up it raises OverflowError; numpy's default_rng (the
+# RL prompts) refuses a negative seed mid-run; Grain's shuffle takes [0, 2**32). Every seed is one of [0, 2**32).
+SEED_RANGE = (0, 2**32)
+SEED_VALID = "must be an integer in [0, 2**32) (the PRNG keys are 32-bit: jax keeps a seed's low 32 bits)"
+FINITE_VALID = "must be a finite number"
+
+
+def is_seed_field(name: str) -> bool:
+  """A config field that seeds a PRNG: `seed` (train, rl, teachers.<name>) or `<what>_seed` (data.shuffle_seed)."""
+  return name == "seed" or name.endswith("_seed")
+
+
+def check_seed(field: str, value) -> None:
+  """Raises invalid() unless `value` is an integer in SEED_RANGE (a bool is not a seed)."""
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not SEED_RANGE[0] <= value < SEED_RANGE[1]:
+    invalid(field, value, SEED_VALID)
+
+
+def check_finite(field: str, value) -> None:
+  """Raises invalid() when `value` is a float that is NaN or infinite, or a list / tuple holding one (anything else
+  passes: its own section's check judges it)."""
+  if _is_float(value) and not math.isfinite(value):
+    invalid(field, value, FINITE_VALID)
+  if isinstance(value, (list, tuple)):
+    bad = [i for i, v in enumerate(value) if _is_float(v) and not math.isfinite(v)]
+    if bad:
+      invalid(field, value, f"every entry {FINITE_VALID} (entry {bad[0]} is {value[bad[0]]!r})")
+
+
+def _is_float(value) -> bool:
+  return isinstance(value, (float, np.floating))
+
+
+def _is_section(value) -> bool:
+  return isinstance(value, (Mapping, ml_collections.ConfigDict, ml_collections.FrozenConfigDict))
+
+
+def config_leaves(config: ml_collections.ConfigDict | Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+  """(`section.field` path, value) of every field of `config`, through nested sections (data.glm, sft.train_step,
+  teachers.<name>.model, optimizer.hparams, ...) and the dicts inside list / tuple fields (`field[i].key`)."""
+  for key, value in config.items():
+    path = f"{prefix}{key}"
+    if _is_section(value):
+      yield from config_leaves(value, f"{path}.")
+      continue
+    yield path, value
+    if isinstance(value, (list, tuple)):
+      for i, item in enumerate(value):
+        if _is_section(item):
+          yield from config_leaves(item, f"{path}[{i}].")
+
+
+def check_values(config: ml_collections.ConfigDict | Mapping[str, Any]) -> None:
+  """The one check of the values every section shares, before any work: every float field of every section (and
+  every float in a list or tuple field) must be finite, and every seed field (is_seed_field) an integer in
+  [0, 2**32). A failure is invalid()'s ValueError naming `section.field`, the value and what is valid.
+
+  No field takes inf as a meaning: each optional term or guard is turned off by 0 (train.grad_clip_norm,
+  train.spike_factor, rl.kl_coef, model.moe_capacity_factor, ...), and the timeouts (rl.heartbeat_timeout, ...) are
+  finite numbers of seconds. The ranges of each field are its own section's checks, which run after this one."""
+  for path, value in config_leaves(config):
+    if is_seed_field(path.rsplit(".", 1)[-1]):
+      check_seed(path, value)
+    else:
+      check_finite(path, value)
 
 
 _LOOP_POSITIVE_INTS = ("steps", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints")

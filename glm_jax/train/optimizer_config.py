@@ -74,6 +74,8 @@ def checked_optimizer_config(opt_cfg: Mapping[str, Any] | None) -> ml_collection
       f"optimizer config: partner_matrices={cfg.partner_matrices!r}; expected a regular expression "
       f"on parameter paths ({e})"
     ) from None
+  # Each comparison is false for NaN, so a NaN fails it; an infinity is refused, with every non-finite value of the
+  # config, by glm_jax/train/config.py's check_values, which the trainers run before this.
   checks = (
     ("schedule", cfg.schedule in SCHEDULES, f"one of {SCHEDULES}"),
     ("lr", cfg.lr > 0, "> 0"),
@@ -82,6 +84,9 @@ def checked_optimizer_config(opt_cfg: Mapping[str, Any] | None) -> ml_collection
     ("warmup_steps", int(cfg.warmup_steps) == cfg.warmup_steps and cfg.warmup_steps >= 0, "an int >= 0"),
     ("decay_steps", int(cfg.decay_steps) == cfg.decay_steps and cfg.decay_steps > 0, "an int > 0"),
     ("weight_decay", cfg.weight_decay >= 0, ">= 0"),
+    ("b1", 0 <= cfg.b1 < 1, "in [0, 1)"),
+    ("b2", 0 <= cfg.b2 < 1, "in [0, 1)"),
+    ("eps", cfg.eps >= 0, ">= 0"),
     ("muon_momentum", 0 <= cfg.muon_momentum < 1, "in [0, 1)"),
     ("muon_ns_steps", int(cfg.muon_ns_steps) == cfg.muon_ns_steps and cfg.muon_ns_steps >= 1, "an int >= 1"),
     ("muon_ns_coeffs", len(cfg.muon_ns_coeffs) == 3, "three numbers (a, b, c)"),
