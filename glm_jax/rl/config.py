@@ -26,6 +26,7 @@ from glm_jax.inference.sampling import MIN_TEMPERATURE
 from glm_jax.model.quantization import WEIGHT_ONLY, check_quant_config
 from glm_jax.rl import losses, rewards as rewards_lib, step as rl_step, tasks as tasks_lib
 from glm_jax.train.config import invalid, require_sections, validate_step_config
+from glm_jax.train.optimizer_config import checked_optimizer_config
 
 TRAINERS = ("pretrain", "sft", "grpo", "distill")  # config.trainer's values; launch/train.py dispatches on it
 _RL_POSITIVE_INTS = (
@@ -76,6 +77,7 @@ def default_rl_config() -> ml_collections.ConfigDict:
   c.heartbeat_every = 1.0  # seconds between the worker's heartbeats
   c.heartbeat_timeout = 30.0  # seconds without one before the worker is replaced
   c.worker_start_timeout = 300.0  # seconds a new worker may take to start (imports, compiling) before its first beat
+  c.handshake_timeout = 30.0  # seconds to connect to a started worker and authenticate both ways, else it is replaced
   c.max_worker_restarts = 3  # replacements before the run fails
   c.eval_prompts = 256  # held-out problems answered greedily for eval_accuracy
   c.eval_every = 50
@@ -99,6 +101,12 @@ def validate_rl_config(config: ml_collections.ConfigDict) -> None:
   )
   rl = config.rl
   _validate_rl_section(rl)
+  checked_optimizer_config(config.optimizer)  # the policy's optimizer, checked before the warm start builds it
+  if "optimizer" in config.sft:
+    try:
+      checked_optimizer_config(config.sft.optimizer)
+    except ValueError as e:
+      raise ValueError(f"sft.{e}") from e
   if rl.speculate and config.model.num_nextn_predict_layers < 1:
     invalid(
       "rl.speculate",
@@ -151,6 +159,8 @@ def _validate_rl_section(rl: ml_collections.ConfigDict) -> None:
     invalid("rl.eps_high", rl.eps_high, "must be >= 0")
   if not rl.icepop_beta > 1:
     invalid("rl.icepop_beta", rl.icepop_beta, "must be > 1 (tokens are kept where 1/beta <= rho <= beta)")
+  if not rl.tis_cap > 0:
+    invalid("rl.tis_cap", rl.tis_cap, "must be > 0 (the cap of the truncated importance weight)")
   for field in ("kl_coef", "grad_clip_norm"):
     if not rl[field] >= 0:
       invalid(f"rl.{field}", rl[field], "must be >= 0")
@@ -163,7 +173,7 @@ def _validate_rl_section(rl: ml_collections.ConfigDict) -> None:
         rl.rollout_process,
         "the rollout engine apart from the trainer is asynchronous: set rl.async_rollouts=True",
       )
-    for field in ("heartbeat_every", "heartbeat_timeout", "worker_start_timeout"):
+    for field in ("heartbeat_every", "heartbeat_timeout", "worker_start_timeout", "handshake_timeout"):
       if not rl[field] > 0:
         invalid(f"rl.{field}", rl[field], "must be > 0 (seconds)")
     if not rl.heartbeat_timeout > rl.heartbeat_every:

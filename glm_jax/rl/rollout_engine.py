@@ -4,8 +4,8 @@
 
 The trainer (ProcessRolloutWorker, the thread RolloutWorker's interface: push_weights, start, get, stop) starts
 `python -m glm_jax.rl.rollout_engine <config.json>`, which builds the run's sampler, tasks and reward function
-from the config, listens on a localhost port it prints, and serves one connection (multiprocessing.connection:
-pickled messages, an authentication key from the environment):
+from the config, listens on a loopback port it prints, and serves one connection (multiprocessing.connection:
+pickled messages, after its challenge-response on a random key the trainer passes in the environment):
 
   trainer -> worker   ("weights", version, params, rest)   host arrays, tagged with their policy version
                       ("generate", index)                 make rollout `index` (rollout.step_rollout: its prompts
@@ -22,6 +22,14 @@ rollout carries the version that made it and the trainer drops those more than r
 The trainer keeps rl.max_pending requests outstanding and never waits on the worker except for a rollout to train
 on: weights are queued to a sender thread and `get` returns the next rollout that arrives.
 
+The handshake has deadlines on both sides, so that no other local process can stall a run by connecting first and
+staying silent, or end it by answering with another key. The worker authenticates each connection in a thread of its
+own, within rl.handshake_timeout seconds: one that stays silent or fails the challenge is logged (its log, below) and
+closed while the worker goes on listening; the first that authenticates is the trainer, and the worker then stops
+listening. A worker that no trainer has reached in twice that time exits (its trainer is gone). The trainer connects
+and authenticates within rl.handshake_timeout of reading the port; a worker it cannot reach in that time is killed and
+replaced like one that did not start (a peer that stays silent is cut off at the deadline: its socket shut down).
+
 A worker that stops answering is replaced: its process has exited (the connection closes), or no heartbeat came
 within rl.heartbeat_timeout seconds (a hung process: killed). A new worker is started, given the newest weights and
 sent again every request that had no answer; a rollout index is delivered to the trainer at most once, so nothing is
@@ -35,12 +43,14 @@ import json
 import os
 import queue
 import secrets
+import socket
 import subprocess
 import sys
 import threading
 import time
 import traceback
-from multiprocessing.connection import Client, Listener
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 from typing import Any
 
 import jax
@@ -48,6 +58,12 @@ import ml_collections
 from absl import logging
 
 AUTHKEY_ENV = "GLM_JAX_ROLLOUT_AUTHKEY"
+HOST = "127.0.0.1"  # the worker listens on loopback only
+
+
+def worker_argv(config_path: str) -> list[str]:
+  """The worker process's command line (the tests put stand-ins that misbehave in its place)."""
+  return [sys.executable, "-m", "glm_jax.rl.rollout_engine", config_path]
 
 
 class ProcessRolloutWorker:
@@ -61,6 +77,7 @@ class ProcessRolloutWorker:
     self._dir = os.path.join(workdir, "rollout")
     self._max_pending, self._timeout = rl.max_pending, float(rl.heartbeat_timeout)
     self._start_timeout, self._max_restarts = float(rl.worker_start_timeout), rl.max_worker_restarts
+    self._handshake_timeout = float(rl.handshake_timeout)
     self._authkey = secrets.token_bytes(16)
     self._lock = threading.Lock()
     self._weights: tuple[int, Any, Any] | None = None  # the newest pushed, as host arrays
@@ -175,27 +192,144 @@ class ProcessRolloutWorker:
       self._n += 1
       try:
         self._worker = _Connection(
-          self._n, self._config_path, self._dir, self._authkey, self._inbox, self._start_timeout
+          self._n,
+          self._config_path,
+          self._dir,
+          self._authkey,
+          self._inbox,
+          self._start_timeout,
+          self._handshake_timeout,
         )
         break
       except _DidNotStart as e:
         logging.warning("%s", e)
-        self._count_replacement(e.n, "it did not start", e.log)
+        self._count_replacement(e.n, f"it did not start: {e.why}", e.log)
     with self._lock:
       self._worker.send(("weights", *self._weights))
 
 
 class _DidNotStart(RuntimeError):
-  def __init__(self, n: int, log: str, timeout: float):
-    super().__init__(f"rollout worker {n} did not start (no port within {timeout:.0f} s); see {log}")
-    self.n, self.log = n, log
+  def __init__(self, n: int, log: str, why: str):
+    super().__init__(f"rollout worker {n} did not start ({why}); see {log}")
+    self.n, self.log, self.why = n, log, why
+
+
+class HandshakeError(ConnectionError):
+  """A connection that did not authenticate: the message names why (no answer in time, another key, closed)."""
+
+
+def authenticate(sock: socket.socket, authkey: bytes, timeout: float, *, server: bool) -> Connection:
+  """multiprocessing's mutual challenge-response (what its Listener.accept and Client do, the server challenging
+  first) on a connected socket, in at most `timeout` seconds: at the deadline the socket is shut down, which ends a
+  read blocked on a peer that stays silent (or that sends a byte at a time). Returns the connection; `sock` is closed
+  either way. Raises HandshakeError naming the cause."""
+  conn = Connection(os.dup(sock.fileno()))  # the handshake reads through its own descriptor; `sock` is for shutdown
+  lock, state = threading.Lock(), {"done": False, "expired": False}
+
+  def expire():
+    with lock:
+      if not state["done"]:
+        state["expired"] = True
+        _shutdown(sock)
+
+  timer = threading.Timer(max(timeout, 0.0), expire)
+  timer.daemon = True
+  timer.start()
+  error = None
+  try:
+    if server:
+      deliver_challenge(conn, authkey)
+      answer_challenge(conn, authkey)
+    else:
+      answer_challenge(conn, authkey)
+      deliver_challenge(conn, authkey)
+  except AuthenticationError as e:
+    error = f"wrong authentication key ({e})"
+  except EOFError:
+    error = "the peer closed the connection"
+  except (OSError, AssertionError, ValueError) as e:  # (answer_challenge asserts on a malformed challenge)
+    error = f"{type(e).__name__}: {e}"
+  with lock:
+    state["done"] = True
+    timer.cancel()
+  if state["expired"]:
+    error = f"handshake not completed within {timeout:.3g} s"
+  sock.close()
+  if error is not None:
+    conn.close()
+    raise HandshakeError(error)
+  return conn
+
+
+def connect(port: int, authkey: bytes, timeout: float) -> Connection:
+  """The trainer's end: connects to a worker's loopback port and authenticates both ways, in `timeout` seconds in
+  all. Raises HandshakeError naming the cause."""
+  deadline = time.monotonic() + timeout
+  try:
+    sock = socket.create_connection((HOST, port), timeout=timeout)
+  except OSError as e:
+    raise HandshakeError(f"could not connect ({e})") from None
+  sock.setblocking(True)  # bounded by authenticate's deadline instead
+  return authenticate(sock, authkey, deadline - time.monotonic(), server=False)
+
+
+def accept_trainer(server: socket.socket, authkey: bytes, timeout: float) -> Connection:
+  """The worker's end: the first connection to the listening `server` that authenticates with the trainer's key.
+  Each connection is authenticated in a thread of its own, within `timeout` seconds of being accepted, so one that
+  stays silent holds up nothing; one that fails is logged and closed and the worker goes on listening. Raises
+  TimeoutError when none has authenticated in 2 * timeout seconds (the trainer that started this worker is gone)."""
+  trainers: queue.Queue = queue.Queue()
+
+  def handshake(sock: socket.socket, peer) -> None:
+    try:
+      trainers.put(authenticate(sock, authkey, timeout, server=True))
+    except HandshakeError as e:
+      logging.warning("rollout worker: refused a connection from %s:%d (%s)", peer[0], peer[1], e)
+
+  server.settimeout(0.1)  # the loop below checks for an authenticated trainer between accepts
+  deadline = time.monotonic() + 2 * timeout
+  while time.monotonic() < deadline:
+    try:
+      return trainers.get_nowait()
+    except queue.Empty:
+      pass
+    try:
+      sock, peer = server.accept()
+    except TimeoutError:
+      continue
+    sock.setblocking(True)
+    threading.Thread(target=handshake, args=(sock, peer), daemon=True, name=f"handshake-{peer[1]}").start()
+  try:
+    return trainers.get_nowait()  # (one that authenticated as the time ran out)
+  except queue.Empty:
+    pass
+  raise TimeoutError(
+    f"rollout worker: no trainer authenticated within {2 * timeout:g} s (2 * rl.handshake_timeout) of the port "
+    "being printed; exiting"
+  )
+
+
+def _shutdown(sock: socket.socket) -> None:
+  try:
+    sock.shutdown(socket.SHUT_RDWR)
+  except OSError:
+    pass  # already closed by the peer
 
 
 class _Connection:
   """One worker process and its connection: a sender thread (the trainer never waits on a slow socket) and a
   receiver thread that puts (n, message) in the trainer's inbox, ("closed",) when the connection ends."""
 
-  def __init__(self, n: int, config_path: str, folder: str, authkey: bytes, inbox: queue.Queue, start_timeout: float):
+  def __init__(
+    self,
+    n: int,
+    config_path: str,
+    folder: str,
+    authkey: bytes,
+    inbox: queue.Queue,
+    start_timeout: float,
+    handshake_timeout: float,
+  ):
     self.n, self.log = n, os.path.join(folder, f"worker-{n}.log")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # glm_jax's parent
     env = {
@@ -205,7 +339,7 @@ class _Connection:
     }
     with open(self.log, "w") as log:
       self.proc = subprocess.Popen(
-        [sys.executable, "-m", "glm_jax.rl.rollout_engine", config_path],
+        worker_argv(config_path),
         stdout=subprocess.PIPE,
         stderr=log,
         env=env,
@@ -214,7 +348,11 @@ class _Connection:
     with open(os.path.join(folder, f"worker-{n}.pid"), "w") as f:
       f.write(str(self.proc.pid))
     port = self._read_port(start_timeout)
-    self.conn = Client(("localhost", port), authkey=authkey)
+    try:
+      self.conn = connect(port, authkey, handshake_timeout)
+    except HandshakeError as e:
+      self._kill()
+      raise _DidNotStart(n, self.log, f"the handshake on port {port} failed: {e}") from None
     self.last_seen, self.heard = time.monotonic(), False
     self._out: queue.Queue = queue.Queue()
     self._inbox = inbox
@@ -229,10 +367,13 @@ class _Connection:
     except queue.Empty:
       line = ""
     if not line.startswith("PORT "):
-      self.proc.kill()
-      self.proc.wait()
-      raise _DidNotStart(self.n, self.log, timeout)
+      self._kill()
+      raise _DidNotStart(self.n, self.log, f"no port within {timeout:g} s")
     return int(line.split()[1])
+
+  def _kill(self) -> None:
+    self.proc.kill()
+    self.proc.wait()
 
   def send(self, msg) -> None:
     self._out.put(msg)
@@ -267,8 +408,7 @@ class _Connection:
     except subprocess.TimeoutExpired:
       pass
     if self.proc.poll() is None:
-      self.proc.kill()
-      self.proc.wait()
+      self._kill()
     try:
       self.conn.close()
     except OSError:
@@ -295,9 +435,12 @@ def serve(config_path: str) -> None:
   sampler = make_sampler(graphdef, model_cfg, rl, tasks_and_weights, vocab)
   reward_fn = rewards_lib.make_reward_fn(rl.reward, vocab)
 
-  listener = Listener(("localhost", 0), authkey=bytes.fromhex(os.environ[AUTHKEY_ENV]))
-  print(f"PORT {listener.address[1]}", flush=True)
-  conn = listener.accept()
+  server = socket.create_server((HOST, 0))
+  print(f"PORT {server.getsockname()[1]}", flush=True)
+  try:
+    conn = accept_trainer(server, bytes.fromhex(os.environ[AUTHKEY_ENV]), float(rl.handshake_timeout))
+  finally:
+    server.close()  # one trainer: nothing else may connect
   send_lock = threading.Lock()
   state = {"weights": None}
   have_weights = threading.Condition()

@@ -1,21 +1,35 @@
 """The rollout engine in its own process (glm_jax/rl/rollout_engine.py): GRPO over localhost with a worker that is
-killed, then one that hangs; each is replaced, its requests retried, and no rollout is trained on twice. (That the
-two-process loop raises the reward as the in-process one does: tests/rl/test_trainer.py.)"""
+killed, then one that hangs; each is replaced, its requests retried, and no rollout is trained on twice. Its handshake:
+a local client that connects first and stays silent, or answers with another key, is refused by the worker while the
+trainer gets its rollouts; a "worker" that never completes the handshake is replaced within rl.handshake_timeout and
+the run fails naming the cause. (That the two-process loop raises the reward as the in-process one does:
+tests/rl/test_trainer.py.)"""
 
 import json
+import logging
 import os
+import secrets
 import signal
+import socket
+import sys
 import threading
 import time
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Client
 
 import jax.numpy as jnp
 import ml_collections
 import pytest
+from flax import nnx
 
 import configs.grpo_tiny
+from glm_jax.model import GlmMoeDsa, ModelConfig
 from glm_jax.rl import config as rl_config
+from glm_jax.rl import rollout_engine
 from glm_jax.rl import trainer as rl_trainer
-from glm_jax.rl.rollout_engine import ProcessRolloutWorker
+from glm_jax.rl.rollout import step_problems
+from glm_jax.rl.rollout_engine import HOST, HandshakeError, ProcessRolloutWorker
+from glm_jax.train.step import split_model
 
 # The three worker processes build the same sampler: with the persistent cache (passed on through the environment)
 # the first compiles it and the replacements load it.
@@ -132,6 +146,169 @@ def test_weights_go_forward_only_and_the_config_is_checked(tmp_path):
       r"rl.heartbeat_every=1.0",
     ),
     ({"max_worker_restarts": -1}, r"rl.max_worker_restarts=-1 is invalid"),
+    ({"handshake_timeout": 0.0}, r"rl.handshake_timeout=0.0 is invalid; must be > 0 \(seconds\)"),
   ):
     with pytest.raises(ValueError, match=message):
       rl_config.validate_rl_config(process_config(**changes))
+
+
+# --- the handshake: no other local process can stall the run by connecting first, or end it with another key ---
+
+
+def test_the_accept_loop_refuses_silent_and_wrong_key_clients_and_takes_the_trainer(caplog):
+  """The worker's accept loop (rollout_engine.accept_trainer, in a thread here) against real loopback clients: one that
+  connects and stays silent, one with another key, one that sends garbage; the trainer's connect, after all three,
+  authenticates at once and messages go both ways; the failures are logged by cause and address."""
+  timeout, key = 1.0, secrets.token_bytes(16)
+  server = socket.create_server((HOST, 0))
+  port = server.getsockname()[1]
+  accepted = {}
+  thread = threading.Thread(target=lambda: accepted.update(conn=rollout_engine.accept_trainer(server, key, timeout)))
+  with caplog.at_level(logging.WARNING):
+    thread.start()
+    silent = socket.create_connection((HOST, port))
+    with pytest.raises(AuthenticationError, match="digest sent was rejected"):
+      Client((HOST, port), authkey=secrets.token_bytes(16))
+    garbage = socket.create_connection((HOST, port))
+    garbage.sendall(b"\x00\x00\x10\x00" + b"x" * 64)  # a 4096-byte message announced: over the challenge's 256
+    t0 = time.monotonic()
+    trainer = rollout_engine.connect(port, key, timeout)
+    thread.join(timeout=5)
+    took = time.monotonic() - t0
+    assert not thread.is_alive() and took < timeout / 2, took  # the silent client held nothing up
+    trainer.send(("generate", 3))
+    assert accepted["conn"].recv() == ("generate", 3)
+    accepted["conn"].send(("heartbeat", None))
+    assert trainer.recv() == ("heartbeat", None)
+    server.close()
+    assert b"#CHALLENGE#" in silent.recv(1024)  # it was challenged ...
+    silent.settimeout(timeout + 2)
+    assert silent.recv(1024) == b""  # ... and cut off at the deadline
+    refused = lambda: [r.getMessage() for r in caplog.records if "refused a connection" in r.getMessage()]  # noqa: E731
+    wait_for(lambda: len(refused()) >= 3, "the third refusal to be logged", timeout=5)  # (by the handshake's thread)
+  refusals = refused()
+  assert len(refusals) == 3, refusals
+  assert any("wrong authentication key" in m for m in refusals), refusals
+  assert any("bad message length" in m for m in refusals), refusals
+  assert any(f"{HOST}:{silent.getsockname()[1]} (handshake not completed within 1 s)" in m for m in refusals)
+  for conn in (trainer, accepted["conn"], silent, garbage):
+    conn.close()
+
+
+def test_a_worker_that_no_trainer_reaches_exits_and_a_closed_port_is_named():
+  timeout = 0.3
+  server = socket.create_server((HOST, 0))
+  port = server.getsockname()[1]
+  t0 = time.monotonic()
+  with pytest.raises(TimeoutError, match=r"no trainer authenticated within 0.6 s \(2 \* rl.handshake_timeout\)"):
+    rollout_engine.accept_trainer(server, secrets.token_bytes(16), timeout)
+  assert 2 * timeout <= time.monotonic() - t0 < 2 * timeout + 1
+  server.close()
+  with pytest.raises(HandshakeError, match="could not connect .*Connection refused"):
+    rollout_engine.connect(port, secrets.token_bytes(16), timeout)
+
+
+# Stand-ins for the worker process that never complete the handshake (each prints a port, then stays up).
+FAKE_WORKER = """
+import os, socket, sys, time
+from multiprocessing.connection import Connection, deliver_challenge
+
+server = socket.create_server(("127.0.0.1", 0))
+port = server.getsockname()[1]
+if sys.argv[1] == "no_listener":
+  server.close()
+print(f"PORT {port}", flush=True)
+if sys.argv[1] == "wrong_key":
+  sock, _ = server.accept()
+  try:
+    deliver_challenge(Connection(sock.detach()), os.urandom(16))
+  except Exception:
+    pass
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize(
+  "fake, cause",
+  [
+    ("silent", r"handshake not completed within 1 s"),
+    ("wrong_key", r"wrong authentication key \(digest sent was rejected\)"),
+    ("no_listener", r"could not connect \(.*Connection refused\)"),
+  ],
+  ids=["silent", "wrong_key", "no_listener"],
+)
+def test_a_worker_that_never_completes_the_handshake_is_replaced_then_the_run_fails_naming_why(
+  tmp_path, monkeypatch, fake, cause
+):
+  timeout = 1.0
+  monkeypatch.setattr(rollout_engine, "worker_argv", lambda config_path: [sys.executable, "-c", FAKE_WORKER, fake])
+  worker = ProcessRolloutWorker(process_config(handshake_timeout=timeout, max_worker_restarts=1), str(tmp_path))
+  worker.push_weights(0, {"w": jnp.ones(2)}, {})
+  log = os.path.join(tmp_path, "rollout", "worker-2.log")
+  t0 = time.monotonic()
+  with pytest.raises(
+    RuntimeError,
+    match=rf"rollout worker 2 stopped answering \(it did not start: the handshake on port \d+ failed: {cause}\) "
+    rf"after rl.max_worker_restarts=1 replacements; see {log}",
+  ):
+    worker.start()
+  took = time.monotonic() - t0
+  assert worker.replaced == 1
+  assert took < 2 * timeout + 10, took  # two fakes, each given up at the deadline (at most), plus their start
+  if fake == "silent":
+    assert took >= 2 * timeout, took
+  for n in (1, 2):
+    assert not alive(worker_pid(tmp_path, n))  # each fake was killed
+
+
+def model_weights(config: ml_collections.ConfigDict):
+  _, params, rest = split_model(GlmMoeDsa(ModelConfig.from_dict(config.model), nnx.Rngs(0)))
+  return params, rest
+
+
+@pytest.mark.slow  # a worker process compiles its sampler (13-20 s here; the second case loads it from the cache)
+@pytest.mark.parametrize("intruder", ["silent", "wrong_key"])
+def test_a_client_that_connects_before_the_trainer_is_refused_and_the_trainer_gets_its_rollouts(
+  tmp_path, monkeypatch, intruder
+):
+  """A real worker; between its port being printed and the trainer connecting, another local client connects: it
+  stays silent, or answers the challenge with another key. The worker logs and refuses it; the trainer's handshake
+  completes within rl.handshake_timeout and its rollouts come from that same worker (no replacement is allowed)."""
+  timeout = 5.0
+  config = process_config(handshake_timeout=timeout, max_worker_restarts=0, worker_start_timeout=240.0)
+  intruders, port_read = [], {}
+  read_port = rollout_engine._Connection._read_port
+
+  def read_port_then_intrude(self, start_timeout):
+    port = read_port(self, start_timeout)
+    if intruder == "silent":
+      intruders.append(socket.create_connection((HOST, port)))
+    else:
+      with pytest.raises(AuthenticationError):
+        Client((HOST, port), authkey=secrets.token_bytes(16))
+    port_read["t"] = time.monotonic()
+    return port
+
+  monkeypatch.setattr(rollout_engine._Connection, "_read_port", read_port_then_intrude)
+  worker = ProcessRolloutWorker(config, str(tmp_path))
+  worker.push_weights(7, *model_weights(config))
+  try:
+    worker.start()
+    handshake_s = time.monotonic() - port_read["t"]
+    rollout = worker.get(timeout=240)
+    log = os.path.join(tmp_path, "rollout", "worker-1.log")
+    why = "handshake not completed within 5 s" if intruder == "silent" else "wrong authentication key"
+    wait_for(lambda: why in open(log).read(), "the worker's log of the refusal", timeout=2 * timeout)
+  finally:
+    worker.stop()
+    for sock in intruders:
+      sock.close()
+  assert handshake_s < timeout, handshake_s
+  assert worker.replaced == 0 and worker_pid(tmp_path, 2) is None
+  assert (rollout.index, rollout.version) == (0, 7)
+  rows = step_problems(rl_config.task_mix(config), config.rl, 0)
+  group = config.rl.group_size
+  assert [p.prompt_ids for p in rollout.problems] == [p.prompt_ids for p in rows for _ in range(group)]
+  assert rollout.tokens.shape[0] == config.rl.prompts_per_step * group
+  refusal = [line for line in open(log) if "refused a connection" in line]
+  assert len(refusal) == 1 and why in refusal[0], refusal
