@@ -10,15 +10,21 @@ feed-forward weights), w8a8, w4a8 (the Ascend mix: W8A8 attention and dense MLPs
 --scope overrides the scheme's default scope: groups ("routed_experts,attention") or "re:<regex on paths>".
 --config must be the run's config; the packed model records it, its tokenizer and the quant section. Prints
 one JSON line: the scheme, the packed parameters, the weight bytes before and after.
+
+--out must not exist, nor be inside the run's directory. The model is written inside <out>.partial, a directory
+made with glm_jax/paths.py's marker (which names its writer), and renamed to <out> when complete; a <out>.partial
+left by a run that died is ours and removed; one whose writer is alive, or anything else by that name, is left alone
+and refused before any work.
 """
 
 import json
+import os
 
 import ml_collections
 from absl import flags, logging
 from ml_collections import config_flags
 
-from glm_jax import cli
+from glm_jax import cli, paths
 from glm_jax.model.quantization import SCHEMES, check_quant_config, default_quant_config
 from glm_jax.train.packed_checkpoint import save_packed
 from glm_jax.train.trainer import restore_run
@@ -49,6 +55,17 @@ def quant_section(config: ml_collections.ConfigDict) -> ml_collections.ConfigDic
   return q
 
 
+def checked_out(out: str, workdir: str) -> str:
+  """--out, absolute, once it is known that it may be written (before any work): it does not exist, is not inside
+  the run's directory, and <out>.partial is absent or ours (removed: a run that died before its rename)."""
+  out = os.path.abspath(out)
+  if os.path.lexists(out):
+    raise FileExistsError(f"--out={out} exists; a packed model is written to a new directory")
+  paths.check_apart("--out", out, paths.sources("--workdir", workdir))
+  paths.clear_partial(out + ".partial", f"--out={out}")
+  return out
+
+
 def main(argv):
   if len(argv) > 1:
     raise ValueError(f"unexpected arguments: {argv[1:]}")
@@ -57,9 +74,10 @@ def main(argv):
   config = _CONFIG.value
   q = quant_section(config)
   workdir = _WORKDIR.value or f"workdirs/{config.get('name', 'run')}"
+  out = checked_out(_OUT.value, workdir)
   run = restore_run(config, workdir)
   meta = save_packed(
-    _OUT.value,
+    out,
     run.state.params,
     run.state.rest,
     quant=q,

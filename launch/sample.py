@@ -33,17 +33,19 @@ from glm_jax import cli
 from glm_jax.data import Tokenizer
 from glm_jax.inference import Sampler, SamplingParams, acceptance_length, speculative
 from glm_jax.inference.infill import fill_blanks
-from glm_jax.train.config import model_config_for_stage
+from glm_jax.train.config import check_seed, check_values, invalid, model_config_for_stage
 from glm_jax.train.packed_checkpoint import load_packed
 from glm_jax.train.trainer import restore_run
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "The run's configs/*.py file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "The run's directory (default: workdirs/<config name>).")
 _PROMPT = flags.DEFINE_string("prompt", "In the beginning", "Text to continue.")
-_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "Tokens to generate.")
+_MAX_NEW = flags.DEFINE_integer(
+  "max_new_tokens", 64, "Tokens to generate (the prompt and these fit model.max_position_embeddings)."
+)
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.8, "Sampling temperature; 0 = greedy.")
 _TOP_P = flags.DEFINE_float("top_p", 1.0, "Nucleus sampling: the smallest set of tokens with this much probability.")
-_SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
+_SEED = flags.DEFINE_integer("seed", 0, "Sampling seed, in [0, 2**32).")
 _SPECULATE = flags.DEFINE_integer("speculate", None, "MTP speculative decoding: tokens drafted a round (>= 1).")
 _PACKED = flags.DEFINE_string("packed", None, "A packed (quantized) model's directory (launch/quantize.py).")
 _INFILL = flags.DEFINE_bool(
@@ -70,12 +72,15 @@ def main(argv):
     raise ValueError(f"unexpected arguments: {argv[1:]}")
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)
-  # The flags and the workdir are checked before anything is read, built or created.
+  # The flags, the config's values and the workdir are checked, in that order, before anything is read, built or
+  # created.
   try:
     sampling = SamplingParams(max_new_tokens=_MAX_NEW.value, temperature=_TEMPERATURE.value, top_p=_TOP_P.value)
   except ValueError as e:
     raise ValueError(f"--{e}") from e
+  check_seed("--seed", _SEED.value)
   config = _CONFIG.value
+  check_values(config)  # no NaN or infinity in any field, every seed in range (as the trainers check)
   if _SPECULATE.value:
     if _INFILL.value:
       raise ValueError("--speculate with --infill: blank infilling decodes without speculation; drop one of them")
@@ -83,9 +88,18 @@ def main(argv):
       speculative.check(model_config_for_stage(config), _SPECULATE.value)
     except ValueError as e:
       raise ValueError(f"--{e}") from e
+  positions = config.model.max_position_embeddings - 1 - (_SPECULATE.value or 0)  # a prompt has at least one token
+  if _MAX_NEW.value > positions:
+    drafts = f" - --speculate={_SPECULATE.value}" if _SPECULATE.value else ""
+    invalid(
+      "--max_new_tokens",
+      _MAX_NEW.value,
+      f"must be in [1, {positions}]: model.max_position_embeddings={config.model.max_position_embeddings} - 1 "
+      f"(the prompt's first token){drafts}",
+    )
   workdir = _WORKDIR.value or f"workdirs/{config.get('name', 'run')}"
   if _PACKED.value:
-    packed = load_packed(_PACKED.value, model_config_for_stage(config))
+    packed = load_packed(_PACKED.value, model_config_for_stage(config), need_tokenizer=True)
     tokenizer = Tokenizer.from_record(packed.tokenizer)
     graphdef, model_cfg, params, rest = packed.graphdef, packed.model_cfg, packed.params, packed.rest
     tag = f"step {packed.meta['source']['step']}, {packed.meta['quant']['scheme']}"

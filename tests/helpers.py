@@ -4,6 +4,7 @@ module rerun as a script on simulated CPU devices."""
 
 import contextlib
 import os
+import threading
 import subprocess
 import sys
 
@@ -172,3 +173,24 @@ def simulated_devices_session(paths: list[str], basetemp: str, *, timeout: int =
   summary = proc.stdout.splitlines()[-1]
   assert " passed" in summary and " skipped" not in summary, summary
   return summary
+
+
+def fifo_errors(fifo, calls) -> list[str]:
+  """The ValueError messages of `calls` (each reads the named pipe `fifo`), asserting that none blocks: they run in a
+  thread given 10 s; one still waiting then is unblocked (a writer opens the pipe) and the assertion fails."""
+  got = []
+
+  def attempt():
+    for call in calls:
+      try:
+        call()
+      except ValueError as e:
+        got.append(str(e))
+
+  thread = threading.Thread(target=attempt, daemon=True)
+  thread.start()
+  thread.join(10)
+  if thread.is_alive():  # unblock it before failing
+    os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+  assert not thread.is_alive(), f"reading {fifo} blocked"
+  return got

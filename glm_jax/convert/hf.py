@@ -16,6 +16,12 @@ transformers ignores them. A checkpoint without them (anything transformers save
 initialized MTP layers and a warning. An FP8 checkpoint (block-wise e4m3 with `weight_scale_inv`, DeepSeek-V3's
 and GLM-5's FP8 release format; glm_jax/convert/fp8.py) is dequantized as it is read.
 
+A HF directory is untrusted input. `open_checkpoint` (which `load` and the streaming conversion read through) checks
+config.json's field types, then its counts (layers, MTP layers, routed experts) against the safetensors headers
+before anything is built from them, so memory is bounded by the files, not by the config's claims; the index's
+entries must be plain names of regular files in the directory, and safetensors_io validates every header. Errors
+name the file, the field and the value.
+
 `load` builds the whole model in host memory: for the tests and small models. The release goes through
 glm_jax/convert/stream.py (launch/convert.py), which never holds more than a tensor at a time.
 """
@@ -27,9 +33,10 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -37,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from glm_jax import paths
 from glm_jax.convert import fp8, safetensors_io
 from glm_jax.convert.safetensors_io import SafetensorsFile
 from glm_jax.model.config import ModelConfig
@@ -199,41 +207,71 @@ def to_hf(spec: TensorSpec, ours: np.ndarray) -> np.ndarray:
 
 
 def _read_json(path: str) -> Any:
-  try:
-    with open(path, encoding="utf-8") as f:
-      return json.load(f)
-  except json.JSONDecodeError as e:
-    raise ValueError(f"{path}: not valid JSON (line {e.lineno} column {e.colno}: {e.msg})") from e
-  except UnicodeDecodeError as e:
-    raise ValueError(f"{path}: not valid JSON (not UTF-8 text: {e.reason} at byte {e.start})") from e
+  """A metadata file's JSON (paths.read_json: a regular file, bounded, strict; errors name it)."""
+  return paths.read_json(path)
+
+
+def _short(value: Any, limit: int = 80) -> str:
+  text = repr(value)
+  return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _weight_map(path: str, index_path: str) -> dict[str, str]:
+  """{tensor: shard path} of an index file, checked: {"weight_map": {tensor name: shard}} (and an optional
+  "metadata" object), each shard a plain file name (no directory part, so never outside `path`) of a regular file
+  in `path` (a symlink to one is followed: the Hugging Face cache links a snapshot's files to its blobs)."""
+  index = _read_json(index_path)
+  if not isinstance(index, dict):
+    raise ValueError(f"{index_path}: expected a JSON object, found {type(index).__name__}")
+  if not isinstance(index.get("metadata", {}), dict):
+    raise ValueError(f"{index_path}: metadata={_short(index['metadata'])} is invalid; an object")
+  weight_map = index.get("weight_map")
+  if not isinstance(weight_map, dict):
+    found = "no 'weight_map'" if weight_map is None else f"weight_map={_short(weight_map)} is invalid"
+    raise ValueError(f"{index_path}: {found}; expected an object {{tensor name: shard file name}}")
+  out, kinds = {}, {}
+  for name, fname in weight_map.items():
+    field = f"weight_map[{name!r}]={_short(fname)}"
+    if not isinstance(fname, str) or fname in ("", ".", "..") or "/" in fname or "\\" in fname or "\0" in fname:
+      raise ValueError(
+        f"{index_path}: {field} is invalid; the name of a shard file in {path} (a string, with no directory part)"
+      )
+    if fname not in kinds:
+      try:
+        kinds[fname] = paths.kind_of(os.stat(os.path.join(path, fname)).st_mode)
+      except FileNotFoundError:
+        kinds[fname] = None
+    if kinds[fname] is None:
+      raise FileNotFoundError(f"{index_path} names shard {fname}, which is not in {path}")
+    if kinds[fname] != "a regular file":
+      raise ValueError(f"{index_path}: {field} is {kinds[fname]}, not a regular file")
+    out[name] = os.path.join(path, fname)
+  return out
 
 
 class Reader:
   """Tensor-by-tensor access to a single or sharded safetensors checkpoint. Every file's header is read on
-  construction, so a truncated or corrupt file is named before any tensor is. fp8_block: the (rows, cols) block
-  of an FP8 checkpoint's scales (fp8.block_size); its e4m3 weights are dequantized on reading."""
+  construction, so a truncated or corrupt file is named before any tensor is; the index is checked
+  (_weight_map). fp8_block: the (rows, cols) block of an FP8 checkpoint's scales (fp8.block_size); its e4m3
+  weights are dequantized on reading. `sources`: the files read (the index, then the shards)."""
 
   def __init__(self, path: str, fp8_block: tuple[int, int] | None = None):
     index_path, single = os.path.join(path, INDEX_FILE), os.path.join(path, SINGLE_FILE)
     self.fp8_block = fp8_block
-    if os.path.exists(index_path):
-      index = _read_json(index_path)
-      weight_map = index.get("weight_map") if isinstance(index, dict) else None
-      if not isinstance(weight_map, dict):
-        raise ValueError(f"{index_path}: no 'weight_map' object")
-      self.file_of = {name: os.path.join(path, fname) for name, fname in weight_map.items()}
-      for fname in sorted(set(self.file_of.values())):
-        if not os.path.exists(fname):
-          raise FileNotFoundError(f"{index_path} names shard {os.path.basename(fname)}, which is not in {path}")
-      self._files = {fname: SafetensorsFile(fname) for fname in sorted(set(self.file_of.values()))}
-      for name, fname in self.file_of.items():
-        if name not in self._files[fname].names():
-          raise ValueError(f"{index_path} places tensor {name} in {os.path.basename(fname)}, which does not hold it")
-    elif os.path.exists(single):
-      self._files = {single: SafetensorsFile(single)}
-      self.file_of = {name: single for name in self._files[single].names()}
+    if os.path.lexists(index_path):
+      file_of = _weight_map(path, index_path)
+      self.sources = [index_path, *sorted(set(file_of.values()))]
+    elif os.path.lexists(single):
+      file_of, self.sources = None, [single]
     else:
       raise FileNotFoundError(f"{path}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
+    self._files = {fname: SafetensorsFile(fname) for fname in self.sources if fname != index_path}
+    if file_of is None:
+      file_of = {name: single for name in self._files[single].names()}
+    for name, fname in file_of.items():
+      if name not in self._files[fname]:
+        raise ValueError(f"{index_path} places tensor {name} in {os.path.basename(fname)}, which does not hold it")
+    self.file_of = file_of
 
   def names(self) -> set[str]:
     """The tensors, without the FP8 scales (read with their weights)."""
@@ -285,24 +323,152 @@ class Reader:
     self._files.clear()
 
 
-def read_config(path: str, **overrides: Any) -> tuple[ModelConfig, tuple[int, int] | None]:
-  """(ModelConfig, FP8 block or None) of a HF directory's config.json; one that is not GLM-5's (model_type), or
-  quantized otherwise than block-wise FP8, is refused by name."""
+def _is_int(v: Any) -> bool:
+  return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_strs(v: Any) -> bool:
+  return isinstance(v, list) and all(isinstance(x, str) for x in v)
+
+
+# What each config.json field read here may hold (ModelConfig's fields by their annotation, then the HF fields that
+# from_hf_dict translates): (test, what is valid).
+_TYPES = {
+  "int": (_is_int, "an integer"),
+  "float": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number"),
+  "bool": (lambda v: isinstance(v, bool), "true or false"),
+  "str": (lambda v: isinstance(v, str), "a string"),
+  "int | None": (lambda v: v is None or _is_int(v), "an integer or null"),
+  "tuple[str, ...] | None": (lambda v: v is None or isinstance(v, str) or _is_strs(v), "a list of strings or null"),
+}
+_HF_TYPES = {
+  "eos_token_id": (
+    lambda v: v is None or _is_int(v) or (isinstance(v, list) and v != [] and all(_is_int(x) for x in v)),
+    "an integer, a non-empty list of integers, or null",
+  ),
+  "rope_parameters": (lambda v: v is None or isinstance(v, dict), "an object or null"),
+  "mlp_layer_types": (lambda v: v is None or _is_strs(v), "a list of strings or null"),
+  "index_topk_pattern": (lambda v: v is None or isinstance(v, str) or _is_strs(v), "a string of 'F' and 'S', or null"),
+  "index_topk_freq": (_is_int, "an integer"),
+  "index_skip_topk_offset": (_is_int, "an integer"),
+}
+_UNCHECKED_LAYERS = 10_000  # a directory without weights: its config is read (for its errors) up to this many layers
+_LAYER_NAME = re.compile(r"model\.layers\.(\d{1,9})\.")
+_EXPERT_NAME = re.compile(r"model\.layers\.\d{1,9}\.mlp\.experts\.(\d{1,9})\.")
+
+
+def _check_types(hf_dict: dict, cfg_path: str) -> None:
+  """Each field read from config.json holds a value of its type (an integer where a count is, ...), else
+  ValueError naming the file, the field, its value and what is valid."""
+  fields = {f.name: _TYPES[f.type] for f in dataclasses.fields(ModelConfig)}
+  for key, value in hf_dict.items():
+    test, valid = _HF_TYPES.get(key) or fields.get(key) or (None, "")
+    if test is not None and not test(value):
+      raise ValueError(f"{cfg_path}: {key}={_short(value)} is invalid; {valid}")
+  rope = hf_dict.get("rope_parameters") or {}
+  theta = rope.get("rope_theta", 1.0)
+  if isinstance(theta, bool) or not isinstance(theta, (int, float)):
+    raise ValueError(f"{cfg_path}: rope_parameters.rope_theta={_short(theta)} is invalid; a number")
+
+
+def check_counts(hf_dict: dict, cfg_path: str, reader: Reader) -> None:
+  """config.json's counts of layers, MTP layers and routed experts against the tensors the files' headers hold,
+  before anything is built from them (ModelConfig's per-layer tuples, one spec a tensor, the abstract model): a
+  count the files cannot back is a ValueError naming the field, its value and what the files hold. After it, what
+  is built is bounded by the headers, not by the config's claims (every other size is a tensor's shape, compared
+  with the header's by checked_specs before anything is allocated)."""
+  defaults = ModelConfig.defaults()
+
+  def count(key):
+    return hf_dict.get(key, defaults[key])
+
+  n, m = count("num_hidden_layers"), count("num_nextn_predict_layers")
+  dense, experts_claimed = count("first_k_dense_replace"), count("n_routed_experts")
+  layers, experts, fused = set(), set(), 0
+  for name in reader.file_of:
+    if hit := _LAYER_NAME.match(name):
+      layers.add(int(hit.group(1)))
+    if hit := _EXPERT_NAME.match(name):
+      experts.add(int(hit.group(1)))
+    elif name.endswith("mlp.experts.gate_up_proj") and reader.shape(name):
+      fused = max(fused, reader.shape(name)[0])
+  if n > len(layers):
+    raise ValueError(
+      f"{cfg_path}: num_hidden_layers={n}, but the safetensors files hold {len(layers)} layers "
+      "(model.layers.<i>.*); every decoder layer must be there"
+    )
+  held = len([i for i in layers if n <= i < n + m])
+  if m - held > n:  # a missing MTP layer is initialized: no more of them than the decoder layers the files hold
+    raise ValueError(
+      f"{cfg_path}: num_nextn_predict_layers={m}, but the safetensors files hold {held} MTP layers "
+      f"(model.layers.{n}.* on); the {m - held} missing would be initialized, and at most num_hidden_layers={n} are"
+    )
+  if n + m > dense and experts_claimed > max(len(experts), fused):
+    raise ValueError(
+      f"{cfg_path}: n_routed_experts={experts_claimed}, but the safetensors files hold "
+      f"{max(len(experts), fused)} routed experts (model.layers.<i>.mlp.experts.<e>.*)"
+    )
+
+
+@dataclasses.dataclass
+class Checkpoint:
+  """A HF directory open for reading (open_checkpoint): its config, the block of an FP8 checkpoint's scales, the
+  tensors' reader, config.json as stored, and every file read."""
+
+  path: str
+  cfg: ModelConfig
+  block: tuple[int, int] | None
+  reader: Reader
+  config_json: dict
+
+  @property
+  def files(self) -> list[str]:
+    return [os.path.join(self.path, "config.json"), *self.reader.sources]
+
+
+def open_checkpoint(path: str, **overrides: Any) -> Checkpoint:
+  """A HF directory's config.json and safetensors headers, read and checked against each other before anything is
+  built from the config (check_counts): a config.json that is not GLM-5's (model_type), quantized otherwise than
+  block-wise FP8, with a field of the wrong type or with counts its files do not hold is refused by name, as is a
+  corrupt file. `overrides` replace ModelConfig fields."""
   cfg_path = os.path.join(path, "config.json")
-  if not os.path.exists(cfg_path):
+  if not os.path.lexists(cfg_path):
     raise FileNotFoundError(f"{path}: no config.json (expected a Hugging Face model directory)")
   hf_dict = _read_json(cfg_path)
   if not isinstance(hf_dict, dict):
     raise ValueError(f"{cfg_path}: expected a JSON object, found {type(hf_dict).__name__}")
   model_type = hf_dict.get("model_type")
   if model_type != MODEL_TYPE:
-    found = "model_type is missing" if model_type is None else f"model_type={model_type!r}"
+    found = "model_type is missing" if model_type is None else f"model_type={_short(model_type)}"
     raise ValueError(f"{cfg_path}: {found}; expected {MODEL_TYPE!r} (a GLM-5 checkpoint)")
-  block = fp8.block_size(hf_dict.pop("quantization_config", None), cfg_path)
+  block = fp8.block_size(hf_dict.get("quantization_config"), cfg_path)
+  fields = {k: v for k, v in hf_dict.items() if k != "quantization_config"}
+  _check_types(fields, cfg_path)
   try:
-    return ModelConfig.from_hf_dict(hf_dict, **overrides), block
+    reader = Reader(path, block)
+  except FileNotFoundError:
+    # No weights to check the counts against: config.json's own errors still come first where finding them is cheap
+    # (ModelConfig builds per-layer tuples).
+    if fields.get("num_hidden_layers", 0) <= _UNCHECKED_LAYERS:
+      _model_config(fields, cfg_path, overrides)
+    raise
+  check_counts(fields, cfg_path, reader)
+  return Checkpoint(path, _model_config(fields, cfg_path, overrides), block, reader, hf_dict)
+
+
+def _model_config(fields: dict, cfg_path: str, overrides: dict) -> ModelConfig:
+  try:
+    return ModelConfig.from_hf_dict(fields, **overrides)
   except (ValueError, TypeError) as e:
     raise ValueError(f"{cfg_path}: {str(e).removeprefix('config.json: ')}") from e
+
+
+def read_config(path: str, **overrides: Any) -> tuple[ModelConfig, tuple[int, int] | None]:
+  """(ModelConfig, FP8 block or None) of a HF directory (open_checkpoint: config.json checked against the files'
+  headers)."""
+  source = open_checkpoint(path, **overrides)
+  source.reader.close()
+  return source.cfg, source.block
 
 
 def load_config(path: str, **overrides: Any) -> ModelConfig:
@@ -354,8 +520,8 @@ def load(path: str, *, seed: int = 0, **overrides: Any) -> tuple[ModelConfig, Gl
   fields (dtype, use_dsa, ...). A missing, unexpected or wrongly shaped tensor raises ValueError naming it with
   both shapes; a truncated or corrupt file, a tensor that cannot be read and a config.json that is not GLM-5's
   raise ValueError naming the file (and the tensor). Nothing in `path` is written."""
-  cfg, block = read_config(path, **overrides)
-  reader = Reader(path, block)
+  source = open_checkpoint(path, **overrides)
+  cfg, reader = source.cfg, source.reader
   try:
     specs, leaves, mtp_present = checked_specs(path, cfg, reader, seed)
     arrays = {p: np.zeros(v.shape, v.dtype) for p, v in leaves.items() if p[0] != "mtp" or mtp_present[p[1]]}
@@ -408,12 +574,17 @@ def save(
   )
 
 
-def checked_out_dir(out_dir: str, overwrite: bool, arg: str = "--out_dir") -> str:
-  """out_dir, absolute, once it is known that it may be written: empty or absent (or overwrite) with a writable
-  parent (created if need be); else FileExistsError / PermissionError naming it as `arg` (a flag, or an argument
-  of a function)."""
+def checked_out_dir(
+  out_dir: str, overwrite: bool, arg: str = "--out_dir", sources: Sequence[tuple[str, str]] = ()
+) -> str:
+  """out_dir, absolute, once it is known that it may be written: apart from every input in `sources` ((how to name
+  it, its path): out_dir may not be, contain or be inside one, paths.check_apart, a ValueError), empty or absent (or
+  overwrite) with a writable parent (created if need be); else FileExistsError / PermissionError naming it as `arg`
+  (a flag, or an argument of a function)."""
   out_dir = os.path.abspath(out_dir)
-  if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)) and not overwrite:
+  paths.check_apart(arg, out_dir, sources)
+  content = os.path.isdir(out_dir) and [n for n in os.listdir(out_dir) if n != paths.LOCK_NAME]  # the lock: ours
+  if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or content) and not overwrite:
     how = "choose another or pass --overwrite" if arg.startswith("--") else "pass overwrite=True to replace it"
     raise FileExistsError(f"{arg}={out_dir} exists and is not empty; {how}")
   parent = os.path.dirname(out_dir)
@@ -424,7 +595,11 @@ def checked_out_dir(out_dir: str, overwrite: bool, arg: str = "--out_dir") -> st
 
 
 def commit(tmp: str, out_dir: str) -> None:
-  """Replaces out_dir by the complete tmp (the last step of a write: before it, out_dir is as it was)."""
+  """Replaces out_dir by the complete tmp (the last step of a write: before it, out_dir is as it was). The lock of
+  the writer holding out_dir (paths.LOCK_NAME) moves into the new one, so no other writer can take it meanwhile."""
+  lock = os.path.join(out_dir, paths.LOCK_NAME)
+  if os.path.isfile(lock):
+    os.replace(lock, os.path.join(tmp, paths.LOCK_NAME))
   if os.path.exists(out_dir):
     shutil.rmtree(out_dir) if os.path.isdir(out_dir) else os.remove(out_dir)
   os.replace(tmp, out_dir)
@@ -441,6 +616,7 @@ def write(
   overwrite: bool = False,
   progress: Callable[[str], None] | None = None,
   arg: str = "--out_dir",
+  sources: Sequence[tuple[str, str]] = (),
 ) -> dict[str, Any]:
   """The one HF export: config.json and safetensors (sharded, with model.safetensors.index.json, past
   max_shard_bytes), per-expert layout, MTP layers at model.layers.{num_hidden_layers + k}, in `dtype` (default:
@@ -448,10 +624,10 @@ def write(
   ({path: array or ShapeDtypeStruct}); tensor(spec): the spec's slice of our parameter, as float. Each tensor is
   asked for once, as its shard is written (safetensors_io.write), so memory holds one at a time. Written under a
   temporary name beside out_dir and renamed when complete: a failure leaves out_dir as it was. arg: how errors
-  name out_dir (checked_out_dir)."""
+  name out_dir; sources: the inputs it must stay apart from (checked_out_dir)."""
   cfg.to_hf_dict()  # refuses, before anything is written, a model glm_moe_dsa cannot express
   out_dtype = np.dtype(dtype or cfg.param_dtype)
-  out_dir = checked_out_dir(out_dir, overwrite, arg)
+  out_dir = checked_out_dir(out_dir, overwrite, arg, sources)
   specs = {s.hf_name: s for s in tensor_specs(cfg)}
   copies = shared_copies(cfg)
   entries = []  # (name, dtype, shape), in file order

@@ -16,9 +16,12 @@ import math
 import os
 import struct
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import ml_dtypes
 import numpy as np
+
+from glm_jax import paths
 
 DTYPES = {
   "F64": np.dtype(np.float64),
@@ -36,16 +39,32 @@ DTYPES = {
 }
 NAMES = {dtype: name for name, dtype in DTYPES.items()}
 _MAX_HEADER = 100 * 2**20  # the format's own limit
+_MAX_DEPTH = 3  # {name: {"shape": [...]}}
+
+
+def _is_int(x: Any) -> bool:
+  return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _short(value: Any, limit: int = 80) -> str:
+  """repr(value), cut to `limit` characters (an untrusted value can be megabytes long)."""
+  text = repr(value)
+  return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class SafetensorsFile:
-  """One .safetensors file: its header is read and checked on construction (a truncated or corrupt file raises
-  ValueError naming it), tensors are memory-mapped on demand."""
+  """One .safetensors file: its header is read and checked on construction, tensors are memory-mapped on demand.
+
+  The file must be a regular one (a FIFO or a device is refused, never waited on), and its header must be the
+  format's: a JSON object (no key twice, so nested no deeper than the format's 3 levels) of tensors {"dtype": one of
+  DTYPES, "shape": [non-negative integers], "data_offsets": [begin, end], integers with 0 <= begin <= end within
+  the file, end - begin the bytes of that dtype and shape}, no two tensors' bytes overlapping, and an optional
+  "__metadata__" object of strings. Anything else raises ValueError naming the file (and the tensor)."""
 
   def __init__(self, path: str):
     self.path = path
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
+    with paths.open_regular(path) as f:
+      size = os.fstat(f.fileno()).st_size
       head = f.read(8)
       if len(head) < 8:
         self._corrupt(f"{size} bytes, shorter than the 8-byte header length")
@@ -53,33 +72,69 @@ class SafetensorsFile:
       if n > min(_MAX_HEADER, size - 8):
         self._corrupt(f"header length {n} past the file's {size} bytes")
       raw = f.read(n)
+    header = self._parse(raw)
+    self.metadata = self._checked_metadata(header.pop("__metadata__", None))
+    self._data_start = 8 + n
+    self._entries = {name: self._checked_entry(name, entry, size - self._data_start) for name, entry in header.items()}
+    self._check_no_overlap()
+
+  def _parse(self, raw: bytes) -> dict:
     try:
-      header = json.loads(raw)
+      header = json.loads(raw, object_pairs_hook=paths.strict_object, parse_constant=paths.refuse_constant)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
       self._corrupt(f"header is not JSON: {e}")
+    except RecursionError:
+      self._corrupt(f"header nests deeper than the format's {_MAX_DEPTH} levels")
+    except ValueError as e:  # a key twice, NaN
+      self._corrupt(f"header is not strict JSON: {e}")
     if not isinstance(header, dict):
       self._corrupt("header is not a JSON object")
-    self.metadata = header.pop("__metadata__", None) or {}
-    self._data_start = 8 + n
-    self._entries = {}
-    for name, entry in header.items():
-      try:
-        dtype, shape, (begin, end) = entry["dtype"], tuple(int(d) for d in entry["shape"]), entry["data_offsets"]
-      except (KeyError, TypeError, ValueError):
-        self._corrupt(f"tensor {name}'s header entry is malformed: {entry!r}")
-      if dtype not in DTYPES:
-        self._corrupt(f"tensor {name} has unknown dtype {dtype!r}")
-      if end - begin != math.prod(shape) * DTYPES[dtype].itemsize or begin < 0:
-        self._corrupt(f"tensor {name}: offsets {begin}..{end} do not hold {dtype} {list(shape)}")
-      if self._data_start + end > size:
-        self._corrupt(f"tensor {name} ends at byte {self._data_start + end}, past the file's {size} bytes")
-      self._entries[name] = (dtype, shape, begin)
+    return header
+
+  def _checked_metadata(self, metadata: Any) -> dict[str, str]:
+    if metadata is None:
+      return {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+      self._corrupt(f"__metadata__={_short(metadata)} is not an object of strings")
+    return metadata
+
+  def _checked_entry(self, name: str, entry: Any, data_bytes: int) -> tuple[str, tuple[int, ...], int, int]:
+    """(dtype, shape, begin, end) of one header entry, checked (the entry's offsets count from the data start)."""
+    if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+      self._corrupt(f"tensor {name}'s header entry {_short(entry)} is not an object of dtype, shape, data_offsets")
+    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+      self._corrupt(f"tensor {name} has unknown dtype {_short(dtype)}; one of {', '.join(DTYPES)}")
+    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+      self._corrupt(f"tensor {name}: shape={_short(shape)} is not a list of non-negative integers")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_int(o) for o in offsets):
+      self._corrupt(f"tensor {name}: data_offsets={_short(offsets)} is not two integers [begin, end]")
+    begin, end = offsets
+    if not 0 <= begin <= end:
+      self._corrupt(f"tensor {name}: data_offsets={offsets} is not [begin, end] with 0 <= begin <= end")
+    if end > data_bytes:
+      self._corrupt(
+        f"tensor {name} ends at byte {self._data_start + end}, past the file's {self._data_start + data_bytes} bytes"
+      )
+    if end - begin != math.prod(shape) * DTYPES[dtype].itemsize:
+      self._corrupt(f"tensor {name}: offsets {begin}..{end} do not hold {dtype} {list(shape)}")
+    return dtype, tuple(shape), begin, end
+
+  def _check_no_overlap(self):
+    """No two tensors share a byte (else one would silently read another's data)."""
+    spans = sorted((begin, end, name) for name, (_, _, begin, end) in self._entries.items() if end > begin)
+    for (b0, e0, n0), (b1, e1, n1) in zip(spans, spans[1:]):
+      if b1 < e0:
+        self._corrupt(f"tensors {n0} (bytes {b0}..{e0}) and {n1} (bytes {b1}..{e1}) overlap")
 
   def _corrupt(self, why: str):
     raise ValueError(f"{self.path}: cannot be read as safetensors (truncated or corrupt: {why})")
 
   def names(self) -> list[str]:
     return list(self._entries)
+
+  def __contains__(self, name: str) -> bool:
+    return name in self._entries
 
   def dtype(self, name: str) -> str:
     """The stored dtype's safetensors name ("BF16", "F8_E4M3", ...)."""
@@ -94,7 +149,7 @@ class SafetensorsFile:
 
   def read(self, name: str) -> np.ndarray:
     """The tensor in its stored dtype: a read-only view of the mapped file (copy or cast it to keep it)."""
-    dtype, shape, begin = self._entries[name]
+    dtype, shape, begin, _ = self._entries[name]
     if not math.prod(shape):
       return np.zeros(shape, DTYPES[dtype])
     return np.memmap(self.path, DTYPES[dtype], "r", offset=self._data_start + begin, shape=shape)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import resource
 import shutil
 import tempfile
@@ -33,6 +34,7 @@ import numpy as np
 import tensorstore as ts
 from flax import nnx
 
+from glm_jax import paths
 from glm_jax.convert import hf
 from glm_jax.model.config import ModelConfig
 from glm_jax.model.transformer import GlmMoeDsa
@@ -179,21 +181,19 @@ def hf_to_orbax(
   MTP layers the checkpoint lacks are initialized (hf.load does the same). Returns a report: tensors, bytes read
   and written, the largest tensor's bytes, seconds."""
   t0 = time.perf_counter()
-  found, block = hf.read_config(hf_dir)
+  source = hf.open_checkpoint(hf_dir)  # config.json checked against the files' headers before anything is built
+  found, block, reader = source.cfg, source.block, source.reader
   if config is not None:
     cfg = ModelConfig.from_dict(config.model)
     _same_model(cfg, found, hf_dir)
     config_item, sizes = config.to_dict(), layout_mesh(config.get("mesh"), devices)
   else:  # stored as the checkpoint stores them (config.json's dtype), not in ModelConfig's default float32
-    with open(os.path.join(hf_dir, "config.json"), encoding="utf-8") as f:
-      stored = json.load(f)
-    stored = stored.get("dtype") or stored.get("torch_dtype") or found.param_dtype
+    stored = source.config_json.get("dtype") or source.config_json.get("torch_dtype") or found.param_dtype
     cfg = found.replace(param_dtype=stored if stored in ("bfloat16", "float16", "float32") else found.param_dtype)
     config_item, sizes = {"model": cfg.to_dict()}, None
   config_item = json.loads(json.dumps(config_item))
   config_item["converted_from"] = {"hf_dir": os.path.abspath(hf_dir), "fp8_block": block}
-  out_dir = hf.checked_out_dir(out_dir, overwrite)
-  reader = hf.Reader(hf_dir, block)
+  out_dir = hf.checked_out_dir(out_dir, overwrite, sources=paths.sources("--hf_dir", hf_dir, source.files))
   specs, leaves, mtp_present = hf.checked_specs(hf_dir, cfg, reader, seed)
   kind_of = {p: leaf_kind(v) for p, v in leaves.items()}
   stacked = {}  # leaf -> how many leading (layer, expert) dims one HF tensor indexes
@@ -268,7 +268,8 @@ def hf_to_orbax(
 
 def _latest_step_dir(workdir: str, step: int | None) -> tuple[str, int]:
   directory = os.path.join(os.path.abspath(workdir), "checkpoints")
-  steps = sorted(int(d) for d in os.listdir(directory) if d.isdigit()) if os.path.isdir(directory) else []
+  found = os.listdir(directory) if os.path.isdir(directory) else []
+  steps = sorted(int(d) for d in found if d.isascii() and d.isdigit() and len(d) < 19)
   if not steps:
     raise FileNotFoundError(f"--workdir={workdir}: no checkpoint in {directory}")
   if step is None:
@@ -279,13 +280,33 @@ def _latest_step_dir(workdir: str, step: int | None) -> tuple[str, int]:
 
 
 def saved_model_config(step_dir: str) -> ModelConfig:
-  """The model config recorded with a checkpoint step (its config item)."""
+  """The model config recorded with a checkpoint step (its config item: a JSON object with a "model" object of
+  ModelConfig fields); anything else is a ValueError naming the file and what is wrong."""
   path = os.path.join(step_dir, "config", "metadata")
   try:
-    with open(path, encoding="utf-8") as f:
-      return ModelConfig.from_dict(json.load(f)["model"])
-  except (OSError, ValueError, KeyError, TypeError) as e:
+    item = paths.read_json(path)
+  except OSError as e:
     raise ValueError(f"{path}: no readable model config ({e})") from e
+  model = item.get("model") if isinstance(item, dict) else None
+  if not isinstance(model, dict):
+    raise ValueError(f"{path}: no readable model config (expected a JSON object with a 'model' object)")
+  try:
+    return ModelConfig.from_dict(model)
+  except (ValueError, TypeError) as e:
+    raise ValueError(f"{path}: {e}") from e
+
+
+_MTP_KEY = re.compile(r"\('params', 'mtp', '(\d{1,9})'")
+
+
+def _check_mtp_layers(cfg: ModelConfig, arrays: StateArrays, step_dir: str) -> None:
+  """The recorded MTP depth against the MTP layers the state holds, before a module is built for each."""
+  held = {int(m.group(1)) for key in arrays.keys if (m := _MTP_KEY.match(key))}
+  if cfg.num_nextn_predict_layers > len(held):
+    raise ValueError(
+      f"{os.path.join(step_dir, 'config', 'metadata')}: model.num_nextn_predict_layers="
+      f"{cfg.num_nextn_predict_layers}, but {os.path.join(step_dir, 'state')} holds {len(held)} MTP layers"
+    )
 
 
 def orbax_to_hf(
@@ -304,10 +325,13 @@ def orbax_to_hf(
   shard, so memory holds one tensor at a time."""
   t0 = time.perf_counter()
   step_dir, step = _latest_step_dir(workdir, step)
+  sources = paths.sources("--workdir", workdir)
+  hf.checked_out_dir(out_dir, overwrite, sources=sources)
   cfg = saved_model_config(step_dir)
-  cfg.to_hf_dict()  # refuses, before anything is read, a model glm_moe_dsa cannot express
-  hf.checked_out_dir(out_dir, overwrite)
-  arrays = StateArrays(os.path.join(step_dir, "state"))
+  state_dir = os.path.join(step_dir, "state")
+  paths.read_json(os.path.join(state_dir, METADATA))  # a regular file of JSON, before StateArrays reads it
+  arrays = StateArrays(state_dir)
+  _check_mtp_layers(cfg, arrays, step_dir)
   leaves = {p: v for p, v in nnx.to_flat_state(nnx.state(nnx.eval_shape(lambda: GlmMoeDsa(cfg, nnx.Rngs(0)))))}
   kind_of = {p: leaf_kind(v) for p, v in leaves.items()}
   opened: dict[tuple, ts.TensorStore] = {}
@@ -323,6 +347,9 @@ def orbax_to_hf(
         )
     return opened[p]
 
+  for p in leaves:  # the recorded model's sizes against the arrays' (stacked layers, experts) before hf.write's
+    stored(p)  # one spec a tensor is built from them
+  cfg.to_hf_dict()  # refuses, before any weight is read, a model glm_moe_dsa cannot express
   report = hf.write(
     cfg,
     out_dir,
@@ -332,5 +359,6 @@ def orbax_to_hf(
     max_shard_bytes=max_shard_bytes,
     overwrite=overwrite,
     progress=progress,
+    sources=sources,
   )
   return {"workdir": os.path.abspath(workdir), "step": step, **report, "seconds": round(time.perf_counter() - t0, 2)}

@@ -29,10 +29,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import jax
 import jax.numpy as jnp
 
+from glm_jax import paths
 from glm_jax.quant.quantizer import dequantize, fake_quant, pack_int4, quantize, unpack_int4
 
 ACT_BITS = (None, 8)
@@ -194,3 +196,108 @@ def int_grouped_matmul(x_RK: jax.Array, p: PackedWeight, group_sizes: jax.Array,
   group_of_row = jnp.minimum(jnp.searchsorted(ends, jnp.arange(x_RK.shape[0]), side="right"), p.shape[0] - 1)
   sw = p.scales[:, 0, :][group_of_row]  # [R, N]
   return acc.astype(jnp.float32) * sw * sx
+
+
+# ------------------------------------------------------------------------------------------------ packed.json
+# What launch/quantize.py writes beside a packed model's weights (glm_jax/train/packed_checkpoint.py), read back
+# defensively: the file is opened without blocking and must be a regular one of at most META_MAX_BYTES, strict JSON
+# (glm_jax/paths.py), and every field of the format below; anything else is a ValueError naming the file, the field,
+# its value and what is valid.
+
+META_FILE = "packed.json"
+META_FORMAT = 1
+META_MAX_BYTES = 100 * 2**20
+
+
+def _is_int(v) -> bool:
+  return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_count(v) -> bool:
+  return _is_int(v) and v >= 0
+
+
+def _opt(test):
+  return lambda v: v is None or test(v)
+
+
+_STR = (lambda v: isinstance(v, str), "a string")
+_OBJECT = (lambda v: isinstance(v, dict), "an object")
+_RULE = {  # one planned parameter (glm_jax/model/quantization.py's Rule)
+  "bits": (lambda v: v in (4, 8) and _is_int(v), "4 or 8"),
+  "group_size": (_opt(lambda v: _is_int(v) and v > 0), "a positive integer or null (one scale per output channel)"),
+  "act_bits": (lambda v: v is None or (_is_int(v) and v in ACT_BITS), "null (weight-only) or 8"),
+  "contracted_axes": (lambda v: _is_int(v) and v >= 1, "a positive integer"),
+  "free_axes": (lambda v: _is_int(v) and v >= 1, "a positive integer"),
+}
+_QUANT = {
+  "scheme": _STR,
+  "group_size": (_is_count, "a non-negative integer (0: one scale per output channel)"),
+  "scope": _STR,
+}
+_TOKENIZER = {"name": _STR, "sha256": _STR, "vocab_size": (lambda v: _is_int(v) and v > 0, "a positive integer")}
+_META = {
+  "format": (lambda v: v == META_FORMAT and _is_int(v), f"{META_FORMAT} (the format this code reads)"),
+  "quant": _OBJECT,
+  "plan": (lambda v: isinstance(v, dict), "an object {parameter path: how it is packed}"),
+  "model": (lambda v: isinstance(v, dict), "an object of the model config's fields"),
+  "config": (lambda v: isinstance(v, dict), "an object (the run's config)"),
+  "tokenizer": (_opt(lambda v: isinstance(v, dict)), "an object (the run's tokenizer record) or null"),
+  "source": (lambda v: isinstance(v, dict), "an object (the checkpoint it was packed from)"),
+  "weight_bytes": (_is_count, "a non-negative integer"),
+  "unpacked_weight_bytes": (_is_count, "a non-negative integer"),
+}
+
+
+def _short(value, limit: int = 80) -> str:
+  text = "null" if value is None else repr(value)
+  return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _check_fields(obj: dict, schema: dict, where: str, prefix: str) -> None:
+  for key, (test, valid) in schema.items():
+    if key not in obj:
+      raise ValueError(f"{where}: field '{prefix}{key}' is missing; expected {valid}")
+    if not test(obj[key]):
+      raise ValueError(f"{where}: field '{prefix}{key}'={_short(obj[key])} is invalid; expected {valid}")
+
+
+def check_meta(meta, where: str, *, need_tokenizer: bool = False) -> dict:
+  """`meta` (packed.json's value, read from `where`) if it is the format's; else ValueError naming `where`, the
+  field and what is valid. need_tokenizer: the reader decodes text (launch/sample.py), so the record must hold the
+  tokenizer's JSON, not be null."""
+  if not isinstance(meta, dict):
+    raise ValueError(f"{where}: expected a JSON object, found {type(meta).__name__}")
+  _check_fields(meta, _META, where, "")
+  _check_fields(meta["quant"], _QUANT, where, "quant.")
+  for name, rule in meta["plan"].items():
+    if not isinstance(rule, dict):
+      raise ValueError(f"{where}: field 'plan.{name}'={_short(rule)} is invalid; expected an object")
+    _check_fields(rule, _RULE, where, f"plan.{name}.")
+  tokenizer = meta["tokenizer"]
+  if tokenizer is not None:
+    _check_fields(tokenizer, _TOKENIZER, where, "tokenizer.")
+    if "json" in tokenizer and not isinstance(tokenizer["json"], str):
+      raise ValueError(f"{where}: field 'tokenizer.json'={_short(tokenizer['json'])} is invalid; expected a string")
+  if need_tokenizer and (tokenizer is None or "json" not in tokenizer):
+    found = "null" if tokenizer is None else f"{tokenizer['name']!r} without its JSON"
+    raise ValueError(
+      f"{where}: field 'tokenizer' is {found}; decoding text needs the tokenizer the run recorded (pack a run "
+      "that records one)"
+    )
+  source = meta["source"]
+  for key, (test, valid) in (("workdir", _STR), ("step", (_is_count, "a non-negative integer"))):
+    if key in source and not test(source[key]):
+      raise ValueError(f"{where}: field 'source.{key}'={_short(source[key])} is invalid; expected {valid}")
+  return meta
+
+
+def read_meta(directory: str, *, need_tokenizer: bool = False) -> dict:
+  """<directory>/packed.json, checked (check_meta). The file must be a regular file of at most META_MAX_BYTES of
+  strict JSON (glm_jax/paths.py's read_json: opened without blocking, no NaN, no key twice); a missing one is
+  FileNotFoundError, anything else wrong a ValueError, each naming the file."""
+  path = os.path.join(os.path.abspath(directory), META_FILE)
+  if not os.path.lexists(path):
+    raise FileNotFoundError(f"{directory}: not a packed model (no {META_FILE}); launch/quantize.py writes one")
+  meta = paths.read_json(path, META_MAX_BYTES)
+  return check_meta(meta, path, need_tokenizer=need_tokenizer)

@@ -7,7 +7,8 @@
                      the run's config and tokenizer record, the source checkpoint, the weight bytes
 
 `save_packed` writes everything under <out>.partial and renames it to <out> at the end, so a directory named
-<out> is always complete; it refuses an <out> that exists. `load_packed` rebuilds the model the caller names (it
+<out> is always complete (the .partial carries glm_jax/paths.py's marker: only such a one is removed, by the next
+save); it refuses an <out> that exists. `load_packed` rebuilds the model the caller names (it
 must be the recorded one), re-derives the plan from the recorded quant section and refuses a file whose plan
 differs, or a caller that asks for another scheme, naming both. A distillation teacher's init_from may name one
 (glm_jax/rl/warm_start.py): the teacher then scores in its quantized form.
@@ -18,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 from collections.abc import Mapping
 from typing import Any
 
@@ -27,14 +27,16 @@ import ml_collections
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from glm_jax import paths
 from glm_jax.model import GlmMoeDsa, ModelConfig
 from glm_jax.model.quantization import Rule, pack_params, quant_plan, weight_bytes
+from glm_jax.quant import packed as packed_format
 from glm_jax.quant.packed import PackedWeight
 from glm_jax.train.checkpoint import config_differences
 from glm_jax.tree_paths import path_str
 
-FORMAT = 1
-META = "packed.json"
+FORMAT = packed_format.META_FORMAT
+META = packed_format.META_FILE
 
 
 @dataclasses.dataclass
@@ -74,12 +76,11 @@ def save_packed(
   out_dir = os.path.abspath(out_dir)
   if os.path.exists(out_dir):
     raise FileExistsError(f"--out={out_dir} exists; a packed model is written to a new directory")
+  partial = out_dir + ".partial"
+  paths.clear_partial(partial, f"--out={out_dir}")  # a save that died before its rename; anything else is refused
   plan = quant_plan(params, quant)
   packed = pack_params(params, plan)
-  partial = out_dir + ".partial"
-  if os.path.exists(partial):
-    shutil.rmtree(partial)  # a save that died before its rename: ours, never complete
-  os.makedirs(partial)
+  paths.make_partial(partial)
   tree = {"params": _storage(nnx.to_pure_dict(packed)), "rest": nnx.to_pure_dict(rest)}
   with ocp.StandardCheckpointer() as ckptr:
     ckptr.save(os.path.join(partial, "weights"), tree)
@@ -97,19 +98,15 @@ def save_packed(
   }
   with open(os.path.join(partial, META), "w") as f:
     json.dump(meta, f, indent=1)
+  os.remove(os.path.join(partial, paths.PARTIAL_MARKER))
   os.rename(partial, out_dir)
   return meta
 
 
-def read_meta(out_dir: str) -> dict:
-  path = os.path.join(os.path.abspath(out_dir), META)
-  if not os.path.isfile(path):
-    raise FileNotFoundError(f"{out_dir}: not a packed model (no {META}); launch/quantize.py writes one")
-  with open(path) as f:
-    meta = json.load(f)
-  if meta.get("format") != FORMAT:
-    raise ValueError(f"{path}: format {meta.get('format')!r}; this code reads format {FORMAT}")
-  return meta
+def read_meta(out_dir: str, *, need_tokenizer: bool = False) -> dict:
+  """<out_dir>/packed.json, checked field by field (glm_jax/quant/packed.py's read_meta: each error names the file
+  and the field); need_tokenizer: the caller decodes text, so the record must hold the tokenizer."""
+  return packed_format.read_meta(out_dir, need_tokenizer=need_tokenizer)
 
 
 def is_packed(directory: str) -> bool:
@@ -117,11 +114,13 @@ def is_packed(directory: str) -> bool:
   return os.path.isfile(os.path.join(os.path.abspath(directory), META))
 
 
-def load_packed(out_dir: str, model_cfg: ModelConfig, *, scheme: str | None = None) -> PackedModel:
+def load_packed(
+  out_dir: str, model_cfg: ModelConfig, *, scheme: str | None = None, need_tokenizer: bool = False
+) -> PackedModel:
   """The packed model of <out_dir> on this process's first device, built as `model_cfg` (which must be the recorded
   model, up to the fields that do not change its parameters: the DSA switch, the attention implementation, ...);
   `scheme`, when given, must be the recorded one (a packed model is not re-quantized on load)."""
-  meta = read_meta(out_dir)
+  meta = read_meta(out_dir, need_tokenizer=need_tokenizer)
   recorded = ml_collections.ConfigDict(meta["quant"])
   if scheme is not None and scheme != recorded.scheme:
     raise ValueError(
