@@ -4,21 +4,24 @@
 
 A bad flag or config override, a config file that does not load, a bad config value, a missing or unwritable
 path, an unreadable checkpoint or a diverged run prints `error: <message>` on stderr and exits with code 2 (flags
-and usage) or 1 (everything else); the message names the field or file, its value and what is valid. Set
-GLM_JAX_TRACEBACK=1, or pass -v 1, to get the full traceback instead. Any other exception is a bug and keeps
-its traceback.
+and usage) or 1 (everything else); the message names the field or file, its value and what is valid. A run
+stopped by SIGTERM or SIGINT after its checkpoint (glm_jax/train/lifecycle.py) says so in one line and exits with
+128 + the signal's number. Set GLM_JAX_TRACEBACK=1, or pass -v 1, to get the full traceback instead. Any other
+exception is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import signal
 import sys
 from collections.abc import Callable
 
 from absl import app, flags, logging
 
 from glm_jax.train.guards import Diverged
+from glm_jax.train.lifecycle import Stopped
 
 # What a user's input can cause; anything else is a bug and shows its traceback.
 USER_ERRORS = (ValueError, OSError, Diverged, app.UsageError)
@@ -72,6 +75,16 @@ def run(main: Callable[[list[str]], None]) -> None:
   def guarded(argv):
     try:
       main(argv)
+    except Stopped as e:  # a preemption or Ctrl-C, after the checkpoint of the step it stopped at
+      logging.flush()
+      print(str(e), file=sys.stderr, flush=True)
+      sys.exit(e.exit_code)
+    except KeyboardInterrupt:
+      if _want_traceback(argv):
+        raise
+      logging.flush()
+      print("interrupted (a second Ctrl-C): nothing more was saved", file=sys.stderr, flush=True)
+      sys.exit(128 + signal.SIGINT)
     except USER_ERRORS as e:
       if _want_traceback(argv):
         raise

@@ -16,7 +16,13 @@ param_dtype. MTP layers missing from the checkpoint (transformers does not save 
 Orbax -> HF (--to_hf): the latest step of --workdir (a training run's or a converted one; --step for another) as
 config.json and safetensors shards (--max_shard_gb, per-expert layout, MTP layers included) in --dtype.
 
-Both write under a temporary name and rename at the end: a failure leaves no checkpoint. Prints one JSON line:
+Both write under a temporary name and rename at the end: a failure leaves no checkpoint. --out_dir must be apart
+from what is read (--hf_dir and every file read through it, or --workdir): not it, not a directory above it, not
+inside it, so that --overwrite, which replaces --out_dir whole, can never delete an input. The conversion holds
+--out_dir's lock (glm_jax/train/lifecycle.py): a training run or another conversion on it refuses, and so does this
+one while they run. The HF directory is
+untrusted: config.json's counts are checked against the safetensors headers before anything is built from them,
+and the headers and the index are validated (glm_jax/convert/hf.py open_checkpoint). Prints one JSON line:
 tensors, bytes, the largest tensor, seconds, peak resident memory.
 """
 
@@ -25,6 +31,7 @@ from ml_collections import config_flags
 
 from glm_jax import cli, strict_json
 from glm_jax.convert import stream
+from glm_jax.train import lifecycle
 
 _HF_DIR = flags.DEFINE_string("hf_dir", None, "A Hugging Face GLM-5 directory (config.json + safetensors) to read.")
 _OUT_DIR = flags.DEFINE_string("out_dir", None, "Where to write (must not exist or be empty, unless --overwrite).")
@@ -51,6 +58,13 @@ def main(argv):
   if _OUT_DIR.value is None:
     raise ValueError("--out_dir is required")
   progress = lambda message: logging.warning("%s", message)  # noqa: E731 - shown at the default verbosity
+  with lifecycle.workdir_lock(_OUT_DIR.value, "conversion"):  # no other run writes --out_dir meanwhile
+    report = _convert(progress)
+  report["peak_rss_bytes"] = stream.rss_peak_bytes()
+  print(strict_json.dumps(report), flush=True)
+
+
+def _convert(progress) -> dict:
   if _TO_HF.value:
     if _WORKDIR.value is None or _HF_DIR.value is not None:
       raise ValueError("--to_hf reads --workdir (not --hf_dir) and writes --out_dir")
@@ -78,8 +92,7 @@ def main(argv):
       overwrite=_OVERWRITE.value,
       progress=progress,
     )
-  report["peak_rss_bytes"] = stream.rss_peak_bytes()
-  print(strict_json.dumps(report), flush=True)
+  return report
 
 
 if __name__ == "__main__":

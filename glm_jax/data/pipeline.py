@@ -139,6 +139,8 @@ def _split_dataset(
   if data_cfg.format == "sft":
     te = tokenized.tokenize_examples(data_cfg, tokenizer)
     idx = te.train_idx if train else te.eval_idx
+    if train:
+      _check_trainable(te, idx, data_cfg)
     if len(idx) == 0:
       return None
     _log_truncated(te.lengths(idx), data_cfg.seq_len, "training" if train else "held-out")
@@ -153,6 +155,22 @@ def _split_dataset(
       source, tokenizer, data_cfg.glm, corrupt_seed=data_cfg.shuffle_seed if train else EVAL_SEED, **common
     )
   return packed_dataset(_DocTokens(tc, idx), **common) if len(idx) else None
+
+
+def _check_trainable(te: tokenized.TokenizedExamples, idx: np.ndarray, data_cfg: ml_collections.ConfigDict) -> None:
+  """Raises ValueError when the training split of format-"sft" examples has no token the loss counts: no example,
+  or every response cut off by data.seq_len (a run would train on nothing)."""
+  where = f"data.source={data_cfg.source!r}" + (f" (data.path={data_cfg.path!r})" if data_cfg.path else "")
+  if len(idx) == 0:
+    raise ValueError(f"{where}: the training split has no example; SFT needs prompt/response examples to train on")
+  if not len(te.loss_tokens(idx, data_cfg.seq_len)):
+    lengths = te.lengths(idx)
+    prompts = te.prompt_lens[idx]
+    raise ValueError(
+      f"data.seq_len={data_cfg.seq_len} leaves no response token to train on: each of the {len(idx)} training "
+      f"examples of {where} has a prompt of at least data.seq_len tokens ({int(np.sum(lengths > data_cfg.seq_len))} "
+      f"are cut; the shortest prompt has {int(prompts.min())} tokens); raise data.seq_len or shorten the prompts"
+    )
 
 
 def _log_truncated(lengths: np.ndarray, seq_len: int, split: str) -> None:

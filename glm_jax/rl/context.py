@@ -23,6 +23,7 @@ from glm_jax.rl.rewards import RewardFn
 from glm_jax.rl.tasks import CharVocab, Problem, Task
 from glm_jax.train.checkpoint import Checkpointer
 from glm_jax.train.guards import ConsecutiveSkips
+from glm_jax.train.lifecycle import StopSignals
 from glm_jax.train.metrics import MetricsWriter
 
 
@@ -66,6 +67,7 @@ class RunContext(RunSetup):
   eval_problems: list[Problem]  # answered greedily for eval_accuracy
   writer: MetricsWriter
   skips: ConsecutiveSkips  # stops the run after rl.max_consecutive_skips skipped updates in a row
+  stop: StopSignals  # a preemption or Ctrl-C: a checkpoint at the next update, then Stopped
 
   @classmethod
   def after_warm_start(cls, setup: RunSetup, **loop_fields) -> RunContext:

@@ -40,16 +40,26 @@ from glm_jax.rl.context import RunContext, RunSetup
 from glm_jax.rl.rollout import RolloutWorker, greedy_accuracy, is_stale, make_sampler, step_rollout
 from glm_jax.rl.rollout_engine import ProcessRolloutWorker
 from glm_jax.rl.warm_start import load_teacher, make_policy, reference_policy, warm_start
-from glm_jax.train.checkpoint import Checkpointer
+from glm_jax.train.checkpoint import Checkpointer, check_writable
 from glm_jax.train.guards import ConsecutiveSkips
-from glm_jax.train.metrics import MetricsWriter
+from glm_jax.train.lifecycle import StopSignals, Stopped, stopped_message, workdir_lock
+from glm_jax.train.metrics import MetricsWriter, last_logged
 
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
-  """Runs config.trainer ("grpo" or "distill") for config.rl.steps updates; returns the summary line."""
+  """Runs config.trainer ("grpo" or "distill") for config.rl.steps updates; returns the summary line. The workdir
+  is locked for the run (glm_jax/train/lifecycle.py); SIGTERM / SIGINT stop it after the next update with a
+  checkpoint (raising Stopped)."""
+  validate_rl_config(config)
+  check_writable(os.path.join(os.path.abspath(workdir), "checkpoints"))  # before the lock creates the workdir
+  with StopSignals() as stop, workdir_lock(workdir, config.trainer):
+    return _run(config, workdir, stop)
+
+
+def _run(config: ml_collections.ConfigDict, workdir: str, stop: StopSignals) -> dict[str, Any]:
   setup, state = _setup(config, workdir)
   state, start, info = warm_start(setup, state)
-  ctx = _context(setup, start)
+  ctx = _context(setup, start, stop)
   summary = dict(trainer=config.trainer, workdir=os.path.abspath(workdir), **info)
   accuracy = _eval_accuracy(ctx, state)
   if start == 0:
@@ -61,15 +71,17 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   finally:
     ctx.checkpointer.close()
     ctx.writer.close()
+  if start >= config.rl.steps:  # a rerun of a finished run: its last logged values, as the run reported them
+    logging.warning("%s is complete at step %d (rl.steps=%d): nothing to train", workdir, start, config.rl.steps)
+    extra = {k: last_logged(workdir, k, through=start) if v is None else v for k, v in extra.items()}
   summary.update(extra, step=int(state.step))
   summary["eval_accuracy"] = _eval_accuracy(ctx, state)
   return summary
 
 
 def _setup(config: ml_collections.ConfigDict, workdir: str):
-  """(RunSetup, the policy's initial TrainState), once the config, the vocabulary and the workdir's checkpoints
-  are checked."""
-  validate_rl_config(config)
+  """(RunSetup, the policy's initial TrainState), once the vocabulary and the workdir's checkpoints are checked (the
+  config is, by run)."""
   rl = config.rl
   vocab = tasks_lib.CharVocab()
   model_cfg = ModelConfig.from_dict(config.model)
@@ -99,7 +111,7 @@ def _setup(config: ml_collections.ConfigDict, workdir: str):
   return setup, state
 
 
-def _context(setup: RunSetup, start: int) -> RunContext:
+def _context(setup: RunSetup, start: int, stop: StopSignals) -> RunContext:
   """The setup with the reward function, the samplers, the held-out problems and the metrics writer (whose rows
   after `start` are moved aside: a resumed run writes them again)."""
   rl = setup.config.rl
@@ -113,7 +125,14 @@ def _context(setup: RunSetup, start: int) -> RunContext:
   writer = MetricsWriter(setup.workdir, tensorboard=rl.tensorboard, keep_through=start if start else -1)
   skips = ConsecutiveSkips(rl.max_consecutive_skips, "rl.max_consecutive_skips")
   return RunContext.after_warm_start(
-    setup, reward_fn=reward_fn, sampler=sampler, greedy=greedy, eval_problems=eval_problems, writer=writer, skips=skips
+    setup,
+    reward_fn=reward_fn,
+    sampler=sampler,
+    greedy=greedy,
+    eval_problems=eval_problems,
+    writer=writer,
+    skips=skips,
+    stop=stop,
   )
 
 
@@ -145,7 +164,15 @@ def _log_and_eval(ctx: RunContext, done: int, metrics: dict, state) -> dict:
   if done % rl.log_every == 0 or done == rl.steps or "eval_accuracy" in metrics:
     row = ctx.writer.write(done, metrics)
     logging.info("step %d: %s", done, {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()})
-  ctx.checkpointer.save(done, state, None, ctx.config.to_dict(), tokenizer=ctx.vocab.record(), force=done == rl.steps)
+  saved = ctx.checkpointer.save(
+    done, state, None, ctx.config.to_dict(), tokenizer=ctx.vocab.record(), force=done == rl.steps
+  )
+  signum = ctx.stop.due(done)
+  if signum is not None:
+    if not saved:
+      ctx.checkpointer.save(done, state, None, ctx.config.to_dict(), tokenizer=ctx.vocab.record(), force=True)
+    ctx.checkpointer.wait()
+    raise Stopped(signum, stopped_message(signum, done, ctx.checkpointer.directory))
   return metrics
 
 

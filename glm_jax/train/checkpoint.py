@@ -14,10 +14,13 @@ Safeguards:
     is restored instead; the bad step is moved aside to <step>.unreadable, never deleted.
   - Parameters that are not all finite are never saved.
   - An unwritable checkpoints directory fails at once, before any work; nothing is created until the first save.
+  - A save that fails (a full disk, a lost mount) stops the run at the next step boundary (check_saves raises
+    CheckpointWriteError naming the step and the cause); the steps saved before it are left as they are.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -122,6 +125,10 @@ def config_differences(
   return diffs
 
 
+class CheckpointWriteError(OSError):
+  """A checkpoint could not be written; the message names the step, the cause and the last good step."""
+
+
 class Checkpointer:
   """Orbax's CheckpointManager over <workdir>/checkpoints.
 
@@ -147,10 +154,25 @@ class Checkpointer:
       create=not read_only,
       read_only=read_only,
     )
+    self._unconfirmed: int | None = None  # the step of the last save started
+    self._save_error: BaseException | None = None
     self._manager = self._open() if os.path.isdir(self.directory) else None
 
   def _open(self) -> ocp.CheckpointManager:
-    return ocp.CheckpointManager(self.directory, options=self._options)
+    manager = ocp.CheckpointManager(self.directory, options=self._options)
+    # Orbax's manager, on finishing an asynchronous save, asks its checkpointer for the save thread's error and only
+    # logs it (leaving the step unfinalized); the error is kept here so that check_saves can stop the run.
+    check = manager.check_for_errors
+
+    def recording_check():
+      try:
+        check()
+      except Exception as e:
+        self._save_error = self._save_error or e
+        raise
+
+    manager.check_for_errors = recording_check
+    return manager
 
   @property
   def manager(self) -> ocp.CheckpointManager:
@@ -262,7 +284,32 @@ class Checkpointer:
       items["tokenizer"] = ocp.args.JsonSave(dict(tokenizer))
     if data_iter is not None:
       items["data"] = grain.checkpoint.CheckpointSave(data_iter)
-    return self.manager.save(step, args=ocp.args.Composite(**items), force=force)
+    if self._unconfirmed is not None:  # Orbax waits for the previous save before it starts one: wait here, so that
+      self._wait()  # its failure is reported as its own
+    self.check_saves()
+    self._unconfirmed = step
+    try:
+      return self.manager.save(step, args=ocp.args.Composite(**items), force=force)
+    except Exception as e:  # a synchronous save's write error (asynchronous ones: check_saves)
+      self._save_error = self._save_error or e
+      self.check_saves()
+      raise
+
+  def check_saves(self) -> None:
+    """Raises CheckpointWriteError, naming the step and the cause, when a save has failed (an asynchronous one is
+    seen once its thread has ended). The training loops call it after every step, so a run whose checkpoints cannot
+    be written stops at once instead of at its next save."""
+    if self._manager is not None and self._save_error is None:
+      with contextlib.suppress(Exception):  # recorded by recording_check
+        self._manager.check_for_errors()
+    if self._save_error is None:
+      return
+    good = [int(n) for n in os.listdir(self.directory) if n.isdigit() and int(n) != self._unconfirmed]
+    kept = f"step {max(good)} is the latest one written" if good else "no step was written"
+    raise CheckpointWriteError(
+      f"the checkpoint of step {self._unconfirmed} could not be written to {self.directory} "
+      f"({first_line(self._save_error)}); the run stops: {kept}"
+    ) from self._save_error
 
   def restore(self, step: int, abstract_state: Any, data_iter: grain.DatasetIterator | None = None) -> Any:
     """The saved TrainState (onto `abstract_state`'s structure and shardings); `data_iter`, when given, is
@@ -347,8 +394,16 @@ class Checkpointer:
     """Whether `step` holds only weights (launch/convert.py's checkpoints), not a whole train state."""
     return is_weights_only(self.state_dir(step))
 
+  def _wait(self) -> None:
+    try:
+      self.manager.wait_until_finished()
+    except Exception as e:  # an asynchronous save's write error, re-raised by the wait
+      self._save_error = self._save_error or e
+
   def wait(self) -> None:
-    self.manager.wait_until_finished()
+    """Waits for a pending save; raises CheckpointWriteError if it failed."""
+    self._wait()
+    self.check_saves()
 
   def close(self) -> None:
     """Waits for a pending save and stops Orbax's threads; creates nothing (a checkpointer that never saved has
@@ -365,7 +420,7 @@ class Checkpointer:
 
 def first_line(error: BaseException, limit: int = 300) -> str:
   """The first line of the innermost cause of `error` (tensorstore's, which names the file), without the
-  tensorstore spec that follows it."""
+  tensorstore spec that follows it; a long one keeps its start and its end, where the cause is."""
   while True:
     inner = error.__cause__ or (None if error.__suppress_context__ else error.__context__)
     if inner is None:
@@ -374,7 +429,7 @@ def first_line(error: BaseException, limit: int = 300) -> str:
   text = (str(error).strip().splitlines() or [""])[0]
   text = re.split(r" \[tensorstore_spec| See full TensorStore details", text)[0]
   text = f"{type(error).__name__}: {text}"
-  return text if len(text) <= limit else text[:limit] + " ..."
+  return text if len(text) <= limit else f"{text[: limit // 2]} ... {text[-limit // 2 :]}"  # the cause is at the end
 
 
 def describe_tokenizer(record: Mapping[str, Any]) -> str:

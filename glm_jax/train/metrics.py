@@ -68,6 +68,24 @@ def reconcile(path: str, keep_through: int) -> int:
   return len(drop)
 
 
+def last_logged(workdir: str, key: str, *, through: int) -> Any:
+  """The value of `key` in the last row of <workdir>/metrics.jsonl at or before step `through` that has it (None when
+  none does): what a rerun of a finished run reports of its last logged step."""
+  path = os.path.join(workdir, "metrics.jsonl")
+  if not os.path.exists(path):
+    return None
+  value = None
+  with open(path) as f:
+    for line in f:
+      try:
+        row = json.loads(line)
+      except ValueError:
+        continue
+      if isinstance(row, dict) and key in row and isinstance(row.get("step"), int) and row["step"] <= through:
+        value = row[key]
+  return value
+
+
 class MetricsWriter:
   """enabled=False (every process of a multi-process run but the first) formats rows but writes nothing.
 
@@ -91,7 +109,8 @@ class MetricsWriter:
 
   def write(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
     """Writes one row; returns it with Python numbers (non-finite values as they are)."""
-    row = {"step": int(step), **{k: to_python(v) for k, v in metrics.items()}}
+    # A value that does not exist (e.g. the held-out loss of a split whose responses were all cut) is left out.
+    row = {"step": int(step), **{k: to_python(v) for k, v in metrics.items() if v is not None}}
     if not self.enabled:
       return row
     self.jsonl.write(strict_json.dumps(row) + "\n")

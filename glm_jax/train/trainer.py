@@ -29,11 +29,12 @@ from glm_jax.model.quantization import WEIGHT_ONLY, check_quant_config, quant_pl
 from glm_jax.sharding.mesh import batch_sharding, make_mesh
 from glm_jax.sharding.state import abstract_sharded, with_shardings
 from glm_jax.train import optimizers, step as step_lib
-from glm_jax.train.checkpoint import INIT_FROM_FREE_FIELDS, RESUME_SECTIONS, Checkpointer
+from glm_jax.train.checkpoint import INIT_FROM_FREE_FIELDS, RESUME_SECTIONS, Checkpointer, check_writable
 from glm_jax.train.config import invalid, model_config_for_stage, require_sections, validate_train_config
 from glm_jax.train.guards import ConsecutiveSkips
 from glm_jax.train.optimizer_config import checked_optimizer_config
-from glm_jax.train.metrics import MetricsWriter
+from glm_jax.train.lifecycle import StopSignals, Stopped, stopped_message, workdir_lock
+from glm_jax.train.metrics import MetricsWriter, last_logged
 
 
 def create_train_state(config: ml_collections.ConfigDict, model_cfg: ModelConfig):
@@ -268,9 +269,16 @@ def train_and_evaluate(
   run (the checkpointer is closed, as on any error)."""
   # Everything cheap to check is checked before anything is built or written.
   model_cfg = check_config(config)
-  train = config.train
   check_process_split(config.data, jax.process_index(), jax.process_count())
   mesh = make_mesh(config.mesh) if "mesh" in config else None
+  check_writable(os.path.join(os.path.abspath(workdir), "checkpoints"))  # before the lock creates the workdir
+  with StopSignals() as stop, workdir_lock(workdir, "training"):
+    return _train(config, workdir, model_cfg, mesh, hooks, stop)
+
+
+def _train(config, workdir, model_cfg, mesh, hooks, stop) -> dict[str, Any]:
+  """train_and_evaluate once the config is checked and the workdir is locked."""
+  train = config.train
   checkpointer = Checkpointer(
     workdir, save_every=train.checkpoint_every, keep=train.keep_checkpoints, async_save=train.async_checkpoints
   )
@@ -371,10 +379,20 @@ def train_and_evaluate(
           evals = eval_metrics(eval_step, state, eval_batches, data_sharding)
         eval_loss = evals["eval_loss"]
         writer.write(done, evals)
-      checkpointer.save(done, state, data_iter, config_dict, tokenizer=tokenizer_record, force=done == train.steps)
+      saved = checkpointer.save(
+        done, state, data_iter, config_dict, tokenizer=tokenizer_record, force=done == train.steps
+      )
       for hook in hooks:
         hook(done, state, metrics)
       bar.update(1)
+      checkpointer.check_saves()  # a failed save stops the run here, not at the next one
+      signum = stop.due(done)
+      if signum is not None:
+        if not saved:
+          checkpointer.save(done, state, data_iter, config_dict, tokenizer=tokenizer_record, force=True)
+        skips.finish()
+        checkpointer.wait()
+        raise Stopped(signum, stopped_message(signum, done, checkpointer.directory))
     skips.finish()
     bar.close()
     checkpointer.wait()
@@ -382,6 +400,14 @@ def train_and_evaluate(
     checkpointer.close()
     writer.close()
 
+  if start >= train.steps:  # a rerun of a finished run: its last logged loss, as the run reported it
+    last_loss = last_logged(workdir, "loss", through=start)
+    logging.warning(
+      "%s is complete at step %d (train.steps=%d): nothing to train; raise train.steps to go on",
+      workdir,
+      start,
+      train.steps,
+    )
   if eval_loss is None:  # nothing left to train (or no held-out data): report the model as it stands
     with mesh_context():
       evals = eval_metrics(eval_step, state, eval_batches, data_sharding)

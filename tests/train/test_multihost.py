@@ -7,9 +7,12 @@ device; then the checkpoint both processes wrote is restored in this single proc
 
 import json
 import os
+import re
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -45,9 +48,8 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
-@pytest.mark.slow  # two processes start jax and compile the step: ~1 minute
-def test_two_processes_train_as_one(tmp_path):
-  workdir = str(tmp_path / "run")
+def start_two_processes(workdir: str, overrides: dict) -> list[subprocess.Popen]:
+  """launch/train.py as processes 0 and 1 of one job on localhost, 2 simulated CPU devices each."""
   port = free_port()
   flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2"
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags)
@@ -59,13 +61,19 @@ def test_two_processes_train_as_one(tmp_path):
     f"--coordinator_address=localhost:{port}",
     "--num_processes=2",
   ]
-  cmd += [f"--config.{k}={v}" for k, v in OVERRIDES.items()]
-  procs = [
+  cmd += [f"--config.{k}={v}" for k, v in overrides.items()]
+  return [
     subprocess.Popen(
       cmd + [f"--process_id={i}"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     for i in range(2)
   ]
+
+
+@pytest.mark.slow  # two processes start jax and compile the step: ~1 minute
+def test_two_processes_train_as_one(tmp_path):
+  workdir = str(tmp_path / "run")
+  procs = start_two_processes(workdir, OVERRIDES)
   try:
     outs = [p.communicate(timeout=600) for p in procs]
   finally:
@@ -132,3 +140,39 @@ def test_auto_detection_reads_only_the_environment():
   assert distributed.multi_process_environment({"SLURM_NTASKS": "1"}) is None
   assert distributed.multi_process_environment({"OMPI_COMM_WORLD_SIZE": "4"}) == "OMPI_COMM_WORLD_SIZE"
   assert distributed.maybe_initialize("auto") is False  # this machine: no cluster, nothing initialized
+
+
+@pytest.mark.slow  # two processes start jax and compile the step
+def test_a_preemption_notice_to_one_process_stops_both_at_the_same_step_with_a_checkpoint(tmp_path):
+  """SIGTERM to process 1 only: jax's preemption sync manager tells process 0, both stop after the same step, the
+  checkpoint of that step is written by both, and each exits 143 naming it."""
+  workdir = str(tmp_path / "run")
+  overrides = {**OVERRIDES, "train.steps": 1000, "train.checkpoint_every": 500, "train.eval_every": 1000}
+  procs = start_two_processes(workdir, overrides)
+  metrics = os.path.join(workdir, "metrics.jsonl")
+  try:
+    deadline = time.monotonic() + 300
+    while not (os.path.exists(metrics) and os.path.getsize(metrics)):  # both are training
+      assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+      time.sleep(0.05)
+    procs[1].send_signal(signal.SIGTERM)
+    outs = [p.communicate(timeout=300) for p in procs]
+  finally:
+    for p in procs:
+      p.kill()
+  lines = [err.strip().splitlines()[-1] for _, err in outs]
+  steps = []
+  for p, line, (_, err) in zip(procs, lines, outs):
+    assert p.returncode == 143, err[-4000:]
+    match = re.fullmatch(
+      rf"stopped by SIGTERM after step (\d+): its checkpoint is in {re.escape(workdir)}/checkpoints/\1; run the "
+      "same command again to resume",
+      line,
+    )
+    assert match, line
+    steps.append(int(match[1]))
+  assert steps[0] == steps[1] < 1000
+  with Checkpointer(workdir, read_only=True) as ckpt:
+    assert ckpt.steps()[0] == steps[0]
+  rows = [json.loads(line) for line in open(metrics)]
+  assert [r["step"] for r in rows if "loss" in r][-1] == steps[0]
