@@ -4,7 +4,8 @@ Runs `launch/compile.py --flops` for every row (a process each; the shallow copi
 the cost model can be run again without compiling) and writes the JSON lines to --out, then prints the table the
 README shows: per-chip memory, compiled / useful FLOPs, the serial and the scheduled step, the calibrated step
 (hlo_cost.CALIBRATION), MFU over the useful-work numerator (glm_jax/train/flops.py, useful_flops), tokens a second
-a chip; balanced routing, hot routing's step beside it.
+a chip; balanced routing, hot routing's step beside it. A second table bounds each program: its MFU if every
+collective were hidden, and if besides the recompute were gone (glm_jax/train/aot.py's step_bounds).
 
   bash scripts/with_env.sh python experiments/bench_pod.py                      # every row (an hour or more here)
   bash scripts/with_env.sh python experiments/bench_pod.py --rows=4k_dense      # one row
@@ -142,6 +143,26 @@ def table(rows: list[dict]) -> str:
   return "\n".join(out)
 
 
+def bounds_table(rows: list[dict]) -> str:
+  head = (
+    "| row | compute | exposed collectives | MFU, every collective hidden | and no recompute | "
+    "tokens/s a chip, hidden | and no recompute |"
+  )
+  out = [head, "|---" * (head.count("|") - 1) + "|"]
+  from glm_jax.train.aot import step_bounds
+
+  for r in rows:
+    if not r.get("cost", {}).get("routings", {}).get("balanced"):
+      continue
+    b = step_bounds(r["cost"], r["chips"], r["tokens_per_step"])
+    out.append(
+      f"| {r['row_name']} | {b['compute_seconds']} s | {b['exposed_collective_seconds']} s | "
+      f"{100 * b['hidden_mfu']:.1f}% | {100 * b['no_recompute_mfu']:.1f}% | {b['hidden_tokens_per_s_per_chip']} | "
+      f"{b['no_recompute_tokens_per_s_per_chip']} |"
+    )
+  return "\n".join(out)
+
+
 def recalibrated(row: dict) -> dict:
   """The row with its calibrated step, MFU and tokens a second a chip from the current realism factor."""
   from glm_jax.sharding import hlo_cost
@@ -192,6 +213,8 @@ def main(argv):
       print(f"[bench_pod] {name}: {row['wall_seconds']} s", file=sys.stderr, flush=True)
   rows.sort(key=_order)
   print(table(rows))
+  print("\nWhat the model allows each program at best (calibrated; compute time from its per-op efficiency table):")
+  print(bounds_table(rows))
 
 
 if __name__ == "__main__":

@@ -314,6 +314,26 @@ def step_figures(
   }
 
 
+def step_bounds(cost: dict, chips: int, tokens: int) -> dict[str, float]:
+  """What the cost model allows a program at best, from a pod row's `cost` (balanced routing), calibrated: MFU and
+  tokens a second a chip if every collective were hidden behind compute (the step = its compute time), and if besides
+  the recompute were gone (compute x useful / compiled FLOPs: the recomputed forward taken at the efficiency of the
+  rest of the step's work)."""
+  bal = cost["routings"]["balanced"]
+  compute = bal["per_device_step"]["compute_seconds"]
+  args = (cost.get("calibration"), cost["useful_flops_per_step"], chips, tokens, cost["peaks"]["bf16_flops"])
+  hidden = step_figures(compute, *args)
+  lean = step_figures(compute / bal["compiled_over_useful_step"], *args)
+  return {
+    "compute_seconds": compute,
+    "exposed_collective_seconds": _sig(bal["estimated_step_seconds"] - compute),
+    "hidden_mfu": hidden["calibrated_mfu"],
+    "hidden_tokens_per_s_per_chip": hidden["calibrated_tokens_per_s_per_chip"],
+    "no_recompute_mfu": lean["calibrated_mfu"],
+    "no_recompute_tokens_per_s_per_chip": lean["calibrated_tokens_per_s_per_chip"],
+  }
+
+
 def moe_branch(routing: str) -> hlo_cost.BranchModel:
   """hlo_cost's branch model: the expert exchange's conditional (moe_parallel.py, model.moe_buffer_factor) runs its
   fast branch (the one whose ops carry moe_parallel.FAST_PATH) under balanced routing, which loads every shard

@@ -253,3 +253,31 @@ def test_pallas_sparse_stage_compiles_the_kernels_for_tpu():
     else:  # indexer, attention forward, backward, head probs at each of the 2 sites
       assert kernels == 2 * 4, kernels
       assert not scores.search(text)
+
+
+def test_step_figures_and_bounds_by_hand():
+  """A made-up row: 512 chips at 400 TFLOP/s, 1e18 useful FLOPs and 2^20 tokens a step, 10 s of compute, 12 s
+  scheduled, 1.25x compiled / useful FLOPs, realism factor 1.1."""
+  chips, peak, useful, tokens = 512, 4e14, 1e18, 2**20
+  cost = {
+    "peaks": {"bf16_flops": peak},
+    "useful_flops_per_step": useful,
+    "calibration": {"realism_factor": 1.1},
+    "routings": {
+      "balanced": {
+        "per_device_step": {"compute_seconds": 10.0},
+        "estimated_step_seconds": 12.0,
+        "compiled_over_useful_step": 1.25,
+      }
+    },
+  }
+  figures = aot.step_figures(12.0, cost["calibration"], useful, chips, tokens, peak)
+  assert figures["calibrated_step_seconds"] == 13.2
+  assert figures["calibrated_mfu"] == pytest.approx(1e18 / (512 * 4e14 * 13.2), rel=1e-4)  # 0.36993
+  assert figures["calibrated_tokens_per_s_per_chip"] == pytest.approx(1048576 / 13.2 / 512, rel=1e-4)  # 155.15
+  b = aot.step_bounds(cost, chips, tokens)
+  assert b["exposed_collective_seconds"] == 2.0
+  assert b["hidden_mfu"] == pytest.approx(1e18 / (512 * 4e14 * 11.0), rel=1e-4)  # the step = 10 s x 1.1
+  assert b["hidden_tokens_per_s_per_chip"] == pytest.approx(1048576 / 11.0 / 512, rel=1e-4)
+  assert b["no_recompute_mfu"] == pytest.approx(1e18 / (512 * 4e14 * 8.8), rel=1e-4)  # 10 / 1.25 = 8 s, x 1.1
+  assert b["no_recompute_tokens_per_s_per_chip"] == pytest.approx(1048576 / 8.8 / 512, rel=1e-4)
