@@ -17,6 +17,7 @@ RANKS = {
   "glm_jax.tree_paths": 1,
   "glm_jax.mesh_axes": 1,
   "glm_jax.strict_json": 1,  # leaf modules, by name
+  "glm_jax.chat": 1,  # GLM-5's chat format (stdlib only)
   "glm_jax.paths": 0,  # untrusted files and paths (stdlib only): what every reader and writer of them uses
   "glm_jax.plots": 1,
   "glm_jax.quant": 1,  # the quantizer: the model's matmuls take its packed weights
