@@ -194,3 +194,8 @@ def fifo_errors(fifo, calls) -> list[str]:
     os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
   assert not thread.is_alive(), f"reading {fifo} blocked"
   return got
+
+
+# XLA's lowest backend optimization level, for the step tests' explicit compiles: the same computation, about half
+# the compile time on CPU, whatever XLA_FLAGS says (tests/conftest.py sets level 0 for the rest of the suite).
+FAST_COMPILE = {"xla_backend_optimization_level": 0}

@@ -27,7 +27,7 @@ from glm_jax.train.config import model_config_for_stage
 from glm_jax.train.trainer import create_sharded_train_state, create_train_state, train_state_factory
 from pallas_kernels.visibility import Visibility
 from tests import helpers
-from tests.helpers import NS_COEFFS, newton_schulz
+from tests.helpers import FAST_COMPILE, NS_COEFFS, newton_schulz
 
 multi_device = helpers.multi_device(8)  # runs in tests/test_multi_device.py's session
 
@@ -141,8 +141,6 @@ def sharded_step(ref, mesh):
 MESHES = [{"data": 2, "fsdp": 2, "tensor": 2}, {"fsdp": 2, "tensor": 2, "expert": 2}]
 # Updated parameters agree to this fraction of the learning rate (see test_sharded_step_equals_one_device).
 STEP_TOLERANCE = 1e-2
-# XLA's lowest backend optimization level: the same computation, about half the compile time on CPU.
-FAST_COMPILE = {"xla_backend_optimization_level": 0}
 
 
 @multi_device

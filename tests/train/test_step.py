@@ -23,6 +23,7 @@ from glm_jax.model.transformer import GlmMoeDsa
 from glm_jax.train import losses, optimizers
 from glm_jax.train import step as step_lib
 from glm_jax.tree_paths import path_names
+from tests.helpers import FAST_COMPILE
 
 B, T = 4, 16
 LR = 0.5
@@ -30,7 +31,6 @@ BIAS_RATE = 1e-3
 MTP_W = 0.3
 BAL_W = 1e-4
 INDEX_TOPK = 6  # < the 10-token documents below, so the sparse stage really selects
-FAST_COMPILE = {"xla_backend_optimization_level": 0}
 
 
 def compile_fast(jitted, *args):
