@@ -12,10 +12,12 @@ exception is a bug and keeps its traceback.
 
 from __future__ import annotations
 
+import logging as pylogging
 import os
 import re
 import signal
 import sys
+import traceback
 from collections.abc import Callable
 
 from absl import app, flags, logging
@@ -69,10 +71,35 @@ def _parse_flags(argv: list[str]) -> list[str]:
     fail(text + " (--helpfull lists the flags)", 2)
 
 
+class _OneLineBackgroundErrors(pylogging.Filter):
+  """Shortens a log record of a failure in a library's background thread or event loop (Orbax's save threads, and
+  asyncio's "exception was never retrieved" of their writes) to its message and the exception's last line: when a
+  checkpoint cannot be written (a full disk), Orbax's threads log one traceback a failed write, hundreds of lines
+  before the run's own one-line error, which names the step and the cause. GLM_JAX_TRACEBACK=1 keeps them whole."""
+
+  def filter(self, record: pylogging.LogRecord) -> bool:
+    if record.exc_info and (record.name == "asyncio" or f"{os.sep}orbax{os.sep}" in record.pathname):
+      last = " ".join(traceback.format_exception_only(*record.exc_info[:2])[-1].split())
+      record.msg, record.args = f"{record.getMessage()} ({last[:300]})", None
+      record.exc_info = record.exc_text = None
+    return True
+
+
+def _one_line_unraisable(unraisable) -> None:
+  """sys.unraisablehook in one line: what the interpreter reports of a coroutine or thread a library left failing
+  (at exit, say) is not the run's error, which is printed once, last."""
+  where = f" in {unraisable.object!r}"[:120] if unraisable.object is not None else ""
+  print(f"(ignored{where}: {unraisable.exc_type.__name__}: {str(unraisable.exc_value)[:200]})", file=sys.stderr)
+
+
 def run(main: Callable[[list[str]], None]) -> None:
   """absl.app.run(main) with the one-line errors of the module docstring."""
 
   def guarded(argv):
+    if not _want_traceback(argv):
+      for name in ("absl", "asyncio"):
+        pylogging.getLogger(name).addFilter(_OneLineBackgroundErrors())
+      sys.unraisablehook = _one_line_unraisable
     try:
       main(argv)
     except Stopped as e:  # a preemption or Ctrl-C, after the checkpoint of the step it stopped at
