@@ -35,28 +35,19 @@ import shutil
 import signal
 import socket
 import stat
-import struct
 import subprocess
 import sys
 import tempfile
 import time
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout holding this script
+sys.path.insert(0, HERE)
+
+from tests.helpers import edit_json, read_header, write_header  # noqa: E402
+from tests.train import runs  # noqa: E402
 
 # tests/train/runs.py's short glm5_tiny run (9 steps of 4 x 64 tokens, a checkpoint every 3), keeping every checkpoint.
-OVERRIDES = {
-  "data.seq_len": 64,
-  "data.batch_size": 4,
-  "data.eval_batches": 2,
-  "train.steps": 9,
-  "train.log_every": 1,
-  "train.eval_every": 100,
-  "train.checkpoint_every": 3,
-  "train.tensorboard": False,
-  "optimizer.warmup_steps": 2,
-  "optimizer.decay_steps": 7,
-  "train.keep_checkpoints": 4,
-}
+OVERRIDES = {**runs.OVERRIDES, "train.keep_checkpoints": 4}
 TRAIN_TIMEOUT = 300
 CONVERT_TIMEOUT = 120
 
@@ -608,28 +599,6 @@ def case_full_disk(pr: Probe, case: str):
     f"{when}; after: {steps_text(rows)}, checkpoints {steps}{unfinished(tmps)}, lock {'left' if lock else 'none'}; "
     f"filler removed, the same command again: {resumed}, checkpoints {steps2}{unfinished(tmps2)}"
   )
-
-
-def read_header(path):
-  with open(path, "rb") as f:
-    raw = f.read()
-  (n,) = struct.unpack("<Q", raw[:8])
-  return json.loads(raw[8 : 8 + n]), raw[8 + n :]
-
-
-def write_header(path, header, data, text=None):
-  raw = (text if text is not None else json.dumps(header)).encode()
-  raw += b" " * (-len(raw) % 8)
-  with open(path, "wb") as f:
-    f.write(struct.pack("<Q", len(raw)) + raw + data)
-
-
-def edit_json(path, edit):
-  with open(path) as f:
-    value = json.load(f)
-  edit(value)
-  with open(path, "w") as f:
-    json.dump(value, f)
 
 
 A = "model.layers.1.mlp.experts.0.gate_proj.weight"

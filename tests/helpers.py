@@ -3,10 +3,12 @@ parameters built without per-shape XLA compiles, a plain-jnp Newton-Schulz, a pe
 module rerun as a script on simulated CPU devices."""
 
 import contextlib
+import json
 import os
-import threading
+import struct
 import subprocess
 import sys
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -199,3 +201,28 @@ def fifo_errors(fifo, calls) -> list[str]:
 # XLA's lowest backend optimization level, for the step tests' explicit compiles: the same computation, about half
 # the compile time on CPU, whatever XLA_FLAGS says (tests/conftest.py sets level 0 for the rest of the suite).
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
+
+
+def edit_json(path, edit):
+  """Rewrites the JSON file `path` after edit(value) changed its value in place."""
+  with open(path) as f:
+    value = json.load(f)
+  edit(value)
+  with open(path, "w") as f:
+    json.dump(value, f)
+
+
+def read_header(path):
+  """(header, data bytes) of a safetensors file."""
+  with open(path, "rb") as f:
+    raw = f.read()
+  (n,) = struct.unpack("<Q", raw[:8])
+  return json.loads(raw[8 : 8 + n]), raw[8 + n :]
+
+
+def write_header(path, header, data, text=None):
+  """A safetensors file of `header` (or the raw header `text`, which may be malformed) and `data`."""
+  raw = (text if text is not None else json.dumps(header)).encode()
+  raw += b" " * (-len(raw) % 8)
+  with open(path, "wb") as f:
+    f.write(struct.pack("<Q", len(raw)) + raw + data)

@@ -12,6 +12,7 @@ import torch
 
 from glm_jax.convert import hf
 from tests.convert.test_hf import _rewrite, make_hf_model
+from tests.helpers import edit_json
 
 
 @pytest.fixture(scope="module")
@@ -42,10 +43,7 @@ def _truncate(file):
 
 
 def _edit_config(path, edit):
-  cfg = json.load(open(os.path.join(path, "config.json")))
-  edit(cfg)
-  with open(os.path.join(path, "config.json"), "w") as f:
-    json.dump(cfg, f)
+  edit_json(os.path.join(path, "config.json"), edit)
 
 
 def _load_fails(path, message):

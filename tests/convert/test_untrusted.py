@@ -15,7 +15,6 @@ import re
 import shutil
 import socket
 import stat
-import struct
 import subprocess
 import sys
 import tracemalloc
@@ -27,7 +26,7 @@ from flax import nnx
 from glm_jax import paths
 from glm_jax.convert import hf, safetensors_io, stream
 from glm_jax.model import GlmMoeDsa
-from tests.helpers import ROOT, TINY_MODEL, fifo_errors
+from tests.helpers import ROOT, TINY_MODEL, edit_json, fifo_errors, read_header, write_header
 
 # A refusal costs the interpreter and its imports (jax, flax, tensorstore: about 210 MiB here); before the checks,
 # launch/convert.py passed 3 GiB within 30 s on a 1 KB config.json claiming 10^6 layers or 10^7 experts (on its way
@@ -130,28 +129,6 @@ def sources(tmp_path_factory):
 def copy(sources, kind, dst):
   shutil.copytree(sources[kind], dst)
   return str(dst)
-
-
-def edit_json(path, edit):
-  with open(path) as f:
-    value = json.load(f)
-  edit(value)
-  with open(path, "w") as f:
-    json.dump(value, f)
-
-
-def read_header(path):
-  with open(path, "rb") as f:
-    raw = f.read()
-  (n,) = struct.unpack("<Q", raw[:8])
-  return json.loads(raw[8 : 8 + n]), raw[8 + n :]
-
-
-def write_header(path, header, data, text=None):
-  raw = (text if text is not None else json.dumps(header)).encode()
-  raw += b" " * (-len(raw) % 8)
-  with open(path, "wb") as f:
-    f.write(struct.pack("<Q", len(raw)) + raw + data)
 
 
 A = "model.layers.1.mlp.experts.0.gate_proj.weight"
