@@ -1,5 +1,6 @@
 """GLM-5's chat format, at the string level: `render` OpenAI-style messages to the prompt text and
-`parse_assistant` what the model writes back (docs/glm5_facts.md section 8). Tokenization is not done here.
+`parse_assistant` what the model writes back (docs/glm5_facts.md section 8). Tokenization is not done here:
+`Tokenizer.encode_chat` (glm_jax/data/tokenizer.py) reads each of FORMAT_TOKENS as one id.
 
 `render` gives exactly what GLM-5's released chat template (GLM-4.7's, on the zai-org model cards) gives under
 transformers (jinja2 with trim_blocks and lstrip_blocks; `tojson` is json.dumps without ASCII escaping), with the
@@ -35,6 +36,24 @@ from typing import Any
 
 ROLES = ("system", "user", "assistant", "tool")
 STOP_STRINGS = ("<|endoftext|>", "<|user|>", "<|observation|>")  # where generation stops
+# The format's own special tokens, each one id in a tokenizer that can chat (glm_jax/data/tokenizer.py), besides
+# [gMASK], <sop> and <|endoftext|>, which every tokenizer of ours has (glm_jax/data/special_tokens.py).
+FORMAT_TOKENS = (
+  "<|system|>",
+  "<|user|>",
+  "<|assistant|>",
+  "<|observation|>",
+  "<think>",
+  "</think>",
+  "<tool_call>",
+  "</tool_call>",
+  "<arg_key>",
+  "</arg_key>",
+  "<arg_value>",
+  "</arg_value>",
+  "<tool_response>",
+  "</tool_response>",
+)
 
 _TOOLS_HEAD = (
   "<|system|>\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"

@@ -11,10 +11,12 @@ laid out for --config's model and mesh (a -1 mesh axis takes --devices; each arr
 slice, so each host of the pod reads only its own). train.init_from, rl.init_from and launch/sample.py --workdir
 load it, each process reading only its devices' slices. Without --config the model is config.json's and the
 arrays are unchunked. FP8 checkpoints (block-wise e4m3 with weight_scale_inv) are dequantized to the config's
-param_dtype. MTP layers missing from the checkpoint (transformers does not save them) are initialized.
+param_dtype. MTP layers missing from the checkpoint (transformers does not save them) are initialized. The
+release's tokenizer.json, when there is one, is recorded in the step as a training run records its tokenizer.
 
 Orbax -> HF (--to_hf): the latest step of --workdir (a training run's or a converted one; --step for another) as
-config.json and safetensors shards (--max_shard_gb, per-expert layout, MTP layers included) in --dtype.
+config.json and safetensors shards (--max_shard_gb, per-expert layout, MTP layers included) in --dtype, and the
+step's recorded tokenizer as tokenizer.json.
 
 Both write under a temporary name and rename at the end: a failure leaves no checkpoint. --out_dir must be apart
 from what is read (--hf_dir and every file read through it, or --workdir): not it, not a directory above it, not

@@ -617,6 +617,7 @@ def write(
   progress: Callable[[str], None] | None = None,
   arg: str = "--out_dir",
   sources: Sequence[tuple[str, str]] = (),
+  extra_files: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
   """The one HF export: config.json and safetensors (sharded, with model.safetensors.index.json, past
   max_shard_bytes), per-expert layout, MTP layers at model.layers.{num_hidden_layers + k}, in `dtype` (default:
@@ -624,7 +625,8 @@ def write(
   ({path: array or ShapeDtypeStruct}); tensor(spec): the spec's slice of our parameter, as float. Each tensor is
   asked for once, as its shard is written (safetensors_io.write), so memory holds one at a time. Written under a
   temporary name beside out_dir and renamed when complete: a failure leaves out_dir as it was. arg: how errors
-  name out_dir; sources: the inputs it must stay apart from (checked_out_dir)."""
+  name out_dir; sources: the inputs it must stay apart from (checked_out_dir); extra_files: {name: text} written
+  beside them (the tokenizer.json)."""
   cfg.to_hf_dict()  # refuses, before anything is written, a model glm_moe_dsa cannot express
   out_dtype = np.dtype(dtype or cfg.param_dtype)
   out_dir = checked_out_dir(out_dir, overwrite, arg, sources)
@@ -654,6 +656,9 @@ def write(
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
     with open(os.path.join(tmp, "config.json"), "w") as f:
       json.dump(cfg.to_hf_dict(), f, indent=2)
+    for name, text in (extra_files or {}).items():
+      with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:
+        f.write(text)
     commit(tmp, out_dir)
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)

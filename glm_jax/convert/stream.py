@@ -32,10 +32,12 @@ from typing import Any
 import ml_collections
 import numpy as np
 import tensorstore as ts
+import tokenizers
 from flax import nnx
 
 from glm_jax import paths
 from glm_jax.convert import hf
+from glm_jax.data.tokenizer import Tokenizer
 from glm_jax.model.config import ModelConfig
 from glm_jax.model.transformer import GlmMoeDsa
 from glm_jax.sharding.checkpoint_arrays import METADATA, StateArrays, leaf_kind, orbax_name, read_slice, tree_keys
@@ -43,6 +45,8 @@ from glm_jax.sharding.mesh import MESH_AXES, checked_spec, entry_axes, logical_t
 from glm_jax.tree_paths import path_str
 
 STEP = 0  # the converted checkpoint's one step
+TOKENIZER_FILE = "tokenizer.json"  # the release's tokenizer, carried with its weights both ways
+MAX_TOKENIZER_BYTES = 256 << 20
 # HF config.json fields that do not change the model (compared when a converted checkpoint meets a run config).
 _BOOKKEEPING = ("dtype", "initializer_range", "architectures")
 
@@ -128,9 +132,38 @@ def _write_json(path: str, value: Any) -> None:
     json.dump(value, f)
 
 
-def _write_step_files(step_dir: str, tree_metadata: dict, config_item: dict) -> None:
+def release_tokenizer(hf_dir: str, vocab_size: int) -> Tokenizer | None:
+  """The release's tokenizer.json in hf_dir as our Tokenizer (roles it lacks added, as for any given file), or None
+  when there is none. The file is untrusted: a regular file of at most MAX_TOKENIZER_BYTES that tokenizers reads,
+  whose ids fit the model's vocab_size; else ValueError naming it."""
+  path = os.path.join(hf_dir, TOKENIZER_FILE)
+  if not os.path.lexists(path):
+    return None
+  with paths.open_regular(path) as f:
+    raw = f.read(MAX_TOKENIZER_BYTES + 1)
+  if len(raw) > MAX_TOKENIZER_BYTES:
+    raise ValueError(f"{path}: over {MAX_TOKENIZER_BYTES >> 20} MiB; a tokenizer.json is a few MiB (GLM-5's: 20)")
+  try:
+    backend = tokenizers.Tokenizer.from_str(raw.decode("utf-8"))
+  except Exception as e:  # tokenizers raises a bare Exception for a malformed file; bad UTF-8 is a ValueError
+    raise ValueError(f"{path}: not a valid tokenizer.json ({str(e)[:200]})") from e
+  in_file = backend.get_vocab_size(with_added_tokens=True)
+  tokenizer = Tokenizer(backend, path)
+  if tokenizer.vocab_size > vocab_size:
+    added = f", with the {tokenizer.vocab_size - in_file} special tokens added that it lacks" * (
+      tokenizer.vocab_size > in_file
+    )
+    raise ValueError(
+      f"{path}: needs {tokenizer.vocab_size} ids{added}, but config.json's vocab_size={vocab_size}; the tokenizer "
+      "is not this model's"
+    )
+  return tokenizer
+
+
+def _write_step_files(step_dir: str, tree_metadata: dict, config_item: dict, tokenizer: dict | None = None) -> None:
   """The files beside the arrays that make step_dir an Orbax step of a CheckpointManager: the state item's
-  `_METADATA` tree and the config item (JsonCheckpointHandler's file), and the step's `_CHECKPOINT_METADATA`."""
+  `_METADATA` tree, the config item and, given a record, the tokenizer item (JsonCheckpointHandler's files), and
+  the step's `_CHECKPOINT_METADATA`."""
   state_dir, config_dir = os.path.join(step_dir, "state"), os.path.join(step_dir, "config")
   _write_json(
     os.path.join(state_dir, METADATA),
@@ -144,15 +177,20 @@ def _write_step_files(step_dir: str, tree_metadata: dict, config_item: dict) -> 
   )
   os.makedirs(config_dir, exist_ok=True)
   _write_json(os.path.join(config_dir, "metadata"), config_item)
-  now = time.time_ns()
   handlers = "orbax.checkpoint._src.handlers"
+  items = {
+    "config": f"{handlers}.json_checkpoint_handler.JsonCheckpointHandler",
+    "state": f"{handlers}.standard_checkpoint_handler.StandardCheckpointHandler",
+  }
+  if tokenizer is not None:
+    os.makedirs(os.path.join(step_dir, "tokenizer"))
+    _write_json(os.path.join(step_dir, "tokenizer", "metadata"), tokenizer)
+    items["tokenizer"] = items["config"]
+  now = time.time_ns()
   _write_json(
     os.path.join(step_dir, "_CHECKPOINT_METADATA"),
     {
-      "item_handlers": {
-        "config": f"{handlers}.json_checkpoint_handler.JsonCheckpointHandler",
-        "state": f"{handlers}.standard_checkpoint_handler.StandardCheckpointHandler",
-      },
+      "item_handlers": items,
       "metrics": {},
       "performance_metrics": {},
       "init_timestamp_nsecs": now,
@@ -178,8 +216,10 @@ def hf_to_orbax(
   config: the run config the checkpoint is for. Its model must be the checkpoint's (compared field by field;
   dtypes may differ: arrays are stored in its model.param_dtype) and its mesh (a -1 axis taking `devices`) sets the
   chunking. Without it, the model is config.json's, stored in its dtype, and each array is one chunk a tensor.
-  MTP layers the checkpoint lacks are initialized (hf.load does the same). Returns a report: tensors, bytes read
-  and written, the largest tensor's bytes, seconds."""
+  MTP layers the checkpoint lacks are initialized (hf.load does the same). The release's tokenizer.json, when
+  hf_dir has one, is recorded with the step (release_tokenizer), as training records its tokenizer: restore_run and
+  launch/sample.py decode with it, and orbax_to_hf writes it back. Returns a report: tensors, bytes read and
+  written, the largest tensor's bytes, the tokenizer recorded (its path or None), seconds."""
   t0 = time.perf_counter()
   source = hf.open_checkpoint(hf_dir)  # config.json checked against the files' headers before anything is built
   found, block, reader = source.cfg, source.block, source.reader
@@ -193,7 +233,9 @@ def hf_to_orbax(
     config_item, sizes = {"model": cfg.to_dict()}, None
   config_item = json.loads(json.dumps(config_item))
   config_item["converted_from"] = {"hf_dir": os.path.abspath(hf_dir), "fp8_block": block}
-  out_dir = hf.checked_out_dir(out_dir, overwrite, sources=paths.sources("--hf_dir", hf_dir, source.files))
+  tokenizer = release_tokenizer(hf_dir, found.vocab_size)
+  read = [*source.files, *([tokenizer.name] if tokenizer else [])]
+  out_dir = hf.checked_out_dir(out_dir, overwrite, sources=paths.sources("--hf_dir", hf_dir, read))
   specs, leaves, mtp_present = hf.checked_specs(hf_dir, cfg, reader, seed)
   kind_of = {p: leaf_kind(v) for p, v in leaves.items()}
   stacked = {}  # leaf -> how many leading (layer, expert) dims one HF tensor indexes
@@ -242,7 +284,7 @@ def hf_to_orbax(
     for p, done in covered.items():  # slices no HF tensor holds: the unused indexers of shared-indexer layers
       for index in zip(*np.nonzero(~done)) if done.ndim else ([()] if not done else []):
         put(p, tuple(int(i) for i in index), np.zeros(leaves[p].shape[len(index) :], np.float32))
-    _write_step_files(step_dir, tree_metadata, config_item)
+    _write_step_files(step_dir, tree_metadata, config_item, tokenizer.record() if tokenizer else None)
     hf.commit(tmp, out_dir)
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)
@@ -259,6 +301,7 @@ def hf_to_orbax(
     "bytes_written": written,
     "largest_tensor_bytes": largest,
     "mesh": sizes,
+    "tokenizer": tokenizer.name if tokenizer else None,
     "seconds": round(time.perf_counter() - t0, 2),
   }
 
@@ -309,6 +352,17 @@ def _check_mtp_layers(cfg: ModelConfig, arrays: StateArrays, step_dir: str) -> N
     )
 
 
+def _recorded_tokenizer_json(step_dir: str) -> str | None:
+  """The tokenizer JSON the step records (a training run's tokenizer, or a converted release's), or None."""
+  path = os.path.join(step_dir, "tokenizer", "metadata")
+  if not os.path.lexists(path):
+    return None
+  record = paths.read_json(path)
+  if not isinstance(record, dict) or not isinstance(record.get("json"), str):
+    raise ValueError(f"{path}: expected a tokenizer record, an object with the tokenizer's JSON under 'json'")
+  return record["json"]
+
+
 def orbax_to_hf(
   workdir: str,
   out_dir: str,
@@ -321,8 +375,9 @@ def orbax_to_hf(
 ) -> dict[str, Any]:
   """Writes a checkpoint's weights (a training run's or a converted one; its latest step by default) as a HF
   GlmMoeDsaForCausalLM directory, as hf.write writes one (in `dtype`, default the model's param_dtype, in shards of
-  at most max_shard_bytes). Each tensor is read as its slice of the stored array and written straight into its
-  shard, so memory holds one tensor at a time."""
+  at most max_shard_bytes), with the step's recorded tokenizer as tokenizer.json when it records one. Each tensor is
+  read as its slice of the stored array and written straight into its shard, so memory holds one tensor at a
+  time."""
   t0 = time.perf_counter()
   step_dir, step = _latest_step_dir(workdir, step)
   sources = paths.sources("--workdir", workdir)
@@ -332,6 +387,7 @@ def orbax_to_hf(
   paths.read_json(os.path.join(state_dir, METADATA))  # a regular file of JSON, before StateArrays reads it
   arrays = StateArrays(state_dir)
   _check_mtp_layers(cfg, arrays, step_dir)
+  tokenizer = _recorded_tokenizer_json(step_dir)
   leaves = {p: v for p, v in nnx.to_flat_state(nnx.state(nnx.eval_shape(lambda: GlmMoeDsa(cfg, nnx.Rngs(0)))))}
   kind_of = {p: leaf_kind(v) for p, v in leaves.items()}
   opened: dict[tuple, ts.TensorStore] = {}
@@ -360,5 +416,6 @@ def orbax_to_hf(
     overwrite=overwrite,
     progress=progress,
     sources=sources,
+    extra_files={TOKENIZER_FILE: tokenizer} if tokenizer is not None else {},
   )
   return {"workdir": os.path.abspath(workdir), "step": step, **report, "seconds": round(time.perf_counter() - t0, 2)}

@@ -25,7 +25,8 @@ Every field, with what it means:
                   from "jsonl": on the training examples' prompt + response; "embedded": on the chapters in both
                   formats, so an SFT run shares its pretraining run's tokenizer); else the path of a Hugging
                   Face tokenizer.json (GLM-5's own for real runs; an SFT run names its base model's).
-  bpe_vocab_size  the trained BPE's vocabulary, special tokens included (at least 256 bytes + 6 specials).
+  bpe_vocab_size  the trained BPE's vocabulary, special tokens included (at least 256 bytes + the
+                  21 special tokens of glm_jax/data/special_tokens.py).
   cache_dir       where the trained tokenizer and the tokenized corpus are cached; "" = ~/.cache/glm_jax.
   seq_len         tokens per packed row (an "sft" example longer than this is truncated to its first seq_len
                   tokens).

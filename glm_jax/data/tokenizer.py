@@ -8,6 +8,11 @@ A tokenizer.json given by path keeps its own ids for the tokens it has (GLM's "<
 roles); those it lacks are ADDED as new special tokens at the end of its vocabulary (logged), so the ids are
 always distinct. Text is always encoded as text: a literal "[MASK]" inside a document is spelled out, never
 turned into the special token, so decode(encode(s)) == s for every string.
+
+Chat (glm_jax/chat.py renders GLM-5's format as text): `encode_chat` reads every special token of the tokenizer in
+the text as its id, as the released tokenizer does when a chat template is applied, and the rest as `encode` does;
+`chat_ids` says which id each of the format's tokens has. The trained BPE has them (ids 7..20); a tokenizer.json
+that lacks any of them is refused for chat by name (GLM-4.5 and later releases have them all).
 """
 
 from __future__ import annotations
@@ -22,11 +27,12 @@ import ml_collections
 import tokenizers
 from absl import logging
 
+from glm_jax.chat import FORMAT_TOKENS
 from glm_jax.data import config as config_lib
 from glm_jax.data import sources
 from glm_jax.data.special_tokens import ROLES, SPECIAL_TOKENS
 
-_BPE_FORMAT = 1  # bump when the trained tokenizer's recipe changes, so stale caches are not reused.
+_BPE_FORMAT = 2  # bump when the trained tokenizer's recipe changes, so stale caches are not reused.
 
 
 class Tokenizer:
@@ -51,6 +57,32 @@ class Tokenizer:
     backend.encode_special_tokens = True  # text is text (see the module docstring)
     self.vocab_size = max(backend.get_vocab(with_added_tokens=True).values()) + 1
     self.fingerprint = hashlib.sha256(backend.to_str().encode("utf-8")).hexdigest()
+    self._chat_backend = None  # built on the first encode_chat: a copy that reads special tokens as their ids
+
+  @property
+  def chat_ids(self) -> dict[str, int]:
+    """{token: id} of GLM-5's chat format's special tokens (chat.FORMAT_TOKENS and [gMASK], <sop>, <|endoftext|>);
+    raises ValueError naming those this tokenizer lacks."""
+    tokens = ("[gMASK]", "<sop>", "<|endoftext|>", *FORMAT_TOKENS)
+    ids = {t: self.backend.token_to_id(t) for t in tokens}
+    missing = [t for t, i in ids.items() if i is None]
+    if missing:
+      raise ValueError(
+        f"tokenizer {self.name!r} cannot encode GLM-5's chat format: it lacks the special tokens {missing} (the BPE "
+        "trained here has them all, and so do the tokenizers of GLM-4.5 and later)"
+      )
+    return ids
+
+  def encode_chat(self, text: str) -> list[int]:
+    """The ids of a rendered conversation (glm_jax/chat.py render): each special token of the tokenizer in `text`
+    is its one id (the format's tokens above all), the text between them is encoded as `encode` does. A literal
+    format token inside a message is read as the token too, as the released tokenizer reads it."""
+    if self._chat_backend is None:
+      self.chat_ids  # noqa: B018 - refuses a tokenizer without the format's tokens, by name
+      backend = tokenizers.Tokenizer.from_str(self.backend.to_str())
+      backend.encode_special_tokens = False
+      self._chat_backend = backend
+    return self._chat_backend.encode(text, add_special_tokens=False).ids
 
   @property
   def special_ids(self) -> dict[str, int]:

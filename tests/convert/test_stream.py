@@ -23,6 +23,7 @@ import ml_dtypes
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+import tokenizers
 import torch
 from flax import nnx
 from transformers import GlmMoeDsaForCausalLM
@@ -376,3 +377,66 @@ def test_launch_convert_both_ways_without_a_config(bf16, tmp_path):
   rc, _, err = convert(f"--hf_dir={path}", f"--out_dir={tmp_path / 'orbax'}")  # not empty: refused, kept
   assert rc == 1 and "exists and is not empty" in err.strip().splitlines()[-1]
   assert os.listdir(tmp_path / "orbax" / "checkpoints") == ["0"]
+
+
+def _release_tokenizer(path):
+  """A tokenizer.json shaped like a GLM release's: a byte-level BPE, then GLM's special tokens added after it (the
+  role tokens, the chat format's tags; no <|pad|>)."""
+  from glm_jax import chat
+
+  backend = tokenizers.Tokenizer(tokenizers.models.BPE())
+  backend.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+  backend.decoder = tokenizers.decoders.ByteLevel()
+  trainer = tokenizers.trainers.BpeTrainer(
+    vocab_size=300, show_progress=False, initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()
+  )
+  backend.train_from_iterator(["What is 37*91? Use the calculator.", "In the beginning God created"] * 5, trainer)
+  specials = ["<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>", *chat.FORMAT_TOKENS]
+  backend.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False) for t in specials])
+  backend.save(path)
+
+
+def test_the_release_tokenizer_is_carried_both_ways(bf16, tmp_path):
+  """A release's tokenizer.json is recorded with the converted step: restore_run (launch/sample.py) chats with it as
+  transformers reads the file, and --to_hf writes it back; a malformed or oversized one is named, nothing written."""
+  from transformers import PreTrainedTokenizerFast
+
+  from glm_jax import chat
+
+  _, path = bf16
+  release = str(tmp_path / "release")
+  shutil.copytree(path, release)
+  _release_tokenizer(os.path.join(release, "tokenizer.json"))
+  config = run_config(hf.load_config(release))
+  report = stream.hf_to_orbax(release, str(tmp_path / "orbax"), config)
+  assert report["tokenizer"] == os.path.join(release, "tokenizer.json")
+  tok = restore_run(config, str(tmp_path / "orbax")).tokenizer
+  added = {t["content"]: t["id"] for t in json.load(open(os.path.join(release, "tokenizer.json")))["added_tokens"]}
+  assert tok.chat_ids == {t: added[t] for t in tok.chat_ids}  # the release's own ids
+  assert tok.pad_id == max(added.values()) + 1  # the one role it lacks, added after its last id
+  text = chat.render(
+    [
+      {"role": "user", "content": "What is 37*91?"},
+      {"role": "assistant", "content": "3367"},
+      {"role": "user", "content": "ok"},
+    ],
+    add_generation_prompt=True,
+  )
+  expected = PreTrainedTokenizerFast(tokenizer_file=os.path.join(release, "tokenizer.json"))
+  assert tok.encode_chat(text) == expected(text, add_special_tokens=False)["input_ids"]
+  stream.orbax_to_hf(str(tmp_path / "orbax"), str(tmp_path / "back"))
+  back = PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "back" / "tokenizer.json"))
+  assert back(text, add_special_tokens=False)["input_ids"] == tok.encode_chat(text)
+
+  for content, match in [
+    ("{not json", r"tokenizer\.json: not a valid tokenizer\.json"),
+    (None, r"needs 607 ids, with the 7 special tokens added that it lacks, but config\.json's vocab_size=512"),
+  ]:
+    if content is None:
+      backend = tokenizers.Tokenizer(tokenizers.models.WordLevel({f"w{i}": i for i in range(600)}, unk_token="w0"))
+      content = backend.to_str()
+    with open(os.path.join(release, "tokenizer.json"), "w") as f:
+      f.write(content)
+    with pytest.raises(ValueError, match=match):
+      stream.hf_to_orbax(release, str(tmp_path / "refused"), config)
+    assert not os.path.exists(tmp_path / "refused")

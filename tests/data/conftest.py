@@ -32,7 +32,7 @@ def write_jsonl(tmp_path):
 
 @pytest.fixture
 def word_tokenizer(tmp_path):
-  """A tokenizer.json splitting on whitespace, one id per word: ids 0..6 are SPECIAL_TOKENS, then `words`."""
+  """A tokenizer.json splitting on whitespace, one id per word: ids 0..20 are SPECIAL_TOKENS, then `words`."""
 
   def make(words, name="words.json"):
     vocab = {tok: i for i, tok in enumerate(list(SPECIAL_TOKENS) + list(words))}

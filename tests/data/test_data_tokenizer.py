@@ -1,5 +1,5 @@
 """The tokenizer: lossless round trip, reserved special ids, the cache, a user tokenizer.json, check_vocab,
-and unigram_entropy against hand-computed and numpy values."""
+unigram_entropy against hand-computed and numpy values, and chat encoding against transformers' tokenizer."""
 
 import math
 
@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import tokenizers
 
+from glm_jax import chat
 from glm_jax.data import SPECIAL_TOKENS, check_vocab, load_tokenizer, sources, tokenized, unigram_entropy
 from glm_jax.data import tokenizer as tokenizer_lib
 
@@ -28,8 +29,50 @@ def test_trained_bpe_reserves_the_special_tokens(kjv):
   _, tok = kjv
   assert tok.vocab_size == 512
   assert list(tok.special_ids.values()) == [0, 1, 2, 3, 4, 5, 6]  # pad, eos, mask, gmask, sop, eop, smask
-  assert [tok.backend.id_to_token(i) for i in range(7)] == list(SPECIAL_TOKENS)
+  assert [tok.backend.id_to_token(i) for i in range(21)] == list(SPECIAL_TOKENS)
+  assert SPECIAL_TOKENS[7:] == chat.FORMAT_TOKENS and len(SPECIAL_TOKENS) == 21
   assert tok.decode([tok.gmask_id, tok.sop_id]) == "[gMASK]<sop>"
+
+
+CONVERSATION = [  # a tool chain after the user's question, with text that looks like the format inside a message
+  {"role": "system", "content": "Answer briefly."},
+  {"role": "user", "content": "What is 37*91? Write <think> if you must."},
+  {
+    "role": "assistant",
+    "reasoning_content": "Use the calculator.",
+    "tool_calls": [{"function": {"name": "calc", "arguments": {"expr": "37*91", "digits": 3}}}],
+  },
+  {"role": "tool", "content": "3367"},
+  {"role": "tool", "content": "and [MASK] again"},
+]
+
+
+def test_chat_tokens_are_one_id_each_as_transformers_reads_them(kjv):
+  from transformers import PreTrainedTokenizerFast
+
+  _, tok = kjv
+  assert tok.chat_ids == {
+    t: SPECIAL_TOKENS.index(t) for t in ("[gMASK]", "<sop>", "<|endoftext|>", *chat.FORMAT_TOKENS)
+  }
+  reference = PreTrainedTokenizerFast(tokenizer_file=tok.name)  # the released tokenizer's reading of a template
+  text = chat.render(CONVERSATION, add_generation_prompt=True)
+  ids = tok.encode_chat(text)
+  assert ids == reference(text, add_special_tokens=False)["input_ids"]
+  assert tok.decode(ids) == text
+  for token, i in tok.chat_ids.items():
+    assert tok.encode_chat(token) == [i] and len(tok.encode(token)) > 1  # one id in chat, spelled out as text
+  assert ids.count(tok.chat_ids["<tool_response>"]) == 2 and ids.count(tok.chat_ids["<think>"]) == 3
+  assert ids[:3] == [tok.gmask_id, tok.sop_id, tok.chat_ids["<|system|>"]]
+
+
+def test_a_tokenizer_without_the_format_tokens_is_refused_for_chat_by_name(make_cfg, tmp_path):
+  backend = tokenizers.Tokenizer(tokenizers.models.WordLevel({"hi": 0, "<unk>": 1}, unk_token="<unk>"))
+  backend.add_special_tokens([tokenizers.AddedToken(t, special=True) for t in ["<|user|>", "<|assistant|>"]])
+  backend.save(str(tmp_path / "tokenizer.json"))
+  tok = load_tokenizer(make_cfg(tokenizer=str(tmp_path / "tokenizer.json")))
+  assert tok.encode("hi") == [0]  # plain text still encodes
+  with pytest.raises(ValueError, match=r"tokenizer\.json.*cannot encode GLM-5's chat format.*'<\|system\|>'"):
+    tok.encode_chat("<|user|>hi")
 
 
 def test_trained_tokenizer_is_cached_by_corpus_and_vocab(make_cfg, write_jsonl, monkeypatch, tmp_path):

@@ -16,7 +16,7 @@ from glm_jax.data.pipeline import packed_examples_dataset
 KEYS = {"input_ids", "segment_ids", "positions", "loss_mask"}
 # The word tokenizer's ids: 0..6 are the special tokens (pad 0, eos 1), then these words from 7 on.
 WORDS = ["what", "is", "one", "two", "three", "four", "five", "six", "seven", "eight"]
-ID = {w: 7 + i for i, w in enumerate(WORDS)}  # after the 7 special tokens
+ID = {w: 21 + i for i, w in enumerate(WORDS)}  # after the 21 special tokens (hand count: 7 roles + 14 chat)
 EOS, PAD = 1, 0
 
 
