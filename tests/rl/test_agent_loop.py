@@ -1,0 +1,153 @@
+"""The agent loop (glm_jax/rl/agent_loop.py) against hand-built sequences and the full forward pass.
+
+- A scripted policy (fixed text, its ids forced through the loop) on three ragged episodes: each episode's ids,
+  loss mask and spans equal the tokenization of hand-written chat text, piece by piece; the environments got the
+  parsed calls; finish reasons and rewards are the scripted ones.
+- The logits each model token was drawn from, continuing on the cache across observations, equal the full forward
+  pass over the final sequence (fp32, CPU), and the sampler's log-probs equal the trainer's recomputation
+  (rl/step.py token_logprobs) on exactly the loss-mask-1 tokens.
+- Greedy decoding continuing on the cache and re-prefilling every turn write the same tokens.
+"""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+import configs.glm5_tiny
+from glm_jax.data import default_data_config, load_tokenizer
+from glm_jax.model import GlmMoeDsa, ModelConfig
+from glm_jax.rl.agent_loop import AgentLoop, AgentParams, describe
+from glm_jax.rl.step import token_logprobs
+from glm_jax.rl.trajectory import Trajectory
+
+
+@dataclasses.dataclass
+class Step:
+  messages: list
+  done: bool
+  reward: float
+
+
+class ScriptedEnv:
+  """Answers each tool call with "<name>:<turn>"; done after `turns` answers, with reward = its turn count."""
+
+  def __init__(self, turns):
+    self.turns, self.seen = turns, []
+
+  def step(self, turn):
+    self.seen.append(turn)
+    n = len(self.seen)
+    answers = [{"role": "tool", "content": f"{c['function']['name']}:{n}"} for c in turn["tool_calls"]]
+    return Step(answers or [{"role": "tool", "content": "no call"}], n >= self.turns, float(n))
+
+
+QUESTIONS = ["What is 37*91?", "Hi", "Count the verses of Genesis 1, then of Genesis 2, please."]
+CALL = "Check.</think><tool_call>calc<arg_key>expr</arg_key><arg_value>{x}</arg_value></tool_call><|observation|>"
+ANSWER = "Done.</think>It is {x}.<|endoftext|>"
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+  cfg = default_data_config()
+  cfg.cache_dir = str(tmp_path_factory.mktemp("cache"))
+  tok = load_tokenizer(cfg)
+  model_cfg = ModelConfig.from_dict(configs.glm5_tiny.get_config().model.to_dict())
+  model_cfg = model_cfg.replace(index_topk=8, initializer_range=0.2)  # DSA selects past 8 tokens
+  model = GlmMoeDsa(model_cfg, nnx.Rngs(0))
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  return tok, model_cfg, model, graphdef, params, rest
+
+
+def scripted_texts(row, turn):
+  """Row 0: two calls then an answer; row 1: answers at once; row 2: calls until its environment ends it."""
+  if row == 1 or (row == 0 and turn == 3):
+    return ANSWER.format(x=row * 10 + turn)
+  return CALL.format(x=f"{row}+{turn}" * (turn if row == 2 else 1))
+
+
+@pytest.fixture(scope="module")
+def scripted(setup):
+  tok, model_cfg, _, graphdef, params, rest = setup
+  loop = AgentLoop(graphdef, model_cfg, tok, AgentParams(max_turns=4, max_turn_tokens=48, cache_len=256))
+  envs = [ScriptedEnv(9), ScriptedEnv(9), ScriptedEnv(2)]
+  trajs = [Trajectory(tok, [{"role": "user", "content": q}]) for q in QUESTIONS]
+  result = loop.run(
+    params,
+    rest,
+    trajs,
+    envs,
+    jax.random.key(0),
+    script=lambda r, t: tok.encode_chat(scripted_texts(r, t)),
+    return_logits=True,
+  )
+  return result, envs
+
+
+def test_a_scripted_policy_through_the_loop_is_the_hand_built_sequence(setup, scripted):
+  tok = setup[0]
+  result, envs = scripted
+  turns = {0: 3, 1: 1, 2: 2}
+  for r, q in enumerate(QUESTIONS):
+    pieces = [(f"[gMASK]<sop><|user|>{q}<|assistant|><think>", 0, "prompt")]
+    for t in range(1, turns[r] + 1):
+      pieces.append((scripted_texts(r, t), 1, "sample"))
+      if scripted_texts(r, t).endswith("<|observation|>") and not (r == 2 and t == 2):
+        pieces.append((f"<tool_response>calc:{t}</tool_response><|assistant|><think>", 0, "observation"))
+    traj = result.trajectories[r]
+    assert traj.tokens == [i for text, _, _ in pieces for i in tok.encode_chat(text)], r
+    assert traj.loss_mask == [m for text, m, _ in pieces for _ in tok.encode_chat(text)], r
+    assert [s.kind for s in traj.spans] == [kind for _, _, kind in pieces]
+    assert [len(tok.encode_chat(text)) for text, _, _ in pieces] == [s.end - s.start for s in traj.spans]
+  assert result.turns == [3, 1, 2]
+  assert result.finish == ["stop", "stop", "done"]  # row 2's environment ended it after its second call
+  assert result.rewards == [2.0, 0.0, 2.0]
+  assert [c["function"]["arguments"]["expr"] for c in (t["tool_calls"][0] for t in envs[2].seen)] == ["2+1", "2+22+2"]
+  assert result.tool_calls == 4 and result.tool_errors == 0
+  assert describe(result)["tool_call_validity"] == 1.0
+
+
+def test_cache_continuation_gives_the_full_forwards_logits_and_log_probs(setup, scripted):
+  tok, _, model, *_ = setup
+  result, _ = scripted
+  width = max(len(t.tokens) for t in result.trajectories)  # one batch: padding after a row changes nothing before
+  batch = np.stack([t.arrays(width)["tokens"] for t in result.trajectories])
+  logits_all = np.asarray(jax.jit(lambda x: model(x, compute_mtp=False).logits)(batch))
+  recomputed_all = np.asarray(jax.jit(lambda x: token_logprobs(model, x))(batch))  # the trainer's, temperature 1
+  for r, traj in enumerate(result.trajectories):
+    sampled = np.flatnonzero(traj.loss_mask)
+    np.testing.assert_allclose(np.stack(result.logits[r]), logits_all[r, sampled - 1], atol=5e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(traj.logprobs)[sampled], recomputed_all[r, sampled], atol=5e-5)
+    assert len(sampled) > 0 and (np.asarray(traj.logprobs)[np.asarray(traj.loss_mask) == 0] == 0).all()
+
+
+@pytest.mark.slow  # a second loop, compiling the re-prefills at each width
+def test_greedy_continuation_and_reprefill_write_the_same_tokens(setup):
+  tok, model_cfg, _, graphdef, params, rest = setup
+  agent = AgentParams(max_turns=3, max_turn_tokens=32, cache_len=192, temperature=0.0)
+
+  def script(r, t):  # the first turn forced to a call; later ones the model's own (greedy) until max_turn_tokens
+    return tok.encode_chat(CALL.format(x=r)) if t == 1 else []
+
+  outs = []
+  for reprefill in (False, True):
+    loop = AgentLoop(graphdef, model_cfg, tok, agent, reprefill=reprefill)
+    trajs = [Trajectory(tok, [{"role": "user", "content": q}]) for q in QUESTIONS]
+    outs.append(loop.run(params, rest, trajs, [ScriptedEnv(9) for _ in QUESTIONS], jax.random.key(1), script=script))
+  for a, b in zip(*(o.trajectories for o in outs)):
+    assert a.tokens == b.tokens and a.spans[-1].kind == "sample" and len(a.spans) == 4
+    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=5e-5)
+  assert outs[0].finish == outs[1].finish
+
+
+def test_bad_loop_parameters_are_named():
+  for field, value, match in [
+    ("max_turns", 0, "max_turns=0; must be a positive integer"),
+    ("cache_len", 1.5, "cache_len=1.5; must be a positive integer"),
+    ("temperature", float("nan"), "temperature=nan"),
+    ("top_p", 0.0, r"top_p=0.0; must be in \(0, 1\]"),
+  ]:
+    with pytest.raises(ValueError, match=match):
+      AgentParams(**{field: value})
