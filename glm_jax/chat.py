@@ -200,6 +200,27 @@ def render(
 ) -> str:
   """The prompt text of `messages` (OpenAI-style dicts with roles system, user, assistant, tool), as GLM-5's chat
   template renders it. With `tools`, every tool call must name an offered tool."""
+  return "".join(
+    render_pieces(
+      messages,
+      tools=tools,
+      add_generation_prompt=add_generation_prompt,
+      enable_thinking=enable_thinking,
+      clear_thinking=clear_thinking,
+    )
+  )
+
+
+def render_pieces(
+  messages: list[dict],
+  *,
+  tools: list[dict] | None = None,
+  add_generation_prompt: bool = False,
+  enable_thinking: bool = True,
+  clear_thinking: bool = True,
+) -> list[str]:
+  """`render`'s text in pieces: [the head ("[gMASK]<sop>" and the tools' system block), one piece a message, then
+  the generation prompt when asked]. Each piece but the head starts with a format token."""
   offered = _function_defs(tools) if tools is not None else None
   if not isinstance(messages, (list, tuple)):
     raise ValueError(f"messages: expected a list of message dicts, got {_show(messages)}")
@@ -213,7 +234,7 @@ def render(
   last_user = max((i for i, r in enumerate(roles) if r == "user"), default=-1)
   out = ["[gMASK]<sop>"]
   if tools:
-    out += [_TOOLS_HEAD, *(json.dumps(t, ensure_ascii=False) + "\n" for t in tools), _TOOLS_TAIL]
+    out[0] += "".join([_TOOLS_HEAD, *(json.dumps(t, ensure_ascii=False) + "\n" for t in tools), _TOOLS_TAIL])
   for i, (m, role) in enumerate(zip(messages, roles)):
     where = f"messages[{i}]"
     if role in ("system", "user"):
@@ -224,7 +245,7 @@ def render(
       out.append(_tool(m, where, i > 0 and roles[i - 1] == "tool"))
   if add_generation_prompt:
     out.append("<|assistant|>" + ("<think>" if enable_thinking else "</think>"))
-  return "".join(out)
+  return out
 
 
 def _argument(value: str, schema: dict) -> Any:
