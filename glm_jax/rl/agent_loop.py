@@ -8,10 +8,12 @@ One episode a row. The prompts are prefilled once; then, turn after turn:
 1. decode: every live row samples until it emits a stop token of the chat format (`<|observation|>`, `<|user|>`,
    `<|endoftext|>`), or max_turn_tokens, or its cache is full; each sampled token is fed as it is drawn, so the
    cache holds the whole turn (one jit-compiled lax.while_loop over model.decode, as the Sampler's);
-2. on the host: the turn joins the row's Trajectory (ids and sampler log-probs kept) and is parsed; a row that
-   stopped at `<|observation|>` hands its turn to its environment (`env.step(turn)`: the environments of a batch
-   run side by side in threads, their tools bounded by the tool runner), which returns the observation messages,
-   whether the episode is done and its reward; a row that stopped otherwise is done;
+2. on the host: the turn joins the row's Trajectory (ids and sampler log-probs kept), is parsed, and goes to the
+   row's environment (`env.step(turn)`, the turn being chat.parse_assistant's dict plus "stop", the stop string
+   or None; the environments of a batch run side by side in threads, their tools bounded by the tool runner),
+   which returns the observation messages (tool results after `<|observation|>`, a user's reply after `<|user|>`),
+   whether the episode is done and the reward so far. An episode ends when its environment says so, when the
+   model wrote `<|endoftext|>` or ran out of tokens, or after max_turns;
 3. extend: the observations' ids (tool results and the next generation prompt, Trajectory.add_observation) are
    fed to the rows' caches in one forward (model.decode_tokens: each token attends to its row's whole history,
    the full forward's causal view), and decoding goes on from them. Nothing of the history is prefilled again.
@@ -83,8 +85,8 @@ class LoopResult:
   trajectories: list[Trajectory]
   rewards: list[float]
   turns: list[int]  # the model's turns each episode took
-  finish: list[str]  # "done" (its environment ended it), "stop" (the model ended it: <|user|> or <|endoftext|>),
-  # "max_turns", "turn_tokens" (a turn ran out of max_turn_tokens), "length" (the cache was full)
+  finish: list[str]  # "done" (its environment ended it), "stop" (the model ended it with <|endoftext|>, or stopped
+  # with nothing to answer it), "max_turns", "turn_tokens" (a turn ran out of max_turn_tokens), "length" (the cache)
   tool_calls: int  # well-formed tool calls, all episodes
   tool_errors: int  # malformed ones (chat.parse_assistant's errors)
   sampled_tokens: int
@@ -258,25 +260,29 @@ class AgentLoop:
         for r in np.flatnonzero(live):
           n = int(count[r])
           parsed = trajs[r].add_sample(toks[r, :n], logp[r, :n])
+          parsed["stop"] = trajs[r].stop
           sampled += n
           pos[r] += n
           if return_logits:
             drawn[r] += list(np.asarray(drawn_BNV[r, :n]))
           tool_calls += len(parsed["tool_calls"])
           tool_errors += len(parsed["errors"])
-          if stopped[r] and toks[r, n - 1] == self._observation_id:
-            stepping.append((r, parsed))
-          else:
-            live[r] = False
-            finish[r] = "stop" if stopped[r] else ("turn_tokens" if n == p.max_turn_tokens else "length")
+          stepping.append((r, parsed))
         results = list(pool.map(lambda rp: envs[rp[0]].step(rp[1]), stepping))
         feed: dict[int, list[int]] = {}
-        for (r, _), res in zip(stepping, results):
+        for (r, parsed), res in zip(stepping, results):
           rewards[r] = float(res.reward)
+          end = None
           if res.done:
-            live[r], finish[r] = False, "done"
+            end = "done"
+          elif parsed["stop"] is None:  # the turn ran out of tokens: its text is cut, the episode ends
+            end = "turn_tokens" if len(trajs[r].tokens) - trajs[r].spans[-1].start == p.max_turn_tokens else "length"
+          elif parsed["stop"] == "<|endoftext|>" or not res.messages:
+            end = "stop"
           elif turn == p.max_turns:
-            live[r], finish[r] = False, "max_turns"
+            end = "max_turns"
+          if end is not None:
+            live[r], finish[r] = False, end
           else:
             ids = trajs[r].add_observation(res.messages)
             if pos[r] + len(ids) + 1 > p.cache_len:

@@ -29,7 +29,13 @@ from glm_jax.train.config import invalid, require_sections, validate_step_config
 from glm_jax.train.optimizer_config import checked_optimizer_config
 
 TRAINERS = ("pretrain", "sft", "grpo", "distill")  # config.trainer's values; launch/train.py dispatches on it
+TOKENIZERS = ("char", "model")  # rl.tokenizer
 _RL_POSITIVE_INTS = (
+  "max_turns",
+  "max_turn_tokens",
+  "cache_len",
+  "tool_max_output_chars",
+  "tool_workers",
   "steps",
   "prompts_per_step",
   "group_size",
@@ -79,6 +85,19 @@ def default_rl_config() -> ml_collections.ConfigDict:
   c.worker_start_timeout = 300.0  # seconds a new worker may take to start (imports, compiling) before its first beat
   c.handshake_timeout = 30.0  # seconds to connect to a started worker and authenticate both ways, else it is replaced
   c.max_worker_restarts = 3  # replacements before the run fails
+  # Agentic RL (glm_jax/rl/environment.py, agent_loop.py, agentic.py): rl.tokenizer="model" plays the tasks section's
+  # environments in GLM-5's chat format with the model's tokenizer (rl.init_from's recorded one, else config.data's);
+  # "char" keeps glm_jax/rl/tasks.py's single-turn tasks on their character vocabulary.
+  c.tokenizer = "char"
+  c.rollout_fn = ""  # "" = agentic.default_rollout (group_size episodes a task), or "package.module:function"
+  c.max_turns = 4  # the model's turns an episode
+  c.max_turn_tokens = 64  # tokens the model may write in one turn
+  c.cache_len = 1024  # an episode's whole sequence (prompt with the tools' block, turns, tool results), at most
+  c.enable_thinking = True  # the generation prompt opens <think>
+  c.clear_thinking = True  # GLM-5's default: reasoning of turns before the last user message is not shown again
+  c.tool_timeout = 10.0  # seconds a tool call may run (its worker is killed past it; the model reads an error)
+  c.tool_max_output_chars = 1024  # a tool's result is cut past this many characters
+  c.tool_workers = 2  # tool worker processes (glm_jax/rl/tools.py ToolRunner)
   c.eval_prompts = 256  # held-out problems answered greedily for eval_accuracy
   c.eval_every = 50
   c.log_every = 1
@@ -114,10 +133,17 @@ def validate_rl_config(config: ml_collections.ConfigDict) -> None:
       "speculative rollouts draft with the MTP layer, but "
       f"model.num_nextn_predict_layers={config.model.num_nextn_predict_layers}",
     )
+  if rl.tokenizer not in TOKENIZERS:
+    invalid("rl.tokenizer", rl.tokenizer, f"one of {TOKENIZERS}")
+  if rl.tokenizer == "model":
+    _validate_agentic(config)
+  elif rl.rollout_fn:
+    invalid("rl.rollout_fn", rl.rollout_fn, "a custom rollout function plays environments: set rl.tokenizer='model'")
   if config.trainer == "grpo":
     if rl.group_size < 2:
       invalid("rl.group_size", rl.group_size, "GRPO needs >= 2 answers a prompt (advantages are group-normalized)")
-    _task_weights(config.tasks, "tasks")
+    if rl.tokenizer == "char":
+      _task_weights(config.tasks, "tasks")
   if config.trainer == "distill":
     _validate_distill(config)
   _validate_sft_train_step(config.sft)
@@ -183,6 +209,54 @@ def _validate_rl_section(rl: ml_collections.ConfigDict) -> None:
   speculate = rl.speculate
   if isinstance(speculate, bool) or not isinstance(speculate, int) or speculate < 0:
     invalid("rl.speculate", speculate, "must be an integer >= 0 (0: plain decoding; k: MTP drafts a round)")
+
+
+def _validate_agentic(config: ml_collections.ConfigDict) -> None:
+  """rl.tokenizer="model": environments in the tasks section, a rollout function that imports, bounded tools, and
+  only what the agent loop supports."""
+  rl = config.rl
+  if config.trainer != "grpo":
+    invalid("rl.tokenizer", rl.tokenizer, "environments (rl.tokenizer='model') train with trainer 'grpo'")
+  for field, value, why in [
+    ("rl.rollout_process", rl.rollout_process, "the agent loop runs in the trainer's process (a thread when async)"),
+    ("rl.speculate", rl.speculate, "the agent loop decodes without MTP drafts"),
+  ]:
+    if value:
+      invalid(field, value, f"{why}; not with rl.tokenizer='model'")
+  if not (isinstance(rl.tool_timeout, (int, float)) and 0 < rl.tool_timeout < float("inf")):
+    invalid("rl.tool_timeout", rl.tool_timeout, "must be a finite number of seconds > 0")
+  if rl.tool_max_output_chars < 100:
+    invalid("rl.tool_max_output_chars", rl.tool_max_output_chars, "must be >= 100 (room for the truncation marker)")
+  if rl.cache_len > config.model.max_position_embeddings:
+    limit = config.model.max_position_embeddings
+    invalid("rl.cache_len", rl.cache_len, f"must be <= model.max_position_embeddings={limit}")
+  if "data" not in config and not rl.init_from:
+    invalid("rl.tokenizer", rl.tokenizer, "'model' takes rl.init_from's recorded tokenizer or config.data's: give one")
+  from glm_jax.rl import agentic  # the agentic modules import the tokenizer and the agent loop
+
+  agentic.load_rollout_fn(rl.rollout_fn)
+  environment_mix(config)
+
+
+def environment_mix(config: ml_collections.ConfigDict) -> list[tuple[str, object, float]]:
+  """[(label, environment, weight)] of an agentic run's tasks section (glm_jax/rl/environment.py make_environment:
+  tasks.<label>.task, else the label, names the environment; the other fields but weight are its arguments)."""
+  from glm_jax.rl import environment
+
+  out = []
+  for label, spec in config.tasks.items():
+    kwargs = {k: v for k, v in spec.items() if k not in ("weight", "task")}
+    name = spec.get("task", label)
+    try:
+      env = environment.make_environment(name, **kwargs)
+    except ValueError as e:
+      raise ValueError(f"tasks.{label}: {e}") from e
+    if not spec.weight >= 0:
+      invalid(f"tasks.{label}.weight", spec.weight, "must be >= 0")
+    out.append((label, env, float(spec.weight)))
+  if not out or not sum(w for _, _, w in out) > 0:
+    invalid("tasks", config.tasks.to_dict(), "give at least one environment with a positive weight")
+  return out
 
 
 def _validate_distill(config: ml_collections.ConfigDict) -> None:

@@ -16,6 +16,7 @@ import jax
 import ml_collections
 import optax
 
+from glm_jax.data.tokenizer import Tokenizer
 from glm_jax.inference.sampler import Sampler
 from glm_jax.model import ModelConfig
 from glm_jax.model.quantization import pack_params
@@ -34,8 +35,8 @@ class RunSetup:
   config: ml_collections.ConfigDict
   workdir: str
   model_cfg: ModelConfig  # the policy's architecture
-  vocab: CharVocab
-  tasks_and_weights: list[tuple[Task, float]]  # the prompts' mix (glm_jax/rl/config.py's task_mix)
+  vocab: CharVocab | Tokenizer  # the character vocabulary, or with rl.tokenizer="model" the model's tokenizer
+  tasks_and_weights: list[tuple[Task, float]]  # the prompts' mix (glm_jax/rl/config.py's task_mix); [] when agentic
   graphdef: Any  # the policy's
   optimizer: optax.GradientTransformation  # the RL optimizer (the fine-tuning has its own, config.sft.optimizer)
   schedule: Callable[[Any], Any]  # its learning rate by step
@@ -47,6 +48,8 @@ class RunSetup:
   # sample from them packed, by the one quantizer, so both see the same weights.
   quant_plan: dict = dataclasses.field(default_factory=dict)
   _pack: dict = dataclasses.field(default_factory=dict, repr=False)  # the compiled packing, made on first use
+  # rl.tokenizer="model": the tasks section's [(label, environment, weight)] (glm_jax/rl/config.py environment_mix)
+  environments: list[tuple[str, Any, float]] = dataclasses.field(default_factory=list)
 
   def served(self, params: Any) -> Any:
     """The policy's weights as the rollouts and evaluations sample from them: packed under the quant plan."""
@@ -61,13 +64,14 @@ class RunSetup:
 class RunContext(RunSetup):
   """The setup plus the samplers, the reward, the held-out problems and the metrics writer."""
 
-  reward_fn: RewardFn
-  sampler: Sampler  # the rollouts' (rl.temperature, rl.top_p, rl.rollout_dtype)
-  greedy: Sampler  # eval_accuracy's
-  eval_problems: list[Problem]  # answered greedily for eval_accuracy
+  reward_fn: RewardFn | None  # None when agentic: the environments score
+  sampler: Sampler | Any  # the rollouts' (rl.temperature, rl.top_p, rl.rollout_dtype); when agentic an AgentLoop
+  greedy: Sampler | Any  # eval_accuracy's
+  eval_problems: list[Problem] | list[tuple[str, dict]]  # answered greedily for eval_accuracy; (label, task) agentic
   writer: MetricsWriter
   skips: ConsecutiveSkips  # stops the run after rl.max_consecutive_skips skipped updates in a row
   stop: StopSignals  # a preemption or Ctrl-C: a checkpoint at the next update, then Stopped
+  rollout_fn: Callable | None = None  # agentic: rl.rollout_fn (glm_jax/rl/agentic.py)
 
   @classmethod
   def after_warm_start(cls, setup: RunSetup, **loop_fields) -> RunContext:

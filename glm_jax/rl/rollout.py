@@ -50,6 +50,8 @@ class Rollout:
   failures: list[str]  # reward-function failures (their samples got reward 0)
   seconds: float = 0.0  # generation + scoring time
   index: int = -1  # the rollout's number in the run (step_rollout's index: its prompts and key), -1 for others
+  groups: np.ndarray | None = None  # [N] each row's advantage group (agentic rollouts); None: consecutive group_size
+  extra_metrics: dict = dataclasses.field(default_factory=dict)  # logged beside metrics() (agentic: success, turns)
 
   def responses(self) -> list[list[int]]:
     return [self.tokens[i, p:n].tolist() for i, (p, n) in enumerate(zip(self.prompt_lens, self.lengths))]
@@ -65,6 +67,7 @@ class Rollout:
       truncated_frac=float(np.mean(~self.finished)),
       reward_failures=len(self.failures),
       rollout_s=self.seconds,
+      **self.extra_metrics,
     )
 
   def train_batch(self, **extra) -> dict[str, jax.Array]:

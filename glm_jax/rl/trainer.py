@@ -34,8 +34,9 @@ from absl import logging
 
 from glm_jax.model import ModelConfig
 from glm_jax.model.quantization import quant_plan
-from glm_jax.rl import losses, rewards as rewards_lib, step as rl_step, tasks as tasks_lib
-from glm_jax.rl.config import task_mix, validate_rl_config
+from glm_jax import data as data_lib
+from glm_jax.rl import agentic, losses, rewards as rewards_lib, step as rl_step, tasks as tasks_lib
+from glm_jax.rl.config import environment_mix, task_mix, validate_rl_config
 from glm_jax.rl.context import RunContext, RunSetup
 from glm_jax.rl.rollout import RolloutWorker, greedy_accuracy, is_stale, make_sampler, step_rollout
 from glm_jax.rl.rollout_engine import ProcessRolloutWorker
@@ -58,6 +59,11 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
 
 def _run(config: ml_collections.ConfigDict, workdir: str, stop: StopSignals) -> dict[str, Any]:
   setup, state = _setup(config, workdir)
+  with agentic.serving_tools(setup.environments, config.rl):  # an agentic run's tool workers, for the whole run
+    return _train(config, workdir, stop, setup, state)
+
+
+def _train(config, workdir: str, stop: StopSignals, setup: RunSetup, state) -> dict[str, Any]:
   state, start, info = warm_start(setup, state)
   ctx = _context(setup, start, stop)
   summary = dict(trainer=config.trainer, workdir=os.path.abspath(workdir), **info)
@@ -83,10 +89,17 @@ def _setup(config: ml_collections.ConfigDict, workdir: str):
   """(RunSetup, the policy's initial TrainState), once the vocabulary and the workdir's checkpoints are checked (the
   config is, by run)."""
   rl = config.rl
-  vocab = tasks_lib.CharVocab()
   model_cfg = ModelConfig.from_dict(config.model)
-  vocab.check_model_vocab(model_cfg.vocab_size)
-  tasks_and_weights = task_mix(config)
+  environments = []
+  if rl.tokenizer == "model":  # agentic: environments in the chat format, with the model's tokenizer
+    vocab = _model_tokenizer(config)
+    data_lib.check_vocab(vocab, model_cfg.vocab_size)
+    vocab.chat_ids  # noqa: B018 - a tokenizer without the chat format's tokens is refused here, by name
+    tasks_and_weights, environments = [], environment_mix(config)
+  else:
+    vocab = tasks_lib.CharVocab()
+    vocab.check_model_vocab(model_cfg.vocab_size)
+    tasks_and_weights = task_mix(config)
   checkpointer = Checkpointer(workdir, save_every=rl.checkpoint_every, keep=rl.keep_checkpoints, async_save=False)
   checkpointer.check_compatible(
     config.to_dict(),
@@ -107,20 +120,44 @@ def _setup(config: ml_collections.ConfigDict, workdir: str):
     schedule=schedule,
     checkpointer=checkpointer,
     quant_plan=plan,
+    environments=environments,
   )
   return setup, state
+
+
+def _model_tokenizer(config: ml_collections.ConfigDict):
+  """rl.tokenizer="model": the tokenizer rl.init_from's checkpoint recorded (the model's own), else config.data's."""
+  if config.rl.init_from:
+    source = Checkpointer(config.rl.init_from, read_only=True)
+    steps = source.steps()
+    record = source.recorded_tokenizer(steps[0]) if steps else None
+    source.close()
+    if record is not None:
+      return data_lib.Tokenizer.from_record(record)
+  if "data" not in config:
+    raise ValueError(
+      f"rl.tokenizer='model': rl.init_from={config.rl.init_from!r} records no tokenizer and the config has no data "
+      "section to build one from"
+    )
+  return data_lib.load_tokenizer(config.data)
 
 
 def _context(setup: RunSetup, start: int, stop: StopSignals) -> RunContext:
   """The setup with the reward function, the samplers, the held-out problems and the metrics writer (whose rows
   after `start` are moved aside: a resumed run writes them again)."""
   rl = setup.config.rl
-  reward_fn = rewards_lib.make_reward_fn(rl.reward, setup.vocab)
-  sampler = make_sampler(setup.graphdef, setup.model_cfg, rl, setup.tasks_and_weights, setup.vocab)
-  greedy = make_sampler(setup.graphdef, setup.model_cfg, rl, setup.tasks_and_weights, setup.vocab, greedy=True)
-  eval_problems = tasks_lib.mixed_prompts(
-    setup.tasks_and_weights, np.random.default_rng(10**6 + rl.seed), rl.eval_prompts
-  )
+  rollout_fn = None
+  if setup.environments:  # agentic: the agent loop, sampling and greedy, and the environments' own rewards
+    reward_fn, rollout_fn = None, agentic.load_rollout_fn(rl.rollout_fn)
+    sampler, greedy = agentic.make_agent_loops(setup.graphdef, setup.model_cfg, rl, setup.vocab)
+    eval_problems = agentic.mixed_items(setup.environments, np.random.default_rng(10**6 + rl.seed), rl.eval_prompts)
+  else:
+    reward_fn = rewards_lib.make_reward_fn(rl.reward, setup.vocab)
+    sampler = make_sampler(setup.graphdef, setup.model_cfg, rl, setup.tasks_and_weights, setup.vocab)
+    greedy = make_sampler(setup.graphdef, setup.model_cfg, rl, setup.tasks_and_weights, setup.vocab, greedy=True)
+    eval_problems = tasks_lib.mixed_prompts(
+      setup.tasks_and_weights, np.random.default_rng(10**6 + rl.seed), rl.eval_prompts
+    )
   # A fresh run (start 0) writes its step-0 row again, so it keeps none.
   writer = MetricsWriter(setup.workdir, tensorboard=rl.tensorboard, keep_through=start if start else -1)
   skips = ConsecutiveSkips(rl.max_consecutive_skips, "rl.max_consecutive_skips")
@@ -133,15 +170,22 @@ def _context(setup: RunSetup, start: int, stop: StopSignals) -> RunContext:
     writer=writer,
     skips=skips,
     stop=stop,
+    rollout_fn=rollout_fn,
   )
 
 
 def _eval_accuracy(ctx: RunContext, state) -> float:
+  if ctx.environments:  # the mean reward of greedy episodes on the held-out tasks
+    actx = agentic.rollout_context(ctx, ctx.greedy, ctx.served(state.params), state.rest, 1, 0)
+    return float(np.mean(actx.run_episodes(ctx.eval_problems, jax.random.key(0)).rewards))
   return greedy_accuracy(ctx.greedy, ctx.served(state.params), state.rest, ctx.eval_problems, ctx.reward_fn)
 
 
 def _step_rollout(ctx: RunContext, params, rest, version: int, index: int, group_size: int):
-  """The rollout of step `index` (rollout.step_rollout) from the policy's weights as served."""
+  """The rollout of step `index` (rollout.step_rollout; agentic: agentic.step_rollout) from the policy's weights as
+  served."""
+  if ctx.environments:
+    return agentic.step_rollout(ctx, ctx.served(params), rest, version, index, group_size)
   return step_rollout(
     ctx.sampler,
     ctx.served(params),
@@ -214,7 +258,10 @@ def _grpo_loop(ctx: RunContext, state, start: int):
           continue
       else:
         rollout = produce(state.params, state.rest, done, done)
-      adv = np.asarray(losses.group_advantages(rollout.rewards, rl.group_size))
+      if rollout.groups is not None:  # an agentic rollout's groups (a rollout function may fan out)
+        adv = agentic.group_advantages_by_id(rollout.rewards, rollout.groups)
+      else:
+        adv = np.asarray(losses.group_advantages(rollout.rewards, rl.group_size))
       extra = {}
       if ref is not None:
         extra["ref_logp"] = ref[0](ref[1], ref[2], jnp.asarray(rollout.tokens))

@@ -3,7 +3,8 @@ the distillation teachers.
 
 Warm start (`warm_start`): the workdir's latest checkpoint when the run resumes; else the warm-started policy,
 kept in <workdir>/init: rl.init_from's weights (a workdir with a checkpoint of the same model), else
-config.sft.steps of supervised fine-tuning on the tasks' demonstrations, else the random initialization.
+config.sft.steps of supervised fine-tuning on the tasks' demonstrations (an agentic run's: its environments' scripted
+conversations, glm_jax/rl/agentic.py demonstration_batch), else the random initialization.
 <workdir>/init is also the KL term's reference policy (`reference_policy`), and a run that restarts before its
 first checkpoint does not fine-tune again.
 Fine-tuning (`supervised_finetune`): the pretraining step (glm_jax/train/step.py) with config.sft.train_step's
@@ -27,7 +28,7 @@ from absl import logging
 from flax import nnx
 
 from glm_jax.model import GlmMoeDsa, ModelConfig
-from glm_jax.rl import tasks as tasks_lib
+from glm_jax.rl import agentic, tasks as tasks_lib
 from glm_jax.rl.context import RunSetup
 from glm_jax.train import optimizers, step as train_step_lib
 from glm_jax.train.checkpoint import Checkpointer, describe_tokenizer
@@ -77,7 +78,10 @@ def supervised_finetune(
   rng = np.random.default_rng(seed)
   loss = float("nan")
   for i in range(sft.steps):
-    batch = tasks_lib.sft_batch(tasks_and_weights, rng, sft.batch_size, sft.seq_len, setup.vocab)
+    if setup.environments:  # agentic: the environments' scripted conversations, loss on the model's turns
+      batch = agentic.demonstration_batch(setup.environments, setup.vocab, rng, sft.batch_size, sft.seq_len)
+    else:
+      batch = tasks_lib.sft_batch(tasks_and_weights, rng, sft.batch_size, sft.seq_len, setup.vocab)
     state, m = step_fn(state, {k: jnp.asarray(v) for k, v in batch.items()})
     if (i + 1) % max(sft.steps // 5, 1) == 0 or i + 1 == sft.steps:
       loss = float(m["lm_loss"])

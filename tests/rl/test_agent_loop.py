@@ -103,7 +103,8 @@ def test_a_scripted_policy_through_the_loop_is_the_hand_built_sequence(setup, sc
     assert [len(tok.encode_chat(text)) for text, _, _ in pieces] == [s.end - s.start for s in traj.spans]
   assert result.turns == [3, 1, 2]
   assert result.finish == ["stop", "stop", "done"]  # row 2's environment ended it after its second call
-  assert result.rewards == [2.0, 0.0, 2.0]
+  assert [len(e.seen) for e in envs] == [3, 1, 2] and envs[0].seen[2]["stop"] == "<|endoftext|>"
+  assert result.rewards == [3.0, 1.0, 2.0]  # every turn went to the environment, the final answers too
   assert [c["function"]["arguments"]["expr"] for c in (t["tool_calls"][0] for t in envs[2].seen)] == ["2+1", "2+22+2"]
   assert result.tool_calls == 4 and result.tool_errors == 0
   assert describe(result)["tool_call_validity"] == 1.0

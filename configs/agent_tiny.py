@@ -1,0 +1,53 @@
+"""Agentic GRPO on CPU: glm5_tiny (BPE vocabulary of 512, the chat format's tokens included) plays two tool
+environments in GLM-5's chat format (glm_jax/rl/environment.py), multi-turn, through the agent loop on the KV cache:
+  calculator    "What is 4821 * 7396?" with the calculator tool
+  verse_lookup  "What is the last word of John 11:35?" with the lookup_verse tool over the embedded corpus
+Warm start: rl.init_from (a pretraining run of glm5_tiny: its tokenizer is the run's), else sft.steps of agentic SFT on
+the environments' scripted demonstrations (loss on the model's turns only). experiments/agent_tools.py measures it.
+
+  python launch/train.py --config=configs/agent_tiny.py --config.rl.init_from=workdirs/glm5_tiny
+  python launch/train.py --config=configs/agent_tiny.py:smoke      # a few steps of everything
+"""
+
+import ml_collections
+
+from configs import common, glm5_tiny, grpo_tiny
+
+VARIANTS = ("smoke",)  # smoke: a few steps of SFT and RL on small batches, for tests
+
+
+def get_config(variant: str = "") -> ml_collections.ConfigDict:
+  v = common.variants(variant, "configs/agent_tiny.py", VARIANTS)
+  base = glm5_tiny.get_config()
+  config = ml_collections.ConfigDict()
+  config.name = "agent_tiny"
+  config.trainer = "grpo"
+  config.model = base.model
+  config.data = base.data  # the trained BPE (its cache key: the corpus and bpe_vocab_size), as glm5_tiny's runs use
+
+  # The environments: {label: weight, the environment (registered name or import path) and its arguments}.
+  config.tasks = ml_collections.ConfigDict()
+  config.tasks.calculator = ml_collections.ConfigDict(dict(weight=1.0, digits=4, ops="*"))
+  config.tasks.verse_lookup = ml_collections.ConfigDict(dict(weight=1.0))
+
+  sft = config.sft = grpo_tiny.get_config().sft
+  sft.steps = 300
+  sft.batch_size = 8
+  sft.seq_len = 1024  # a demonstration with the tools' block is 600-900 tokens
+  sft.optimizer.warmup_steps = 30
+  sft.optimizer.decay_steps = 270
+
+  config.rl = common.rl(steps=100, prompts_per_step=8, group_size=4, tokenizer="model")
+  config.rl.max_turns = 3
+  config.rl.max_turn_tokens = 48
+  config.rl.cache_len = 1024
+  config.rl.eval_prompts = 32
+  config.rl.eval_every = 25
+  config.rl.checkpoint_every = 25
+  config.rl.tool_timeout = 5.0
+  config.optimizer = grpo_tiny.get_config().optimizer
+  if v.smoke:
+    sft.steps, sft.batch_size = 2, 2
+    config.rl.steps, config.rl.prompts_per_step, config.rl.group_size = 2, 2, 2
+    config.rl.eval_prompts, config.rl.max_turn_tokens = 2, 16
+  return config

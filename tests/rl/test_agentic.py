@@ -1,0 +1,175 @@
+"""Agentic rollouts (glm_jax/rl/agentic.py) and the GRPO trainer on environments: advantages by group id against
+hand-computed values and losses.group_advantages; the batch layout against the trajectories; an environment and a
+fan-out rollout function loaded by module path from a temporary package, refused by name when they do not import,
+and a GRPO run through them whose logged rewards are the ones the plugin recorded."""
+
+import json
+import sys
+import textwrap
+
+import ml_collections
+import numpy as np
+import pytest
+
+from glm_jax.data import default_data_config, load_tokenizer
+from glm_jax.rl import agentic, losses
+from glm_jax.rl.config import validate_rl_config
+from glm_jax.rl.trajectory import Trajectory
+
+
+def test_advantages_by_group_id_by_hand():
+  rewards = np.asarray([1.0, 0.0, 0.0, 1.0, 1.0, 0.5])
+  groups = np.asarray([0, 0, 0, 1, 1, 2])
+  adv = agentic.group_advantages_by_id(rewards, groups)
+  g0 = (np.asarray([1.0, 0, 0]) - 1 / 3) / (np.sqrt(((2 / 3) ** 2 + 2 * (1 / 3) ** 2) / 2) + losses.STD_EPS)
+  np.testing.assert_allclose(adv, [*g0, 0.0, 0.0, 0.0], rtol=1e-6)  # equal rewards: 0; a group of one: 0
+  consecutive = np.random.default_rng(0).random(12)
+  np.testing.assert_allclose(
+    agentic.group_advantages_by_id(consecutive, np.repeat(np.arange(3), 4)),
+    np.asarray(losses.group_advantages(consecutive, 4)),
+    rtol=1e-5,
+  )
+
+
+def test_samples_lay_out_as_the_trajectories(tmp_path):
+  cfg = default_data_config()
+  cfg.cache_dir = str(tmp_path / "cache")
+  tok = load_tokenizer(cfg)
+  samples = []
+  for i, text in enumerate(["a</think>b<|endoftext|>", "longer answer</think>here<|endoftext|>"]):
+    traj = Trajectory(tok, [{"role": "user", "content": f"q{i}"}])
+    ids = tok.encode_chat(text)
+    traj.add_sample(ids, np.linspace(-1, 0, len(ids)))
+    samples.append(agentic.Sample(traj, float(i), 7, "lbl", {"n": i}, "stop"))
+  rollout = agentic.to_rollout(samples, version=3, width=40, pad_id=tok.pad_id)
+  for i, s in enumerate(samples):
+    n = len(s.trajectory.tokens)
+    assert rollout.tokens[i, :n].tolist() == s.trajectory.tokens and (rollout.tokens[i, n:] == tok.pad_id).all()
+    assert rollout.response_mask[i].tolist() == [bool(m) for m in s.trajectory.loss_mask] + [False] * (40 - n)
+    np.testing.assert_allclose(rollout.rollout_logp[i, :n], s.trajectory.logprobs)
+    assert rollout.prompt_lens[i] == s.trajectory.spans[0].end and rollout.lengths[i] == n
+  assert rollout.groups.tolist() == [7, 7] and rollout.rewards.tolist() == [0.0, 1.0] and rollout.version == 3
+  assert rollout.problems == [("lbl", {"n": 0}), ("lbl", {"n": 1})] and rollout.finished.all()
+
+
+PLUGIN_ENVS = '''
+import numpy as np
+from glm_jax.rl.environment import StepResult
+
+
+class Echo:
+  """Asks for a word; reward: the share of the word's letters the reply starts with."""
+
+  name = "echo"
+
+  def __init__(self, word="amen"):
+    self.word = word
+
+  def sample(self, rng, n):
+    return [{"question": f"Say {self.word}", "answer": self.word} for _ in range(n)]
+
+  def reset(self, task):
+    return _Episode(task)
+
+  def demonstration(self, task):
+    return [{"role": "user", "content": task["question"]}, {"role": "assistant", "content": task["answer"]}]
+
+
+class _Episode:
+  def __init__(self, task):
+    self.task, self.tools = task, None
+    self.messages = [{"role": "user", "content": task["question"]}]
+
+  def step(self, turn):
+    word, reply = self.task["answer"], turn["content"]
+    same = next((i for i, (a, b) in enumerate(zip(word, reply)) if a != b), min(len(word), len(reply)))
+    return StepResult([], True, same / len(word))
+'''
+
+PLUGIN_ROLLOUT = '''
+import json
+import os
+
+from glm_jax.rl import agentic
+
+
+def fan_out(ctx, prompts, key):
+  """default_rollout, then (a verifier's branch) one more episode for each prompt whose answers all scored 0, in
+  that prompt's group; every sample's (group, reward) recorded in $RECORD."""
+  samples = agentic.default_rollout(ctx, prompts, key)
+  failed = [g for g in range(len(prompts)) if all(s.reward == 0 for s in samples if s.group == g)]
+  if failed:
+    result = ctx.run_episodes([prompts[g] for g in failed], key)
+    for g, traj, reward, finish in zip(failed, result.trajectories, result.rewards, result.finish):
+      samples.append(agentic.Sample(traj, reward, g, prompts[g][0], prompts[g][1], finish, {"branch": True}))
+  with open(os.environ["RECORD"], "a") as f:
+    f.write(json.dumps([[s.group, s.reward] for s in samples]) + "\\n")
+  return samples
+'''
+
+
+@pytest.fixture
+def plugin(tmp_path, monkeypatch):
+  pkg = tmp_path / "plugins" / "my_agents"
+  pkg.mkdir(parents=True)
+  (pkg / "__init__.py").write_text("")
+  (pkg / "envs.py").write_text(textwrap.dedent(PLUGIN_ENVS))
+  (pkg / "rollouts.py").write_text(textwrap.dedent(PLUGIN_ROLLOUT))
+  monkeypatch.syspath_prepend(str(tmp_path / "plugins"))
+  monkeypatch.setenv("RECORD", str(tmp_path / "record.jsonl"))
+  yield tmp_path
+  for name in [m for m in sys.modules if m.startswith("my_agents")]:
+    del sys.modules[name]
+
+
+def plugin_config(cache_dir):
+  from configs import agent_tiny
+
+  config = agent_tiny.get_config("smoke")
+  config.data.cache_dir = cache_dir
+  config.tasks = ml_collections.ConfigDict({"echo": {"weight": 1.0, "task": "my_agents.envs:Echo", "word": "amen"}})
+  config.rl.rollout_fn = "my_agents.rollouts:fan_out"
+  config.rl.cache_len, config.rl.max_turn_tokens, config.rl.max_turns = 48, 6, 1
+  config.sft.steps = 0
+  return config
+
+
+def test_plugins_by_module_path_are_checked_before_any_rollout(plugin):
+  config = plugin_config(str(plugin / "cache"))
+  validate_rl_config(config)
+  for field, value, match in [
+    ("rl.rollout_fn", "my_agents.rollouts:missing", r"rl\.rollout_fn='my_agents\.rollouts:missing'.*no attribute"),
+    ("rl.rollout_fn", "nowhere.mod:fn", r"rl\.rollout_fn='nowhere\.mod:fn'.*does not import"),
+    ("tasks.echo.task", "my_agents.envs:Nope", r"tasks\.echo: .*has no attribute 'Nope'"),
+    ("rl.tool_timeout", 0.0, r"rl\.tool_timeout=0\.0 is invalid; must be a finite number of seconds > 0"),
+    ("rl.rollout_process", True, r"rl\.rollout_process=True.*not with rl\.tokenizer='model'"),
+  ]:
+    bad = plugin_config(str(plugin / "cache"))
+    section, _, name = field.rpartition(".")
+    bad_section = bad
+    for part in section.split("."):
+      bad_section = bad_section[part]
+    if field == "rl.rollout_process":
+      bad.rl.async_rollouts = True
+    bad_section[name] = value
+    with pytest.raises(ValueError, match=match):
+      validate_rl_config(bad)
+
+
+@pytest.mark.slow  # a GRPO run: the agent loop and the RL step compiled
+def test_grpo_through_a_plugin_rollout_logs_its_rewards(plugin):
+  from glm_jax.rl import trainer
+
+  config = plugin_config(str(plugin / "cache"))
+  summary = trainer.run(config, str(plugin / "run"))
+  recorded = [json.loads(line) for line in open(plugin / "record.jsonl")]
+  assert len(recorded) == config.rl.steps
+  rows = [json.loads(line) for line in open(plugin / "run" / "metrics.jsonl")]
+  logged = {r["step"]: r for r in rows if "reward_mean" in r}
+  for step, samples in enumerate(recorded, start=1):
+    rewards = [r for _, r in samples]
+    assert logged[step]["reward_mean"] == pytest.approx(np.mean(rewards), abs=1e-6)
+    groups = sorted({g for g, _ in samples})
+    assert groups == list(range(config.rl.prompts_per_step))  # fan-out samples joined their prompt's group
+    assert len(samples) >= config.rl.prompts_per_step * config.rl.group_size
+  assert summary["step"] == config.rl.steps and 0.0 <= summary["eval_accuracy"] <= 1.0
