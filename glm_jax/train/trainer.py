@@ -23,7 +23,7 @@ from absl import logging
 from flax import nnx
 
 from glm_jax import data as data_lib
-from glm_jax.data.config import check_process_split
+from glm_jax.data.config import EXAMPLE_FORMATS, check_process_split
 from glm_jax.model import GlmMoeDsa, ModelConfig, context_parallel, param_counts
 from glm_jax.model.quantization import WEIGHT_ONLY, check_quant_config, quant_plan
 from glm_jax.sharding.mesh import batch_sharding, make_mesh
@@ -227,9 +227,13 @@ def check_config(config: ml_collections.ConfigDict) -> ModelConfig:
   if context > 1:  # context parallelism's sizes, named before any compile
     context_parallel.check(config.data.seq_len, context, model_cfg)
   kind = config.get("trainer", "pretrain")
-  data_format = "sft" if kind == "sft" else "lm"
-  if config.data.format != data_format:
-    invalid("data.format", config.data.format, f"config.trainer={kind!r} trains on {data_format!r} data")
+  data_formats = EXAMPLE_FORMATS if kind == "sft" else ("lm",)
+  if config.data.format not in data_formats:
+    invalid(
+      "data.format",
+      config.data.format,
+      f"config.trainer={kind!r} trains on {' or '.join(map(repr, data_formats))} data",
+    )
   if config.data.objective == "glm" and not model_cfg.rope_2d:
     invalid(
       "model.rope_2d",

@@ -205,7 +205,7 @@ def test_jsonl_bad_lines_name_file_line_and_field(make_cfg, tmp_path):
 @pytest.mark.parametrize(
   "overrides,match",
   [
-    (dict(format="chat"), r"data\.format='chat': expected one of \('lm', 'sft'\)"),
+    (dict(format="chats"), r"data\.format='chats': expected one of \('lm', 'sft', 'chat'\)"),
     (dict(format="sft", source="text"), r"data\.format='sft' with data\.source='text': .* \('embedded', 'jsonl'\)"),
     (
       dict(format="sft", source="arrayrecord"),

@@ -214,7 +214,10 @@ def test_bad_input_stops_before_work(tmp_path, data_cache_dir, changes, message)
       lambda c: c.data.update(format="sft"),
       r"data\.format='sft' is invalid; config\.trainer='pretrain' trains on 'lm'",
     ),
-    (lambda c: setattr(c, "trainer", "sft"), r"data\.format='lm' is invalid; config\.trainer='sft' trains on 'sft'"),
+    (
+      lambda c: setattr(c, "trainer", "sft"),
+      r"data\.format='lm' is invalid; config\.trainer='sft' trains on 'sft' or 'chat'",
+    ),
     (
       lambda c: setattr(c, "quant", common.quant(scheme="w8a8")),
       r"quant\.scheme='w8a8' is invalid; quantization-aware "
