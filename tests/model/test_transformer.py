@@ -156,8 +156,12 @@ def test_remat_policies_give_the_same_logits_and_gradients(policy):
   assert_close(logits, logits_ref, rtol=0, atol=fp32_ulps(logits_ref, 16))
   flat_ref, flat = jax.tree.leaves(grads_ref), jax.tree.leaves(grads)
   assert len(flat) == len(flat_ref) > 10
+  # The same float32 products summed in the order each program's fusions take: a reordered sum moves by ulps of its
+  # terms' scale (the array's largest gradient), not of an element that cancels to near zero. Valid compilations
+  # differ by up to 16 such ulps (CPU, XLA level 0 against 3), remat against none on an H100 by up to 7.5 (where
+  # rtol 1e-5 failed); a backward recomputing from bf16-rounded layer inputs moves them by up to 4.7e4.
   for g, g_ref in zip(flat, flat_ref):
-    assert_close(g, g_ref, rtol=1e-5, atol=1e-6)
+    assert_close(g, g_ref, rtol=0, atol=fp32_ulps(g_ref, 64))
   assert sum(float(jnp.abs(g).max()) > 0 for g in flat) > len(flat) // 2  # gradients are not trivially zero
   # ... and the policy really wraps the scanned layer in a checkpoint (the remat primitive), "none" does not.
   for remat_policy, wrapped in (("none", False), (policy, True)):
