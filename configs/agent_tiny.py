@@ -23,6 +23,9 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   config.name = "agent_tiny"
   config.trainer = "grpo"
   config.model = base.model
+  # Episodes are 600-1000 tokens, most of them the tools' block: 256 keys a query keeps DSA selecting (a quarter of the
+  # keys) while the answer's tokens can still reach the question's (glm5_tiny pretrains with 32 at 128 tokens).
+  config.model.index_topk = 256
   config.data = base.data  # the trained BPE (its cache key: the corpus and bpe_vocab_size), as glm5_tiny's runs use
 
   # The environments: {label: weight, the environment (registered name or import path) and its arguments}.

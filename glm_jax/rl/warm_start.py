@@ -3,8 +3,9 @@ the distillation teachers.
 
 Warm start (`warm_start`): the workdir's latest checkpoint when the run resumes; else the warm-started policy,
 kept in <workdir>/init: rl.init_from's weights (a workdir with a checkpoint of the same model), else
-config.sft.steps of supervised fine-tuning on the tasks' demonstrations (an agentic run's: its environments' scripted
-conversations, glm_jax/rl/agentic.py demonstration_batch), else the random initialization.
+config.sft.steps of supervised fine-tuning on the tasks' demonstrations, else the random initialization. An agentic
+run (rl.tokenizer="model") does both, GLM-5's order: rl.init_from's weights (a pretrained base), then config.sft.steps
+of agentic SFT on its environments' scripted conversations (glm_jax/rl/agentic.py demonstration_batch).
 <workdir>/init is also the KL term's reference policy (`reference_policy`), and a run that restarts before its
 first checkpoint does not fine-tune again.
 Fine-tuning (`supervised_finetune`): the pretraining step (glm_jax/train/step.py) with config.sft.train_step's
@@ -109,7 +110,7 @@ def warm_start(setup: RunSetup, state):
       source.require_tokenizer(setup.vocab.record(), f"rl.init_from={config.rl.init_from!r}")
       _, (state.params, state.rest) = source.restore_latest_weights(state.params, state.rest)
       source.close()
-    elif config.sft.steps:
+    if config.sft.steps and (not config.rl.init_from or setup.environments):
       t0 = time.perf_counter()
       state.params, state.rest, info["sft_loss"] = supervised_finetune(
         setup,
