@@ -173,3 +173,40 @@ def test_grpo_through_a_plugin_rollout_logs_its_rewards(plugin):
     assert groups == list(range(config.rl.prompts_per_step))  # fan-out samples joined their prompt's group
     assert len(samples) >= config.rl.prompts_per_step * config.rl.group_size
   assert summary["step"] == config.rl.steps and 0.0 <= summary["eval_accuracy"] <= 1.0
+
+
+def test_tokens_outside_the_models_turns_get_no_gradient(tmp_path):
+  """GRPO's loss on an agentic batch: d loss / d logp is exactly 0 on the prompt, the tool results and the padding
+  (loss mask 0), and not on the model's own tokens."""
+  import jax
+  import jax.numpy as jnp
+
+  cfg = default_data_config()
+  cfg.cache_dir = str(tmp_path / "cache")
+  tok = load_tokenizer(cfg)
+  samples = []
+  for i in range(2):
+    traj = Trajectory(tok, [{"role": "user", "content": f"What is {i}+1?"}])
+    first = tok.encode_chat(
+      "Add.</think><tool_call>calc<arg_key>x</arg_key><arg_value>1</arg_value></tool_call><|observation|>"
+    )
+    traj.add_sample(first, [-0.3] * len(first))
+    traj.add_observation([{"role": "tool", "content": str(i + 1)}])
+    last = tok.encode_chat(f"So.</think>{i + 1}<|endoftext|>")
+    traj.add_sample(last, [-0.2] * len(last))
+    samples.append(agentic.Sample(traj, float(i), 0, "calc", {}, "stop"))
+  rollout = agentic.to_rollout(samples, 0, 96, tok.pad_id)
+  adv = agentic.group_advantages_by_id(rollout.rewards, rollout.groups)
+  logp0 = jnp.asarray(rollout.rollout_logp) - 0.01 * jnp.arange(96)[None] / 96  # a policy near the sampler's
+
+  def loss(logp):
+    return losses.grpo_loss(
+      logp, jax.lax.stop_gradient(logp), jnp.asarray(rollout.rollout_logp), adv, jnp.asarray(rollout.response_mask)
+    )[0]
+
+  grad = np.asarray(jax.grad(loss)(logp0))
+  mask = rollout.response_mask
+  assert (grad[~mask] == 0).all()
+  assert (grad[mask] != 0).all() and mask.sum() == sum(sum(s.trajectory.loss_mask) for s in samples)
+  obs = samples[0].trajectory.spans[2]
+  assert obs.kind == "observation" and not mask[0, obs.start : obs.end].any()
