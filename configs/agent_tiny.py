@@ -1,6 +1,6 @@
 """Agentic GRPO on CPU: glm5_tiny (BPE vocabulary of 512, the chat format's tokens included) plays two tool
 environments in GLM-5's chat format (glm_jax/rl/environment.py), multi-turn, through the agent loop on the KV cache:
-  calculator    "What is 4821 * 7396?" with the calculator tool
+  calculator    "What is 48 * 73?" with the calculator tool
   verse_lookup  "What is the last word of John 11:35?" with the lookup_verse tool over the embedded corpus
 Warm start: rl.init_from (a pretraining run of glm5_tiny: its tokenizer is the run's), else sft.steps of agentic SFT on
 the environments' scripted demonstrations (loss on the model's turns only). experiments/agent_tools.py measures it.
@@ -23,15 +23,18 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   config.name = "agent_tiny"
   config.trainer = "grpo"
   config.model = base.model
-  # Episodes are 600-1000 tokens, most of them the tools' block: 256 keys a query keeps DSA selecting (a quarter of the
-  # keys) while the answer's tokens can still reach the question's (glm5_tiny pretrains with 32 at 128 tokens).
-  config.model.index_topk = 256
+  # Episodes are 600-1000 tokens, most of them the tools' block. With index_topk at cache_len every query keeps all its
+  # keys: DSA's top-k selection at these lengths costs a CPU more than the rest of the step (the sparse stage's SFT
+  # ran over 6 s a step at 256), and the agentic recipe, not the indexer, is what this config is for.
+  config.model.index_topk = 1024
   config.data = base.data  # the trained BPE (its cache key: the corpus and bpe_vocab_size), as glm5_tiny's runs use
 
   # The environments: {label: weight, the environment (registered name or import path) and its arguments}.
   config.tasks = ml_collections.ConfigDict()
-  config.tasks.calculator = ml_collections.ConfigDict(dict(weight=1.0, digits=4, ops="*"))
-  config.tasks.verse_lookup = ml_collections.ConfigDict(dict(weight=1.0))
+  # A well-formed tool call that ran, then a wrong answer, earns format_reward: a first signal for GRPO where exact
+  # answers are rare after the SFT.
+  config.tasks.calculator = ml_collections.ConfigDict(dict(weight=1.0, digits=2, ops="*", format_reward=0.1))
+  config.tasks.verse_lookup = ml_collections.ConfigDict(dict(weight=1.0, format_reward=0.1))
 
   sft = config.sft = grpo_tiny.get_config().sft
   sft.steps = 300
@@ -42,7 +45,7 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
 
   config.rl = common.rl(steps=100, prompts_per_step=8, group_size=4, tokenizer="model")
   config.rl.max_turns = 3
-  config.rl.max_turn_tokens = 48
+  config.rl.max_turn_tokens = 64
   config.rl.cache_len = 1024
   config.rl.eval_prompts = 32
   config.rl.eval_every = 25

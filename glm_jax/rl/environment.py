@@ -15,7 +15,9 @@ named by import path in a config's tasks.<label>.task (glm_jax/rl/config.py). Th
 A tool environment (ToolEnvironment) answers a turn with tool calls by running them through a ToolRunner
 (glm_jax/rl/tools.py: bounded time and output; a raising, hanging or flooding tool and a malformed call become
 error observations, and the episode goes on), and scores a turn without calls as the final answer: reward 1 for the
-exact answer (`score`), else 0. `with_tools=False` offers no tool: the same questions, answered unaided.
+exact answer (`score`), else `format_reward` (default 0) when an earlier turn made well-formed calls that ran (the
+"exact match plus a small format reward" of others' tool tasks), else 0. `with_tools=False` offers no tool: the same
+questions, answered unaided.
 `demonstration(task)` is a scripted conversation solving the task as the environment expects it (agentic SFT).
 """
 
@@ -63,11 +65,14 @@ class _Episode:
     self.env, self.task, self.runner = env, task, runner
     self.messages = [{"role": "user", "content": env.question(task)}]
     self.tools = [t.definition for t in env.tools] if env.tools else None
+    self.called = False  # a turn of well-formed calls only, run by the tools
 
   def step(self, turn: dict) -> StepResult:
     calls, errors = turn.get("tool_calls") or [], turn.get("errors") or []
     if not calls and not errors:
-      return StepResult([], True, self.env.score(self.task, turn.get("content", "")))
+      reward = self.env.score(self.task, turn.get("content", ""))
+      return StepResult([], True, reward if reward > 0 or not self.called else self.env.format_reward)
+    self.called = self.called or (bool(calls) and not errors and self.runner is not None)
     if self.runner is None:  # tools were not offered, or the loop has none running: every call is an error
       answers = ["error: no tools are available here; answer directly"] * (len(calls) + len(errors))
     else:
@@ -85,10 +90,12 @@ class ToolEnvironment:
   name = "tool_environment"
   tools: Sequence[tools_lib.Tool] = ()
 
-  def __init__(self, *, with_tools: bool = True):
+  def __init__(self, *, with_tools: bool = True, format_reward: float = 0.0):
     if not isinstance(with_tools, bool):
       raise ValueError(f"{self.name}: with_tools={with_tools!r}; must be True or False")
-    self.with_tools = with_tools
+    if not (isinstance(format_reward, (int, float)) and 0 <= format_reward < 1):
+      raise ValueError(f"{self.name}: format_reward={format_reward!r}; must be a number in [0, 1)")
+    self.with_tools, self.format_reward = with_tools, float(format_reward)
     if not with_tools:
       self.tools = ()
     self.runner: tools_lib.ToolRunner | None = None  # set by the rollout that runs episodes (`serve`)
@@ -117,8 +124,8 @@ class CalculatorEnvironment(ToolEnvironment):
   tools = (tools_lib.CALCULATOR,)
   _OPS = {"*": lambda a, b: a * b, "+": lambda a, b: a + b, "-": lambda a, b: a - b}
 
-  def __init__(self, digits: int = 4, ops: str = "*", *, with_tools: bool = True):
-    super().__init__(with_tools=with_tools)
+  def __init__(self, digits: int = 4, ops: str = "*", *, with_tools: bool = True, format_reward: float = 0.0):
+    super().__init__(with_tools=with_tools, format_reward=format_reward)
     if isinstance(digits, bool) or not isinstance(digits, int) or not 1 <= digits <= 12:
       raise ValueError(f"calculator: digits={digits!r}; must be an integer in [1, 12]")
     if not isinstance(ops, str) or not ops or set(ops) - set(self._OPS):
@@ -156,8 +163,8 @@ class VerseLookupEnvironment(ToolEnvironment):
   name = "verse_lookup"
   tools = (tools_lib.LOOKUP_VERSE,)
 
-  def __init__(self, books: Sequence[str] = (), *, with_tools: bool = True):
-    super().__init__(with_tools=with_tools)
+  def __init__(self, books: Sequence[str] = (), *, with_tools: bool = True, format_reward: float = 0.0):
+    super().__init__(with_tools=with_tools, format_reward=format_reward)
     index = tools_lib.verse_index()
     unknown = [b for b in books if b.lower() not in index.books]
     if isinstance(books, str) or unknown:

@@ -97,3 +97,25 @@ def test_unknown_environments_and_arguments_are_named():
   with pytest.raises(ValueError, match=r"is not an Environment: it lacks \['name', 'sample', 'reset'\]"):
     make_environment("collections:OrderedDict")
   assert isinstance(make_environment("sort", length=3), environment.TaskEnvironment)
+
+
+def test_format_reward_only_after_a_well_formed_call_that_ran():
+  env = make_environment("calculator", digits=2, format_reward=0.1)
+  task = env.sample(np.random.default_rng(4), 1)[0]
+  call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": task["expression"]}}}
+  wrong = {"content": "0", "tool_calls": [], "errors": []}
+  assert env.reset(task).step(wrong).reward == 0.0  # no call made
+  with tools.ToolRunner([tools.CALCULATOR], timeout=5, num_workers=1) as runner:
+    env.serve(runner)
+    episode = env.reset(task)
+    episode.step({"content": "", "tool_calls": [call], "errors": []})
+    assert episode.step(wrong) == StepResult([], True, 0.1)
+    right = env.reset(task)
+    right.step({"content": "", "tool_calls": [call], "errors": []})
+    assert right.step({"content": task["answer"], "tool_calls": [], "errors": []}).reward == 1.0
+    malformed = env.reset(task)
+    malformed.step({"content": "", "tool_calls": [], "errors": [{"index": 0, "text": "x", "error": "bad"}]})
+    assert malformed.step(wrong).reward == 0.0
+  env.serve(None)
+  with pytest.raises(ValueError, match=r"calculator: format_reward=1\.5; must be a number in \[0, 1\)"):
+    make_environment("calculator", format_reward=1.5)
