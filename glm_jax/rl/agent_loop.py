@@ -284,11 +284,11 @@ class AgentLoop:
           if end is not None:
             live[r], finish[r] = False, end
           else:
-            ids = trajs[r].add_observation(res.messages)
-            if pos[r] + len(ids) + 1 > p.cache_len:
+            ids = trajs[r].observation_ids(res.messages)
+            if pos[r] + len(ids) + 1 > p.cache_len:  # no room for it and a token after: the episode ends here
               live[r], finish[r] = False, "length"
             else:
-              feed[r] = ids
+              feed[r] = trajs[r].add_observation(res.messages)
         if not feed:
           break
         logits, cache, pos = self._continue(params, rest, trajs, feed, logits, cache, pos)

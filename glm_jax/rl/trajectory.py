@@ -109,6 +109,21 @@ class Trajectory:
     """Appends what answers the model's last turn (tool messages, or a user reply) and the generation prompt,
     loss mask 0; returns the ids appended. Raises NotAppendOnly naming the turn when the conversation does not
     render append-only, or when the piece would not start at a format token (module docstring)."""
+    piece, ids, new = self._observation(messages)
+    start = len(self.tokens)
+    self.tokens += ids
+    self.loss_mask += [0] * len(ids)
+    self.logprobs += [0.0] * len(ids)
+    self.text += piece
+    self.messages += new
+    self.spans.append(Span("observation", self.turns, start, len(self.tokens)))
+    return ids
+
+  def observation_ids(self, messages: Sequence[dict]) -> list[int]:
+    """The ids add_observation(messages) would append, checked the same way; nothing is appended."""
+    return self._observation(messages)[1]
+
+  def _observation(self, messages: Sequence[dict]) -> tuple[str, list[int], list[dict]]:
     if self.spans[-1].kind != "sample":
       raise NotAppendOnly(f"turn {self.turns}: an observation must follow a sample of the model")
     new = [dict(m) for m in messages]
@@ -138,15 +153,7 @@ class Trajectory:
         f"{where}: the appended text {piece[:40]!r} does not start at a format token (one of {list(_OPENERS)}), so "
         "its first tokens could merge with the model's last ones"
       )
-    ids = self.tokenizer.encode_chat(piece)
-    start = len(self.tokens)
-    self.tokens += ids
-    self.loss_mask += [0] * len(ids)
-    self.logprobs += [0.0] * len(ids)
-    self.text += piece
-    self.messages += new
-    self.spans.append(Span("observation", self.turns, start, len(self.tokens)))
-    return ids
+    return piece, self.tokenizer.encode_chat(piece), new
 
   def arrays(self, length: int | None = None, pad_id: int | None = None) -> dict[str, np.ndarray]:
     """tokens, loss_mask and logprobs as arrays, right-padded to `length` (pad id, mask 0); the loss mask is on

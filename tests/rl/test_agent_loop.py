@@ -83,12 +83,12 @@ def scripted(setup):
     script=lambda r, t: tok.encode_chat(scripted_texts(r, t)),
     return_logits=True,
   )
-  return result, envs
+  return result, envs, loop
 
 
 def test_a_scripted_policy_through_the_loop_is_the_hand_built_sequence(setup, scripted):
   tok = setup[0]
-  result, envs = scripted
+  result, envs, _ = scripted
   turns = {0: 3, 1: 1, 2: 2}
   for r, q in enumerate(QUESTIONS):
     pieces = [(f"[gMASK]<sop><|user|>{q}<|assistant|><think>", 0, "prompt")]
@@ -112,7 +112,7 @@ def test_a_scripted_policy_through_the_loop_is_the_hand_built_sequence(setup, sc
 
 def test_cache_continuation_gives_the_full_forwards_logits_and_log_probs(setup, scripted):
   tok, _, model, *_ = setup
-  result, _ = scripted
+  result, _, _ = scripted
   width = max(len(t.tokens) for t in result.trajectories)  # one batch: padding after a row changes nothing before
   batch = np.stack([t.arrays(width)["tokens"] for t in result.trajectories])
   logits_all = np.asarray(jax.jit(lambda x: model(x, compute_mtp=False).logits)(batch))
@@ -122,6 +122,27 @@ def test_cache_continuation_gives_the_full_forwards_logits_and_log_probs(setup, 
     np.testing.assert_allclose(np.stack(result.logits[r]), logits_all[r, sampled - 1], atol=5e-5, rtol=1e-5)
     np.testing.assert_allclose(np.asarray(traj.logprobs)[sampled], recomputed_all[r, sampled], atol=5e-5)
     assert len(sampled) > 0 and (np.asarray(traj.logprobs)[np.asarray(traj.loss_mask) == 0] == 0).all()
+
+
+class FloodingEnv:
+  """Answers every turn with a tool result of `n` words."""
+
+  def __init__(self, n):
+    self.n = n
+
+  def step(self, turn):
+    return Step([{"role": "tool", "content": " ".join(["word"] * self.n)}], False, 0.5)
+
+
+def test_an_observation_past_the_cache_ends_the_episode_unappended(setup, scripted):
+  tok, _, _, _, params, rest = setup
+  loop = scripted[2]  # cache_len 256: the same compiled turns
+  trajs = [Trajectory(tok, [{"role": "user", "content": q}]) for q in QUESTIONS]
+  envs = [FloodingEnv(5), FloodingEnv(400), FloodingEnv(5)]
+  result = loop.run(params, rest, trajs, envs, jax.random.key(0), script=lambda r, t: tok.encode_chat(CALL.format(x=r)))
+  assert result.finish[1] == "length" and result.turns[1] == 1 and trajs[1].spans[-1].kind == "sample"
+  assert all(len(t.tokens) <= 256 for t in trajs) and result.rewards[1] == 0.5
+  assert result.finish[0] == result.finish[2] == "max_turns" and result.turns[0] == 4
 
 
 @pytest.mark.slow  # a second loop, compiling the re-prefills at each width
