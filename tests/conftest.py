@@ -74,6 +74,10 @@ LONG_FILES = (
   "tests/quant/test_model_quant.py",
   "tests/sharding/test_context_parallel.py",
   "tests/test_sweep.py",
+  "tests/train/test_lifecycle.py",
+  "tests/rl/test_agentic.py",
+  "tests/rl/test_rollout_engine.py",
+  "tests/rl/test_agent_loop.py",
 )
 
 

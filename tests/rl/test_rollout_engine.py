@@ -30,6 +30,7 @@ from glm_jax.rl import trainer as rl_trainer
 from glm_jax.rl.rollout import step_problems
 from glm_jax.rl.rollout_engine import HOST, HandshakeError, ProcessRolloutWorker
 from glm_jax.train.step import split_model
+from tests.helpers import init_module
 
 # The three worker processes build the same sampler: with the persistent cache (passed on through the environment)
 # the first compiles it and the replacements load it.
@@ -262,7 +263,8 @@ def test_a_worker_that_never_completes_the_handshake_is_replaced_then_the_run_fa
 
 
 def model_weights(config: ml_collections.ConfigDict):
-  _, params, rest = split_model(GlmMoeDsa(ModelConfig.from_dict(config.model), nnx.Rngs(0)))
+  """Random weights of the config's model, filled from numpy (no per-shape XLA compiles: 9 s of them cold here)."""
+  _, params, rest = split_model(init_module(lambda: GlmMoeDsa(ModelConfig.from_dict(config.model), nnx.Rngs(0)), 0))
   return params, rest
 
 
