@@ -7,9 +7,12 @@
   pass over the final sequence (fp32, CPU), and the sampler's log-probs equal the trainer's recomputation
   (rl/step.py token_logprobs) on exactly the loss-mask-1 tokens.
 - Greedy decoding continuing on the cache and re-prefilling every turn write the same tokens.
+- Tools that raise, sleep past the timeout and flood, called by a scripted policy through the loop: each call's
+  observation is the runner's bounded error or cut result, counted by kind, and every episode goes on to its answer.
 """
 
 import dataclasses
+import re
 
 import jax
 import numpy as np
@@ -20,6 +23,8 @@ import configs.glm5_tiny
 from glm_jax.data import default_data_config, load_tokenizer
 from glm_jax.model import GlmMoeDsa, ModelConfig
 from glm_jax.rl.agent_loop import AgentLoop, AgentParams, describe
+from glm_jax.rl.environment import ToolEnvironment
+from glm_jax.rl.tools import ToolRunner
 from glm_jax.rl.step import token_logprobs
 from glm_jax.rl.trajectory import Trajectory
 
@@ -71,7 +76,8 @@ def scripted_texts(row, turn):
 @pytest.fixture(scope="module")
 def scripted(setup):
   tok, model_cfg, _, graphdef, params, rest = setup
-  loop = AgentLoop(graphdef, model_cfg, tok, AgentParams(max_turns=4, max_turn_tokens=48, cache_len=256))
+  # cache_len: room for a prompt with a tool's block (the flooding tools test)
+  loop = AgentLoop(graphdef, model_cfg, tok, AgentParams(max_turns=4, max_turn_tokens=48, cache_len=640))
   envs = [ScriptedEnv(9), ScriptedEnv(9), ScriptedEnv(2)]
   trajs = [Trajectory(tok, [{"role": "user", "content": q}]) for q in QUESTIONS]
   result = loop.run(
@@ -173,3 +179,48 @@ def test_bad_loop_parameters_are_named():
   ]:
     with pytest.raises(ValueError, match=match):
       AgentParams(**{field: value})
+
+
+class OneToolEnv(ToolEnvironment):
+  """Offers one tool; the answer "ok" ends an episode with reward 1."""
+
+  name = "one_tool"
+
+  def __init__(self, tool):
+    super().__init__()
+    self.tools = (tool,)
+
+
+def test_raising_sleeping_and_flooding_tools_are_bounded_and_reported_through_the_loop(setup, scripted):
+  from tests.rl.test_tools import TEST_TOOLS
+
+  tok, _, _, _, params, rest = setup
+  loop = scripted[2]
+  offered = {t.name: t for t in TEST_TOOLS}
+  calls = [("boom", "message", "the disk is on fire"), ("sleepy", "seconds", "30"), ("flood", "n", "100000")]
+  envs = [OneToolEnv(offered[name]) for name, _, _ in calls]
+  timeout, max_chars = 1.0, 100
+  with ToolRunner([offered[n] for n, _, _ in calls], timeout=timeout, max_output_chars=max_chars, num_workers=3) as run:
+    for env in envs:
+      env.serve(run)
+    episodes = [env.reset({"question": f"Use {name}.", "answer": "ok"}) for env, (name, _, _) in zip(envs, calls)]
+    trajs = [Trajectory(tok, e.messages, tools=e.tools) for e in episodes]
+
+    def script(row, turn):
+      name, key, value = calls[row]
+      text = f"</think><tool_call>{name}<arg_key>{key}</arg_key><arg_value>{value}</arg_value></tool_call>"
+      return tok.encode_chat(text + "<|observation|>" if turn == 1 else "</think>ok<|endoftext|>")
+
+    result = loop.run(params, rest, trajs, episodes, jax.random.key(0), script=script)
+    counts = run.counts
+  observed = []
+  for traj in result.trajectories:
+    (span,) = [s for s in traj.spans if s.kind == "observation"]
+    observed.append(tok.decode(traj.tokens[span.start : span.end]))
+  assert "<tool_response>error: tool 'boom' raised RuntimeError: the disk is on fire</tool_response>" in observed[0]
+  assert f"<tool_response>error: tool 'sleepy' timed out after {timeout:g} s and was stopped" in observed[1]
+  cut = re.search(r"<tool_response>(x+)\n\[output truncated: (\d+) characters, the first (\d+) shown\]", observed[2])
+  assert cut and int(cut[2]) == 100000 and len(cut[1]) == int(cut[3]) < max_chars, observed[2]
+  assert {k: v for k, v in counts.items() if v} == {"error": 1, "timeout": 1, "truncated": 1}
+  assert result.finish == ["done"] * 3 and result.rewards == [1.0] * 3 and result.turns == [2, 2, 2]
+  assert result.tool_calls == 3 and result.tool_errors == 0
