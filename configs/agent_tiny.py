@@ -7,13 +7,17 @@ the environments' scripted demonstrations (loss on the model's turns only). expe
 
   python launch/train.py --config=configs/agent_tiny.py --config.rl.init_from=workdirs/glm5_tiny
   python launch/train.py --config=configs/agent_tiny.py:smoke      # a few steps of everything
+  python launch/train.py --config=configs/agent_tiny.py:distill --config.teachers.calculator.init_from=RUN ...
+                         # on-policy distillation on the same environments, a teacher an environment (GLM-5 Eq. 2)
 """
 
 import ml_collections
 
-from configs import common, glm5_tiny, grpo_tiny
+from configs import common, distill_tiny, glm5_tiny, grpo_tiny
 
-VARIANTS = ("smoke",)  # smoke: a few steps of SFT and RL on small batches, for tests
+# smoke: a few steps of SFT and RL on small batches, for tests. distill: trainer "distill", the tasks section turned
+# into teachers (one an environment, labelled as the task was), each its init_from or fine-tuned here like the student.
+VARIANTS = ("smoke", "distill")
 
 
 def get_config(variant: str = "") -> ml_collections.ConfigDict:
@@ -52,8 +56,20 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   config.rl.checkpoint_every = 25
   config.rl.tool_timeout = 5.0
   config.optimizer = grpo_tiny.get_config().optimizer
+  if v.distill:
+    config.trainer = "distill"
+    config.teachers = ml_collections.ConfigDict()
+    for label, spec in config.tasks.items():
+      kwargs = {k: val for k, val in spec.items() if k != "weight"}
+      config.teachers[label] = distill_tiny.teacher(label, spec.weight, seed=1 + len(config.teachers), **kwargs)
+      config.teachers[label].sft_steps = sft.steps
+    del config["tasks"]
+    config.rl.group_size = 1  # the teacher scores every token: no group needed
+    config.rl.prompts_per_step = 16
   if v.smoke:
     sft.steps, sft.batch_size = 2, 2
-    config.rl.steps, config.rl.prompts_per_step, config.rl.group_size = 2, 2, 2
+    config.rl.steps, config.rl.prompts_per_step, config.rl.group_size = 2, 2, 1 if v.distill else 2
     config.rl.eval_prompts, config.rl.max_turn_tokens = 2, 16
+    for t in config.get("teachers", {}).values():
+      t.sft_steps = sft.steps
   return config

@@ -14,7 +14,8 @@ import ml_collections
 from configs import grpo_tiny
 
 
-def _teacher(task: str, weight: float, seed: int, **task_kwargs) -> ml_collections.ConfigDict:
+def teacher(task: str, weight: float, seed: int, **task_kwargs) -> ml_collections.ConfigDict:
+  """A teachers.<name> section: its task (a task, or with rl.tokenizer="model" an environment) and arguments."""
   return ml_collections.ConfigDict(
     dict(
       task=task,
@@ -34,8 +35,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.trainer = "distill"
   del config["tasks"]
   config.teachers = ml_collections.ConfigDict()
-  config.teachers.addition = _teacher("addition", 0.5, seed=1, digits=1)
-  config.teachers.sort = _teacher("sort", 0.5, seed=2, length=3)
+  config.teachers.addition = teacher("addition", 0.5, seed=1, digits=1)
+  config.teachers.sort = teacher("sort", 0.5, seed=2, length=3)
   config.sft.steps = 30  # the student's warm start (on both teachers' tasks): a weak earlier-stage model
   config.sft.seq_len = 9  # "s312=123<eos>"
   config.rl.max_new_tokens = 4

@@ -232,8 +232,20 @@ def make_agent_loops(graphdef, model_cfg: ModelConfig, rl: ml_collections.Config
   return sampling, AgentLoop(graphdef, model_cfg, tokenizer, AgentParams(temperature=0.0, **agent))
 
 
+@dataclasses.dataclass(frozen=True)
+class AgenticRun:
+  """What an agentic run's rollouts read of it: a training run's RunContext has these fields (glm_jax/rl/context.py);
+  the rollout process (glm_jax/rl/rollout_engine.py) builds this from the config."""
+
+  config: ml_collections.ConfigDict
+  environments: list  # [(label, environment, weight)]
+  sampler: AgentLoop  # the rollouts' (make_agent_loops)
+  vocab: Tokenizer
+  rollout_fn: RolloutFn
+
+
 def rollout_context(run_ctx, loop: AgentLoop, params, rest, group_size: int, version: int) -> RolloutContext:
-  """A RolloutContext of a training run's context (glm_jax/rl/context.py RunContext)."""
+  """A RolloutContext of a run (an AgenticRun, or a training run's RunContext)."""
   rl = run_ctx.config.rl
   return RolloutContext(
     loop=loop,

@@ -8,7 +8,8 @@ A post-training config (configs/grpo_tiny.py, configs/distill_tiny.py) has the s
              train_step, the pretraining step's settings (glm_jax/train/step.py) it runs with
   tasks      (trainer "grpo") {label: {weight, task, the task's arguments}}; task (optional, else the label) is a
              name of glm_jax/rl/tasks.py's TASKS or the import path of a Task class, "package.module:TaskClass"
-  teachers   (trainer "distill") {name: {task, task_kwargs, weight, init_from, sft_steps, seed, model}}
+  teachers   (trainer "distill") {name: {task, task_kwargs, weight, init_from, sft_steps, seed, model}}; with
+             rl.tokenizer="model" each task names an environment (glm_jax/rl/environment.py) the teacher knows
   quant      (optional) INT4 quantization-aware RL (glm_jax/model/quantization.py, slime's recipe): the updates
              fake-quantize the planned weights and the rollouts sample from them packed by the same quantizer
 rl.reward is a name of glm_jax/rl/rewards.py's REWARD_FNS or the import path of a reward factory
@@ -85,9 +86,10 @@ def default_rl_config() -> ml_collections.ConfigDict:
   c.worker_start_timeout = 300.0  # seconds a new worker may take to start (imports, compiling) before its first beat
   c.handshake_timeout = 30.0  # seconds to connect to a started worker and authenticate both ways, else it is replaced
   c.max_worker_restarts = 3  # replacements before the run fails
-  # Agentic RL (glm_jax/rl/environment.py, agent_loop.py, agentic.py): rl.tokenizer="model" plays the tasks section's
-  # environments in GLM-5's chat format with the model's tokenizer (rl.init_from's recorded one, else config.data's);
-  # "char" keeps glm_jax/rl/tasks.py's single-turn tasks on their character vocabulary.
+  # Agentic RL (glm_jax/rl/environment.py, agent_loop.py, agentic.py): rl.tokenizer="model" plays environments in
+  # GLM-5's chat format with the model's tokenizer (rl.init_from's recorded one, else config.data's): GRPO the tasks
+  # section's, distillation each teacher's (teachers.<name>.task names an environment); "char" keeps
+  # glm_jax/rl/tasks.py's single-turn tasks on their character vocabulary.
   c.tokenizer = "char"
   c.rollout_fn = ""  # "" = agentic.default_rollout (group_size episodes a task), or "package.module:function"
   c.max_turns = 4  # the model's turns an episode
@@ -212,17 +214,11 @@ def _validate_rl_section(rl: ml_collections.ConfigDict) -> None:
 
 
 def _validate_agentic(config: ml_collections.ConfigDict) -> None:
-  """rl.tokenizer="model": environments in the tasks section, a rollout function that imports, bounded tools, and
-  only what the agent loop supports."""
+  """rl.tokenizer="model": environments in the tasks section (GRPO) or the teachers' (distillation), a rollout
+  function that imports, bounded tools, and only what the agent loop supports."""
   rl = config.rl
-  if config.trainer != "grpo":
-    invalid("rl.tokenizer", rl.tokenizer, "environments (rl.tokenizer='model') train with trainer 'grpo'")
-  for field, value, why in [
-    ("rl.rollout_process", rl.rollout_process, "the agent loop runs in the trainer's process (a thread when async)"),
-    ("rl.speculate", rl.speculate, "the agent loop decodes without MTP drafts"),
-  ]:
-    if value:
-      invalid(field, value, f"{why}; not with rl.tokenizer='model'")
+  if rl.speculate:
+    invalid("rl.speculate", rl.speculate, "the agent loop decodes without MTP drafts; not with rl.tokenizer='model'")
   if not (isinstance(rl.tool_timeout, (int, float)) and 0 < rl.tool_timeout < float("inf")):
     invalid("rl.tool_timeout", rl.tool_timeout, "must be a finite number of seconds > 0")
   if rl.tool_max_output_chars < 100:
@@ -239,23 +235,32 @@ def _validate_agentic(config: ml_collections.ConfigDict) -> None:
 
 
 def environment_mix(config: ml_collections.ConfigDict) -> list[tuple[str, object, float]]:
-  """[(label, environment, weight)] of an agentic run's tasks section (glm_jax/rl/environment.py make_environment:
-  tasks.<label>.task, else the label, names the environment; the other fields but weight are its arguments)."""
+  """[(label, environment, weight)] of an agentic run (glm_jax/rl/environment.py make_environment). GRPO: the tasks
+  section, tasks.<label>.task (else the label) naming the environment, its other fields but weight the
+  environment's arguments. Distillation: one a teacher, in the teachers' order, labelled by the teacher's name:
+  its task and task_kwargs (the loop finds a row's teacher by its label)."""
   from glm_jax.rl import environment
 
+  if config.trainer == "distill":
+    section = "teachers"
+    specs = [(n, t.task, t.task_kwargs.to_dict(), t.weight) for n, t in config.teachers.items()]
+  else:
+    section = "tasks"
+    specs = [
+      (label, s.get("task", label), {k: v for k, v in s.items() if k not in ("weight", "task")}, s.weight)
+      for label, s in config.tasks.items()
+    ]
   out = []
-  for label, spec in config.tasks.items():
-    kwargs = {k: v for k, v in spec.items() if k not in ("weight", "task")}
-    name = spec.get("task", label)
+  for label, name, kwargs, weight in specs:
     try:
       env = environment.make_environment(name, **kwargs)
     except ValueError as e:
-      raise ValueError(f"tasks.{label}: {e}") from e
-    if not spec.weight >= 0:
-      invalid(f"tasks.{label}.weight", spec.weight, "must be >= 0")
-    out.append((label, env, float(spec.weight)))
+      raise ValueError(f"{section}.{label}: {e}") from e
+    if not weight >= 0:
+      invalid(f"{section}.{label}.weight", weight, "must be >= 0")
+    out.append((label, env, float(weight)))
   if not out or not sum(w for _, _, w in out) > 0:
-    invalid("tasks", config.tasks.to_dict(), "give at least one environment with a positive weight")
+    invalid(section, config[section].to_dict(), "give at least one environment with a positive weight")
   return out
 
 
@@ -268,7 +273,8 @@ def _validate_distill(config: ml_collections.ConfigDict) -> None:
   if not len(config.teachers):
     invalid("teachers", config.teachers.to_dict(), "give at least one teacher")
   for name, t in config.teachers.items():
-    _make_task(f"teachers.{name}.task", t.task, t.task_kwargs.to_dict())
+    if rl.tokenizer == "char":  # agentic: an environment, made by environment_mix
+      _make_task(f"teachers.{name}.task", t.task, t.task_kwargs.to_dict())
     if not t.weight >= 0:
       invalid(f"teachers.{name}.weight", t.weight, "must be >= 0")
     vocab = t.model.get("vocab_size", config.model.vocab_size)

@@ -4,8 +4,10 @@
 
 The trainer (ProcessRolloutWorker, the thread RolloutWorker's interface: push_weights, start, get, stop) starts
 `python -m glm_jax.rl.rollout_engine <config.json>`, which builds the run's sampler, tasks and reward function
-from the config, listens on a loopback port it prints, and serves one connection (multiprocessing.connection:
-pickled messages, after its challenge-response on a random key the trainer passes in the environment):
+from the config (an agentic run's, rl.tokenizer="model": its agent loop, environments, tool workers and rollout
+function, with the tokenizer the trainer writes beside the config), listens on a loopback port it prints, and
+serves one connection (multiprocessing.connection: pickled messages, after its challenge-response on a random key
+the trainer passes in the environment):
 
   trainer -> worker   ("weights", version, params, rest)   host arrays, tagged with their policy version
                       ("generate", index)                 make rollout `index` (rollout.step_rollout: its prompts
@@ -61,6 +63,11 @@ AUTHKEY_ENV = "GLM_JAX_ROLLOUT_AUTHKEY"
 HOST = "127.0.0.1"  # the worker listens on loopback only
 
 
+def tokenizer_path(config_path: str) -> str:
+  """Where an agentic run's worker reads the run's tokenizer (its record, data/tokenizer.py): beside the config."""
+  return os.path.join(os.path.dirname(config_path), "tokenizer.json")
+
+
 def worker_argv(config_path: str) -> list[str]:
   """The worker process's command line (the tests put stand-ins that misbehave in its place)."""
   return [sys.executable, "-m", "glm_jax.rl.rollout_engine", config_path]
@@ -71,9 +78,10 @@ class ProcessRolloutWorker:
   sampler, tasks and reward from `config` (a reward function is found by its name in the worker's process);
   `served` maps the trainer's params to what the sampler reads (quantization-aware runs pack them)."""
 
-  def __init__(self, config: ml_collections.ConfigDict, workdir: str, *, served=lambda p: p):
+  def __init__(self, config: ml_collections.ConfigDict, workdir: str, *, served=lambda p: p, tokenizer=None):
     rl = config.rl
     self._config, self._served = config, served
+    self._tokenizer = tokenizer.record() if config.rl.tokenizer == "model" else None  # the agentic run's, as recorded
     self._dir = os.path.join(workdir, "rollout")
     self._max_pending, self._timeout = rl.max_pending, float(rl.heartbeat_timeout)
     self._start_timeout, self._max_restarts = float(rl.worker_start_timeout), rl.max_worker_restarts
@@ -109,6 +117,9 @@ class ProcessRolloutWorker:
     self._config_path = os.path.join(self._dir, "config.json")
     with open(self._config_path, "w") as f:
       json.dump(self._config.to_dict(), f)
+    if self._tokenizer is not None:
+      with open(tokenizer_path(self._config_path), "w") as f:
+        json.dump(self._tokenizer, f)
     self._next_index = first_index
     self._spawn()
     for _ in range(self._max_pending):
@@ -416,25 +427,50 @@ class _Connection:
 
 
 def serve(config_path: str) -> None:
-  """The worker process: builds the run's sampler, tasks and reward from the config, prints its port, and serves
-  the trainer's requests (module docstring) until told to stop or the connection ends."""
+  """The worker process: builds the run's sampler, tasks and reward from the config (an agentic run's: its agent
+  loop, environments, tool workers and rollout function, and the tokenizer the trainer wrote beside the config),
+  prints its port, and serves the trainer's requests (module docstring) until told to stop or the connection ends."""
   from flax import nnx
 
   from glm_jax.model import GlmMoeDsa, ModelConfig
+
+  with open(config_path) as f:
+    config = ml_collections.ConfigDict(json.load(f))
+  model_cfg = ModelConfig.from_dict(config.model)
+  graphdef = nnx.graphdef(nnx.eval_shape(lambda: GlmMoeDsa(model_cfg, nnx.Rngs(0))))  # the weights come by message
+  if config.rl.tokenizer == "model":
+    from glm_jax.data.tokenizer import Tokenizer
+    from glm_jax.rl import agentic
+    from glm_jax.rl.config import environment_mix
+
+    with open(tokenizer_path(config_path)) as f:
+      vocab = Tokenizer.from_record(json.load(f))
+    environments = environment_mix(config)
+    sampler, _ = agentic.make_agent_loops(graphdef, model_cfg, config.rl, vocab)
+    run = agentic.AgenticRun(config, environments, sampler, vocab, agentic.load_rollout_fn(config.rl.rollout_fn))
+    with agentic.serving_tools(environments, config.rl):  # the tool workers, children of this process
+      _serve(config, lambda p, r, version, index: agentic.step_rollout(run, p, r, version, index, config.rl.group_size))
+    return
   from glm_jax.rl import rewards as rewards_lib, tasks as tasks_lib
   from glm_jax.rl.config import task_mix
   from glm_jax.rl.rollout import make_sampler, step_rollout
 
-  with open(config_path) as f:
-    config = ml_collections.ConfigDict(json.load(f))
-  rl = config.rl
   vocab = tasks_lib.CharVocab()
-  model_cfg = ModelConfig.from_dict(config.model)
-  graphdef = nnx.graphdef(nnx.eval_shape(lambda: GlmMoeDsa(model_cfg, nnx.Rngs(0))))  # the weights come by message
   tasks_and_weights = task_mix(config)
-  sampler = make_sampler(graphdef, model_cfg, rl, tasks_and_weights, vocab)
-  reward_fn = rewards_lib.make_reward_fn(rl.reward, vocab)
+  sampler = make_sampler(graphdef, model_cfg, config.rl, tasks_and_weights, vocab)
+  reward_fn = rewards_lib.make_reward_fn(config.rl.reward, vocab)
+  _serve(
+    config,
+    lambda params, rest, version, index: step_rollout(
+      sampler, params, rest, tasks_and_weights, config.rl, reward_fn, version, index, config.rl.group_size
+    ),
+  )
 
+
+def _serve(config: ml_collections.ConfigDict, produce) -> None:
+  """Listens, authenticates the trainer and answers its messages; `produce(params, rest, version, index)` makes
+  rollout `index`."""
+  rl = config.rl
   server = socket.create_server((HOST, 0))
   print(f"PORT {server.getsockname()[1]}", flush=True)
   try:
@@ -486,7 +522,7 @@ def serve(config_path: str) -> None:
       with have_weights:
         have_weights.wait_for(lambda: state["weights"] is not None)
         version, params, rest = state["weights"]
-      rollout = step_rollout(sampler, params, rest, tasks_and_weights, rl, reward_fn, version, index, rl.group_size)
+      rollout = produce(params, rest, version, index)
       send(("rollout", index, rollout))
   except Exception:  # noqa: BLE001  (reported to the trainer, which raises it)
     try:

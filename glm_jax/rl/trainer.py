@@ -11,7 +11,9 @@ GRPO step (config.rl):
   masks tokens whose ratio to the rollout policy leaves (1-eps_low, 1+eps_high) (GLM-5 Eq. 3-5).
 Distillation step (config.teachers):
   prompts mixed from the teachers' tasks by weight, one answer each (group size 1), every row scored by the
-  teacher its task belongs to; advantage = sg(log p_teacher - log p_student) per token (Eq. 2).
+  teacher its task belongs to; advantage = sg(log p_teacher - log p_student) per token (Eq. 2). With
+  rl.tokenizer="model" a teacher's task is an environment: one episode a task through the agent loop, the teacher
+  scoring the whole token sequence and the advantage taken on the student's own turns (the loss mask).
 Before the first step (glm_jax/rl/warm_start.py): the policy is warm-started from rl.init_from (a workdir with a
 checkpoint of the same model), else by config.sft.steps of supervised fine-tuning on the tasks' demonstrations
 with the pretraining step; a teacher likewise loads its init_from or is fine-tuned for its sft_steps, then
@@ -238,7 +240,7 @@ def _grpo_loop(ctx: RunContext, state, start: int):
 
   worker = None
   if rl.async_rollouts and rl.rollout_process:  # a worker process (glm_jax/rl/rollout_engine.py)
-    worker = ProcessRolloutWorker(ctx.config, ctx.workdir, served=ctx.served)
+    worker = ProcessRolloutWorker(ctx.config, ctx.workdir, served=ctx.served, tokenizer=ctx.vocab)
     worker.push_weights(start, state.params, state.rest)
     worker.start(first_index=start)
   elif rl.async_rollouts:
@@ -301,18 +303,26 @@ def _teachers(ctx: RunContext):
   return [(*t, scorer_of[t[0]]) for t in teachers]
 
 
+def _row_teachers(ctx: RunContext, names: list[str], problems) -> np.ndarray:
+  """Each row's teacher (its index in `names`): an agentic row's by its label (environment_mix labels a teacher's
+  environment by the teacher's name), another by its task (task_mix keeps the teachers' order)."""
+  if ctx.environments:
+    return np.asarray([names.index(label) for label, _ in problems])
+  task_of = {task.name: k for k, (task, _) in enumerate(ctx.tasks_and_weights)}
+  return np.asarray([task_of[p.task] for p in problems])
+
+
 def _distill_loop(ctx: RunContext, state, start: int):
   """Distillation updates from step `start` to rl.steps: (state, the summary's teacher_kl and reward_mean)."""
   rl = ctx.config.rl
   names = list(ctx.config.teachers.keys())
   teachers = _teachers(ctx)
-  task_of = {ctx.tasks_and_weights[i][0].name: i for i in range(len(names))}
   step_fn = rl_step.make_distill_step(ctx.graphdef, ctx.optimizer, ctx.schedule, rl, ctx.quant_plan)
   last = {}
   for done in range(start, rl.steps):
     t0 = time.perf_counter()
     rollout = _step_rollout(ctx, state.params, state.rest, done, done, 1)
-    which = np.asarray([task_of[p.task] for p in rollout.problems])
+    which = _row_teachers(ctx, names, rollout.problems)
     tokens = jnp.asarray(rollout.tokens)
     teacher_logp = np.zeros(rollout.tokens.shape, np.float32)
     for k, (_, params, rest, score) in enumerate(teachers):

@@ -11,8 +11,9 @@ first checkpoint does not fine-tune again.
 Fine-tuning (`supervised_finetune`): the pretraining step (glm_jax/train/step.py) with config.sft.train_step's
 settings and config.sft.optimizer, on the tasks' demonstrations (LM loss); with DSA active at sft.seq_len, the
 sparse stage, which also trains the indexer, else the dense stage.
-Teachers (`load_teacher`): a teacher loads its init_from, or is fine-tuned here for its sft_steps on its task
-(with the student's sft section otherwise), then cached in <workdir>/teachers/<name>.
+Teachers (`load_teacher`): a teacher loads its init_from, or is fine-tuned here for its sft_steps on its task (an
+agentic run's: its environment's scripted conversations), with the student's sft section otherwise, then cached in
+<workdir>/teachers/<name>.
 """
 
 from __future__ import annotations
@@ -71,16 +72,18 @@ def supervised_finetune(
   tasks_and_weights,
   seed: int,
   log_prefix: str = "sft",
+  environments=(),
 ):
-  """sft.steps updates of the pretraining step on the tasks' demonstrations: returns (params, rest, the last
-  step's loss)."""
+  """sft.steps updates of the pretraining step on the tasks' demonstrations, or when `environments` are given
+  ([(label, environment, weight)], an agentic run's) on their scripted conversations: returns (params, rest, the
+  last step's loss)."""
   optimizer, step_fn = sft_step(setup.sft_steps, graphdef, model_cfg, params, sft)
   state = train_step_lib.new_train_state(params, rest, optimizer)
   rng = np.random.default_rng(seed)
   loss = float("nan")
   for i in range(sft.steps):
-    if setup.environments:  # agentic: the environments' scripted conversations, loss on the model's turns
-      batch = agentic.demonstration_batch(setup.environments, setup.vocab, rng, sft.batch_size, sft.seq_len)
+    if environments:  # agentic: the environments' scripted conversations, loss on the model's turns
+      batch = agentic.demonstration_batch(environments, setup.vocab, rng, sft.batch_size, sft.seq_len)
     else:
       batch = tasks_lib.sft_batch(tasks_and_weights, rng, sft.batch_size, sft.seq_len, setup.vocab)
     state, m = step_fn(state, {k: jnp.asarray(v) for k, v in batch.items()})
@@ -121,6 +124,7 @@ def warm_start(setup: RunSetup, state):
         config.sft,
         setup.tasks_and_weights,
         config.rl.seed,
+        environments=setup.environments,
       )
       info["sft_s"] = time.perf_counter() - t0
     init.save(0, state, None, config.to_dict(), tokenizer=setup.vocab.record(), force=True)
@@ -161,11 +165,14 @@ def load_teacher(setup: RunSetup, name: str):
   elif spec.init_from:
     raise ValueError(f"teachers.{name}.init_from={spec.init_from!r}: no complete checkpoint in {cache.directory}")
   else:
-    task = tasks_lib.make_task(spec.task, **spec.task_kwargs.to_dict())
     sft = copy.deepcopy(config.sft)
     sft.steps = spec.sft_steps
+    if setup.environments:  # agentic: its environment's demonstrations (environment_mix labels it by the teacher)
+      tasks, envs = [], [(label, env, 1.0) for label, env, _ in setup.environments if label == name]
+    else:
+      tasks, envs = [(tasks_lib.make_task(spec.task, **spec.task_kwargs.to_dict()), 1.0)], ()
     state.params, state.rest, loss = supervised_finetune(
-      setup, graphdef, state.params, state.rest, cfg, sft, [(task, 1.0)], spec.seed, f"teacher {name}"
+      setup, graphdef, state.params, state.rest, cfg, sft, tasks, spec.seed, f"teacher {name}", envs
     )
     logging.info("teacher %s fine-tuned on %s: lm_loss %.4f", name, spec.task, loss)
     cache.save(

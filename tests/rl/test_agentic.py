@@ -4,6 +4,7 @@ fan-out rollout function loaded by module path from a temporary package, refused
 and a GRPO run through them whose logged rewards are the ones the plugin recorded."""
 
 import json
+import os
 import sys
 import textwrap
 
@@ -105,6 +106,15 @@ def fan_out(ctx, prompts, key):
   with open(os.environ["RECORD"], "a") as f:
     f.write(json.dumps([[s.group, s.reward] for s in samples]) + "\\n")
   return samples
+
+
+def recording(ctx, prompts, key):
+  """default_rollout, each sample's label, tokens, loss mask and sampler log-probs recorded in $RECORD."""
+  samples = agentic.default_rollout(ctx, prompts, key)
+  rows = [(s.label, s.trajectory.tokens, s.trajectory.loss_mask, s.trajectory.logprobs) for s in samples]
+  with open(os.environ["RECORD"], "a") as f:
+    f.write(json.dumps(rows) + "\\n")
+  return samples
 '''
 
 
@@ -142,15 +152,13 @@ def test_plugins_by_module_path_are_checked_before_any_rollout(plugin):
     ("rl.rollout_fn", "nowhere.mod:fn", r"rl\.rollout_fn='nowhere\.mod:fn'.*does not import"),
     ("tasks.echo.task", "my_agents.envs:Nope", r"tasks\.echo: .*has no attribute 'Nope'"),
     ("rl.tool_timeout", 0.0, r"rl\.tool_timeout=0\.0 is invalid; must be a finite number of seconds > 0"),
-    ("rl.rollout_process", True, r"rl\.rollout_process=True.*not with rl\.tokenizer='model'"),
+    ("rl.speculate", 1, r"rl\.speculate=1.*not with rl\.tokenizer='model'"),
   ]:
     bad = plugin_config(str(plugin / "cache"))
     section, _, name = field.rpartition(".")
     bad_section = bad
     for part in section.split("."):
       bad_section = bad_section[part]
-    if field == "rl.rollout_process":
-      bad.rl.async_rollouts = True
     bad_section[name] = value
     with pytest.raises(ValueError, match=match):
       validate_rl_config(bad)
@@ -173,6 +181,73 @@ def test_grpo_through_a_plugin_rollout_logs_its_rewards(plugin):
     assert groups == list(range(config.rl.prompts_per_step))  # fan-out samples joined their prompt's group
     assert len(samples) >= config.rl.prompts_per_step * config.rl.group_size
   assert summary["step"] == config.rl.steps and 0.0 <= summary["eval_accuracy"] <= 1.0
+
+
+@pytest.mark.slow  # a distillation run: the agent loop, the teachers' scorer and the distillation step compiled
+def test_distillation_on_environments_scores_each_episode_by_its_teacher(plugin):
+  """Two teachers, each an Echo environment and a model of its own seed (no fine-tuning): each step's logged
+  teacher_kl/<name> equals the KL recomputed here from the recorded episodes, the teacher's log-probs by a plain
+  forward pass of a model built from its seed, on the model's turns only (the loss mask)."""
+  import jax
+  from flax import nnx
+
+  from configs import distill_tiny
+  from glm_jax.model import GlmMoeDsa, ModelConfig
+  from glm_jax.rl import trainer
+
+  config = plugin_config(str(plugin / "cache"))
+  config.trainer = "distill"
+  config.teachers = ml_collections.ConfigDict()
+  for name, word, seed in [("amen", "amen", 7), ("selah", "selah", 8)]:
+    config.teachers[name] = distill_tiny.teacher("my_agents.envs:Echo", 1.0, seed=seed, word=word)
+    config.teachers[name].sft_steps = 0
+  del config["tasks"]
+  config.rl.rollout_fn = "my_agents.rollouts:recording"
+  config.rl.group_size, config.rl.prompts_per_step, config.rl.steps = 1, 4, 2
+  validate_rl_config(config)
+  trainer.run(config, str(plugin / "run"))
+
+  model_cfg = ModelConfig.from_dict(config.model)
+  teachers = {n: GlmMoeDsa(model_cfg, nnx.Rngs(config.teachers[n].seed)) for n in config.teachers}
+  recorded = [json.loads(line) for line in open(plugin / "record.jsonl")]
+  logged = {r["step"]: r for r in (json.loads(line) for line in open(plugin / "run" / "metrics.jsonl"))}
+  assert len(recorded) == config.rl.steps
+  seen = set()
+  for step, samples in enumerate(recorded, start=1):
+    for name, model in teachers.items():
+      rows = [(tokens, mask, logp) for label, tokens, mask, logp in samples if label == name]
+      gaps = []
+      for tokens, mask, logp in rows:
+        logits = np.asarray(model(np.asarray([tokens]), compute_mtp=False).logits[0], np.float64)
+        teacher = np.asarray(jax.nn.log_softmax(logits / config.rl.temperature, axis=-1))
+        for t in np.flatnonzero(mask):  # token t is scored by the logits at t - 1
+          gaps.append(logp[t] - teacher[t - 1, tokens[t]])
+      expected = float(np.mean(gaps)) if gaps else 0.0
+      assert logged[step][f"teacher_kl/{name}"] == pytest.approx(expected, abs=2e-4), (step, name)
+      seen |= {name} if rows else set()
+  assert seen == set(teachers)  # both teachers' environments were played
+
+
+@pytest.mark.slow  # async GRPO with a rollout worker process (its imports and compiles)
+def test_async_grpo_with_a_rollout_process_plays_the_plugin(plugin, monkeypatch):
+  """The worker process loads the plugin's environment and rollout function by module path and runs the episodes;
+  each logged step's reward mean is that of the rollout (by its index) the plugin recorded in the worker."""
+  from glm_jax.rl import trainer
+
+  path = [str(plugin / "plugins"), os.environ.get("PYTHONPATH")]
+  monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, path)))  # the worker process imports the plugin
+  config = plugin_config(str(plugin / "cache"))
+  config.rl.async_rollouts = config.rl.rollout_process = True
+  config.rl.max_pending, config.rl.tau = 1, config.rl.steps  # no rollout is too stale to train on
+  summary = trainer.run(config, str(plugin / "run"))
+  recorded = [json.loads(line) for line in open(plugin / "record.jsonl")]  # in the worker's order: by index
+  rows = [json.loads(line) for line in open(plugin / "run" / "metrics.jsonl")]
+  trained = [r for r in rows if "reward_mean" in r]
+  assert [r["step"] for r in trained] == list(range(1, config.rl.steps + 1)) and summary["dropped_stale"] == 0
+  for row in trained:
+    rewards = [r for _, r in recorded[row["rollout_index"]]]
+    assert row["reward_mean"] == pytest.approx(np.mean(rewards), abs=1e-6)
+  assert summary["workers_replaced"] == 0 and os.path.exists(plugin / "run" / "rollout" / "tokenizer.json")
 
 
 def test_tokens_outside_the_models_turns_get_no_gradient(tmp_path):
