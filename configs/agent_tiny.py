@@ -47,14 +47,19 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   sft.optimizer.warmup_steps = 30
   sft.optimizer.decay_steps = 270
 
-  config.rl = common.rl(steps=100, prompts_per_step=8, group_size=4, tokenizer="model")
-  config.rl.max_turns = 3
-  config.rl.max_turn_tokens = 64
-  config.rl.cache_len = 1024
-  config.rl.eval_prompts = 32
-  config.rl.eval_every = 25
-  config.rl.checkpoint_every = 25
-  config.rl.tool_timeout = 5.0
+  config.rl = common.rl(
+    steps=100,
+    prompts_per_step=8,
+    group_size=4,
+    tokenizer="model",
+    max_turns=3,
+    max_turn_tokens=64,
+    cache_len=1024,
+    eval_prompts=32,
+    eval_every=25,
+    checkpoint_every=25,
+    tool_timeout=5.0,
+  )
   config.optimizer = grpo_tiny.get_config().optimizer
   if v.distill:
     config.trainer = "distill"

@@ -95,7 +95,7 @@ def main(argv):
   train_s = time.perf_counter() - t0
   rl = config.rl
   cfg = ModelConfig.from_dict(config.model)
-  tokenizer = trainer._model_tokenizer(config)
+  tokenizer = trainer.model_tokenizer(config)
   graphdef = nnx.graphdef(GlmMoeDsa(cfg, nnx.Rngs(0)))
   agent = AgentParams(max_turns=rl.max_turns, max_turn_tokens=rl.max_turn_tokens, cache_len=rl.cache_len, temperature=0)
   loop = AgentLoop(graphdef, cfg, tokenizer, agent)

@@ -115,7 +115,25 @@ class TokenizedExamples:
     return np.concatenate(parts) if parts else np.zeros(0, np.int32)
 
 
-_EXAMPLES_MEMO: dict[tuple[str, str], TokenizedExamples] = {}
+_EXAMPLES_MEMO: dict[tuple[str, str], dict[str, np.ndarray]] = {}
+
+
+def _cached_arrays(memo: dict, key: str, path: str, names: tuple[str, ...], build, describe) -> dict[str, np.ndarray]:
+  """The arrays `names` of the npz at `path` (whose name holds the cache `key`); when it is absent, `build()` makes
+  them (logged with `describe(arrays)` and the time taken) and they are saved there. The last result stays in `memo`
+  (one entry: a process tokenizes one configuration at a time)."""
+  if (key, path) not in memo:
+    if os.path.exists(path):
+      with np.load(path) as f:
+        arrays = {k: f[k] for k in names}
+    else:
+      start = time.perf_counter()
+      arrays = build()
+      logging.info("tokenized %s in %.2f s -> %s", describe(arrays), time.perf_counter() - start, path)
+      _save_atomic(path, arrays)
+    memo.clear()
+    memo[(key, path)] = arrays
+  return memo[(key, path)]
 
 
 def tokenize_examples(data_cfg: ml_collections.ConfigDict, tokenizer: tokenizer_lib.Tokenizer) -> TokenizedExamples:
@@ -126,27 +144,15 @@ def tokenize_examples(data_cfg: ml_collections.ConfigDict, tokenizer: tokenizer_
     f"{sources.corpus_hash(ex.hashes)}|{tokenizer.fingerprint}|{tokenizer.eos_id}|"
     f"{_FORMAT}".encode()
   ).hexdigest()[:24]
-  path = os.path.join(tokenizer_lib.cache_dir(data_cfg), "tokenized", f"sft-{key}.npz")
-  memo_key = (key, path)
-  if memo_key not in _EXAMPLES_MEMO:
-    if os.path.exists(path):
-      with np.load(path) as f:
-        arrays = {k: f[k] for k in ("tokens", "offsets", "prompt_lens")}
-    else:
-      start = time.perf_counter()
-      arrays = _tokenize_examples(ex.prompts, ex.responses, tokenizer)
-      logging.info(
-        "tokenized %d examples into %d tokens in %.2f s -> %s",
-        len(ex.prompts),
-        len(arrays["tokens"]),
-        time.perf_counter() - start,
-        path,
-      )
-      _save_atomic(path, arrays)
-    _EXAMPLES_MEMO.clear()
-    _EXAMPLES_MEMO[memo_key] = TokenizedExamples(**arrays, train_idx=ex.train_idx, eval_idx=ex.eval_idx)
-  te = _EXAMPLES_MEMO[memo_key]
-  return TokenizedExamples(te.tokens, te.offsets, te.prompt_lens, ex.train_idx, ex.eval_idx)
+  arrays = _cached_arrays(
+    _EXAMPLES_MEMO,
+    key,
+    os.path.join(tokenizer_lib.cache_dir(data_cfg), "tokenized", f"sft-{key}.npz"),
+    ("tokens", "offsets", "prompt_lens"),
+    lambda: _tokenize_examples(ex.prompts, ex.responses, tokenizer),
+    lambda a: f"{len(ex.prompts)} examples into {len(a['tokens'])} tokens",
+  )
+  return TokenizedExamples(**arrays, train_idx=ex.train_idx, eval_idx=ex.eval_idx)
 
 
 def _tokenize_examples(
@@ -194,7 +200,7 @@ class TokenizedConversations:
     return np.concatenate(parts) if parts else np.zeros(0, np.int32)
 
 
-_CONVERSATIONS_MEMO: dict[tuple[str, str], TokenizedConversations] = {}
+_CONVERSATIONS_MEMO: dict[tuple[str, str], dict[str, np.ndarray]] = {}
 
 
 def tokenize_conversations(
@@ -212,28 +218,17 @@ def tokenize_conversations(
     f"{sources.corpus_hash(sources.document_hashes(convs.rendered))}|{tokenizer.fingerprint}|{tokenizer.eos_id}|"
     f"{_FORMAT}".encode()
   ).hexdigest()[:24]
-  path = os.path.join(tokenizer_lib.cache_dir(data_cfg), "tokenized", f"chat-{key}.npz")
-  memo_key = (key, path)
-  if memo_key not in _CONVERSATIONS_MEMO:
-    if os.path.exists(path):
-      with np.load(path) as f:
-        arrays = {k: f[k] for k in ("tokens", "loss_mask", "offsets")}
-    else:
-      start = time.perf_counter()
-      arrays = _tokenize_conversations(convs, tokenizer, data_cfg.clear_thinking)
-      logging.info(
-        "tokenized %d conversations into %d tokens (%d in the loss) in %.2f s -> %s",
-        len(convs.messages),
-        len(arrays["tokens"]),
-        int(arrays["loss_mask"].sum()),
-        time.perf_counter() - start,
-        path,
-      )
-      _save_atomic(path, arrays)
-    _CONVERSATIONS_MEMO.clear()
-    _CONVERSATIONS_MEMO[memo_key] = TokenizedConversations(**arrays, train_idx=convs.train_idx, eval_idx=convs.eval_idx)
-  tc = _CONVERSATIONS_MEMO[memo_key]
-  return TokenizedConversations(tc.tokens, tc.loss_mask, tc.offsets, convs.train_idx, convs.eval_idx)
+  arrays = _cached_arrays(
+    _CONVERSATIONS_MEMO,
+    key,
+    os.path.join(tokenizer_lib.cache_dir(data_cfg), "tokenized", f"chat-{key}.npz"),
+    ("tokens", "loss_mask", "offsets"),
+    lambda: _tokenize_conversations(convs, tokenizer, data_cfg.clear_thinking),
+    lambda a: (
+      f"{len(convs.messages)} conversations into {len(a['tokens'])} tokens ({int(a['loss_mask'].sum())} in the loss)"
+    ),
+  )
+  return TokenizedConversations(**arrays, train_idx=convs.train_idx, eval_idx=convs.eval_idx)
 
 
 def _tokenize_conversations(

@@ -94,7 +94,7 @@ def _setup(config: ml_collections.ConfigDict, workdir: str):
   model_cfg = ModelConfig.from_dict(config.model)
   environments = []
   if rl.tokenizer == "model":  # agentic: environments in the chat format, with the model's tokenizer
-    vocab = _model_tokenizer(config)
+    vocab = model_tokenizer(config)
     data_lib.check_vocab(vocab, model_cfg.vocab_size)
     vocab.chat_ids  # noqa: B018 - a tokenizer without the chat format's tokens is refused here, by name
     tasks_and_weights, environments = [], environment_mix(config)
@@ -127,7 +127,7 @@ def _setup(config: ml_collections.ConfigDict, workdir: str):
   return setup, state
 
 
-def _model_tokenizer(config: ml_collections.ConfigDict):
+def model_tokenizer(config: ml_collections.ConfigDict):
   """rl.tokenizer="model": the tokenizer rl.init_from's checkpoint recorded (the model's own), else config.data's."""
   if config.rl.init_from:
     source = Checkpointer(config.rl.init_from, read_only=True)
