@@ -76,12 +76,17 @@ def worker_argv(config_path: str) -> list[str]:
 class ProcessRolloutWorker:
   """Rollouts from a worker process (module docstring), replaced when it stops answering. The worker builds its
   sampler, tasks and reward from `config` (a reward function is found by its name in the worker's process);
-  `served` maps the trainer's params to what the sampler reads (quantization-aware runs pack them)."""
+  `served` maps the trainer's params to what the sampler reads (quantization-aware runs pack them); an agentic run
+  (rl.tokenizer="model") passes its `tokenizer`."""
 
   def __init__(self, config: ml_collections.ConfigDict, workdir: str, *, served=lambda p: p, tokenizer=None):
     rl = config.rl
     self._config, self._served = config, served
-    self._tokenizer = tokenizer.record() if config.rl.tokenizer == "model" else None  # the agentic run's, as recorded
+    self._tokenizer = None  # an agentic run's tokenizer, as a checkpoint records it (the worker rebuilds it)
+    if rl.tokenizer == "model":
+      if tokenizer is None:
+        raise ValueError("ProcessRolloutWorker: rl.tokenizer='model' needs the run's tokenizer (tokenizer=...)")
+      self._tokenizer = tokenizer.record()
     self._dir = os.path.join(workdir, "rollout")
     self._max_pending, self._timeout = rl.max_pending, float(rl.heartbeat_timeout)
     self._start_timeout, self._max_restarts = float(rl.worker_start_timeout), rl.max_worker_restarts
