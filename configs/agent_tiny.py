@@ -69,7 +69,6 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
     for label, spec in config.tasks.items():
       kwargs = {k: val for k, val in spec.items() if k != "weight"}
       config.teachers[label] = distill_tiny.teacher(label, spec.weight, seed=1 + len(config.teachers), **kwargs)
-      config.teachers[label].sft_steps = sft.steps
     del config["tasks"]
     config.rl.group_size = 1  # the teacher scores every token: no group needed
     config.rl.prompts_per_step = 16
@@ -77,6 +76,6 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
     sft.steps, sft.batch_size = 2, 2
     config.rl.steps, config.rl.prompts_per_step, config.rl.group_size = 2, 2, 1 if v.distill else 2
     config.rl.eval_prompts, config.rl.max_turn_tokens = 2, 16
-    for t in config.get("teachers", {}).values():
-      t.sft_steps = sft.steps
+  for t in config.get("teachers", {}).values():  # a teacher without init_from is fine-tuned as long as the student
+    t.sft_steps = sft.steps
   return config

@@ -284,11 +284,12 @@ class AgentLoop:
           if end is not None:
             live[r], finish[r] = False, end
           else:
-            ids = trajs[r].observation_ids(res.messages)
-            if pos[r] + len(ids) + 1 > p.cache_len:  # no room for it and a token after: the episode ends here
+            # Appended only with room for it and a token after in the cache; else the episode ends here.
+            ids = trajs[r].add_observation(res.messages, max_ids=p.cache_len - pos[r] - 1)
+            if ids is None:
               live[r], finish[r] = False, "length"
             else:
-              feed[r] = trajs[r].add_observation(res.messages)
+              feed[r] = ids
         if not feed:
           break
         logits, cache, pos = self._continue(params, rest, trajs, feed, logits, cache, pos)

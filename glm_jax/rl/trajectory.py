@@ -105,11 +105,15 @@ class Trajectory:
     self.messages.append({k: v for k, v in parsed.items() if k != "errors"})
     return parsed
 
-  def add_observation(self, messages: Sequence[dict]) -> list[int]:
+  def add_observation(self, messages: Sequence[dict], max_ids: int | None = None) -> list[int] | None:
     """Appends what answers the model's last turn (tool messages, or a user reply) and the generation prompt,
-    loss mask 0; returns the ids appended. Raises NotAppendOnly naming the turn when the conversation does not
-    render append-only, or when the piece would not start at a format token (module docstring)."""
+    loss mask 0; returns the ids appended. With `max_ids`, an observation of more ids than that is not appended
+    (None is returned; the agent loop's cache has no room for it). Raises NotAppendOnly naming the turn when the
+    conversation does not render append-only, or when the piece would not start at a format token (module
+    docstring)."""
     piece, ids, new = self._observation(messages)
+    if max_ids is not None and len(ids) > max_ids:
+      return None
     start = len(self.tokens)
     self.tokens += ids
     self.loss_mask += [0] * len(ids)
@@ -118,10 +122,6 @@ class Trajectory:
     self.messages += new
     self.spans.append(Span("observation", self.turns, start, len(self.tokens)))
     return ids
-
-  def observation_ids(self, messages: Sequence[dict]) -> list[int]:
-    """The ids add_observation(messages) would append, checked the same way; nothing is appended."""
-    return self._observation(messages)[1]
 
   def _observation(self, messages: Sequence[dict]) -> tuple[str, list[int], list[dict]]:
     if self.spans[-1].kind != "sample":
