@@ -83,7 +83,29 @@ def draw_log_probs(logits_BV: jax.Array, temperature: float, top_p: float) -> tu
   logp_BV = tempered_log_softmax(logits_BV, temperature)
   if temperature == 0 or top_p == 1:
     return logp_BV, logp_BV
+  return logp_BV, nucleus(logp_BV, top_p)
+
+
+def sample_rows(
+  logits_BV: jax.Array, keys_B: jax.Array, temperature_B: jax.Array, top_p_B: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+  """sample_token with each row's own temperature (0: greedy), top_p and key, all traced (the serving engine's
+  rows are different requests): (token [B] int32, its log-probability [B] fp32), row b's the same numbers as
+  sample_token(logits[b:b+1], keys[b], temperature[b], top_p[b]) gives."""
+  greedy_B = temperature_B == 0
+  logits = logits_BV.astype(jnp.float32)
+  shifted = logits - jnp.max(logits, axis=-1, keepdims=True)
+  scale_B1 = jnp.where(greedy_B, 1.0, temperature_B)[:, None]
+  logp_BV = jax.nn.log_softmax(jnp.where(scale_B1 == 1.0, logits, shifted / scale_B1), axis=-1)
+  draw_BV = jnp.where((top_p_B < 1)[:, None], nucleus(logp_BV, top_p_B[:, None]), logp_BV)
+  drawn = jax.vmap(lambda k, d: jax.random.categorical(k, d))(keys_B, draw_BV)
+  tok = jnp.where(greedy_B, jnp.argmax(logp_BV, axis=-1), drawn).astype(jnp.int32)
+  return tok, jnp.take_along_axis(logp_BV, tok[:, None], axis=-1)[:, 0]
+
+
+def nucleus(logp_BV: jax.Array, top_p) -> jax.Array:
+  """logp inside the smallest set of tokens whose probability reaches top_p (a float or [B, 1]), -inf outside."""
   sorted_BV = jnp.flip(jnp.sort(logp_BV, axis=-1), axis=-1)
   before_BV = jnp.cumsum(jnp.exp(sorted_BV), axis=-1) - jnp.exp(sorted_BV)  # mass of the better tokens
   cutoff_B1 = jnp.min(jnp.where(before_BV < top_p, sorted_BV, jnp.inf), axis=-1, keepdims=True)
-  return logp_BV, jnp.where(logp_BV >= cutoff_B1, logp_BV, -jnp.inf)
+  return jnp.where(logp_BV >= cutoff_B1, logp_BV, -jnp.inf)

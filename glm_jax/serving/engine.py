@@ -1,0 +1,311 @@
+"""The serving engine: many requests on one model at once, over a paged cache, a step at a time.
+
+  engine = Engine(graphdef, params, rest, model_cfg, EngineConfig(num_pages=256, page_size=16, max_running=16))
+  rid = engine.add(prompt_ids, SamplingParams(max_new_tokens=64, temperature=0.0, stop_ids=(eos,)), seed=0)
+  while engine.has_work():
+    for ev in engine.step():      # Event(rid, token, logp, finish_reason): a request's new token, as it is made
+      ...
+  engine.abort(rid)                 # between steps: the request ends ("abort") and its pages go back
+
+Continuous batching: the engine has `max_running` rows. Every step it retires the requests that ended and admits
+waiting ones (first come, first served) into the free rows while the page pool has room for them; a request that
+does not fit waits, it is not refused. A step feeds each running request its next tokens: a request still
+prefilling its prompt feeds up to `prefill_chunk` of them (chunked prefill), one decoding feeds its last token; a
+step with any prefilling row is [max_running, prefill_chunk] tokens, a step of decoding rows only is
+[max_running, 1]: two compiled programs, whatever the requests.
+
+The cache is paged (glm_jax/serving/paged_cache.py): a request holds the pages its prompt and max_new_tokens can
+fill (reserved when it is admitted, so it never runs out mid-way), pages shared with earlier requests through the
+prefix cache included. A request whose prompt starts with whole pages another request has written (a multi-turn
+session's history, a GRPO group's shared prompt) maps those pages instead of prefilling them; a request whose next
+page is being prefilled by a running request waits a step or more for it rather than prefilling it a second time.
+
+Each row is its own request: the step is the model's decode over the row's own pages (`GlmMoeDsa.decode_tokens`:
+the absorbed MLA, DSA's exact top-k of the indexer over the request's own tokens, the MoE), and the token is drawn
+with the request's own temperature, top_p and key (`sample_rows`; the key is the request's seed folded with the
+token's position, so a request's draws do not depend on what it is batched with). Greedy output is the Sampler's for
+the prompt alone (tests/serving/test_engine.py), the log-probabilities those of the distribution drawn from
+(glm_jax/inference/sampling.py). `update_weights` swaps in new weights between steps and drops the prefix cache.
+
+Not here yet: MTP speculative decoding, GLM's blank-infilling layouts, a mesh (one device).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import itertools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from glm_jax.inference.sampling import SamplingParams, sample_rows
+from glm_jax.model.config import ModelConfig
+from glm_jax.serving import paged_cache
+from glm_jax.serving.paged_cache import PagePool
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  num_pages: int = 256  # pages in the pool (page 0 is scratch): the cache holds (num_pages - 1) * page_size tokens
+  page_size: int = 16  # tokens a page
+  max_running: int = 16  # requests decoded together (rows of a step)
+  prefill_chunk: int = 32  # prompt tokens a prefilling request feeds a step
+  max_seq_len: int = 1024  # a request's prompt + max_new_tokens at most (the page table's width)
+
+  def check(self, cfg: ModelConfig) -> None:
+    for name in ("num_pages", "page_size", "max_running", "prefill_chunk", "max_seq_len"):
+      v = getattr(self, name)
+      if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"engine.{name}={v!r}; must be a positive integer")
+    if self.num_pages < 2:
+      raise ValueError(f"engine.num_pages={self.num_pages}; need at least 2 (page 0 is scratch)")
+    if self.max_seq_len > cfg.max_position_embeddings:
+      raise ValueError(
+        f"engine.max_seq_len={self.max_seq_len} exceeds model.max_position_embeddings={cfg.max_position_embeddings}"
+      )
+
+  @property
+  def table_width(self) -> int:
+    """Pages a request can hold: the page table's columns."""
+    return -(-self.max_seq_len // self.page_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+  """What a step made of one request: its new token (None when it ended without one: an abort) and the token's
+  log-probability; finish_reason "stop" (a stop id), "length" (max_new_tokens), "abort", or None while it runs."""
+
+  rid: int
+  token: int | None
+  logp: float | None
+  finish_reason: str | None = None
+
+
+@dataclasses.dataclass
+class _Request:
+  rid: int
+  prompt: list[int]
+  sampling: SamplingParams
+  seed: int
+  tokens: list[int]  # prompt, then what was generated
+  hashes: list[bytes]  # prefix-cache keys of the prompt's whole pages that can be shared (the last token excluded)
+  pages: list[int] = dataclasses.field(default_factory=list)
+  row: int | None = None
+  computed: int = 0  # tokens whose cache entries are written (the first `computed` of `tokens`)
+  registered: int = 0  # leading pages registered in the prefix cache
+  abort: bool = False
+
+  @property
+  def generated(self) -> int:
+    return len(self.tokens) - len(self.prompt)
+
+
+class Engine:
+  """The engine (module docstring). Not thread-safe: one thread calls add / abort / step (glm_jax/serving/server.py
+  runs it in a loop of its own). `stats` counts the prompt tokens prefilled, the tokens decoded, the prompt tokens
+  taken from the prefix cache, and the steps of each kind."""
+
+  def __init__(self, graphdef, params, rest, cfg: ModelConfig, config: EngineConfig = EngineConfig(), *, version=0):
+    config.check(cfg)
+    self.cfg, self.config = cfg, config
+    self._graphdef, self._params, self._rest = graphdef, params, rest
+    self.version = version
+    self.pool = PagePool(config.num_pages, config.page_size)
+    self._cache = paged_cache.empty_pool(cfg, config.num_pages, config.page_size)
+    self._ids = itertools.count()
+    self._waiting: collections.deque[_Request] = collections.deque()
+    self._rows: list[_Request | None] = [None] * config.max_running
+    self._by_id: dict[int, _Request] = {}
+    self.stats = collections.Counter()
+
+  # ---- requests
+
+  def add(self, prompt: Sequence[int], sampling: SamplingParams, *, seed: int = 0) -> int:
+    """Queues a request and returns its id; bad input is refused by name (nothing queued)."""
+    prompt = [int(t) for t in prompt]
+    self.check_request(prompt, sampling)
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**31:
+      raise ValueError(f"seed={seed!r}; must be an integer in [0, 2**31)")
+    size = self.config.page_size
+    req = _Request(
+      rid=next(self._ids),
+      prompt=prompt,
+      sampling=sampling,
+      seed=int(seed),
+      tokens=list(prompt),
+      hashes=paged_cache.page_hashes(prompt, size, (len(prompt) - 1) // size),
+    )
+    self._waiting.append(req)
+    self._by_id[req.rid] = req
+    return req.rid
+
+  def check_request(self, prompt: Sequence[int], sampling: SamplingParams) -> None:
+    """ValueError naming what is wrong with a request: an empty prompt, a token id outside the vocabulary, a prompt
+    plus max_new_tokens longer than a request may be or than the whole pool holds."""
+    if not len(prompt):
+      raise ValueError("prompt is empty; a request needs at least one token")
+    bad = [t for t in prompt if not 0 <= int(t) < self.cfg.vocab_size]
+    if bad:
+      raise ValueError(f"prompt: token id {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})")
+    need = len(prompt) + sampling.max_new_tokens
+    if need > self.config.max_seq_len:
+      raise ValueError(
+        f"a prompt of {len(prompt)} tokens plus max_new_tokens={sampling.max_new_tokens} is {need} tokens; this "
+        f"engine serves at most engine.max_seq_len={self.config.max_seq_len}"
+      )
+    if self._pages_for(len(prompt), sampling) > self.config.num_pages - 1:
+      raise ValueError(
+        f"a prompt of {len(prompt)} tokens plus max_new_tokens={sampling.max_new_tokens} needs more pages than the "
+        f"pool has (engine.num_pages={self.config.num_pages}, page_size={self.config.page_size})"
+      )
+
+  def abort(self, rid: int) -> bool:
+    """Ends a request at the next step (an Event with finish_reason "abort"); False if it is unknown or over."""
+    req = self._by_id.get(rid)
+    if req is None:
+      return False
+    req.abort = True
+    return True
+
+  def has_work(self) -> bool:
+    return bool(self._waiting) or any(r is not None for r in self._rows)
+
+  @property
+  def num_waiting(self) -> int:
+    return len(self._waiting)
+
+  @property
+  def num_running(self) -> int:
+    return sum(r is not None for r in self._rows)
+
+  def update_weights(self, params, rest, version) -> None:
+    """New weights from the next step on; every cached prefix page was computed with the old ones and is dropped
+    (running requests keep their pages: they continue with the new weights, as RL's asynchronous rollouts do)."""
+    self._params, self._rest, self.version = params, rest, version
+    self.pool.clear_prefix_cache()
+    for req in self._rows:
+      if req is not None:
+        req.registered = len(req.pages)  # its pages are stale for anyone else: never register them
+
+  # ---- the step
+
+  def step(self) -> list[Event]:
+    """Retires aborted requests, admits waiting ones, runs one model step over the running ones: the events of it."""
+    events = [self._finish(req, "abort") for req in list(self._waiting) + self._running() if req.abort]
+    self._admit()
+    running = self._running()
+    if not running:
+      return events
+    r, width = self.config.max_running, self.config.table_width
+    todo = {req.row: len(req.tokens) - req.computed for req in running}
+    t = self.config.prefill_chunk if any(n > 1 for n in todo.values()) else 1
+    tokens = np.zeros((r, t), np.int32)
+    pos, n_new = np.zeros(r, np.int32), np.zeros(r, np.int32)
+    table = np.zeros((r, width), np.int32)
+    temp, top_p, seed = np.zeros(r, np.float32), np.ones(r, np.float32), np.zeros(r, np.int32)
+    for req in running:
+      n = min(t, todo[req.row])
+      i = req.row
+      tokens[i, :n] = req.tokens[req.computed : req.computed + n]
+      pos[i], n_new[i] = req.computed, n
+      table[i, : len(req.pages)] = req.pages
+      temp[i], top_p[i], seed[i] = req.sampling.temperature, req.sampling.top_p, req.seed
+    tok, logp, self._cache = _step(
+      self._graphdef,
+      self._params,
+      self._rest,
+      self._cache,
+      *map(jnp.asarray, (tokens, pos, n_new, table, temp, top_p, seed)),
+    )
+    tok, logp = np.asarray(tok), np.asarray(logp)
+    self.stats["steps_prefill" if t > 1 else "steps_decode"] += 1
+    for req in running:
+      i, n = req.row, int(n_new[req.row])
+      prefill = min(n, max(len(req.prompt) - req.computed, 0))
+      self.stats["prefill_tokens"] += prefill
+      self.stats["decode_tokens"] += n - prefill
+      req.computed += n
+      self._register(req)
+      if req.computed < len(req.tokens):
+        continue  # a chunk inside the prompt: what was drawn after it is not a next token
+      req.tokens.append(int(tok[i]))
+      s = req.sampling
+      reason = "stop" if int(tok[i]) in s.stop_ids else ("length" if req.generated >= s.max_new_tokens else None)
+      events.append(Event(req.rid, int(tok[i]), float(logp[i]), reason))
+      if reason:
+        self._finish(req, reason)
+    return events
+
+  def _running(self) -> list[_Request]:
+    return [r for r in self._rows if r is not None]
+
+  def _pages_for(self, prompt_len: int, sampling: SamplingParams) -> int:
+    """Pages a request holds: every slot it writes (prompt + max_new_tokens - 1: the last token is never fed)."""
+    return -(-(prompt_len + sampling.max_new_tokens - 1) // self.config.page_size)
+
+  def _admit(self) -> None:
+    """Waiting requests into free rows, in order, while the pool has their pages. A request whose next prompt page a
+    running request is about to write is passed over (it will find the page cached); one the pool cannot hold
+    stops admission (first come, first served)."""
+    pending = {h for req in self._running() for h in req.hashes[req.registered :]}
+    for req in list(self._waiting):
+      free = [i for i, r in enumerate(self._rows) if r is None]
+      if not free:
+        return
+      shared = []
+      for h in req.hashes:
+        page = self.pool.cached(h)
+        if page is None:
+          break
+        shared.append(page)
+      if len(shared) < len(req.hashes) and req.hashes[len(shared)] in pending:
+        continue
+      pages = self.pool.acquire(shared, self._pages_for(len(req.prompt), req.sampling) - len(shared))
+      if pages is None:
+        return
+      self._waiting.remove(req)
+      req.pages, req.row = pages, free[0]
+      req.registered, req.computed = len(shared), len(shared) * self.config.page_size
+      self.stats["prefix_cached_tokens"] += req.computed
+      self._rows[req.row] = req
+      pending.update(req.hashes[req.registered :])
+
+  def _register(self, req: _Request) -> None:
+    """Registers the request's pages that are now wholly written (prompt pages by their known keys, later ones by
+    the tokens' chain) in the prefix cache."""
+    size = self.config.page_size
+    whole = min(req.computed // size, len(req.pages))
+    if whole <= req.registered:
+      return
+    keys = req.hashes if whole <= len(req.hashes) else paged_cache.page_hashes(req.tokens, size, whole)
+    for i in range(req.registered, whole):
+      self.pool.register(req.pages[i], keys[i])
+    req.registered = whole
+
+  def _finish(self, req: _Request, reason: str) -> Event:
+    if req.row is not None:
+      self._rows[req.row] = None
+      self.pool.release(req.pages)
+      req.row, req.pages = None, []
+    elif req in self._waiting:
+      self._waiting.remove(req)
+    self._by_id.pop(req.rid, None)
+    return Event(req.rid, None, None, reason) if reason == "abort" else None
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=3)  # engines of one model share the compiled steps
+def _step(graphdef, params, rest, pool, tokens_RT, pos_R, n_new_R, table_RP, temp_R, top_p_R, seed_R):
+  """One engine step: row r feeds tokens[r, :n_new[r]] at slots pos[r].. over its pages; returns the token drawn
+  after each row's last fed token, its log-probability, and the pool with the new entries written."""
+  model = nnx.merge(graphdef, params, rest)
+  _, h_RTD, cache = model.decode_tokens(tokens_RT, pos_R, paged_cache.paged(pool, table_RP))
+  last_RD = h_RTD[jnp.arange(h_RTD.shape[0]), jnp.maximum(n_new_R - 1, 0)]
+  logits_RV = model.head(model.norm(last_RD[:, None]))[:, 0]
+  keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(seed_R, pos_R + n_new_R)
+  tok, logp = sample_rows(logits_RV, keys, temp_R, top_p_R)
+  return tok, logp, paged_cache.unpaged(cache)

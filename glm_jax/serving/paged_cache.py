@@ -1,0 +1,204 @@
+"""The serving engine's cache: fixed-size pages of MLA latents and indexer keys from one pool, a page table a request.
+
+  pool.kv       [(L,) N, page_size, kv_lora_rank + qk_rope_head_dim]   the LayerCache's kv, its rows being pages
+  pool.index_k  [(L,) N, page_size, index_head_dim]                    (DSA only)
+  page_table    [R, P] int32                                           request r's slot s lives in page
+                                                                       page_table[r, s // page_size] at s % page_size
+Memory is the pool's N pages, whatever the number of requests or their lengths. Page 0 is scratch: a page-table entry
+of 0 is "no page", and writes to slots with no page (a chunk's padding past a request's end, an idle row) land there.
+No query ever reads it: a request's queries see only its own slots up to their own position, all of which have pages.
+
+`PagedLayerCache` gives MLA.decode (glm_jax/model/mla.py) the LayerCache interface over a pool: `write` scatters the
+new entries into their pages, and `kv` / `index_k` gather a request's pages into the contiguous [R, P * page_size, W]
+view the decode attends over, so the engine's step is the model's own decode step: the same exact top-k of the
+indexer over the request's tokens (DSA), the same absorbed attention. (On a TPU a ragged paged-attention kernel would
+read the pages in place; the gathered view is the portable variant.)
+
+`PagePool` is the host side: which pages are free, which request holds which, and the prefix cache. A page whose
+slots are all written is registered under a hash of every token up to its end (a chain: the hash of the page before
+and the page's own tokens), so a request whose prompt starts with the same tokens maps those pages into its table
+instead of prefilling them again. Shared pages are read-only: a request writes only at slots past its matched prefix,
+and only whole pages are shared. A page no running request holds stays cached until its room is needed (least
+recently used first); new weights make every cached page stale (`clear_prefix_cache`).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from glm_jax.model.config import ModelConfig
+from glm_jax.model.kv_cache import KVCache, LayerCache
+from glm_jax.model.layers import dtype_of
+
+SCRATCH_PAGE = 0
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PagedLayerCache:
+  """LayerCache's interface (length, kv, index_k, write) over one layer's pages and the requests' page tables."""
+
+  pages: LayerCache  # kv [N, page_size, A], index_k [N, page_size, Z] or None
+  page_table: jax.Array  # [R, P] int32
+
+  @property
+  def page_size(self) -> int:
+    return self.pages.kv.shape[-2]
+
+  @property
+  def length(self) -> int:
+    return self.page_table.shape[-1] * self.page_size
+
+  def _view(self, pool: jax.Array) -> jax.Array:
+    r, p = self.page_table.shape
+    return pool[self.page_table].reshape(r, p * self.page_size, pool.shape[-1])
+
+  @property
+  def kv(self) -> jax.Array:
+    return self._view(self.pages.kv)
+
+  @property
+  def index_k(self) -> jax.Array | None:
+    return None if self.pages.index_k is None else self._view(self.pages.index_k)
+
+  def write(self, pos_B: jax.Array, kv_BTA: jax.Array, index_k_BTZ: jax.Array | None) -> PagedLayerCache:
+    """Row b's T new entries at slots pos[b]..pos[b] + T - 1, each in its page (scratch past the table's end)."""
+    t, size = kv_BTA.shape[1], self.page_size
+    slots = pos_B[:, None] + jnp.arange(t)
+    col = slots // size
+    page = jnp.where(
+      col < self.page_table.shape[1],
+      jnp.take_along_axis(self.page_table, jnp.minimum(col, self.page_table.shape[1] - 1), axis=1),
+      SCRATCH_PAGE,
+    )
+    off = slots % size
+
+    def put(pool, new):
+      return pool.at[page, off].set(new.astype(pool.dtype))
+
+    index_k = None if self.pages.index_k is None else put(self.pages.index_k, index_k_BTZ)
+    return PagedLayerCache(LayerCache(kv=put(self.pages.kv, kv_BTA), index_k=index_k), self.page_table)
+
+
+def empty_pool(cfg: ModelConfig, num_pages: int, page_size: int) -> KVCache:
+  """A KVCache of zeros whose LayerCaches' rows are pages: [L, num_pages, page_size, W] a stack."""
+  dtype = dtype_of(cfg.dtype)
+
+  def stack(layers: int) -> LayerCache | None:
+    if not layers:
+      return None
+    index_k = jnp.zeros((layers, num_pages, page_size, cfg.index_head_dim), dtype) if cfg.use_dsa else None
+    return LayerCache(kv=jnp.zeros((layers, num_pages, page_size, cfg.kv_latent_dim), dtype), index_k=index_k)
+
+  return KVCache(dense=stack(cfg.num_dense_layers), moe=stack(cfg.num_moe_layers))
+
+
+def paged(pool: KVCache, page_table_RP: jax.Array) -> KVCache:
+  """The pool as a KVCache of PagedLayerCaches (the page table repeated for each layer of a stack: scan slices it)."""
+
+  def wrap(stack: LayerCache | None):
+    if stack is None:
+      return None
+    layers = stack.kv.shape[0]
+    return PagedLayerCache(stack, jnp.broadcast_to(page_table_RP, (layers, *page_table_RP.shape)))
+
+  return KVCache(dense=wrap(pool.dense), moe=wrap(pool.moe))
+
+
+def unpaged(cache: KVCache) -> KVCache:
+  """The pool back out of `paged`'s KVCache."""
+  return KVCache(
+    dense=None if cache.dense is None else cache.dense.pages, moe=None if cache.moe is None else cache.moe.pages
+  )
+
+
+def page_hashes(tokens, page_size: int, pages: int) -> list[bytes]:
+  """The prefix-cache keys of the first `pages` whole pages of `tokens`: page i's key hashes page i - 1's key and
+  page i's tokens, so it names every token up to the page's end."""
+  out, prev = [], b""
+  arr = np.asarray(tokens[: pages * page_size], np.int64)
+  for i in range(pages):
+    prev = hashlib.blake2b(prev + arr[i * page_size : (i + 1) * page_size].tobytes(), digest_size=16).digest()
+    out.append(prev)
+  return out
+
+
+class PagePool:
+  """Host-side bookkeeping of the pages 1..num_pages - 1 (0 is scratch): free pages, the pages each holder has, and
+  the prefix cache (module docstring). Counts: `free_pages` (allocatable now, cached-but-unused pages included)."""
+
+  def __init__(self, num_pages: int, page_size: int):
+    if num_pages < 2:
+      raise ValueError(f"num_pages={num_pages}; need at least 2 (page 0 is scratch)")
+    self.num_pages, self.page_size = num_pages, page_size
+    self._free = list(range(num_pages - 1, 0, -1))  # pop() gives the lowest page first
+    self._refs = np.zeros(num_pages, np.int32)
+    self._by_hash: dict[bytes, int] = {}
+    self._hash_of: dict[int, bytes] = {}
+    self._idle: collections.OrderedDict[int, None] = collections.OrderedDict()  # cached, held by nobody: LRU first
+
+  @property
+  def free_pages(self) -> int:
+    return len(self._free) + len(self._idle)
+
+  @property
+  def used_pages(self) -> int:
+    return int(np.count_nonzero(self._refs))
+
+  def cached(self, key: bytes) -> int | None:
+    return self._by_hash.get(key)
+
+  def is_cached(self, key: bytes) -> bool:
+    return key in self._by_hash
+
+  def acquire(self, shared: list[int], fresh: int) -> list[int] | None:
+    """Holds the cached pages `shared` and `fresh` new ones, or returns None (holding nothing) when the pool
+    cannot give them. Returns the pages in order: shared, then fresh."""
+    spare = len(self._free) + sum(1 for p in self._idle if p not in shared)
+    if fresh > spare:
+      return None
+    for p in shared:
+      self._refs[p] += 1
+      self._idle.pop(p, None)
+    out = list(shared)
+    for _ in range(fresh):
+      if self._free:
+        p = self._free.pop()
+      else:  # evict the least recently used cached page
+        p, _ = self._idle.popitem(last=False)
+        del self._by_hash[self._hash_of.pop(p)]
+      self._refs[p] = 1
+      out.append(p)
+    return out
+
+  def register(self, page: int, key: bytes) -> None:
+    """Marks a held, fully written page as the prefix cache's page for `key` (a page already cached under that key
+    stays the cached one)."""
+    if key not in self._by_hash and page not in self._hash_of:
+      self._by_hash[key] = page
+      self._hash_of[page] = key
+
+  def release(self, pages: list[int]) -> None:
+    """Lets go of a holder's pages: cached ones stay cached (most recently used last), the rest are free."""
+    for p in pages:
+      self._refs[p] -= 1
+      if self._refs[p] == 0:
+        if p in self._hash_of:
+          self._idle[p] = None
+          self._idle.move_to_end(p)
+        else:
+          self._free.append(p)
+
+  def clear_prefix_cache(self) -> None:
+    """Forgets every cached page (new weights: their entries are stale); pages still held are freed on release."""
+    for p in self._idle:
+      self._free.append(p)
+    self._idle.clear()
+    self._by_hash.clear()
+    self._hash_of.clear()
