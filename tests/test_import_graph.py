@@ -27,11 +27,12 @@ RANKS = {
   "glm_jax.convert": 3,
   "glm_jax.inference": 3,
   "glm_jax.train": 3,
-  "glm_jax.rl": 4,
-  "glm_jax.cli": 4,  # the launch scripts' error handling (reads train.guards)
-  "glm_jax.sweep": 5,  # checks each point's config with the pretraining and RL trainers' checks
-  "launch": 6,
-  "experiments": 6,
+  "glm_jax.serving": 4,  # the serving engine (inference's model steps over a paged cache) and its HTTP server
+  "glm_jax.rl": 5,  # its rollouts may run on the serving engine
+  "glm_jax.cli": 5,  # the launch scripts' error handling (reads train.guards)
+  "glm_jax.sweep": 6,  # checks each point's config with the pretraining and RL trainers' checks
+  "launch": 7,
+  "experiments": 7,
 }
 EXACT = {"glm_jax"}  # groups of one module: a new glm_jax subpackage or leaf module must be ranked here
 CONFIGS = "configs"  # experiment files: only entry points import them, and they import each other and these:
@@ -186,7 +187,7 @@ def test_the_checker_finds_cycles_upward_and_sideways_edges(tmp_path):
     "glm_jax.model (rank 2)",
     "glm_jax/rl/loop.py imports configs/c.py: only entry points (launch, experiments) import configs",
     "glm_jax/train/__init__.py imports glm_jax/rl/loop.py: upward: glm_jax.train (rank 3) may not import "
-    "glm_jax.rl (rank 4)",
+    "glm_jax.rl (rank 5)",
   ]
   assert cycles(edges, files) == [
     "glm_jax/model/a.py -> glm_jax/model/b.py -> glm_jax/model/a.py",

@@ -108,7 +108,7 @@ class _Request:
 class Engine:
   """The engine (module docstring). Not thread-safe: one thread calls add / abort / step (glm_jax/serving/server.py
   runs it in a loop of its own). `stats` counts the prompt tokens prefilled, the tokens decoded, the prompt tokens
-  taken from the prefix cache, and the steps of each kind."""
+  taken from the prefix cache, the steps of each kind and the requests ended by each finish reason."""
 
   def __init__(self, graphdef, params, rest, cfg: ModelConfig, config: EngineConfig = EngineConfig(), *, version=0):
     config.check(cfg)
@@ -295,6 +295,7 @@ class Engine:
     elif req in self._waiting:
       self._waiting.remove(req)
     self._by_id.pop(req.rid, None)
+    self.stats[f"finished_{reason}"] += 1
     return Event(req.rid, None, None, reason) if reason == "abort" else None
 
 

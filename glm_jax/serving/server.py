@@ -1,0 +1,627 @@
+"""The engine over HTTP: a FastAPI app (served by uvicorn, launch/serve.py) with SGLang's native endpoints and
+OpenAI's.
+
+  POST /generate              token ids (or text) in; token ids, text and log-probabilities out (SGLang's format:
+                              what RL rollouts need, no re-tokenization); "stream": true for server-sent events
+  POST /v1/completions        OpenAI completions: a prompt (text or ids), n, max_tokens, temperature, top_p, seed,
+                              stop, logprobs, stream
+  POST /v1/chat/completions   OpenAI chat: messages and tools rendered in GLM-5's chat format (glm_jax/chat.py); the
+                              reply parsed into content, reasoning_content and tool_calls; enable_thinking and
+                              clear_thinking as request fields or in chat_template_kwargs; stream
+  GET  /v1/models, /health (the server is up), /health_generate (a one-token generation went through the engine),
+       /get_model_info, /get_server_info
+  POST /abort_request         {"rid": ...}: ends a request (its pages go back)
+  POST /update_weights        new weights between engine steps, with a version (glm_jax/serving/weights.py's source)
+
+Every response of a generation carries the weight version that produced it (meta_info.weight_version, or
+`weight_version` in the OpenAI objects). Bad requests get OpenAI's error object ({"error": {"message", "type",
+"param", "code"}}) with a 4xx status: malformed JSON or a field of the wrong type (400), an unknown model (404), a
+prompt too long for the engine, a token id outside the vocabulary, bad sampling parameters (400), a missing or wrong
+API key (401); the server goes on serving. A client that disconnects from a stream aborts its request.
+
+With an API key (`api_key`), every request must carry `Authorization: Bearer <key>`; launch/serve.py refuses a
+non-loopback host without one.
+
+The engine runs in a thread of its own (`EngineThread`): it steps while any request is running and sleeps when none
+is; the HTTP handlers add requests under its lock and read each request's events from an asyncio queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import secrets
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from absl import logging
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from glm_jax import chat
+from glm_jax.inference.sampling import SamplingParams
+from glm_jax.serving.engine import Engine, Event
+
+
+class ApiError(Exception):
+  """A request the server refuses: status, message, param, code (OpenAI's error object)."""
+
+  def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    super().__init__(message)
+    self.status, self.message, self.param, self.code = status, message, param, code
+
+  def response(self) -> JSONResponse:
+    kind = {401: "authentication_error", 404: "not_found_error"}.get(self.status, "invalid_request_error")
+    body = {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+    return JSONResponse(body, status_code=self.status)
+
+
+class EngineThread:
+  """An Engine stepping in a thread of its own. `add` (any thread) queues a request and returns its id and the
+  queue its events arrive on (asyncio, on the caller's loop); `abort`, `update_weights` and `stop` likewise."""
+
+  def __init__(self, engine: Engine):
+    self.engine = engine
+    self._lock = threading.Lock()
+    self._wake = threading.Event()
+    self._queues: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+    self._stopped = False
+    self.error: BaseException | None = None
+    self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+    self._thread.start()
+
+  def add(self, prompt: list[int], sampling: SamplingParams, seed: int) -> tuple[int, asyncio.Queue]:
+    queue: asyncio.Queue = asyncio.Queue()
+    with self._lock:
+      rid = self.engine.add(prompt, sampling, seed=seed)
+      self._queues[rid] = (asyncio.get_running_loop(), queue)
+    self._wake.set()
+    return rid, queue
+
+  def abort(self, rid: int) -> bool:
+    with self._lock:
+      found = self.engine.abort(rid)
+    self._wake.set()
+    return found
+
+  def update_weights(self, params, rest, version) -> None:
+    with self._lock:
+      self.engine.update_weights(params, rest, version)
+
+  def stop(self) -> None:
+    self._stopped = True
+    self._wake.set()
+    self._thread.join(timeout=30)
+
+  def _run(self) -> None:
+    while not self._stopped:
+      with self._lock:
+        busy = self.engine.has_work()
+        if busy:
+          try:
+            events = self.engine.step()
+          except Exception as e:  # a broken step (non-finite weights, say) fails its requests, not the server
+            logging.exception("engine step failed")
+            events = [Event(rid, None, None, "error") for rid in list(self._queues)]
+            for rid in list(self._queues):
+              self.engine.abort(rid)
+            self.error = e
+      if not busy:
+        self._wake.wait(timeout=1.0)
+        self._wake.clear()
+        continue
+      for ev in events:
+        target = self._queues.get(ev.rid)
+        if target is None:
+          continue
+        if ev.finish_reason:
+          del self._queues[ev.rid]
+        loop, queue = target
+        loop.call_soon_threadsafe(queue.put_nowait, ev)
+
+
+@dataclasses.dataclass
+class ServerState:
+  engine: EngineThread
+  tokenizer: Any  # glm_jax.data.Tokenizer
+  model_name: str
+  api_key: str | None = None
+  load_weights: Callable[[dict], tuple[Any, Any, Any]] | None = None  # /update_weights body -> (params, rest, version)
+  started: float = dataclasses.field(default_factory=time.time)
+
+
+# ---- request fields
+
+
+def _field(body: dict, name: str, kind, default=None, *, where: str | None = None):
+  """body[name] checked against `kind` (a type or a tuple of types), default when absent or null."""
+  value = body.get(name, default)
+  if value is None:
+    return default
+  kinds = kind if isinstance(kind, tuple) else (kind,)
+  if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+    names = " or ".join(k.__name__ for k in kinds)
+    raise ApiError(400, f"{where or name}: expected {names}, got {json.dumps(value)[:80]}", name, "invalid_type")
+  return value
+
+
+def _sampling(body: dict, stop_ids: tuple[int, ...], max_key: str, default_max: int) -> tuple[SamplingParams, int]:
+  """SamplingParams and the seed from an OpenAI-style body (max_tokens etc.), each bad value refused by name."""
+  max_new = _field(body, max_key, int, default_max)
+  temperature = _field(body, "temperature", (int, float), 1.0)
+  top_p = _field(body, "top_p", (int, float), 1.0)
+  seed = _field(body, "seed", int, 0)
+  try:
+    sampling = SamplingParams(max_new_tokens=max_new, temperature=float(temperature), top_p=float(top_p))
+  except ValueError as e:
+    param = str(e).split("=", 1)[0]
+    raise ApiError(
+      400, str(e).replace("max_new_tokens", max_key), max_key if param == "max_new_tokens" else param
+    ) from e
+  if not 0 <= seed < 2**31:
+    raise ApiError(400, f"seed={seed}; must be in [0, 2**31)", "seed")
+  return dataclasses.replace(sampling, stop_ids=tuple(stop_ids)), seed
+
+
+def _prompt_ids(state: ServerState, prompt: Any, where: str) -> list[int]:
+  if isinstance(prompt, str):
+    return state.tokenizer.encode(prompt)
+  if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    return list(prompt)
+  raise ApiError(400, f"{where}: expected a string or a list of token ids", where, "invalid_type")
+
+
+def _check(state: ServerState, ids: list[int], sampling: SamplingParams, where: str) -> None:
+  try:
+    state.engine.engine.check_request(ids, sampling)
+  except ValueError as e:
+    code = "context_length_exceeded" if "max_seq_len" in str(e) or "pages" in str(e) else "invalid_prompt"
+    raise ApiError(400, f"{where}: {e}", where, code) from e
+
+
+# ---- running requests
+
+
+@dataclasses.dataclass
+class Generation:
+  tokens: list[int] = dataclasses.field(default_factory=list)
+  logps: list[float] = dataclasses.field(default_factory=list)
+  finish_reason: str | None = None
+
+
+async def _stream(state: ServerState, ids: list[int], sampling: SamplingParams, seed: int) -> AsyncIterator[Generation]:
+  """Runs one request, yielding its Generation after each new token (and once at the end); aborts it if the caller
+  stops listening (a client gone)."""
+  rid, queue = state.engine.add(ids, sampling, seed)
+  gen = Generation()
+  try:
+    while gen.finish_reason is None:
+      ev = await queue.get()
+      if ev.token is not None:
+        gen.tokens.append(ev.token)
+        gen.logps.append(ev.logp)
+      gen.finish_reason = ev.finish_reason
+      yield gen
+  finally:
+    if gen.finish_reason is None:
+      state.engine.abort(rid)
+
+
+async def _run(state: ServerState, ids: list[int], sampling: SamplingParams, seed: int) -> Generation:
+  last = Generation()
+  async for gen in _stream(state, ids, sampling, seed):
+    last = gen
+  return last
+
+
+def _text_stop(text: str, stops: list[str]) -> int | None:
+  """Where the first stop string starts in `text`, or None."""
+  hits = [text.find(s) for s in stops if s and s in text]
+  return min(hits) if hits else None
+
+
+def _sse(obj) -> str:
+  return f"data: {json.dumps(obj)}\n\n"
+
+
+def _finish(reason: str | None) -> str | None:
+  return {"error": "abort"}.get(reason, reason)
+
+
+# ---- the chat reply, as far as it is known
+
+
+def reply(text: str, thinking: bool, tools: list | None) -> dict:
+  """The assistant message of a reply's text (what followed the generation prompt, stop string excluded): with
+  thinking on, the text up to `</think>` is the reasoning (all of it while `</think>` has not come: a thought cut off
+  by max_tokens), the rest parsed by chat.parse_assistant; with it off, all of it parsed."""
+  reasoning, rest = "", text
+  if thinking:
+    reasoning, end, after = text.partition("</think>")
+    rest = after if end else ""
+  parsed = chat.parse_assistant(rest, tools=tools or None)
+  parsed["reasoning_content"] = reasoning.strip()
+  return parsed
+
+
+def reply_so_far(text: str, thinking: bool) -> tuple[str, str]:
+  """(reasoning, content) of a reply still being written, each a prefix of what `reply` gives once it ends: the
+  trailing whitespace held back (the end strips it) and nothing from an unclosed <tool_call> on."""
+  cut = text.rfind("<tool_call>")
+  if cut != -1 and "</tool_call>" not in text[cut:]:
+    text = text[:cut]
+  parsed = reply(text, thinking, None)
+  return parsed["reasoning_content"], parsed["content"]
+
+
+def _openai_calls(calls: list[dict]) -> list[dict]:
+  return [
+    {
+      "id": f"call_{uuid.uuid4().hex[:24]}",
+      "type": "function",
+      "function": {"name": c["function"]["name"], "arguments": json.dumps(c["function"]["arguments"])},
+    }
+    for c in calls
+  ]
+
+
+# ---- the app
+
+
+def make_app(state: ServerState) -> FastAPI:
+  app = FastAPI(title="glm-jax serving engine")
+  app.state.serving = state
+  tok = state.tokenizer
+  chat_stops = tuple(tok.chat_ids[s] for s in chat.STOP_STRINGS) if _can_chat(tok) else ()
+
+  @app.middleware("http")
+  async def api_key(request: Request, call_next):
+    if state.api_key is not None:
+      given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+      if not secrets.compare_digest(given.encode(), state.api_key.encode()):
+        return ApiError(
+          401, "missing or wrong API key (send Authorization: Bearer <key>)", None, "invalid_api_key"
+        ).response()
+    return await call_next(request)
+
+  @app.exception_handler(ApiError)
+  async def api_error(request, e: ApiError):
+    return e.response()
+
+  @app.exception_handler(RequestValidationError)
+  async def bad_body(request, e: RequestValidationError):
+    return ApiError(400, f"malformed request body: {e.errors()[0].get('msg', e)}", None, "invalid_json").response()
+
+  @app.exception_handler(HTTPException)
+  async def http_error(request, e: HTTPException):
+    return ApiError(e.status_code, str(e.detail), None, None).response()
+
+  async def body_of(request: Request) -> dict:
+    try:
+      body = json.loads(await request.body())
+    except (ValueError, UnicodeDecodeError) as e:
+      raise ApiError(400, f"malformed JSON: {e}", None, "invalid_json") from e
+    if not isinstance(body, dict):
+      raise ApiError(400, "the request body must be a JSON object", None, "invalid_json")
+    return body
+
+  def check_model(body: dict) -> None:
+    model = body.get("model")
+    if model is not None and model != state.model_name:
+      raise ApiError(
+        404, f"The model {model!r} does not exist; this server serves {state.model_name!r}", "model", "model_not_found"
+      )
+
+  def version() -> Any:
+    return state.engine.engine.version
+
+  # ---- health and info
+
+  @app.get("/health")
+  async def health():
+    return {"status": "ok", "weight_version": version()}
+
+  @app.get("/health_generate")
+  async def health_generate():
+    gen = await asyncio.wait_for(_run(state, [tok.eos_id], SamplingParams(max_new_tokens=1, temperature=0.0), 0), 60)
+    if len(gen.tokens) != 1:
+      raise ApiError(503, f"the engine did not generate (finish reason {gen.finish_reason})", None, "engine_error")
+    return {"status": "ok", "weight_version": version()}
+
+  @app.get("/v1/models")
+  async def models():
+    return {
+      "object": "list",
+      "data": [{"id": state.model_name, "object": "model", "created": int(state.started), "owned_by": "glm-jax"}],
+    }
+
+  @app.get("/get_model_info")
+  async def model_info():
+    return {"model_path": state.model_name, "tokenizer_path": getattr(tok, "name", None), "is_generation": True}
+
+  @app.get("/get_server_info")
+  async def server_info():
+    eng = state.engine.engine
+    return {
+      "weight_version": version(),
+      "engine": dataclasses.asdict(eng.config),
+      "running": eng.num_running,
+      "waiting": eng.num_waiting,
+      "free_pages": eng.pool.free_pages,
+      "stats": dict(eng.stats),
+    }
+
+  @app.post("/abort_request")
+  async def abort_request(request: Request):
+    rid = _field(await body_of(request), "rid", (int, str))
+    found = state.engine.abort(int(rid)) if str(rid).isdigit() else False
+    return {"aborted": found}
+
+  @app.post("/update_weights")
+  async def update_weights(request: Request):
+    body = await body_of(request)
+    if state.load_weights is None:
+      raise ApiError(400, "this server was started without a weight source (launch/serve.py --workdir)", None, None)
+    try:
+      params, rest, new_version = await asyncio.to_thread(state.load_weights, body)
+    except (ValueError, FileNotFoundError) as e:
+      raise ApiError(400, f"update_weights: {e}", None, "bad_weights") from e
+    state.engine.update_weights(params, rest, new_version)
+    return {"success": True, "weight_version": new_version}
+
+  # ---- SGLang's native generate
+
+  @app.post("/generate")
+  async def generate(request: Request):
+    body = await body_of(request)
+    if body.get("input_ids") is not None:
+      ids = _prompt_ids(state, _field(body, "input_ids", list), "input_ids")
+    else:
+      ids = _prompt_ids(state, _field(body, "text", str, None) or "", "text")
+    sp = _field(body, "sampling_params", dict, {})
+    stop_ids = _field(sp, "stop_token_ids", list, [], where="sampling_params.stop_token_ids")
+    sampling, seed = _sampling({**sp, "seed": sp.get("seed", body.get("seed"))}, stop_ids, "max_new_tokens", 128)
+    _check(state, ids, sampling, "input_ids")
+    with_logp = _field(body, "return_logprob", bool, False)
+
+    def out(gen: Generation) -> dict:
+      meta = {
+        "finish_reason": None if gen.finish_reason is None else {"type": _finish(gen.finish_reason)},
+        "prompt_tokens": len(ids),
+        "completion_tokens": len(gen.tokens),
+        "weight_version": version(),
+      }
+      if with_logp:
+        meta["output_token_logprobs"] = [[lp, t, None] for t, lp in zip(gen.tokens, gen.logps)]
+      return {"text": tok.decode(gen.tokens), "output_ids": list(gen.tokens), "meta_info": meta}
+
+    if not _field(body, "stream", bool, False):
+      return out(await _run(state, ids, sampling, seed))
+
+    async def events():
+      async for gen in _stream(state, ids, sampling, seed):
+        yield _sse(out(gen))
+      yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+  # ---- OpenAI completions
+
+  @app.post("/v1/completions")
+  async def completions(request: Request):
+    body = await body_of(request)
+    check_model(body)
+    prompt = body.get("prompt")
+    ids = _prompt_ids(state, prompt, "prompt")
+    stops = _field(body, "stop", (str, list), [])
+    stops = [stops] if isinstance(stops, str) else stops
+    n = _field(body, "n", int, 1)
+    if not 1 <= n <= 64:
+      raise ApiError(400, f"n={n}; must be in [1, 64]", "n")
+    sampling, seed = _sampling(body, (tok.eos_id,), "max_tokens", 16)
+    _check(state, ids, sampling, "prompt")
+    with_logp = _field(body, "logprobs", int, None) is not None
+    created, cid = int(time.time()), f"cmpl-{uuid.uuid4().hex}"
+
+    def choice(i: int, gen: Generation, text: str) -> dict:
+      logprobs = None
+      if with_logp:
+        logprobs = {"tokens": [tok.decode([t]) for t in gen.tokens], "token_logprobs": list(gen.logps)}
+      return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": _finish(gen.finish_reason)}
+
+    def cut(gen: Generation) -> tuple[str, bool]:
+      text = tok.decode(gen.tokens)
+      at = _text_stop(text, stops)
+      return (text, False) if at is None else (text[:at], True)
+
+    def usage(gens) -> dict:
+      done = sum(len(g.tokens) for g in gens)
+      return {"prompt_tokens": len(ids) * n, "completion_tokens": done, "total_tokens": len(ids) * n + done}
+
+    if not _field(body, "stream", bool, False):
+      gens = []
+      for i in range(n):
+        gens.append(_stopped_by_text(_stream(state, ids, sampling, seed + i), cut))
+      gens = await asyncio.gather(*gens)
+      return {
+        "id": cid,
+        "object": "text_completion",
+        "created": created,
+        "model": state.model_name,
+        "choices": [choice(i, g, cut(g)[0]) for i, g in enumerate(gens)],
+        "usage": usage(gens),
+        "weight_version": version(),
+      }
+    if n != 1:
+      raise ApiError(400, "stream with n > 1 is not supported; stream one completion a request", "n")
+
+    async def events():
+      sent = ""
+      stream = _stream(state, ids, sampling, seed)
+      try:
+        async for gen in stream:
+          text, stopped = cut(gen)
+          if stopped:
+            gen.finish_reason = gen.finish_reason or "stop"
+          delta, sent = text[len(sent) :], text
+          if delta or gen.finish_reason:
+            chunk = dict(choice(0, gen, delta), logprobs=None)
+            yield _sse(
+              {
+                "id": cid,
+                "object": "text_completion",
+                "created": created,
+                "model": state.model_name,
+                "choices": [chunk],
+              }
+            )
+          if stopped:
+            break
+      finally:
+        await stream.aclose()  # aborts the request if a stop string ended it early
+      yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+  # ---- OpenAI chat
+
+  @app.post("/v1/chat/completions")
+  async def chat_completions(request: Request):
+    body = await body_of(request)
+    check_model(body)
+    messages = _field(body, "messages", list)
+    if not messages:
+      raise ApiError(400, "messages: expected a non-empty list of messages", "messages", "invalid_type")
+    tools = _field(body, "tools", list, None)
+    kwargs = _field(body, "chat_template_kwargs", dict, {})
+    thinking = _field({**kwargs, **body}, "enable_thinking", bool, True)
+    clear = _field({**kwargs, **body}, "clear_thinking", bool, True)
+    try:
+      text = chat.render(
+        messages, tools=tools, add_generation_prompt=True, enable_thinking=thinking, clear_thinking=clear
+      )
+    except ValueError as e:
+      raise ApiError(400, str(e), "messages", "invalid_messages") from e
+    ids = tok.encode_chat(text)
+    max_key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    sampling, seed = _sampling(body, chat_stops, max_key, 256)
+    _check(state, ids, sampling, "messages")
+    n = _field(body, "n", int, 1)
+    if not 1 <= n <= 64:
+      raise ApiError(400, f"n={n}; must be in [1, 64]", "n")
+    with_logp = _field(body, "logprobs", bool, False)
+    created, cid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
+
+    def text_of(gen: Generation) -> str:
+      body_tokens = [t for t in gen.tokens if t not in chat_stops]  # the stop token is not part of the reply
+      return tok.decode(body_tokens)
+
+    def finish(gen: Generation, message: dict) -> str | None:
+      if gen.finish_reason == "stop" and message["tool_calls"]:
+        return "tool_calls"
+      return _finish(gen.finish_reason)
+
+    def message_of(gen: Generation) -> dict:
+      parsed = reply(text_of(gen), thinking, tools)
+      msg = {"role": "assistant", "content": parsed["content"], "reasoning_content": parsed["reasoning_content"]}
+      msg["tool_calls"] = _openai_calls(parsed["tool_calls"]) or None
+      if parsed["errors"]:
+        msg["tool_call_errors"] = parsed["errors"]
+      return msg
+
+    def logprobs_of(gen: Generation) -> dict | None:
+      if not with_logp:
+        return None
+      return {
+        "content": [
+          {"token": tok.decode([t]), "logprob": lp, "bytes": None, "top_logprobs": []}
+          for t, lp in zip(gen.tokens, gen.logps)
+        ]
+      }
+
+    if not _field(body, "stream", bool, False):
+      gens = await asyncio.gather(*[_run(state, ids, sampling, seed + i) for i in range(n)])
+      choices = []
+      for i, gen in enumerate(gens):
+        msg = message_of(gen)
+        choices.append({"index": i, "message": msg, "logprobs": logprobs_of(gen), "finish_reason": finish(gen, msg)})
+      done = sum(len(g.tokens) for g in gens)
+      return {
+        "id": cid,
+        "object": "chat.completion",
+        "created": created,
+        "model": state.model_name,
+        "choices": choices,
+        "usage": {"prompt_tokens": len(ids) * n, "completion_tokens": done, "total_tokens": len(ids) * n + done},
+        "weight_version": version(),
+      }
+    if n != 1:
+      raise ApiError(400, "stream with n > 1 is not supported; stream one completion a request", "n")
+
+    def chunk(delta: dict, reason: str | None = None) -> str:
+      return _sse(
+        {
+          "id": cid,
+          "object": "chat.completion.chunk",
+          "created": created,
+          "model": state.model_name,
+          "choices": [{"index": 0, "delta": delta, "finish_reason": reason}],
+        }
+      )
+
+    async def events():
+      yield chunk({"role": "assistant", "content": ""})
+      sent_r = sent_c = ""
+      gen = Generation()
+      async for gen in _stream(state, ids, sampling, seed):
+        if gen.finish_reason is not None:
+          continue  # the stream's last item: the message below
+        reasoning, content = reply_so_far(text_of(gen), thinking)
+        delta = {}
+        if len(reasoning) > len(sent_r):
+          delta["reasoning_content"], sent_r = reasoning[len(sent_r) :], reasoning
+        if len(content) > len(sent_c):
+          delta["content"], sent_c = content[len(sent_c) :], content
+        if delta:
+          yield chunk(delta)
+      msg = message_of(gen)
+      delta = {}
+      if msg["reasoning_content"][len(sent_r) :]:
+        delta["reasoning_content"] = msg["reasoning_content"][len(sent_r) :]
+      if msg["content"][len(sent_c) :]:
+        delta["content"] = msg["content"][len(sent_c) :]
+      if msg["tool_calls"]:
+        delta["tool_calls"] = [dict(c, index=i) for i, c in enumerate(msg["tool_calls"])]
+      yield chunk(delta, finish(gen, msg))
+      yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+  return app
+
+
+async def _stopped_by_text(stream: AsyncIterator[Generation], cut) -> Generation:
+  """Runs a stream until it ends or its text reaches a stop string (then it is aborted: finish reason "stop")."""
+  gen = Generation()
+  try:
+    async for gen in stream:
+      if gen.finish_reason is None and cut(gen)[1]:
+        gen.finish_reason = "stop"
+        break
+  finally:
+    await stream.aclose()  # aborts the request if it is still running
+  return gen
+
+
+def _can_chat(tokenizer) -> bool:
+  try:
+    tokenizer.chat_ids  # noqa: B018
+  except ValueError:
+    return False
+  return True
