@@ -9,10 +9,11 @@
 
 Continuous batching: the engine has `max_running` rows. Every step it retires the requests that ended and admits
 waiting ones (first come, first served) into the free rows while the page pool has room for them; a request that
-does not fit waits, it is not refused. A step feeds each running request its next tokens: a request still
-prefilling its prompt feeds up to `prefill_chunk` of them (chunked prefill), one decoding feeds its last token; a
-step with any prefilling row is [max_running, prefill_chunk] tokens, a step of decoding rows only is
-[max_running, 1]: two compiled programs, whatever the requests.
+does not fit waits, it is not refused. A step then runs two programs, each compiled once whatever the requests: the
+decode step, [max_running, 1] tokens, feeds every decoding request its last token; the prefill step,
+[prefill_rows, prefill_chunk] tokens, feeds up to prefill_rows requests still prefilling their prompts the next
+chunk of it (chunked prefill beside decoding, which a new arrival does not stall: the decoding rows never run a
+chunk's width).
 
 The cache is paged (glm_jax/serving/paged_cache.py): a request holds the pages its prompt and max_new_tokens can
 fill (reserved when it is admitted, so it never runs out mid-way), pages shared with earlier requests through the
@@ -53,15 +54,20 @@ from glm_jax.serving.paged_cache import PagePool
 class EngineConfig:
   num_pages: int = 256  # pages in the pool (page 0 is scratch): the cache holds (num_pages - 1) * page_size tokens
   page_size: int = 16  # tokens a page
-  max_running: int = 16  # requests decoded together (rows of a step)
+  max_running: int = 16  # requests running at once (the decode step's rows)
   prefill_chunk: int = 32  # prompt tokens a prefilling request feeds a step
+  prefill_rows: int = 4  # requests prefilled together (the prefill step's rows; at most max_running)
   max_seq_len: int = 1024  # a request's prompt + max_new_tokens at most (the page table's width)
 
   def check(self, cfg: ModelConfig) -> None:
-    for name in ("num_pages", "page_size", "max_running", "prefill_chunk", "max_seq_len"):
+    for name in ("num_pages", "page_size", "max_running", "prefill_chunk", "prefill_rows", "max_seq_len"):
       v = getattr(self, name)
       if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise ValueError(f"engine.{name}={v!r}; must be a positive integer")
+    if self.prefill_rows > self.max_running:
+      raise ValueError(
+        f"engine.prefill_rows={self.prefill_rows} exceeds engine.max_running={self.max_running} (the requests that run)"
+      )
     if self.num_pages < 2:
       raise ValueError(f"engine.num_pages={self.num_pages}; need at least 2 (page 0 is scratch)")
     if self.max_seq_len > cfg.max_position_embeddings:
@@ -195,22 +201,27 @@ class Engine:
   # ---- the step
 
   def step(self) -> list[Event]:
-    """Retires aborted requests, admits waiting ones, runs one model step over the running ones: the events of it."""
+    """Retires aborted requests, admits waiting ones, then runs the decode step over the decoding requests and the
+    prefill step over up to prefill_rows prefilling ones: the events of both."""
     events = [self._finish(req, "abort") for req in list(self._waiting) + self._running() if req.abort]
     self._admit()
     running = self._running()
-    if not running:
-      return events
-    r, width = self.config.max_running, self.config.table_width
-    todo = {req.row: len(req.tokens) - req.computed for req in running}
-    t = self.config.prefill_chunk if any(n > 1 for n in todo.values()) else 1
-    tokens = np.zeros((r, t), np.int32)
-    pos, n_new = np.zeros(r, np.int32), np.zeros(r, np.int32)
-    table = np.zeros((r, width), np.int32)
-    temp, top_p, seed = np.zeros(r, np.float32), np.ones(r, np.float32), np.zeros(r, np.int32)
-    for req in running:
-      n = min(t, todo[req.row])
-      i = req.row
+    decoding = [req for req in running if len(req.tokens) - req.computed == 1]
+    prefilling = [req for req in running if len(req.tokens) - req.computed > 1][: self.config.prefill_rows]
+    if decoding:
+      events += self._model_step(decoding, self.config.max_running, 1)
+    if prefilling:
+      events += self._model_step(prefilling, self.config.prefill_rows, self.config.prefill_chunk)
+    return events
+
+  def _model_step(self, group: list[_Request], rows: int, t: int) -> list[Event]:
+    """One compiled step of [rows, t] tokens: request i of `group` feeds its next tokens (up to t) in row i."""
+    tokens = np.zeros((rows, t), np.int32)
+    pos, n_new = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
+    table = np.zeros((rows, self.config.table_width), np.int32)
+    temp, top_p, seed = np.zeros(rows, np.float32), np.ones(rows, np.float32), np.zeros(rows, np.int32)
+    for i, req in enumerate(group):
+      n = min(t, len(req.tokens) - req.computed)
       tokens[i, :n] = req.tokens[req.computed : req.computed + n]
       pos[i], n_new[i] = req.computed, n
       table[i, : len(req.pages)] = req.pages
@@ -224,8 +235,9 @@ class Engine:
     )
     tok, logp = np.asarray(tok), np.asarray(logp)
     self.stats["steps_prefill" if t > 1 else "steps_decode"] += 1
-    for req in running:
-      i, n = req.row, int(n_new[req.row])
+    events = []
+    for i, req in enumerate(group):
+      n = int(n_new[i])
       prefill = min(n, max(len(req.prompt) - req.computed, 0))
       self.stats["prefill_tokens"] += prefill
       self.stats["decode_tokens"] += n - prefill

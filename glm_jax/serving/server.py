@@ -63,8 +63,8 @@ class ApiError(Exception):
 
 
 class EngineThread:
-  """An Engine stepping in a thread of its own. `add` (any thread) queues a request and returns its id and the
-  queue its events arrive on (asyncio, on the caller's loop); `abort`, `update_weights` and `stop` likewise."""
+  """An Engine stepping in a thread of its own. `add` (a coroutine) queues a request and returns its id and the
+  asyncio queue its events arrive on; `abort`, `update_weights` and `stop` may be called from any thread."""
 
   def __init__(self, engine: Engine):
     self.engine = engine
@@ -76,11 +76,17 @@ class EngineThread:
     self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
     self._thread.start()
 
-  def add(self, prompt: list[int], sampling: SamplingParams, seed: int) -> tuple[int, asyncio.Queue]:
-    queue: asyncio.Queue = asyncio.Queue()
-    with self._lock:
-      rid = self.engine.add(prompt, sampling, seed=seed)
-      self._queues[rid] = (asyncio.get_running_loop(), queue)
+  async def add(self, prompt: list[int], sampling: SamplingParams, seed: int) -> tuple[int, asyncio.Queue]:
+    """Queues a request from a coroutine (waiting for the lock in a worker thread: a step may hold it)."""
+    loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+
+    def add():
+      with self._lock:
+        rid = self.engine.add(prompt, sampling, seed=seed)
+        self._queues[rid] = (loop, queue)
+      return rid
+
+    rid = await asyncio.to_thread(add)
     self._wake.set()
     return rid, queue
 
@@ -116,14 +122,21 @@ class EngineThread:
         self._wake.wait(timeout=1.0)
         self._wake.clear()
         continue
+      by_loop: dict[asyncio.AbstractEventLoop, list] = {}
       for ev in events:
         target = self._queues.get(ev.rid)
         if target is None:
           continue
         if ev.finish_reason:
           del self._queues[ev.rid]
-        loop, queue = target
-        loop.call_soon_threadsafe(queue.put_nowait, ev)
+        by_loop.setdefault(target[0], []).append((target[1], ev))
+      for loop, items in by_loop.items():  # one wake-up of each event loop a step, not one an event
+        loop.call_soon_threadsafe(_deliver, items)
+
+
+def _deliver(items) -> None:
+  for queue, ev in items:
+    queue.put_nowait(ev)
 
 
 @dataclasses.dataclass
@@ -196,17 +209,22 @@ class Generation:
 
 
 async def _stream(state: ServerState, ids: list[int], sampling: SamplingParams, seed: int) -> AsyncIterator[Generation]:
-  """Runs one request, yielding its Generation after each new token (and once at the end); aborts it if the caller
-  stops listening (a client gone)."""
-  rid, queue = state.engine.add(ids, sampling, seed)
+  """Runs one request, yielding its Generation as new tokens come (every token that arrived since the last yield at
+  once: a consumer that falls behind the engine gets fewer, larger updates) and at the end; aborts the request if
+  the caller stops listening (a client gone)."""
+  rid, queue = await state.engine.add(ids, sampling, seed)
   gen = Generation()
   try:
     while gen.finish_reason is None:
       ev = await queue.get()
-      if ev.token is not None:
-        gen.tokens.append(ev.token)
-        gen.logps.append(ev.logp)
-      gen.finish_reason = ev.finish_reason
+      while True:
+        if ev.token is not None:
+          gen.tokens.append(ev.token)
+          gen.logps.append(ev.logp)
+        gen.finish_reason = ev.finish_reason
+        if gen.finish_reason is not None or queue.empty():
+          break
+        ev = queue.get_nowait()
       yield gen
   finally:
     if gen.finish_reason is None:
