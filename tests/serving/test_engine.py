@@ -30,12 +30,15 @@ def engine(tiny, **changes) -> Engine:
   return Engine(graphdef, params, rest, cfg, EngineConfig(**config))
 
 
+_samplers = {}
+
+
 def sampler_alone(tiny, prompt, sampling=GREEDY, params=None):
   """The Sampler's response to the prompt alone: (tokens, log-probabilities)."""
   cfg, _, (graphdef, p, rest) = tiny
-  out = Sampler(graphdef, cfg, sampling, width=WIDTH, cache_len=CACHE)(
-    p if params is None else params, rest, [prompt], jax.random.key(0)
-  )
+  if sampling not in _samplers:  # one Sampler (one compiled generation) for every prompt
+    _samplers[sampling] = Sampler(graphdef, cfg, sampling, width=WIDTH, cache_len=CACHE)
+  out = _samplers[sampling](p if params is None else params, rest, [prompt], jax.random.key(0))
   n = int(out.lengths[0])
   return np.asarray(out.tokens[0, len(prompt) : n]).tolist(), np.asarray(out.logp[0, len(prompt) : n])
 
