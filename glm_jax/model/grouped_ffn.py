@@ -17,7 +17,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from glm_jax.model.grouped_matmul import grouped_matmul
+from glm_jax.model.grouped_matmul import cpu_tile, grouped_matmul
 from glm_jax.model.platform import current_platform
 from glm_jax.model.tiled_swiglu import tiled_swiglu
 from glm_jax.quant.packed import PackedWeight, dequantize_weight, int_grouped_matmul
@@ -37,7 +37,8 @@ def expert_swiglu(
   """Row m through the SwiGLU expert of its group (rows sorted by expert; rows past the last group give 0), one
   grouped matmul per projection, matmuls in `dtype` accumulated in fp32; the result in out_dtype (fp32 by default;
   `dtype` when the rows travel on in `dtype` anyway, which also keeps their gradient in `dtype`). When traced for
-  the CPU the three projections run tile by tile in one loop (tiled_swiglu.py), the same products.
+  the CPU the three projections run tile by tile in one loop (tiled_swiglu.py), the same products, in tiles sized
+  by the rows (grouped_matmul.cpu_tile).
   zero_past=False: rows past the last group, of the result and of xs's gradient, may be undefined (on TPU no pass
   zeroes them), for a caller that never reads them; rows of xs past the last group may then hold anything, NaN
   included, without reaching the other rows or the weight gradients."""
@@ -47,7 +48,8 @@ def expert_swiglu(
     # weight-only: the fake-quantized weights of training, then the same grouped matmuls
     gate_EDI, up_EDI, down_EID = (dequantize_weight(w) for w in (gate_EDI, up_EDI, down_EID))
   if current_platform() == "cpu":
-    return tiled_swiglu(xs, group_sizes, gate_EDI, up_EDI, down_EID, jnp.dtype(dtype), jnp.dtype(out_dtype))
+    tile = cpu_tile(xs.shape[0], gate_EDI.shape[0])  # by the rows: decoding's few, training's many
+    return tiled_swiglu(xs, group_sizes, gate_EDI, up_EDI, down_EID, jnp.dtype(dtype), jnp.dtype(out_dtype), tile)
 
   def gmm(a, w, out=jnp.float32):
     return grouped_matmul(a, w.astype(dtype), group_sizes, preferred_element_type=out, zero_past=zero_past)

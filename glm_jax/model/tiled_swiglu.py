@@ -7,7 +7,9 @@ tiles of `tile` rows starting at the group's first row (at most ceil(rows / tile
 visited: the loop's trip count is traced); one loop step takes a tile through all three projections with its
 group's weights, and the backward one step through all six products (dx and the three weight gradients): two
 loops a MoE layer where three grouped matmuls take nine, each of whose steps slices, masks and adds into its
-output (experiments/bench_vs_transformers.py's MoE step on 2 cores: 1.10 s -> 0.85 s).
+output (experiments/bench_vs_transformers.py's MoE step on 2 cores: 1.10 s -> 0.85 s). grouped_ffn picks the tile
+by the rows the call has (grouped_matmul.cpu_tile: the mean group size as a power of two in [4, 128]), so that a
+decode step's ~1-2 rows an expert are not padded to 128-row tiles and training keeps its 128.
 
 A tile's last rows may belong to the next group. The forward writes whole tiles in row order, so the next group's
 tile, which starts at exactly that row, overwrites them; the backward zeroes them in x, dy and the kept

@@ -1,7 +1,8 @@
 """The routed experts' grouped matmul: the CPU tiled path and the TPU path (megablox's kernels, in Pallas interpret
 mode here) equal jax.lax.ragged_dot in value and in both gradients (empty groups, every row in one group, group
 sizes off the tile, rows past the last group), the tiled path visits exactly the (tile, group) pairs that overlap,
-and the backend choice follows the platform being traced for."""
+the backend choice follows the platform being traced for, and the CPU tile follows the rows (decode-sized calls on
+small tiles, equal to a row-by-row computation around the tile rule's steps)."""
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,53 @@ CASES = {  # group sizes, tile
   "on_tile": ([8, 8, 16], 8),
   "cpu_tile": ([130, 1, 0, 126, 300], gm.CPU_TILE),
 }
+
+
+SMALL_ROWS = {  # decode-sized calls through the platform's choice: group sizes, rows past the groups, cpu_tile's tile
+  "decode_batch1": ([1, 0, 0, 1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 1, 0], 0, 4),  # 1 token x top-4 of 16 experts
+  "decode_batch8": ([3, 0, 2, 5, 1, 4, 0, 2, 1, 3, 0, 2, 4, 1, 2, 2], 0, 4),  # 8 x top-4: groups past one tile
+  "mean_4": ([9, 0, 7, 4, 1, 0, 6, 5], 0, 4),  # 32 rows over 8 groups: ceil(32 / 8) = 4, the last tile-4 size
+  "mean_5": ([9, 0, 7, 4, 1, 0, 6, 5], 1, 8),  # one row past them: ceil(33 / 8) = 5, the first tile-8 size
+  "mean_17": ([20, 0, 33, 15], 0, 32),  # 68 rows over 4 groups: ceil(68 / 4) = 17 -> 32
+}
+
+
+def per_row_grouped_matmul(x, w, sizes):
+  """ragged_dot written row by row: row r times the weight of the group it falls in, 0 past the last group."""
+  groups = np.repeat(np.arange(len(sizes)), sizes)
+  zero = jnp.zeros((w.shape[2],), jnp.float32)
+  rows = [jnp.dot(x[r], w[g], preferred_element_type=jnp.float32) for r, g in enumerate(groups)]
+  return jnp.stack(rows + [zero] * (x.shape[0] - len(groups)))
+
+
+def test_the_cpu_tile_is_the_mean_group_size_as_a_power_of_two_within_4_and_128():
+  """Decoding (batch x top-4 rows over 16 experts) on small tiles; training's 8192 rows on CPU_TILE."""
+  got = {rows: gm.cpu_tile(rows, 16) for rows in (0, 4, 32, 64, 65, 128, 256, 2048, 2049, 8192)}
+  assert got == {0: 4, 4: 4, 32: 4, 64: 4, 65: 8, 128: 8, 256: 16, 2048: 128, 2049: 128, 8192: gm.CPU_TILE}
+
+
+@pytest.mark.parametrize("name", list(SMALL_ROWS))
+def test_small_row_counts_equal_a_row_by_row_computation(name):
+  """grouped_matmul traced for the CPU, on the tile its rows give, against a per-row loop: value and both
+  gradients to 1e-5 of their scale in fp32."""
+  sizes, extra, tile = SMALL_ROWS[name]
+  x, w, gs, ct = operands(sizes, jnp.float32, extra_rows=extra)
+  assert gm.cpu_tile(x.shape[0], len(sizes)) == tile
+
+  def value_and_grads(fn):
+    return jax.jit(jax.value_and_grad(lambda x, w: jnp.sum(fn(x, w) * ct), argnums=(0, 1)))(x, w)
+
+  with target_platform("cpu"):
+    jaxpr = str(jax.make_jaxpr(lambda x, w: gm.grouped_matmul(x, w, gs))(x, w))
+    y = jax.jit(lambda x, w: gm.grouped_matmul(x, w, gs))(x, w)
+    _, got = value_and_grads(lambda x, w: gm.grouped_matmul(x, w, gs))
+  y_ref = per_row_grouped_matmul(x, w, sizes)
+  _, ref = value_and_grads(lambda x, w: per_row_grouped_matmul(x, w, sizes))
+  for a, b in zip((y_ref, *ref), (y, *got)):
+    a, b = np.asarray(a), np.asarray(b)
+    np.testing.assert_allclose(b, a, rtol=0, atol=1e-5 * max(1.0, float(np.max(np.abs(a)))))
+  assert not np.any(np.asarray(y)[sum(sizes) :])
+  assert f"length={-(-x.shape[0] // tile) + len(sizes) - 1}" in jaxpr  # the scan over that tile's visits
 
 
 def operands(sizes, dtype, seed=0, extra_rows=3):

@@ -1,6 +1,8 @@
 """The CPU experts' fused SwiGLU (glm_jax/model/tiled_swiglu.py) equals the three projections written with
 jax.lax.ragged_dot, in value and in the gradients of x and the three weights (empty groups, one group, sizes off
-the tile, groups that share a tile, rows past the last group), and visits one tile per `tile` rows of each group."""
+the tile, groups that share a tile, rows past the last group), and visits one tile per `tile` rows of each group;
+expert_swiglu's decode-sized calls (on the small tiles grouped_matmul.cpu_tile gives them) equal a row-by-row
+SwiGLU."""
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +11,8 @@ import pytest
 
 from glm_jax.model import grouped_ffn, tiled_swiglu as ts
 from glm_jax.model.platform import target_platform
-from tests.model.test_grouped_matmul import CASES
+from glm_jax.model.grouped_matmul import cpu_tile
+from tests.model.test_grouped_matmul import CASES, SMALL_ROWS
 
 
 def ragged_dot_swiglu(xs, gs, gate, up, down, dtype, out_dtype=jnp.float32):
@@ -49,6 +52,36 @@ def test_equals_ragged_dot_in_value_and_gradients(name, dtype, tol):
     assert a.dtype == b.dtype
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
     np.testing.assert_allclose(b, a, atol=tol * max(1.0, float(np.max(np.abs(a)))))
+
+
+def per_row_swiglu(xs, sizes, gate, up, down):
+  """Row r through the SwiGLU of the group it falls in, one row at a time (fp32); 0 past the last group."""
+  mm = lambda a, w: jnp.dot(a, w, preferred_element_type=jnp.float32)
+  groups = np.repeat(np.arange(len(sizes)), sizes)
+  rows = [mm(jax.nn.silu(mm(xs[r], gate[g])) * mm(xs[r], up[g]), down[g]) for r, g in enumerate(groups)]
+  return jnp.stack(rows + [jnp.zeros((xs.shape[1],), jnp.float32)] * (xs.shape[0] - len(groups)))
+
+
+@pytest.mark.parametrize("name", list(SMALL_ROWS))
+def test_small_row_counts_equal_a_row_by_row_swiglu(name):
+  """expert_swiglu traced for the CPU (the fused loop on the tile its rows give) against per_row_swiglu: value and
+  the gradients of xs and the three weights to 1e-5 of their scale in fp32."""
+  sizes, extra, tile = SMALL_ROWS[name]
+  xs, gs, gate, up, down, ct = operands(sizes, jnp.float32, extra_rows=extra)
+  assert cpu_tile(xs.shape[0], len(sizes)) == tile
+
+  def value_and_grads(fn):
+    return jax.jit(jax.value_and_grad(lambda *a: jnp.sum(fn(*a) * ct), argnums=(0, 1, 2, 3)))(xs, gate, up, down)
+
+  ours = lambda *a: grouped_ffn.expert_swiglu(a[0], gs, *a[1:], jnp.float32)
+  with target_platform("cpu"):
+    y, (_, got) = jax.jit(ours)(xs, gate, up, down), value_and_grads(ours)
+  reference = lambda *a: per_row_swiglu(a[0], sizes, *a[1:])
+  y_ref, (_, ref) = reference(xs, gate, up, down), value_and_grads(reference)
+  for a, b in zip((y_ref, *ref), (y, *got)):
+    a, b = np.asarray(a), np.asarray(b)
+    np.testing.assert_allclose(b, a, rtol=0, atol=1e-5 * max(1.0, float(np.max(np.abs(a)))))
+  assert not np.any(np.asarray(y)[sum(sizes) :])
 
 
 def test_tiles_are_each_groups_rows_cut_from_its_first_row():
