@@ -28,24 +28,35 @@ token's position, so a request's draws do not depend on what it is batched with)
 the prompt alone (tests/serving/test_engine.py), the log-probabilities those of the distribution drawn from
 (glm_jax/inference/sampling.py). `update_weights` swaps in new weights between steps and drops the prefix cache.
 
-Not here yet: MTP speculative decoding, GLM's blank-infilling layouts, a mesh (one device).
+Under a mesh (`Engine(..., mesh=mesh)`) the step runs sharded as the Sampler's decoding does (weights by their logical
+axes, heads over tensor, experts by all-to-all) and the requests' rows and the pool's pages are split alike over the
+batch axes: each shard has its own page pool and prefix cache (paged_cache.py), a request is admitted to the shard
+with a free row that has the longest prefix of it cached, and its pages never leave that shard.
+
+Not here yet: MTP speculative decoding, GLM's blank-infilling layouts.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import itertools
+import math
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
+from glm_jax.inference.sampler import check_heads
 from glm_jax.inference.sampling import SamplingParams, sample_rows
+from glm_jax.mesh_axes import BATCH_AXES
 from glm_jax.model.config import ModelConfig
+from glm_jax.sharding.state import weight_shardings
 from glm_jax.serving import paged_cache
 from glm_jax.serving.paged_cache import PagePool
 
@@ -102,6 +113,7 @@ class _Request:
   hashes: list[bytes]  # prefix-cache keys of the prompt's whole pages that can be shared (the last token excluded)
   pages: list[int] = dataclasses.field(default_factory=list)
   row: int | None = None
+  shard: int = 0  # the batch shard its row and pages are on (0 without a mesh)
   computed: int = 0  # tokens whose cache entries are written (the first `computed` of `tokens`)
   registered: int = 0  # leading pages registered in the prefix cache
   abort: bool = False
@@ -116,13 +128,31 @@ class Engine:
   runs it in a loop of its own). `stats` counts the prompt tokens prefilled, the tokens decoded, the prompt tokens
   taken from the prefix cache, the steps of each kind and the requests ended by each finish reason."""
 
-  def __init__(self, graphdef, params, rest, cfg: ModelConfig, config: EngineConfig = EngineConfig(), *, version=0):
+  def __init__(
+    self, graphdef, params, rest, cfg: ModelConfig, config: EngineConfig = EngineConfig(), *, version=0, mesh=None
+  ):
     config.check(cfg)
     self.cfg, self.config = cfg, config
-    self._graphdef, self._params, self._rest = graphdef, params, rest
+    self.mesh = None if mesh is None or mesh.size == 1 else mesh
+    self.shards, self._batch_axes = 1, ()
+    if self.mesh is not None:
+      check_heads(cfg, self.mesh)
+      self._batch_axes = tuple(a for a in BATCH_AXES if self.mesh.shape[a] > 1)
+      self.shards = math.prod(self.mesh.shape[a] for a in self._batch_axes)
+      for name in ("max_running", "prefill_rows", "num_pages"):
+        if getattr(config, name) % self.shards:
+          raise ValueError(
+            f"engine.{name}={getattr(config, name)}: the mesh's batch axes "
+            f"{dict((a, self.mesh.shape[a]) for a in self._batch_axes)} split rows and pages {self.shards} ways; "
+            f"give a multiple of {self.shards}"
+          )
+    self._graphdef = graphdef
+    self._params, self._rest = self._placed(params, rest)
     self.version = version
-    self.pool = PagePool(config.num_pages, config.page_size)
+    self.pools = [PagePool(config.num_pages // self.shards, config.page_size) for _ in range(self.shards)]
     self._cache = paged_cache.empty_pool(cfg, config.num_pages, config.page_size)
+    if self.mesh is not None:  # pages split over the batch axes like the rows
+      self._cache = jax.device_put(self._cache, NamedSharding(self.mesh, P(None, self._batch_axes)))
     self._ids = itertools.count()
     self._waiting: collections.deque[_Request] = collections.deque()
     self._rows: list[_Request | None] = [None] * config.max_running
@@ -164,7 +194,7 @@ class Engine:
         f"a prompt of {len(prompt)} tokens plus max_new_tokens={sampling.max_new_tokens} is {need} tokens; this "
         f"engine serves at most engine.max_seq_len={self.config.max_seq_len}"
       )
-    if self._pages_for(len(prompt), sampling) > self.config.num_pages - 1:
+    if self._pages_for(len(prompt), sampling) > self.config.num_pages // self.shards - 1:
       raise ValueError(
         f"a prompt of {len(prompt)} tokens plus max_new_tokens={sampling.max_new_tokens} needs more pages than the "
         f"pool has (engine.num_pages={self.config.num_pages}, page_size={self.config.page_size})"
@@ -177,6 +207,21 @@ class Engine:
       return False
     req.abort = True
     return True
+
+  @property
+  def free_pages(self) -> int:
+    """Pages a request could be given now (cached pages nobody holds included), over every shard."""
+    return sum(p.free_pages for p in self.pools)
+
+  @property
+  def used_pages(self) -> int:
+    return sum(p.used_pages for p in self.pools)
+
+  def _placed(self, params, rest):
+    """The weights in the serving layout on the mesh (as the Sampler lays them out), or as they are."""
+    if self.mesh is None:
+      return params, rest
+    return jax.device_put((params, rest), weight_shardings(params, rest, self.mesh))
 
   def has_work(self) -> bool:
     return bool(self._waiting) or any(r is not None for r in self._rows)
@@ -192,8 +237,9 @@ class Engine:
   def update_weights(self, params, rest, version) -> None:
     """New weights from the next step on; every cached prefix page was computed with the old ones and is dropped
     (running requests keep their pages: they continue with the new weights, as RL's asynchronous rollouts do)."""
-    self._params, self._rest, self.version = params, rest, version
-    self.pool.clear_prefix_cache()
+    (self._params, self._rest), self.version = self._placed(params, rest), version
+    for pool in self.pools:
+      pool.clear_prefix_cache()
     for req in self._rows:
       if req is not None:
         req.registered = len(req.pages)  # its pages are stale for anyone else: never register them
@@ -206,37 +252,44 @@ class Engine:
     events = [self._finish(req, "abort") for req in list(self._waiting) + self._running() if req.abort]
     self._admit()
     running = self._running()
-    decoding = [req for req in running if len(req.tokens) - req.computed == 1]
-    prefilling = [req for req in running if len(req.tokens) - req.computed > 1][: self.config.prefill_rows]
+    decoding = {req.row: req for req in running if len(req.tokens) - req.computed == 1}
+    per_shard = self.config.prefill_rows // self.shards  # a shard's rows of the prefill step
+    prefilling, taken = {}, collections.Counter()
+    for req in running:
+      if len(req.tokens) - req.computed > 1 and taken[req.shard] < per_shard:
+        prefilling[req.shard * per_shard + taken[req.shard]] = req
+        taken[req.shard] += 1
     if decoding:
       events += self._model_step(decoding, self.config.max_running, 1)
     if prefilling:
       events += self._model_step(prefilling, self.config.prefill_rows, self.config.prefill_chunk)
     return events
 
-  def _model_step(self, group: list[_Request], rows: int, t: int) -> list[Event]:
-    """One compiled step of [rows, t] tokens: request i of `group` feeds its next tokens (up to t) in row i."""
+  def _model_step(self, group: dict[int, _Request], rows: int, t: int) -> list[Event]:
+    """One compiled step of [rows, t] tokens: each request of `group` ({row: request}, a row on the request's shard)
+    feeds its next tokens (up to t) in its row."""
     tokens = np.zeros((rows, t), np.int32)
     pos, n_new = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
     table = np.zeros((rows, self.config.table_width), np.int32)
     temp, top_p, seed = np.zeros(rows, np.float32), np.ones(rows, np.float32), np.zeros(rows, np.int32)
-    for i, req in enumerate(group):
+    for i, req in group.items():
       n = min(t, len(req.tokens) - req.computed)
       tokens[i, :n] = req.tokens[req.computed : req.computed + n]
       pos[i], n_new[i] = req.computed, n
       table[i, : len(req.pages)] = req.pages
       temp[i], top_p[i], seed[i] = req.sampling.temperature, req.sampling.top_p, req.seed
-    tok, logp, self._cache = _step(
-      self._graphdef,
-      self._params,
-      self._rest,
-      self._cache,
-      *map(jnp.asarray, (tokens, pos, n_new, table, temp, top_p, seed)),
-    )
+    with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
+      tok, logp, self._cache = _step(
+        self._graphdef,
+        self._params,
+        self._rest,
+        self._cache,
+        *self._rows_on_mesh(tokens, pos, n_new, table, temp, top_p, seed),
+      )
     tok, logp = np.asarray(tok), np.asarray(logp)
     self.stats["steps_prefill" if t > 1 else "steps_decode"] += 1
     events = []
-    for i, req in enumerate(group):
+    for i, req in group.items():
       n = int(n_new[i])
       prefill = min(n, max(len(req.prompt) - req.computed, 0))
       self.stats["prefill_tokens"] += prefill
@@ -253,6 +306,12 @@ class Engine:
         self._finish(req, reason)
     return events
 
+  def _rows_on_mesh(self, *arrays: np.ndarray) -> list[jax.Array]:
+    """A step's [rows, ...] operands, split over the mesh's batch axes like the pool's pages."""
+    if self.mesh is None:
+      return [jnp.asarray(a) for a in arrays]
+    return jax.device_put(list(arrays), NamedSharding(self.mesh, P(self._batch_axes)))
+
   def _running(self) -> list[_Request]:
     return [r for r in self._rows if r is not None]
 
@@ -264,28 +323,37 @@ class Engine:
     """Waiting requests into free rows, in order, while the pool has their pages. A request whose next prompt page a
     running request is about to write is passed over (it will find the page cached); one the pool cannot hold
     stops admission (first come, first served)."""
-    pending = {h for req in self._running() for h in req.hashes[req.registered :]}
+    pending = {(req.shard, h) for req in self._running() for h in req.hashes[req.registered :]}
+    per_shard = self.config.max_running // self.shards
     for req in list(self._waiting):
-      free = [i for i, r in enumerate(self._rows) if r is None]
+      free = {}  # shard -> its first free row
+      for i, r in enumerate(self._rows):
+        if r is None:
+          free.setdefault(i // per_shard, i)
       if not free:
         return
-      shared = []
-      for h in req.hashes:
-        page = self.pool.cached(h)
-        if page is None:
-          break
-        shared.append(page)
-      if len(shared) < len(req.hashes) and req.hashes[len(shared)] in pending:
+      # On each shard with a free row: the request's prompt pages its prefix cache has. The longest match wins.
+      options = []
+      for shard in free:
+        shared = []
+        for h in req.hashes:
+          page = self.pools[shard].cached(h)
+          if page is None:
+            break
+          shared.append(page)
+        options.append((-len(shared), -self.pools[shard].free_pages, shard, shared))
+      _, _, shard, shared = min(options)
+      if len(shared) < len(req.hashes) and (shard, req.hashes[len(shared)]) in pending:
         continue
-      pages = self.pool.acquire(shared, self._pages_for(len(req.prompt), req.sampling) - len(shared))
+      pages = self.pools[shard].acquire(shared, self._pages_for(len(req.prompt), req.sampling) - len(shared))
       if pages is None:
         return
       self._waiting.remove(req)
-      req.pages, req.row = pages, free[0]
+      req.pages, req.row, req.shard = pages, free[shard], shard
       req.registered, req.computed = len(shared), len(shared) * self.config.page_size
       self.stats["prefix_cached_tokens"] += req.computed
       self._rows[req.row] = req
-      pending.update(req.hashes[req.registered :])
+      pending.update((shard, h) for h in req.hashes[req.registered :])
 
   def _register(self, req: _Request) -> None:
     """Registers the request's pages that are now wholly written (prompt pages by their known keys, later ones by
@@ -296,13 +364,13 @@ class Engine:
       return
     keys = req.hashes if whole <= len(req.hashes) else paged_cache.page_hashes(req.tokens, size, whole)
     for i in range(req.registered, whole):
-      self.pool.register(req.pages[i], keys[i])
+      self.pools[req.shard].register(req.pages[i], keys[i])
     req.registered = whole
 
   def _finish(self, req: _Request, reason: str) -> Event:
     if req.row is not None:
       self._rows[req.row] = None
-      self.pool.release(req.pages)
+      self.pools[req.shard].release(req.pages)
       req.row, req.pages = None, []
     elif req in self._waiting:
       self._waiting.remove(req)

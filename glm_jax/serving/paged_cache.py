@@ -8,6 +8,11 @@ Memory is the pool's N pages, whatever the number of requests or their lengths. 
 of 0 is "no page", and writes to slots with no page (a chunk's padding past a request's end, an idle row) land there.
 No query ever reads it: a request's queries see only its own slots up to their own position, all of which have pages.
 
+Under a mesh (the engine compiled for a slice, glm_jax/serving/aot.py) the pool's pages and the requests' rows are split
+alike over the batch axes (data, fsdp, expert): each shard holds its rows' pages, a page table's entries index its own
+shard's pages (each shard with its own scratch page 0), and the gather and scatter run inside a shard_map, so no
+page crosses a chip (DP attention over the latent cache, as the MLA servers do).
+
 `PagedLayerCache` gives MLA.decode (glm_jax/model/mla.py) the LayerCache interface over a pool: `write` scatters the
 new entries into their pages, and `kv` / `index_k` gather a request's pages into the contiguous [R, P * page_size, W]
 view the decode attends over, so the engine's step is the model's own decode step: the same exact top-k of the
@@ -27,11 +32,14 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
+import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
+from glm_jax.mesh_axes import BATCH_AXES
 from glm_jax.model.config import ModelConfig
 from glm_jax.model.kv_cache import KVCache, LayerCache
 from glm_jax.model.layers import dtype_of
@@ -56,8 +64,11 @@ class PagedLayerCache:
     return self.page_table.shape[-1] * self.page_size
 
   def _view(self, pool: jax.Array) -> jax.Array:
-    r, p = self.page_table.shape
-    return pool[self.page_table].reshape(r, p * self.page_size, pool.shape[-1])
+    def gather(pool, table):
+      r, p = table.shape
+      return pool[table].reshape(r, p * self.page_size, pool.shape[-1])
+
+    return _per_shard(gather, pool, self.page_table)
 
   @property
   def kv(self) -> jax.Array:
@@ -69,21 +80,50 @@ class PagedLayerCache:
 
   def write(self, pos_B: jax.Array, kv_BTA: jax.Array, index_k_BTZ: jax.Array | None) -> PagedLayerCache:
     """Row b's T new entries at slots pos[b]..pos[b] + T - 1, each in its page (scratch past the table's end)."""
-    t, size = kv_BTA.shape[1], self.page_size
-    slots = pos_B[:, None] + jnp.arange(t)
-    col = slots // size
-    page = jnp.where(
-      col < self.page_table.shape[1],
-      jnp.take_along_axis(self.page_table, jnp.minimum(col, self.page_table.shape[1] - 1), axis=1),
-      SCRATCH_PAGE,
-    )
-    off = slots % size
+    size = self.page_size
 
-    def put(pool, new):
-      return pool.at[page, off].set(new.astype(pool.dtype))
+    def put(pool, table, pos, new):
+      slots = pos[:, None] + jnp.arange(new.shape[1])
+      col = slots // size
+      width = table.shape[1]
+      page = jnp.where(col < width, jnp.take_along_axis(table, jnp.minimum(col, width - 1), axis=1), SCRATCH_PAGE)
+      return pool.at[page, slots % size].set(new.astype(pool.dtype))
 
-    index_k = None if self.pages.index_k is None else put(self.pages.index_k, index_k_BTZ)
-    return PagedLayerCache(LayerCache(kv=put(self.pages.kv, kv_BTA), index_k=index_k), self.page_table)
+    kv = _per_shard(put, self.pages.kv, self.page_table, pos_B, kv_BTA)
+    index_k = None
+    if self.pages.index_k is not None:
+      index_k = _per_shard(put, self.pages.index_k, self.page_table, pos_B, index_k_BTZ)
+    return PagedLayerCache(LayerCache(kv=kv, index_k=index_k), self.page_table)
+
+
+def batch_shards(rows: int, pages: int) -> tuple[str, ...]:
+  """The current mesh's batch axes (of size > 1) that split the requests' rows and the pool's pages alike: each
+  shard holds its rows' pages, and a page table's entries index its own shard's pages. () without a mesh; sizes
+  the axes do not divide are refused by name."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return ()
+  axes = tuple(a for a in BATCH_AXES if mesh.shape.get(a, 1) > 1)
+  shards = math.prod(mesh.shape[a] for a in axes)
+  for name, n in (("rows", rows), ("pages", pages)):
+    if n % shards:
+      raise ValueError(
+        f"the paged cache under a mesh: {n} {name}; the batch axes {dict((a, mesh.shape[a]) for a in axes)} split "
+        f"rows and pages {shards} ways (each shard its rows' pages): give a multiple of {shards}"
+      )
+  return axes
+
+
+def _per_shard(fn, pool, table, *row_args):
+  """fn(pool, table, *row_args) on each batch shard's pages and rows (a shard_map over batch_shards), or on the
+  whole pool without a mesh. The pool's leading axis is pages, every other operand's rows."""
+  axes = batch_shards(table.shape[0], pool.shape[0])
+  if not axes:
+    return fn(pool, table, *row_args)
+  spec = P(axes)
+  return jax.shard_map(fn, in_specs=(spec,) * (2 + len(row_args)), out_specs=spec, check_vma=False)(
+    pool, table, *row_args
+  )
 
 
 def empty_pool(cfg: ModelConfig, num_pages: int, page_size: int) -> KVCache:

@@ -371,7 +371,7 @@ def make_app(state: ServerState) -> FastAPI:
       "engine": dataclasses.asdict(eng.config),
       "running": eng.num_running,
       "waiting": eng.num_waiting,
-      "free_pages": eng.pool.free_pages,
+      "free_pages": eng.free_pages,
       "stats": dict(eng.stats),
     }
 

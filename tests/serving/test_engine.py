@@ -83,7 +83,7 @@ def test_concurrent_requests_equal_the_sampler_alone(tiny):
     assert reasons[i] == "length"
   assert eng.stats["prefill_tokens"] == sum(len(p) for p in prompts)
   assert eng.stats["decode_tokens"] == sum(int(n) - 1 for n in news)
-  assert eng.pool.used_pages == 0 and eng.pool.free_pages == 63
+  assert eng.used_pages == 0 and eng.free_pages == 63
 
 
 def test_shared_prefix_is_prefilled_once(tiny):
@@ -126,7 +126,7 @@ def test_abort_frees_pages(tiny):
   other = eng.add(rng.integers(1, 512, size=20).tolist(), GREEDY)
   for _ in range(4):
     eng.step()
-  assert eng.pool.free_pages == 63 - 8 - 4  # 20 + 40 - 1 slots = 8 pages, 20 + 10 - 1 = 4 pages
+  assert eng.free_pages == 63 - 8 - 4  # 20 + 40 - 1 slots = 8 pages, 20 + 10 - 1 = 4 pages
   waiting = eng.add([1, 2, 3], GREEDY)
   assert eng.abort(running) and eng.abort(waiting)
   events = eng.step()
@@ -134,11 +134,11 @@ def test_abort_frees_pages(tiny):
     (running, "abort"),
     (waiting, "abort"),
   }
-  assert eng.pool.free_pages == 63 - 4 and eng.num_running == 1
+  assert eng.free_pages == 63 - 4 and eng.num_running == 1
   assert not eng.abort(running)
   while eng.has_work():
     eng.step()
-  assert eng.pool.free_pages == 63 and other not in eng._by_id
+  assert eng.free_pages == 63 and other not in eng._by_id
 
 
 def test_sampled_requests_do_not_depend_on_their_batch(tiny):

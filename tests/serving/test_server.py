@@ -155,7 +155,7 @@ class ScriptedEngine:
   def __init__(self, ids):
     self.ids, self.version, self.requests = ids, 0, {}
     self.config, self.stats = EngineConfig(max_seq_len=4096), collections.Counter()
-    self.pool = type("Pool", (), {"free_pages": 255})()
+    self.free_pages = 255
     self.num_running = self.num_waiting = 0
 
   def check_request(self, prompt, sampling):
@@ -258,7 +258,7 @@ def test_bad_requests_get_their_4xx_and_the_server_goes_on(setup, served):
 
 def test_a_client_gone_mid_stream_aborts_its_request(setup, served):
   engine = served.state.engine.engine
-  free = engine.pool.free_pages
+  free = engine.free_pages
   before, aborted = engine.stats["decode_tokens"], engine.stats["finished_abort"]
   body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 120, "temperature": 1.0}, "stream": True}
   with httpx.stream(
@@ -267,7 +267,7 @@ def test_a_client_gone_mid_stream_aborts_its_request(setup, served):
     lines = r.iter_lines()
     assert sse([next(lines), next(lines), next(lines)])  # three tokens, then the client goes
   deadline = time.time() + 30
-  while engine.pool.free_pages != free or engine.num_running:
+  while engine.free_pages != free or engine.num_running:
     assert time.time() < deadline, "the request was not aborted"
     time.sleep(0.05)
   assert engine.stats["decode_tokens"] - before < 100 and engine.stats["finished_abort"] == aborted + 1
