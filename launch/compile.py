@@ -37,6 +37,12 @@ allocated and no TPU is needed. Prints one JSON line:
   lower_seconds, compile_seconds
 Exit status 0 when it fits, 1 when it does not, 2 on bad input.
 
+The serving engine (--serve): its decode step ([--max_running, 1] tokens) and chunked-prefill step ([--prefill_rows,
+--prefill_chunk]) over a page pool of --pages pages of --page_size tokens, the rows and pages split over the batch
+axes (glm_jax/serving/aot.py): per-chip bytes of the weights and the pool, each program's memory analysis, fits, and
+each step's roofline ms; the defaults are a pool of 64 x 32K tokens for glm5_744b:
+  python launch/compile.py --serve --config=configs/glm5_744b.py --topology=v5p:4x4x4 --config.mesh.expert=64
+
 Serving (--decode): the real decode step, and the prefill of --prefill_len tokens a row, for --batch_size rows
 against a cache of --cache_len slots, with the weights in model.dtype laid out over config.mesh (the Sampler's
 layout under a mesh: glm_jax/inference/aot.py):
@@ -79,6 +85,13 @@ _SPECULATE = flags.DEFINE_integer(
   "--decode: also compile a speculative round with k MTP drafts "
   "(the verification, a draft step, the MTP rewrite) and report its roofline.",
 )
+_SERVE = flags.DEFINE_bool("serve", False, "Compile the serving engine's decode and prefill steps instead.")
+_PAGES = flags.DEFINE_integer("pages", 32832, "--serve: pages in the pool (a scratch page a batch shard).")
+_PAGE_SIZE = flags.DEFINE_integer("page_size", 64, "--serve: tokens a page.")
+_MAX_RUNNING = flags.DEFINE_integer("max_running", 64, "--serve: requests decoded together.")
+_PREFILL_ROWS = flags.DEFINE_integer("prefill_rows", 64, "--serve: requests prefilled together.")
+_PREFILL_CHUNK = flags.DEFINE_integer("prefill_chunk", 256, "--serve: prompt tokens a request a prefill step.")
+_MAX_SEQ = flags.DEFINE_integer("max_seq_len", 32768, "--serve: a request's prompt + output at most.")
 _PREFILL_LEN = flags.DEFINE_integer(
   "prefill_len",
   None,
@@ -115,8 +128,13 @@ def main(argv):
       raise ValueError(f"--num_slices={_NUM_SLICES.value} is invalid; a positive integer")
     if not topology.libtpu_installed():
       raise ModuleNotFoundError(f"launch/compile.py needs libtpu to compile for {topo.name}: {topology.install_hint()}")
+    if _DECODE.value and _SERVE.value:
+      raise ValueError("--decode and --serve: give one of them")
     if _DECODE.value:
       decode(config, topo)
+      return
+    if _SERVE.value:
+      serve(config, topo)
       return
     aot.check_sections(config)
     t0 = time.perf_counter()
@@ -208,6 +226,31 @@ def decode(config, topo):
   }
   usable = topology.HBM_USABLE_BYTES[topo.generation.name]
   report.update(serving.decode_report(result, usable))
+  report["hbm_usable_bytes"] = usable
+  print(strict_json.dumps(report), flush=True)
+  sys.exit(0 if report["fits"] else 1)
+
+
+def serve(config, topo):
+  """--serve: compile the serving engine's steps for the slice and print its report (glm_jax/serving/aot.py)."""
+  from glm_jax.serving import EngineConfig, aot as engine_aot
+  from glm_jax.sharding import topology
+  from glm_jax.train.config import require_sections
+
+  require_sections(config, ("model", "mesh"), "compiling the serving engine", "configs/glm5_tiny.py")
+  engine = EngineConfig(
+    num_pages=_PAGES.value,
+    page_size=_PAGE_SIZE.value,
+    max_running=_MAX_RUNNING.value,
+    prefill_rows=_PREFILL_ROWS.value,
+    prefill_chunk=_PREFILL_CHUNK.value,
+    max_seq_len=_MAX_SEQ.value,
+  )
+  devices = topology.tpu_topology_devices(topo.name, num_slices=_NUM_SLICES.value)
+  result = engine_aot.compile_engine(config, devices, engine)
+  usable = topology.HBM_USABLE_BYTES[topo.generation.name]
+  report = {"topology": topo.name, "chips": len(devices), "config": config.get("name", "?")}
+  report.update(engine_aot.engine_report(result, usable))
   report["hbm_usable_bytes"] = usable
   print(strict_json.dumps(report), flush=True)
   sys.exit(0 if report["fits"] else 1)

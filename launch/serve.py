@@ -15,7 +15,6 @@ The server binds to 127.0.0.1. Another --host (0.0.0.0: every interface) needs a
 GLM_JAX_API_KEY environment variable, which every request must then send as `Authorization: Bearer <key>`.
 """
 
-import ipaddress
 import os
 
 import uvicorn
@@ -24,7 +23,7 @@ from ml_collections import config_flags
 
 from glm_jax import cli
 from glm_jax.serving import Engine, EngineConfig
-from glm_jax.serving.server import EngineThread, ServerState, make_app
+from glm_jax.serving.server import EngineThread, ServerState, is_loopback, make_app
 from glm_jax.train.config import check_values, invalid, model_config_for_stage
 from glm_jax.train.packed_checkpoint import load_packed
 from glm_jax.train.trainer import restore_run
@@ -44,15 +43,6 @@ _MAX_RUNNING = flags.DEFINE_integer("max_running", 16, "Requests decoded togethe
 _CHUNK = flags.DEFINE_integer("prefill_chunk", 64, "Prompt tokens a prefilling request feeds a step.")
 _MAX_SEQ = flags.DEFINE_integer("max_seq_len", 1024, "A request's prompt + max_tokens at most.")
 API_KEY_ENV = "GLM_JAX_API_KEY"
-
-
-def is_loopback(host: str) -> bool:
-  if host == "localhost":
-    return True
-  try:
-    return ipaddress.ip_address(host).is_loopback
-  except ValueError:
-    return False
 
 
 def main(argv):

@@ -63,7 +63,7 @@ def serving_config(config: ml_collections.ConfigDict) -> ModelConfig:
   return cfg.replace(param_dtype=cfg.dtype, remat_policy="none")
 
 
-def _chip_bytes(tree) -> int:
+def chip_bytes(tree) -> int:
   """Bytes one chip holds of an abstract tree whose leaves carry shardings (the first device's shard of each)."""
   total = 0
   for x in jax.tree.leaves(tree):
@@ -184,8 +184,8 @@ def compile_decode(
     batch_size,
     cache_len,
     prefill_len,
-    _chip_bytes(weights),
-    _chip_bytes(cache),
+    chip_bytes(weights),
+    chip_bytes(cache),
     seconds,
     speculate,
     {name: compiled.get(name) for name in ("verify", "draft", "rewrite") if speculate},

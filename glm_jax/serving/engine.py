@@ -134,18 +134,8 @@ class Engine:
     config.check(cfg)
     self.cfg, self.config = cfg, config
     self.mesh = None if mesh is None or mesh.size == 1 else mesh
-    self.shards, self._batch_axes = 1, ()
-    if self.mesh is not None:
-      check_heads(cfg, self.mesh)
-      self._batch_axes = tuple(a for a in BATCH_AXES if self.mesh.shape[a] > 1)
-      self.shards = math.prod(self.mesh.shape[a] for a in self._batch_axes)
-      for name in ("max_running", "prefill_rows", "num_pages"):
-        if getattr(config, name) % self.shards:
-          raise ValueError(
-            f"engine.{name}={getattr(config, name)}: the mesh's batch axes "
-            f"{dict((a, self.mesh.shape[a]) for a in self._batch_axes)} split rows and pages {self.shards} ways; "
-            f"give a multiple of {self.shards}"
-          )
+    self._batch_axes = batch_axes(self.mesh, cfg, config)
+    self.shards = math.prod(self.mesh.shape[a] for a in self._batch_axes) if self._batch_axes else 1
     self._graphdef = graphdef
     self._params, self._rest = self._placed(params, rest)
     self.version = version
@@ -279,7 +269,7 @@ class Engine:
       table[i, : len(req.pages)] = req.pages
       temp[i], top_p[i], seed[i] = req.sampling.temperature, req.sampling.top_p, req.seed
     with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
-      tok, logp, self._cache = _step(
+      tok, logp, self._cache = step_fn(
         self._graphdef,
         self._params,
         self._rest,
@@ -379,8 +369,25 @@ class Engine:
     return Event(req.rid, None, None, reason) if reason == "abort" else None
 
 
+def batch_axes(mesh, cfg: ModelConfig, config: EngineConfig) -> tuple[str, ...]:
+  """The mesh's batch axes (of size > 1) that split the engine's rows and pages (() without a mesh); a head count or
+  an engine size the mesh does not divide is refused by name."""
+  if mesh is None:
+    return ()
+  check_heads(cfg, mesh)
+  axes = tuple(a for a in BATCH_AXES if mesh.shape[a] > 1)
+  shards = math.prod(mesh.shape[a] for a in axes)
+  for name in ("max_running", "prefill_rows", "num_pages"):
+    if getattr(config, name) % shards:
+      raise ValueError(
+        f"engine.{name}={getattr(config, name)}: the mesh's batch axes {dict((a, mesh.shape[a]) for a in axes)} "
+        f"split rows and pages {shards} ways; give a multiple of {shards}"
+      )
+  return axes
+
+
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=3)  # engines of one model share the compiled steps
-def _step(graphdef, params, rest, pool, tokens_RT, pos_R, n_new_R, table_RP, temp_R, top_p_R, seed_R):
+def step_fn(graphdef, params, rest, pool, tokens_RT, pos_R, n_new_R, table_RP, temp_R, top_p_R, seed_R):
   """One engine step: row r feeds tokens[r, :n_new[r]] at slots pos[r].. over its pages; returns the token drawn
   after each row's last fed token, its log-probability, and the pool with the new entries written."""
   model = nnx.merge(graphdef, params, rest)

@@ -9,7 +9,7 @@ OpenAI's.
                               reply parsed into content, reasoning_content and tool_calls; enable_thinking and
                               clear_thinking as request fields or in chat_template_kwargs; stream
   GET  /v1/models, /health (the server is up), /health_generate (a one-token generation went through the engine),
-       /get_model_info, /get_server_info
+       /get_model_info, /get_server_info, /get_load (what SGLang's router reads of a worker)
   POST /abort_request         {"rid": ...}: ends a request (its pages go back)
   POST /update_weights        new weights between engine steps, with a version (glm_jax/serving/weights.py's source)
 
@@ -19,8 +19,8 @@ Every response of a generation carries the weight version that produced it (meta
 prompt too long for the engine, a token id outside the vocabulary, bad sampling parameters (400), a missing or wrong
 API key (401); the server goes on serving. A client that disconnects from a stream aborts its request.
 
-With an API key (`api_key`), every request must carry `Authorization: Bearer <key>`; launch/serve.py refuses a
-non-loopback host without one.
+With an API key (`api_key`), every request but /health and /health_generate (a router's probes, open on SGLang's
+servers too) must carry `Authorization: Bearer <key>`; launch/serve.py refuses a non-loopback host without one.
 
 The engine runs in a thread of its own (`EngineThread`): it steps while any request is running and sleeps when none
 is; the HTTP handlers add requests under its lock and read each request's events from an asyncio queue.
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import ipaddress
 import json
 import secrets
 import threading
@@ -47,6 +48,17 @@ from starlette.exceptions import HTTPException
 from glm_jax import chat
 from glm_jax.inference.sampling import SamplingParams
 from glm_jax.serving.engine import Engine, Event
+
+
+def is_loopback(host: str) -> bool:
+  """Whether binding `host` keeps a server on this machine (launch/serve.py and launch/router.py want an API key
+  otherwise)."""
+  if host == "localhost":
+    return True
+  try:
+    return ipaddress.ip_address(host).is_loopback
+  except ValueError:
+    return False
 
 
 class ApiError(Exception):
@@ -300,7 +312,8 @@ def make_app(state: ServerState) -> FastAPI:
 
   @app.middleware("http")
   async def api_key(request: Request, call_next):
-    if state.api_key is not None:
+    # /health and /health_generate answer without the key, as SGLang's servers do: a router probes them unauthenticated
+    if state.api_key is not None and not request.url.path.startswith("/health"):
       given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
       if not secrets.compare_digest(given.encode(), state.api_key.encode()):
         return ApiError(
@@ -360,13 +373,22 @@ def make_app(state: ServerState) -> FastAPI:
     }
 
   @app.get("/get_model_info")
+  @app.get("/model_info")
   async def model_info():
-    return {"model_path": state.model_name, "tokenizer_path": getattr(tok, "name", None), "is_generation": True}
+    return {
+      "model_path": state.model_name,
+      "served_model_name": state.model_name,
+      "tokenizer_path": getattr(tok, "name", None),
+      "is_generation": True,
+    }
 
   @app.get("/get_server_info")
+  @app.get("/server_info")
   async def server_info():
     eng = state.engine.engine
     return {
+      "model_path": state.model_name,
+      "served_model_name": state.model_name,
       "weight_version": version(),
       "engine": dataclasses.asdict(eng.config),
       "running": eng.num_running,
@@ -374,6 +396,18 @@ def make_app(state: ServerState) -> FastAPI:
       "free_pages": eng.free_pages,
       "stats": dict(eng.stats),
     }
+
+  @app.get("/get_load")
+  async def load():  # SGLang's load report (the router's power_of_two policy reads it)
+    eng = state.engine.engine
+    return [
+      {
+        "dp_rank": 0,
+        "num_reqs": eng.num_running,
+        "num_waiting_reqs": eng.num_waiting,
+        "num_tokens": eng.used_pages * eng.config.page_size,
+      }
+    ]
 
   @app.post("/abort_request")
   async def abort_request(request: Request):
@@ -404,7 +438,9 @@ def make_app(state: ServerState) -> FastAPI:
       ids = _prompt_ids(state, _field(body, "text", str, None) or "", "text")
     sp = _field(body, "sampling_params", dict, {})
     stop_ids = _field(sp, "stop_token_ids", list, [], where="sampling_params.stop_token_ids")
-    sampling, seed = _sampling({**sp, "seed": sp.get("seed", body.get("seed"))}, stop_ids, "max_new_tokens", 128)
+    # the seed: SGLang's sampling_params.sampling_seed (what its router forwards), or seed there or at the top level
+    seed = next((x for x in (sp.get("sampling_seed"), sp.get("seed"), body.get("seed")) if x is not None), None)
+    sampling, seed = _sampling({**sp, "seed": seed}, stop_ids, "max_new_tokens", 128)
     _check(state, ids, sampling, "input_ids")
     with_logp = _field(body, "return_logprob", bool, False)
 

@@ -129,6 +129,18 @@ def test_completions_and_generate_are_the_samplers(setup, served):
     assert e["output_ids"] == want[: len(e["output_ids"])] and e["text"] == tok.decode(e["output_ids"])
   assert len(events) > 1
 
+  def drawn(**seed):  # SGLang's sampling_params.sampling_seed (what its router forwards), or a top-level seed
+    sp = {"max_new_tokens": 8, "temperature": 1.0} | seed.pop("sp", {})
+    r = httpx.post(
+      f"{served.url}/generate",
+      json={"input_ids": ids, "sampling_params": sp, **seed},
+      headers={"Authorization": f"Bearer {KEY}"},
+      timeout=120,
+    )
+    return r.json()["output_ids"]
+
+  assert drawn(sp={"sampling_seed": 3}) == drawn(seed=3) != drawn(sp={"sampling_seed": 4})
+
   many = served.client().completions.create(model=NAME, prompt=prompt, max_tokens=6, temperature=1.0, n=3, seed=5)
   again = served.client().completions.create(model=NAME, prompt=prompt, max_tokens=6, temperature=1.0, n=3, seed=5)
   assert [c.text for c in many.choices] == [c.text for c in again.choices]  # seed + i: reproducible draws
@@ -252,6 +264,10 @@ def test_bad_requests_get_their_4xx_and_the_server_goes_on(setup, served):
   r = httpx.post(f"{served.url}/v1/completions", json={"prompt": "a", "temperature": -1}, headers=headers, timeout=60)
   assert r.json()["error"]["param"] == "temperature"
   assert httpx.get(f"{served.url}/health_generate", headers=headers, timeout=60).status_code == 200
+  # A router's probes need no key (as on SGLang's servers); everything else does.
+  assert httpx.get(f"{served.url}/health", timeout=60).json()["status"] == "ok"
+  r = httpx.get(f"{served.url}/get_server_info", timeout=60)
+  assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
   out = client.completions.create(model=NAME, prompt="In the beginning", max_tokens=3, temperature=0)
   assert out.usage.completion_tokens >= 1
 

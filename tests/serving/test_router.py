@@ -1,0 +1,186 @@
+"""launch/router.py, run as a user runs it: two engines (launch/serve.py) behind SGLang's router (the sglang-router
+package), supervised.
+
+The engines serve a small checkpoint (glm5_tiny at its random initialization, saved as the trainer saves it) behind
+the router (round_robin, so that both take requests); a trainer's POST /update_weights to each engine tags the weights
+"rl-1". One engine is SIGKILLed while it decodes a batch of concurrent /generate requests sent through the router:
+every request gets its whole answer (the router retries those the dead engine held on the other one) or a clear HTTP
+error, none is lost (a dropped connection, a cut body); the engine comes back (restarted from the checkpoint, tagged
+"rl-1", put back into the router) and answers requests through the router again. SIGTERM then stops the router and
+the engines: exit code 143, every port closed.
+"""
+
+import concurrent.futures
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+import configs.glm5_tiny
+from glm_jax.data import load_tokenizer
+from glm_jax.train.checkpoint import Checkpointer
+from glm_jax.train.config import model_config_for_stage
+from glm_jax.train.trainer import create_train_state
+from tests.helpers import ROOT
+
+STEP = 3  # the checkpoint's step: the engines' weight version until /update_weights names another
+VERSION = "rl-1"
+NEW_TOKENS = 48
+ENGINE_FLAGS = "--pages=64 --page_size=16 --max_running=8 --prefill_chunk=32 --max_seq_len=256"
+
+
+def free_ports(n: int) -> int:
+  """A port p with p .. p + n - 1 free on loopback."""
+  for _ in range(100):
+    with socket.socket() as s:
+      s.bind(("127.0.0.1", 0))
+      base = s.getsockname()[1]
+    if base + n < 65536 and all(is_free(base + i) for i in range(n)):
+      return base
+  raise RuntimeError("no free run of ports")
+
+
+def is_free(port: int) -> bool:
+  with socket.socket() as s:
+    try:
+      s.bind(("127.0.0.1", port))
+    except OSError:
+      return False
+  return True
+
+
+def refuses(port: int) -> bool:
+  with socket.socket() as s:
+    return s.connect_ex(("127.0.0.1", port)) != 0
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory, data_cache_dir):
+  """A run directory with one checkpoint at step STEP, as launch/train.py writes it (state, config, tokenizer)."""
+  config = configs.glm5_tiny.get_config()
+  config.data.cache_dir = data_cache_dir
+  _, state, _, _ = create_train_state(config, model_config_for_stage(config))
+  path = str(tmp_path_factory.mktemp("run"))
+  with Checkpointer(path) as ckpt:
+    ckpt.save(STEP, state, None, config.to_dict(), tokenizer=load_tokenizer(config.data).record(), force=True)
+  return path
+
+
+class Fleet:
+  """`python launch/router.py ...` in a subprocess, its output in a file: the lines it logs, the engines' pids."""
+
+  def __init__(self, workdir, data_cache_dir, log_path):
+    self.port = free_ports(4)  # the router, 2 engines, the router's metrics
+    self.engine_urls = [f"http://127.0.0.1:{self.port + 1 + i}" for i in range(2)]
+    self.url = f"http://127.0.0.1:{self.port}"
+    self.log_path = log_path
+    args = [
+      "--config=configs/glm5_tiny.py",
+      f"--config.data.cache_dir={data_cache_dir}",  # passed on to the engines, as the run was configured
+      f"--workdir={workdir}",
+      "--engines=2",
+      f"--port={self.port}",
+      "--policy=round_robin",
+      "--health_every=1",
+      f"--engine_flags={ENGINE_FLAGS}",
+    ]
+    with open(log_path, "w") as log:
+      self.proc = subprocess.Popen(
+        [sys.executable, "launch/router.py", *args], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT
+      )
+
+  def log(self) -> str:
+    with open(self.log_path, errors="replace") as f:
+      return f.read()
+
+  def wait_for(self, pattern: str, timeout: float) -> re.Match:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+      match = re.search(pattern, self.log())
+      if match:
+        return match
+      assert self.proc.poll() is None, f"launch/router.py exited ({self.proc.returncode}):\n{self.log()[-4000:]}"
+      time.sleep(0.5)
+    raise AssertionError(f"no {pattern!r} in {timeout} s:\n{self.log()[-4000:]}")
+
+  def pid(self, index: int) -> int:
+    return int(re.findall(rf"engine {index} \(pid (\d+)\) is (?:up|back)", self.log())[-1])
+
+  def stop(self):
+    if self.proc.poll() is None:
+      self.proc.send_signal(signal.SIGTERM)
+      try:
+        self.proc.wait(60)
+      except subprocess.TimeoutExpired:
+        self.proc.kill()  # its children die with it (PR_SET_PDEATHSIG)
+        self.proc.wait()
+
+
+def generate(url: str, i: int) -> httpx.Response:
+  body = {"input_ids": [5 + i, 6, 7, 8 + i], "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0.0}}
+  return httpx.post(f"{url}/generate", json=body, timeout=300)
+
+
+def finished(engine_url: str) -> int:
+  """Requests the engine finished (its /get_server_info stats)."""
+  stats = httpx.get(f"{engine_url}/get_server_info", timeout=10).json()["stats"]
+  return sum(v for k, v in stats.items() if k.startswith("finished_"))
+
+
+@pytest.mark.slow  # two engine processes start, one twice; about 2 minutes on 2 CPU cores
+def test_a_killed_engine_loses_no_request_and_comes_back_with_the_current_weights(workdir, data_cache_dir, tmp_path):
+  fleet = Fleet(workdir, data_cache_dir, str(tmp_path / "router.log"))
+  try:
+    fleet.wait_for(r"router on http://", timeout=600)
+    for url in fleet.engine_urls:  # as a trainer pushes new weights: each engine reloads the checkpoint, renamed
+      assert httpx.get(f"{url}/health").json()["weight_version"] == STEP
+      reply = httpx.post(f"{url}/update_weights", json={"weight_version": VERSION}, timeout=120).json()
+      assert reply == {"success": True, "weight_version": VERSION}
+    for i in range(2):  # one each (round robin): the first generations after new weights compile
+      assert generate(fleet.url, i).json()["meta_info"]["weight_version"] == VERSION
+    time.sleep(2)  # the supervisor polls every second: it has seen the new version
+
+    victim, victim_pid = fleet.engine_urls[0], fleet.pid(0)
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+      futures = [pool.submit(generate, fleet.url, i) for i in range(16)]
+      deadline = time.time() + 60
+      while httpx.get(f"{victim}/get_server_info").json()["running"] == 0:  # it holds requests when it dies
+        assert time.time() < deadline, "engine 0 got no request"
+        time.sleep(0.05)
+      os.kill(victim_pid, signal.SIGKILL)
+      answers = errors = 0
+      for future in futures:
+        reply = future.result()  # a dropped connection or a timeout raises here: a lost request
+        if reply.status_code == 200:
+          out = reply.json()
+          assert len(out["output_ids"]) == NEW_TOKENS, out
+          assert out["meta_info"]["weight_version"] == VERSION
+          answers += 1
+        else:  # a clear error: an HTTP status and a body that says what failed
+          assert reply.status_code >= 400 and reply.text, reply
+          errors += 1
+    assert answers + errors == 16 and answers >= 8, (answers, errors)
+
+    fleet.wait_for(rf"engine 0 \(pid (?!{victim_pid}\))\d+\) is back in the router", timeout=600)
+    assert fleet.pid(0) != victim_pid
+    assert httpx.get(f"{victim}/health").json()["weight_version"] == VERSION
+    workers = httpx.get(f"{fleet.url}/workers").json()["workers"]
+    assert sorted(w["url"] for w in workers if w["is_healthy"]) == fleet.engine_urls
+    before = finished(victim)
+    for i in range(4):  # round robin: two reach the restarted engine
+      out = generate(fleet.url, i).json()
+      assert len(out["output_ids"]) == NEW_TOKENS and out["meta_info"]["weight_version"] == VERSION
+    assert finished(victim) - before >= 1
+
+    fleet.proc.send_signal(signal.SIGTERM)
+    assert fleet.proc.wait(60) == 128 + signal.SIGTERM
+    assert "stopped by SIGTERM" in fleet.log()
+    assert all(refuses(fleet.port + i) for i in range(3))
+  finally:
+    fleet.stop()
