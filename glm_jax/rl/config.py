@@ -86,6 +86,11 @@ def default_rl_config() -> ml_collections.ConfigDict:
   c.worker_start_timeout = 300.0  # seconds a new worker may take to start (imports, compiling) before its first beat
   c.handshake_timeout = 30.0  # seconds to connect to a started worker and authenticate both ways, else it is replaced
   c.max_worker_restarts = 3  # replacements before the run fails
+  # Rollouts through the serving engines' HTTP API (glm_jax/rl/rollout_server.py; async GRPO on the single-turn tasks):
+  # rollout_engines engine processes behind SGLang's router, weights pushed through their /update_weights.
+  c.rollout_server = False
+  c.rollout_engines = 1
+  c.rollout_max_running = 64  # requests an engine decodes together
   # Agentic RL (glm_jax/rl/environment.py, agent_loop.py, agentic.py): rl.tokenizer="model" plays environments in
   # GLM-5's chat format with the model's tokenizer (rl.init_from's recorded one, else config.data's): GRPO the tasks
   # section's, distillation each teacher's (teachers.<name>.task names an environment); "char" keeps
@@ -208,6 +213,19 @@ def _validate_rl_section(rl: ml_collections.ConfigDict) -> None:
       invalid("rl.heartbeat_timeout", rl.heartbeat_timeout, f"must exceed rl.heartbeat_every={rl.heartbeat_every}")
     if not isinstance(rl.max_worker_restarts, int) or rl.max_worker_restarts < 0:
       invalid("rl.max_worker_restarts", rl.max_worker_restarts, "must be an integer >= 0")
+  if rl.rollout_server:
+    why = {
+      "rl.async_rollouts": (not rl.async_rollouts, "rollouts through the engines are asynchronous: set it True"),
+      "rl.rollout_process": (rl.rollout_process, "one rollout engine at a time: rl.rollout_server or this"),
+      "rl.tokenizer": (rl.tokenizer != "char", "the agent loop's rollouts do not go through the engines yet: 'char'"),
+      "rl.speculate": (bool(rl.speculate), "the serving engine decodes without MTP drafts yet: 0"),
+    }
+    for field, (bad, valid) in why.items():
+      if bad:
+        invalid(field, rl[field.split(".")[1]], f"with rl.rollout_server=True: {valid}")
+    for field in ("rollout_engines", "rollout_max_running"):
+      if isinstance(rl[field], bool) or not isinstance(rl[field], int) or rl[field] < 1:
+        invalid(f"rl.{field}", rl[field], "must be a positive integer")
   speculate = rl.speculate
   if isinstance(speculate, bool) or not isinstance(speculate, int) or speculate < 0:
     invalid("rl.speculate", speculate, "must be an integer >= 0 (0: plain decoding; k: MTP drafts a round)")

@@ -42,6 +42,7 @@ from glm_jax.rl.config import environment_mix, task_mix, validate_rl_config
 from glm_jax.rl.context import RunContext, RunSetup
 from glm_jax.rl.rollout import RolloutWorker, greedy_accuracy, is_stale, make_sampler, step_rollout
 from glm_jax.rl.rollout_engine import ProcessRolloutWorker
+from glm_jax.rl.rollout_server import ServerRolloutWorker
 from glm_jax.rl.warm_start import load_teacher, make_policy, reference_policy, warm_start
 from glm_jax.train.checkpoint import Checkpointer, check_writable
 from glm_jax.train.guards import ConsecutiveSkips
@@ -239,7 +240,11 @@ def _grpo_loop(ctx: RunContext, state, start: int):
     return _step_rollout(ctx, params, rest, version, index, rl.group_size)
 
   worker = None
-  if rl.async_rollouts and rl.rollout_process:  # a worker process (glm_jax/rl/rollout_engine.py)
+  if rl.async_rollouts and rl.rollout_server:  # through the serving engines' API (glm_jax/rl/rollout_server.py)
+    worker = ServerRolloutWorker(ctx, rl.group_size)
+    worker.push_weights(start, state.params, state.rest)
+    worker.start(first_index=start)
+  elif rl.async_rollouts and rl.rollout_process:  # a worker process (glm_jax/rl/rollout_engine.py)
     worker = ProcessRolloutWorker(ctx.config, ctx.workdir, served=ctx.served, tokenizer=ctx.vocab)
     worker.push_weights(start, state.params, state.rest)
     worker.start(first_index=start)

@@ -45,6 +45,7 @@ import functools
 import itertools
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -95,12 +96,15 @@ class EngineConfig:
 @dataclasses.dataclass(frozen=True)
 class Event:
   """What a step made of one request: its new token (None when it ended without one: an abort) and the token's
-  log-probability; finish_reason "stop" (a stop id), "length" (max_new_tokens), "abort", or None while it runs."""
+  log-probability; finish_reason "stop" (a stop id), "length" (max_new_tokens), "abort", or None while it runs;
+  version: the weight version the request was admitted under (update_weights lets running requests go on with the
+  new weights, so a request's tokens come from that version or later ones)."""
 
   rid: int
   token: int | None
   logp: float | None
   finish_reason: str | None = None
+  version: Any = None  # the weights the request was admitted under (it may finish under newer ones)
 
 
 @dataclasses.dataclass
@@ -117,6 +121,7 @@ class _Request:
   computed: int = 0  # tokens whose cache entries are written (the first `computed` of `tokens`)
   registered: int = 0  # leading pages registered in the prefix cache
   abort: bool = False
+  version: Any = None  # the weight version it was admitted under
 
   @property
   def generated(self) -> int:
@@ -291,7 +296,7 @@ class Engine:
       req.tokens.append(int(tok[i]))
       s = req.sampling
       reason = "stop" if int(tok[i]) in s.stop_ids else ("length" if req.generated >= s.max_new_tokens else None)
-      events.append(Event(req.rid, int(tok[i]), float(logp[i]), reason))
+      events.append(Event(req.rid, int(tok[i]), float(logp[i]), reason, req.version))
       if reason:
         self._finish(req, reason)
     return events
@@ -341,6 +346,7 @@ class Engine:
       self._waiting.remove(req)
       req.pages, req.row, req.shard = pages, free[shard], shard
       req.registered, req.computed = len(shared), len(shared) * self.config.page_size
+      req.version = self.version
       self.stats["prefix_cached_tokens"] += req.computed
       self._rows[req.row] = req
       pending.update((shard, h) for h in req.hashes[req.registered :])

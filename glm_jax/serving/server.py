@@ -2,7 +2,9 @@
 OpenAI's.
 
   POST /generate              token ids (or text) in; token ids, text and log-probabilities out (SGLang's format:
-                              what RL rollouts need, no re-tokenization); "stream": true for server-sent events
+                              what RL rollouts need, no re-tokenization); "stream": true for server-sent events; a
+                              list of input_ids (with one sampling_params each, or one for all: item i then draws
+                              with seed + i) is a batch
   POST /v1/completions        OpenAI completions: a prompt (text or ids), n, max_tokens, temperature, top_p, seed,
                               stop, logprobs, stream
   POST /v1/chat/completions   OpenAI chat: messages and tools rendered in GLM-5's chat format (glm_jax/chat.py); the
@@ -218,6 +220,7 @@ class Generation:
   tokens: list[int] = dataclasses.field(default_factory=list)
   logps: list[float] = dataclasses.field(default_factory=list)
   finish_reason: str | None = None
+  version: Any = None  # the weight version the request was admitted under (the oldest that made its tokens)
 
 
 async def _stream(state: ServerState, ids: list[int], sampling: SamplingParams, seed: int) -> AsyncIterator[Generation]:
@@ -234,6 +237,7 @@ async def _stream(state: ServerState, ids: list[int], sampling: SamplingParams, 
           gen.tokens.append(ev.token)
           gen.logps.append(ev.logp)
         gen.finish_reason = ev.finish_reason
+        gen.version = ev.version if gen.version is None else gen.version
         if gen.finish_reason is not None or queue.empty():
           break
         ev = queue.get_nowait()
@@ -307,7 +311,7 @@ def _openai_calls(calls: list[dict]) -> list[dict]:
 def make_app(state: ServerState) -> FastAPI:
   app = FastAPI(title="glm-jax serving engine")
   app.state.serving = state
-  tok = state.tokenizer
+  tok = _Decoding(state.tokenizer)
   chat_stops = tuple(tok.chat_ids[s] for s in chat.STOP_STRINGS) if _can_chat(tok) else ()
 
   @app.middleware("http")
@@ -432,6 +436,32 @@ def make_app(state: ServerState) -> FastAPI:
   @app.post("/generate")
   async def generate(request: Request):
     body = await body_of(request)
+    ids = body.get("input_ids")
+    if isinstance(ids, list) and ids and all(isinstance(x, list) for x in ids):  # a batch: SGLang's list of prompts
+      sps = body.get("sampling_params") or {}
+      sps = sps if isinstance(sps, list) else [sps] * len(ids)
+      if len(sps) != len(ids) or _field(body, "stream", bool, False):
+        raise ApiError(400, "a batch of input_ids takes one sampling_params each (or one for all), no stream", None)
+      # every item checked before any runs: a bad one refuses the batch. One sampling_params for all (SGLang's router
+      # forwards only that form): item i draws with its seed + i, so a group of one prompt gets distinct samples.
+      items = [native_request(dict(body, input_ids=x, sampling_params=sp)) for x, sp in zip(ids, sps)]
+      if not isinstance(body.get("sampling_params"), list):
+        items = [(x, sampling, seed + i, logp) for i, (x, sampling, seed, logp) in enumerate(items)]
+      gens = await asyncio.gather(*(_run(state, *item[:3]) for item in items))
+      return [native_output(item, gen) for item, gen in zip(items, gens)]
+    item = native_request(body)
+    if not _field(body, "stream", bool, False):
+      return native_output(item, await _run(state, *item[:3]))
+
+    async def events():
+      async for gen in _stream(state, *item[:3]):
+        yield _sse(native_output(item, gen))
+      yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+  def native_request(body: dict) -> tuple[list[int], SamplingParams, int, bool]:
+    """A /generate body's (prompt ids, sampling, seed, whether to return log-probabilities), checked."""
     if body.get("input_ids") is not None:
       ids = _prompt_ids(state, _field(body, "input_ids", list), "input_ids")
     else:
@@ -442,28 +472,19 @@ def make_app(state: ServerState) -> FastAPI:
     seed = next((x for x in (sp.get("sampling_seed"), sp.get("seed"), body.get("seed")) if x is not None), None)
     sampling, seed = _sampling({**sp, "seed": seed}, stop_ids, "max_new_tokens", 128)
     _check(state, ids, sampling, "input_ids")
-    with_logp = _field(body, "return_logprob", bool, False)
+    return ids, sampling, seed, _field(body, "return_logprob", bool, False)
 
-    def out(gen: Generation) -> dict:
-      meta = {
-        "finish_reason": None if gen.finish_reason is None else {"type": _finish(gen.finish_reason)},
-        "prompt_tokens": len(ids),
-        "completion_tokens": len(gen.tokens),
-        "weight_version": version(),
-      }
-      if with_logp:
-        meta["output_token_logprobs"] = [[lp, t, None] for t, lp in zip(gen.tokens, gen.logps)]
-      return {"text": tok.decode(gen.tokens), "output_ids": list(gen.tokens), "meta_info": meta}
-
-    if not _field(body, "stream", bool, False):
-      return out(await _run(state, ids, sampling, seed))
-
-    async def events():
-      async for gen in _stream(state, ids, sampling, seed):
-        yield _sse(out(gen))
-      yield "data: [DONE]\n\n"
-
-    return StreamingResponse(events(), media_type="text/event-stream")
+  def native_output(item, gen: Generation) -> dict:
+    ids, _, _, with_logp = item
+    meta = {
+      "finish_reason": None if gen.finish_reason is None else {"type": _finish(gen.finish_reason)},
+      "prompt_tokens": len(ids),
+      "completion_tokens": len(gen.tokens),
+      "weight_version": version() if gen.version is None else gen.version,
+    }
+    if with_logp:
+      meta["output_token_logprobs"] = [[lp, t, None] for t, lp in zip(gen.tokens, gen.logps)]
+    return {"text": tok.decode(gen.tokens), "output_ids": list(gen.tokens), "meta_info": meta}
 
   # ---- OpenAI completions
 
@@ -660,6 +681,29 @@ def make_app(state: ServerState) -> FastAPI:
   return app
 
 
+class _Decoding:
+  """The tokenizer, whose decode never raises: an id it cannot decode (a model's vocabulary wider than a character
+  vocabulary's, say) is U+FFFD in the text; the ids themselves are what RL reads."""
+
+  def __init__(self, tokenizer):
+    self._tok = tokenizer
+
+  def __getattr__(self, name):
+    return getattr(self._tok, name)
+
+  def decode(self, ids) -> str:
+    try:
+      return self._tok.decode(ids)
+    except (ValueError, KeyError, IndexError, OverflowError):
+      return "".join(self._one(i) for i in ids)
+
+  def _one(self, i: int) -> str:
+    try:
+      return self._tok.decode([i])
+    except (ValueError, KeyError, IndexError, OverflowError):
+      return "\ufffd"
+
+
 async def _stopped_by_text(stream: AsyncIterator[Generation], cut) -> Generation:
   """Runs a stream until it ends or its text reaches a stop string (then it is aborted: finish reason "stop")."""
   gen = Generation()
@@ -676,6 +720,6 @@ async def _stopped_by_text(stream: AsyncIterator[Generation], cut) -> Generation
 def _can_chat(tokenizer) -> bool:
   try:
     tokenizer.chat_ids  # noqa: B018
-  except ValueError:
+  except (ValueError, AttributeError):  # a tokenizer without the format's tokens, or a character vocabulary
     return False
   return True

@@ -27,32 +27,13 @@ from glm_jax.data import load_tokenizer
 from glm_jax.train.checkpoint import Checkpointer
 from glm_jax.train.config import model_config_for_stage
 from glm_jax.train.trainer import create_train_state
+from glm_jax.serving.fleet import free_port_run
 from tests.helpers import ROOT
 
 STEP = 3  # the checkpoint's step: the engines' weight version until /update_weights names another
 VERSION = "rl-1"
 NEW_TOKENS = 48
 ENGINE_FLAGS = "--pages=64 --page_size=16 --max_running=8 --prefill_chunk=32 --max_seq_len=256"
-
-
-def free_ports(n: int) -> int:
-  """A port p with p .. p + n - 1 free on loopback."""
-  for _ in range(100):
-    with socket.socket() as s:
-      s.bind(("127.0.0.1", 0))
-      base = s.getsockname()[1]
-    if base + n < 65536 and all(is_free(base + i) for i in range(n)):
-      return base
-  raise RuntimeError("no free run of ports")
-
-
-def is_free(port: int) -> bool:
-  with socket.socket() as s:
-    try:
-      s.bind(("127.0.0.1", port))
-    except OSError:
-      return False
-  return True
 
 
 def refuses(port: int) -> bool:
@@ -76,7 +57,7 @@ class Fleet:
   """`python launch/router.py ...` in a subprocess, its output in a file: the lines it logs, the engines' pids."""
 
   def __init__(self, workdir, data_cache_dir, log_path):
-    self.port = free_ports(4)  # the router, 2 engines, the router's metrics
+    self.port = free_port_run(4)  # the router, 2 engines, the router's metrics
     self.engine_urls = [f"http://127.0.0.1:{self.port + 1 + i}" for i in range(2)]
     self.url = f"http://127.0.0.1:{self.port}"
     self.log_path = log_path

@@ -133,13 +133,26 @@ def test_completions_and_generate_are_the_samplers(setup, served):
     sp = {"max_new_tokens": 8, "temperature": 1.0} | seed.pop("sp", {})
     r = httpx.post(
       f"{served.url}/generate",
-      json={"input_ids": ids, "sampling_params": sp, **seed},
+      json={"input_ids": ids, "sampling_params": sp} | seed,
       headers={"Authorization": f"Bearer {KEY}"},
       timeout=120,
     )
     return r.json()["output_ids"]
 
   assert drawn(sp={"sampling_seed": 3}) == drawn(seed=3) != drawn(sp={"sampling_seed": 4})
+  # A batch (SGLang's list of input_ids) with one sampling_params: item i is the single request with seed 3 + i.
+  sp = {"max_new_tokens": 8, "temperature": 1.0, "sampling_seed": 3}
+  batch = httpx.post(
+    f"{served.url}/generate",
+    json={"input_ids": [ids, ids, ids[:3]], "sampling_params": sp},
+    headers={"Authorization": f"Bearer {KEY}"},
+    timeout=120,
+  ).json()
+  assert [b["output_ids"] for b in batch] == [
+    drawn(sp={"sampling_seed": 3}),
+    drawn(sp={"sampling_seed": 4}),
+    drawn(sp={"sampling_seed": 5}, input_ids=ids[:3]),
+  ]
 
   many = served.client().completions.create(model=NAME, prompt=prompt, max_tokens=6, temperature=1.0, n=3, seed=5)
   again = served.client().completions.create(model=NAME, prompt=prompt, max_tokens=6, temperature=1.0, n=3, seed=5)

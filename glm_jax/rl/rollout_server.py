@@ -1,0 +1,289 @@
+"""GRPO's rollouts through the serving engines' HTTP API, as slime makes GLM-5's: the trainer is a client of SGLang's
+router in front of rl.rollout_engines engine processes.
+
+  rl.async_rollouts=True, rl.rollout_server=True     (glm_jax/rl/trainer.py)
+
+`ServerRolloutWorker` has the RolloutWorker interface (push_weights, start, get, stop):
+  - start: writes the first weights (glm_jax/serving/weights.py: a directory the engines load) and starts the fleet
+    (glm_jax/serving/fleet.py): rl.rollout_engines processes `python -m glm_jax.rl.rollout_server <spec.json>`, each
+    an Engine of the policy (in rl.rollout_dtype when set) behind glm_jax/serving/server.py's app, and the router
+    in front of them. A thread then makes rollouts ahead of the trainer (at most rl.max_pending queued).
+  - push_weights(version, params, rest): writes the weights as served (quantization-aware runs pack them) to
+    <workdir>/rollout/weights/<version> and has every engine load them (POST /update_weights with weights_path and
+    weight_version) from a sender thread: the trainer does not wait. An engine that dies is restarted by the fleet
+    with the newest weights written.
+  - a rollout is rollout.step_rollout's through the API: step `index`'s problems (a function of (rl.seed, index)),
+    group_size samples of each as one batched POST /generate a problem (input_ids, the run's temperature, top_p,
+    max_new_tokens and eos as the stop id, a sampling_seed s from (rl.seed, index): sample j draws with s + j), with
+    their token ids
+    and log-probabilities; laid out as the Sampler lays a batch out and scored by the run's reward function. Its
+    version is the oldest weight version among its samples' (each sample's is the version its engine admitted it
+    under), so the trainer's staleness check (rollout.is_stale, rl.tau) sees every token's weights at their oldest.
+A request that fails (the router retries one whose engine died; 503 while no engine is up) is sent again, up to 5
+times with a growing wait; then the rollout fails and `get` raises. The single-turn tasks only (rl.tokenizer="char");
+the agent loop's rollouts stay in-process or in rl.rollout_process.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import queue
+import shutil
+import sys
+import threading
+import time
+from typing import Any
+
+import httpx
+import numpy as np
+from absl import logging
+
+from glm_jax.rl import rewards as rewards_lib
+from glm_jax.rl.rollout import Rollout, step_problems
+from glm_jax.serving import fleet as fleet_lib
+from glm_jax.serving.weights import save_weights
+
+RETRIES = 5
+
+
+class ServerRolloutWorker:
+  """GRPO rollouts through the router (module docstring). ctx: the run's RunContext (its config, workdir, model
+  config, tasks, reward function, vocabulary and `served`)."""
+
+  def __init__(self, ctx, group_size: int):
+    self.ctx, self.rl, self.group_size = ctx, ctx.config.rl, group_size
+    self.dir = os.path.join(ctx.workdir, "rollout")
+    self.width = max(t.max_prompt_len for t, _ in ctx.tasks_and_weights)  # the Sampler's prompt width
+    self.length = self.width + self.rl.max_new_tokens
+    self._queue: queue.Queue = queue.Queue(maxsize=max(1, self.rl.max_pending))
+    self._weights: queue.Queue = queue.Queue()
+    self._latest: tuple[int, str] | None = None  # (version, directory) of the newest weights written
+    self._stop = threading.Event()
+    self._threads: list[threading.Thread] = []
+    self.fleet: fleet_lib.Fleet | None = None
+    self.router_url = ""
+
+  # ---- weights
+
+  def _write(self, version: int, params, rest) -> str:
+    cfg = self.ctx.model_cfg
+    if self.rl.rollout_dtype and self.rl.rollout_dtype != cfg.dtype:  # the engines compute in the rollout dtype
+      cfg = cfg.replace(dtype=self.rl.rollout_dtype)
+    path = os.path.join(self.dir, "weights", str(version))
+    save_weights(path, self.ctx.served(params), rest, cfg, version=version, tokenizer={"kind": "char"})
+    if self._latest is not None and self._latest[1] != path:
+      shutil.rmtree(self._latest[1], ignore_errors=True)
+    self._latest = (version, path)
+    return path
+
+  def push_weights(self, version: int, params, rest) -> None:
+    """The weights of the rollouts from now on; before start they are the engines' first, after it they are sent
+    by a thread (the trainer goes on)."""
+    if self._latest is not None and version < self._latest[0]:
+      raise ValueError(f"push_weights: version {version} is older than the engines' {self._latest[0]}")
+    if self.fleet is None:
+      self._write(version, params, rest)
+    else:
+      self._weights.put((version, params, rest))
+
+  def _send_weights(self) -> None:
+    while not self._stop.is_set():
+      try:
+        item = self._weights.get(timeout=0.5)
+      except queue.Empty:
+        continue
+      while not self._weights.empty():  # only the newest matters
+        item = self._weights.get_nowait()
+      version, params, rest = item
+      path = self._write(version, params, rest)
+      for e in self.fleet.engines:
+        try:
+          fleet_lib.call(
+            "POST", f"{e.url}/update_weights", body={"weights_path": path, "weight_version": version}, timeout=600
+          )
+        except OSError as err:  # a dead engine: the fleet restarts it with the newest weights
+          logging.warning("rollout engine %d did not take weights %d: %s", e.index, version, err)
+
+  # ---- the fleet
+
+  def _engine_argv(self, port: int) -> list[str]:
+    spec = {
+      "weights": self._latest[1],
+      "port": port,
+      "engine": _engine_config(self.rl, self.length),
+      "model_name": "policy",
+    }
+    path = os.path.join(self.dir, f"engine-{port}.json")
+    with open(path, "w") as f:
+      json.dump(spec, f)
+    return [sys.executable, "-m", "glm_jax.rl.rollout_server", path]
+
+  def start(self, first_index: int = 0) -> ServerRolloutWorker:
+    if self._latest is None:
+      raise RuntimeError("push_weights before start: the engines start with the newest weights")
+    n = self.rl.rollout_engines
+    port = fleet_lib.free_port_run(n + 2)
+    options = fleet_lib.RouterOptions(policy="round_robin", health_every=2, start_timeout=self.rl.worker_start_timeout)
+    self.fleet = fleet_lib.Fleet(self._engine_argv, n, "127.0.0.1", port, None, options)
+    self.fleet.start()
+    self.router_url = f"http://127.0.0.1:{port}"
+    logging.info("rollouts through the router %s in front of %d engines", self.router_url, n)
+    for target, args in ((self._produce_loop, (first_index,)), (self._send_weights, ()), (self._supervise, ())):
+      t = threading.Thread(target=target, args=args, daemon=True)
+      t.start()
+      self._threads.append(t)
+    return self
+
+  def _supervise(self) -> None:
+    while not self._stop.wait(1.0):
+      self.fleet.check()
+
+  def get(self, timeout: float = 600.0) -> Rollout:
+    item = self._queue.get(timeout=timeout)
+    if isinstance(item, BaseException):
+      raise RuntimeError(f"rollouts through the serving engines failed: {item}") from item
+    return item
+
+  def stop(self) -> None:
+    self._stop.set()
+    for t in self._threads:
+      t.join(timeout=30)
+    if self.fleet is not None:
+      self.fleet.stop()
+
+  # ---- rollouts
+
+  def _produce_loop(self, index: int) -> None:
+    with httpx.Client(timeout=600, limits=httpx.Limits(max_connections=64)) as client:
+      while not self._stop.is_set():
+        try:
+          rollout = self.rollout(client, index)
+        except Exception as e:  # handed to the trainer: get raises
+          self._queue.put(e)
+          return
+        while not self._stop.is_set():
+          try:
+            self._queue.put(rollout, timeout=0.5)
+            break
+          except queue.Full:
+            continue
+        index += 1
+
+  def _post(self, client: httpx.Client, body: dict) -> Any:
+    wait = 0.5
+    for attempt in range(RETRIES + 1):
+      try:
+        r = client.post(f"{self.router_url}/generate", json=body)
+        if r.status_code == 200:
+          return r.json()
+        why = f"HTTP {r.status_code}: {r.text[:500]}"
+      except httpx.HTTPError as e:
+        why = repr(e)
+      if attempt == RETRIES or self._stop.is_set():
+        raise RuntimeError(f"POST /generate failed {attempt + 1} times; the last: {why}")
+      time.sleep(wait)
+      wait *= 2
+    raise AssertionError("unreachable")
+
+  def rollout(self, client: httpx.Client, index: int) -> Rollout:
+    """Rollout `index` through the router (module docstring)."""
+    rl, vocab, g = self.rl, self.ctx.vocab, self.group_size
+    t0 = time.perf_counter()
+    problems = step_problems(self.ctx.tasks_and_weights, rl, index)
+    # A problem's samples draw with seeds s, s + 1, ..., s + g - 1 (the server's batch rule), s from (rl.seed, index).
+    seeds = np.random.default_rng((rl.seed, index)).integers(0, 2**31 - g, size=len(problems)).tolist()
+
+    def sample(k: int) -> list[dict]:
+      params = dict(max_new_tokens=rl.max_new_tokens, temperature=rl.temperature, top_p=rl.top_p)
+      body = {
+        "input_ids": [list(problems[k].prompt_ids)] * g,
+        "sampling_params": dict(params, stop_token_ids=[vocab.eos_id], sampling_seed=seeds[k]),
+        "return_logprob": True,
+      }
+      return self._post(client, body)
+
+    with concurrent.futures.ThreadPoolExecutor(min(32, len(problems))) as pool:
+      outs = [o for group in pool.map(sample, range(len(problems))) for o in group]
+    rows = [p for p in problems for _ in range(g)]
+    n = len(rows)
+    tokens = np.full((n, self.length), vocab.pad_id, np.int32)
+    mask = np.zeros((n, self.length), bool)
+    logp = np.zeros((n, self.length), np.float32)
+    prompt_lens, lengths = np.zeros(n, np.int32), np.zeros(n, np.int32)
+    finished = np.zeros(n, bool)
+    for i, (p, out) in enumerate(zip(rows, outs)):
+      ids, resp = list(p.prompt_ids), out["output_ids"]
+      tokens[i, : len(ids)] = ids
+      tokens[i, len(ids) : len(ids) + len(resp)] = resp
+      mask[i, len(ids) : len(ids) + len(resp)] = True
+      logp[i, len(ids) : len(ids) + len(resp)] = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+      prompt_lens[i], lengths[i] = len(ids), len(ids) + len(resp)
+      finished[i] = out["meta_info"]["finish_reason"]["type"] == "stop"
+    rollout = Rollout(
+      version=min(int(out["meta_info"]["weight_version"]) for out in outs),
+      problems=rows,
+      tokens=tokens,
+      response_mask=mask,
+      rollout_logp=logp,
+      prompt_lens=prompt_lens,
+      lengths=lengths,
+      finished=finished,
+      rewards=np.zeros(n, np.float32),
+      failures=[],
+      index=index,
+    )
+    rollout.rewards, rollout.failures = rewards_lib.score(
+      self.ctx.reward_fn, rows, rollout.responses(), [f"step{index}/{i}" for i in range(n)]
+    )
+    rollout.seconds = time.perf_counter() - t0
+    return rollout
+
+
+def _engine_config(rl, length: int) -> dict:
+  """An engine's EngineConfig fields for the run: rl.rollout_max_running rows, pages for all of them at full length."""
+  page = 16
+  per_request = -(-length // page)
+  return dict(
+    num_pages=rl.rollout_max_running * per_request + 1,
+    page_size=page,
+    max_running=rl.rollout_max_running,
+    prefill_rows=min(8, rl.rollout_max_running),
+    prefill_chunk=max(16, 1 << (length - 1).bit_length()),
+    max_seq_len=per_request * page,
+  )
+
+
+def serve_engine(spec_path: str) -> None:
+  """An engine process (module docstring): the weights its spec names, on 127.0.0.1:port, until it is stopped."""
+  import uvicorn
+
+  from glm_jax.model import ModelConfig
+  from glm_jax.rl.tasks import CharVocab
+  from glm_jax.serving import Engine, EngineConfig
+  from glm_jax.serving.server import EngineThread, ServerState, make_app
+  from glm_jax.serving.weights import load_weights
+
+  with open(spec_path) as f:
+    spec = json.load(f)
+  meta, graphdef, params, rest = load_weights(spec["weights"])
+  cfg = ModelConfig.from_dict(meta["model"])
+  engine = Engine(graphdef, params, rest, cfg, EngineConfig(**spec["engine"]), version=meta["version"])
+
+  def load(body: dict):
+    path = body.get("weights_path")
+    if not isinstance(path, str):
+      raise ValueError(f"weights_path={path!r}: the directory of the weights to load")
+    new_meta, _, new_params, new_rest = load_weights(path, cfg)
+    return new_params, new_rest, body.get("weight_version", new_meta["version"])
+
+  state = ServerState(EngineThread(engine), CharVocab(), spec["model_name"], load_weights=load)
+  try:
+    uvicorn.run(make_app(state), host="127.0.0.1", port=spec["port"], log_level="warning")
+  finally:
+    state.engine.stop()
+
+
+if __name__ == "__main__":
+  serve_engine(sys.argv[1])
