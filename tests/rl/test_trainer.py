@@ -64,7 +64,7 @@ def policy_weights(workdir, config, which):
   return state.params, state.rest
 
 
-@pytest.mark.parametrize("engine", ["in_process", "rollout_process"])
+@pytest.mark.parametrize("engine", ["in_process", "rollout_process", "rollout_server"])
 @pytest.mark.slow
 def test_grpo_raises_expected_reward(tmp_path, engine):
   """grpo_tiny as shipped (1-digit addition, DSA selecting 4 keys, frozen indexer, IcePop), 30 GRPO steps after
@@ -73,10 +73,13 @@ def test_grpo_raises_expected_reward(tmp_path, engine):
   0.119 -> 0.186, 0.100 -> 0.161, gains of 0.061 to 0.068; the 0.04 asserted
   here is ten times the spread of the gains over seeds below their smallest. "rollout_process": the same run with
   its rollouts from a worker process over localhost (glm_jax/rl/rollout_engine.py; asynchronous, tau 1) gains as
-  much."""
+  much; "rollout_server": its rollouts through the serving engines' HTTP API behind SGLang's router
+  (glm_jax/rl/rollout_server.py; two engines, weights pushed through /update_weights, asynchronous, tau 1) too."""
   config = quiet(configs.grpo_tiny.get_config(), steps=30, eval_every=1000, checkpoint_every=1000)
   if engine == "rollout_process":
     config.rl.update(async_rollouts=True, rollout_process=True, tau=1)
+  if engine == "rollout_server":
+    config.rl.update(async_rollouts=True, rollout_server=True, rollout_engines=2, tau=1)
   summary = rl_trainer.run(config, str(tmp_path))
   assert summary["step"] == 30
   cfg = ModelConfig.from_dict(config.model)
