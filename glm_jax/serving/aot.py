@@ -3,8 +3,8 @@
 `compile_engine(config, devices, engine)` builds what `Engine(..., mesh=...)` runs (glm_jax/serving/engine.py): the
 model with its weights in the compute dtype laid out by their logical axes over config.mesh (the Sampler's serving
 layout, glm_jax/inference/aot.py), the page pool [L, num_pages, page_size, W] with its pages split over the batch
-axes like the requests' rows, and the engine's step function (`step_fn`: the paged decode over each row's own pages,
-the pool donated and written in place) at its two shapes: decode [max_running, 1] and prefill
+axes like the requests' rows, and the engine's step function (`compiled_step`: the paged decode over each row's
+own pages, the pool donated and written in place) at its two shapes: decode [max_running, 1] and prefill
 [prefill_rows, prefill_chunk]. Everything is abstract, so with devices from
 glm_jax.sharding.topology.tpu_topology_devices it is XLA:TPU's compile for a slice on a machine without a TPU.
 `engine_report` gives launch/compile.py --serve's JSON: per-chip bytes of the weights and the pool, each program's
@@ -31,7 +31,7 @@ from glm_jax.mesh_axes import MESH_AXES
 from glm_jax.model import GlmMoeDsa, ModelConfig
 from glm_jax.model.platform import target_platform
 from glm_jax.serving import paged_cache
-from glm_jax.serving.engine import EngineConfig, batch_axes, step_fn
+from glm_jax.serving.engine import EngineConfig, batch_axes, compiled_step
 from glm_jax.sharding import hlo_cost, topology
 from glm_jax.sharding.mesh import make_mesh
 from glm_jax.sharding.state import weight_shardings, with_shardings
@@ -88,7 +88,7 @@ def compile_engine(config: ml_collections.ConfigDict, devices: Sequence[Any], en
   for name, (r, t) in shapes.items():
     t0 = time.perf_counter()
     with jax.set_mesh(mesh), target_platform(devices[0].platform):
-      lowered = step_fn.lower(graphdef, *weights, pool, *operands(r, t))
+      lowered = compiled_step(graphdef).lower(*weights, pool, *operands(r, t))
     try:
       compiled[name] = lowered.compile()
     except jax.errors.JaxRuntimeError as e:

@@ -141,7 +141,7 @@ class Engine:
     self.mesh = None if mesh is None or mesh.size == 1 else mesh
     self._batch_axes = batch_axes(self.mesh, cfg, config)
     self.shards = math.prod(self.mesh.shape[a] for a in self._batch_axes) if self._batch_axes else 1
-    self._graphdef = graphdef
+    self._graphdef, self._step = graphdef, compiled_step(graphdef)
     self._params, self._rest = self._placed(params, rest)
     self.version = version
     self.pools = [PagePool(config.num_pages // self.shards, config.page_size) for _ in range(self.shards)]
@@ -274,8 +274,7 @@ class Engine:
       table[i, : len(req.pages)] = req.pages
       temp[i], top_p[i], seed[i] = req.sampling.temperature, req.sampling.top_p, req.seed
     with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
-      tok, logp, self._cache = step_fn(
-        self._graphdef,
+      tok, logp, self._cache = self._step(
         self._params,
         self._rest,
         self._cache,
@@ -304,7 +303,7 @@ class Engine:
   def _rows_on_mesh(self, *arrays: np.ndarray) -> list[jax.Array]:
     """A step's [rows, ...] operands, split over the mesh's batch axes like the pool's pages."""
     if self.mesh is None:
-      return [jnp.asarray(a) for a in arrays]
+      return jax.device_put(list(arrays))
     return jax.device_put(list(arrays), NamedSharding(self.mesh, P(self._batch_axes)))
 
   def _running(self) -> list[_Request]:
@@ -392,7 +391,17 @@ def batch_axes(mesh, cfg: ModelConfig, config: EngineConfig) -> tuple[str, ...]:
   return axes
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=3)  # engines of one model share the compiled steps
+_compiled: dict[Any, Any] = {}  # graphdef -> its jitted step: engines of one model share the compiled programs
+
+
+def compiled_step(graphdef):
+  """step_fn jitted with `graphdef` bound, the pool donated. (Binding it once: a static graphdef argument would be
+  hashed at every call, a tenth of a small model's step on the CPU.)"""
+  if graphdef not in _compiled:
+    _compiled[graphdef] = jax.jit(functools.partial(step_fn, graphdef), donate_argnums=2)
+  return _compiled[graphdef]
+
+
 def step_fn(graphdef, params, rest, pool, tokens_RT, pos_R, n_new_R, table_RP, temp_R, top_p_R, seed_R):
   """One engine step: row r feeds tokens[r, :n_new[r]] at slots pos[r].. over its pages; returns the token drawn
   after each row's last fed token, its log-probability, and the pool with the new entries written."""
