@@ -82,7 +82,7 @@ _CACHE_LEN = flags.DEFINE_integer("cache_len", 8192, "--decode: the cache's slot
 _SPECULATE = flags.DEFINE_integer(
   "speculate",
   0,
-  "--decode: also compile a speculative round with k MTP drafts "
+  "--decode (and --serve): also compile a speculative round with k MTP drafts "
   "(the verification, a draft step, the MTP rewrite) and report its roofline.",
 )
 _SERVE = flags.DEFINE_bool("serve", False, "Compile the serving engine's decode and prefill steps instead.")
@@ -245,6 +245,7 @@ def serve(config, topo):
     prefill_rows=_PREFILL_ROWS.value,
     prefill_chunk=_PREFILL_CHUNK.value,
     max_seq_len=_MAX_SEQ.value,
+    speculate=_SPECULATE.value,
   )
   devices = topology.tpu_topology_devices(topo.name, num_slices=_NUM_SLICES.value)
   result = engine_aot.compile_engine(config, devices, engine)

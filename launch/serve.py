@@ -7,7 +7,8 @@ endpoints (glm_jax/serving/server.py), under uvicorn.
 
 The model is the run's latest checkpoint (--config must be the run's config, as for launch/sample.py), or a packed
 (quantized) model with --packed; text is encoded with the tokenizer the checkpoint records. The engine's page pool
-and batch: --pages, --page_size, --max_running, --prefill_chunk, --max_seq_len. `POST /update_weights` reloads the
+and batch: --pages, --page_size, --max_running, --prefill_chunk, --max_seq_len; --speculate=k drafts k tokens a round
+with the model's MTP layer (the same greedy text, the same distribution sampled). `POST /update_weights` reloads the
 workdir's latest checkpoint (a trainer that saved newer weights) and tags what follows with {"weight_version": ...}
 from the request's body (default: the checkpoint's step).
 
@@ -42,6 +43,7 @@ _PAGE_SIZE = flags.DEFINE_integer("page_size", 16, "Tokens a page.")
 _MAX_RUNNING = flags.DEFINE_integer("max_running", 16, "Requests decoded together.")
 _CHUNK = flags.DEFINE_integer("prefill_chunk", 64, "Prompt tokens a prefilling request feeds a step.")
 _MAX_SEQ = flags.DEFINE_integer("max_seq_len", 1024, "A request's prompt + max_tokens at most.")
+_SPECULATE = flags.DEFINE_integer("speculate", 0, "MTP speculative decoding: tokens drafted a round (0: none).")
 API_KEY_ENV = "GLM_JAX_API_KEY"
 
 
@@ -65,6 +67,7 @@ def main(argv):
     max_running=_MAX_RUNNING.value,
     prefill_chunk=_CHUNK.value,
     max_seq_len=_MAX_SEQ.value,
+    speculate=_SPECULATE.value,
   )
   workdir = _WORKDIR.value or f"workdirs/{config.get('name', 'run')}"
   load_weights = None

@@ -92,15 +92,22 @@ def sample_rows(
   """sample_token with each row's own temperature (0: greedy), top_p and key, all traced (the serving engine's
   rows are different requests): (token [B] int32, its log-probability [B] fp32), row b's the same numbers as
   sample_token(logits[b:b+1], keys[b], temperature[b], top_p[b]) gives."""
-  greedy_B = temperature_B == 0
-  logits = logits_BV.astype(jnp.float32)
-  shifted = logits - jnp.max(logits, axis=-1, keepdims=True)
-  scale_B1 = jnp.where(greedy_B, 1.0, temperature_B)[:, None]
-  logp_BV = jax.nn.log_softmax(jnp.where(scale_B1 == 1.0, logits, shifted / scale_B1), axis=-1)
-  draw_BV = jnp.where((top_p_B < 1)[:, None], nucleus(logp_BV, top_p_B[:, None]), logp_BV)
+  logp_BV, draw_BV = draw_log_probs_rows(logits_BV, temperature_B, top_p_B)
   drawn = jax.vmap(lambda k, d: jax.random.categorical(k, d))(keys_B, draw_BV)
-  tok = jnp.where(greedy_B, jnp.argmax(logp_BV, axis=-1), drawn).astype(jnp.int32)
+  tok = jnp.where(temperature_B == 0, jnp.argmax(logp_BV, axis=-1), drawn).astype(jnp.int32)
   return tok, jnp.take_along_axis(logp_BV, tok[:, None], axis=-1)[:, 0]
+
+
+def draw_log_probs_rows(logits_B_V: jax.Array, temperature_B: jax.Array, top_p_B: jax.Array):
+  """draw_log_probs with each row's own temperature and top_p (traced): logits [B, ..., V] -> (the tempered
+  log-probabilities, the log-weights drawn from), both [B, ..., V]; row b's are draw_log_probs(logits[b],
+  temperature[b], top_p[b])'s (temperature 0: the log-probabilities at temperature 1, as greedy decoding returns)."""
+  shape = (-1,) + (1,) * (logits_B_V.ndim - 1)
+  scale = jnp.where(temperature_B == 0, 1.0, temperature_B).reshape(shape)
+  logits = logits_B_V.astype(jnp.float32)
+  shifted = logits - jnp.max(logits, axis=-1, keepdims=True)
+  logp = jax.nn.log_softmax(jnp.where(scale == 1.0, logits, shifted / scale), axis=-1)
+  return logp, jnp.where((top_p_B < 1).reshape(shape), nucleus(logp, top_p_B.reshape(shape)), logp)
 
 
 def nucleus(logp_BV: jax.Array, top_p) -> jax.Array:

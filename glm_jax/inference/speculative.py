@@ -41,7 +41,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from glm_jax.inference.sampling import SampleOutput, draw_log_probs, sample_token, tempered_log_softmax
+from glm_jax.inference.sampling import (
+  SampleOutput,
+  draw_log_probs,
+  draw_log_probs_rows,
+  sample_token,
+  tempered_log_softmax,
+)
 from glm_jax.model.config import ModelConfig
 from glm_jax.model.transformer import check_draft
 
@@ -94,6 +100,37 @@ def accept(
   dist_BJV = jnp.concatenate([residual(p_BJV[:, :k], q_BKV), p_BJV[:, k:]], axis=1)
   nxt = jax.random.categorical(k_next, jnp.log(dist_BJV[rows, kept_B]), axis=-1).astype(jnp.int32)
   return kept_B, nxt
+
+
+def accept_rows(
+  p_logits_BJV: jax.Array,
+  q_logits_BKV: jax.Array,
+  drafts_BK: jax.Array,
+  keys_B: jax.Array,
+  temperature_B: jax.Array,
+  top_p_B: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+  """`accept` with each row's own temperature (0: greedy), top_p and key, all traced (the serving engine's rows are
+  different requests, glm_jax/serving/engine.py): (kept [B], next [B] int32), row b's by `accept`'s rule."""
+  b, k = drafts_BK.shape
+  rows = jnp.arange(b)
+  best_BJ = jnp.argmax(p_logits_BJV, axis=-1).astype(jnp.int32)
+  kept_greedy = jnp.sum(jnp.cumprod(drafts_BK == best_BJ[:, :k], axis=1), axis=1)
+
+  def probs(logits):
+    return jax.nn.softmax(draw_log_probs_rows(logits, temperature_B, top_p_B)[1], axis=-1)
+
+  p_BJV, q_BKV = probs(p_logits_BJV), probs(q_logits_BKV)
+  p_d = jnp.take_along_axis(p_BJV[:, :k], drafts_BK[..., None], axis=-1)[..., 0]
+  q_d = jnp.take_along_axis(q_BKV, drafts_BK[..., None], axis=-1)[..., 0]
+  k_u, k_next = jnp.moveaxis(jax.vmap(jax.random.split)(keys_B), 1, 0)
+  ok_BK = jax.vmap(lambda key: jax.random.uniform(key, (k,)))(k_u) * q_d < p_d
+  kept_drawn = jnp.sum(jnp.cumprod(ok_BK, axis=1), axis=1)
+  greedy_B = temperature_B == 0
+  kept_B = jnp.where(greedy_B, kept_greedy, kept_drawn)
+  dist_BJV = jnp.concatenate([residual(p_BJV[:, :k], q_BKV), p_BJV[:, k:]], axis=1)
+  drawn = jax.vmap(lambda key, d: jax.random.categorical(key, jnp.log(d)))(k_next, dist_BJV[rows, kept_B])
+  return kept_B, jnp.where(greedy_B, best_BJ[rows, kept_B], drawn).astype(jnp.int32)
 
 
 def generate(

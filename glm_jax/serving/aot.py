@@ -7,9 +7,10 @@ axes like the requests' rows, and the engine's step function (`compiled_step`: t
 own pages, the pool donated and written in place) at its two shapes: decode [max_running, 1] and prefill
 [prefill_rows, prefill_chunk]. Everything is abstract, so with devices from
 glm_jax.sharding.topology.tpu_topology_devices it is XLA:TPU's compile for a slice on a machine without a TPU.
-`engine_report` gives launch/compile.py --serve's JSON: per-chip bytes of the weights and the pool, each program's
-memory analysis, `fits`, the tokens the pool holds, and each step's roofline time from its compiled ops
-(glm_jax/sharding/hlo_cost.py).
+With engine.speculate = k the decode program is a speculative round ([max_running, k + 1] tokens, the MTP layer's
+drafts and its paged cache included). `engine_report` gives launch/compile.py --serve's JSON: per-chip bytes of the
+weights and the pool, each program's memory analysis, `fits`, the tokens the pool holds, and each step's roofline
+time from its compiled ops (glm_jax/sharding/hlo_cost.py).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from glm_jax.mesh_axes import MESH_AXES
 from glm_jax.model import GlmMoeDsa, ModelConfig
 from glm_jax.model.platform import target_platform
 from glm_jax.serving import paged_cache
-from glm_jax.serving.engine import EngineConfig, batch_axes, compiled_step
+from glm_jax.serving.engine import EngineConfig, batch_axes, compiled_round, compiled_step
 from glm_jax.sharding import hlo_cost, topology
 from glm_jax.sharding.mesh import make_mesh
 from glm_jax.sharding.state import weight_shardings, with_shardings
@@ -64,31 +65,30 @@ def compile_engine(config: ml_collections.ConfigDict, devices: Sequence[Any], en
   pages = NamedSharding(mesh, P(None, axes or None))
   pool = jax.tree.map(
     lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=pages),
-    jax.eval_shape(lambda: paged_cache.empty_pool(cfg, engine.num_pages, engine.page_size)),
+    jax.eval_shape(lambda: paged_cache.empty_pool(cfg, engine.num_pages, engine.page_size, mtp=engine.speculate > 0)),
   )
   rows = NamedSharding(mesh, P(axes or None))
+  i32, f32 = jnp.int32, jnp.float32
 
-  def operands(r: int, t: int):
-    def arr(shape, dtype):
-      return jax.ShapeDtypeStruct(shape, dtype, sharding=rows)
+  def arr(shape, dtype=i32):
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=rows)
 
-    i32, f32 = jnp.int32, jnp.float32
-    return (
-      arr((r, t), i32),  # tokens
-      arr((r,), i32),  # positions
-      arr((r,), i32),  # tokens fed a row
-      arr((r, engine.table_width), i32),  # page tables
-      arr((r,), f32),  # temperatures
-      arr((r,), f32),  # top_p
-      arr((r,), i32),  # seeds
-    )
+  def sampling(r: int):  # page tables, temperatures, top_p, seeds
+    return arr((r, engine.table_width)), arr((r,), f32), arr((r,), f32), arr((r,))
 
-  shapes = {"decode": (engine.max_running, 1), "prefill": (engine.prefill_rows, engine.prefill_chunk)}
+  def step(r: int, t: int):  # tokens, positions, tokens fed a row, ..., the token after them
+    return compiled_step(graphdef), (arr((r, t)), arr((r,)), arr((r,)), *sampling(r), arr((r,)))
+
+  r = engine.max_running
+  programs = {"decode": step(r, 1), "prefill": step(engine.prefill_rows, engine.prefill_chunk)}
+  if engine.speculate:  # decoding rows run speculative rounds: next tokens, slots, hidden states, ...
+    hidden = arr((r, cfg.hidden_size), f32)
+    programs["decode"] = (compiled_round(graphdef, engine.speculate), (arr((r,)), arr((r,)), hidden, *sampling(r)))
   compiled, errors, seconds = {}, {}, {}
-  for name, (r, t) in shapes.items():
+  for name, (fn, operands) in programs.items():
     t0 = time.perf_counter()
     with jax.set_mesh(mesh), target_platform(devices[0].platform):
-      lowered = compiled_step(graphdef).lower(*weights, pool, *operands(r, t))
+      lowered = fn.lower(*weights, pool, *operands)
     try:
       compiled[name] = lowered.compile()
     except jax.errors.JaxRuntimeError as e:

@@ -33,7 +33,15 @@ axes, heads over tensor, experts by all-to-all) and the requests' rows and the p
 batch axes: each shard has its own page pool and prefix cache (paged_cache.py), a request is admitted to the shard
 with a free row that has the longest prefix of it cached, and its pages never leave that shard.
 
-Not here yet: MTP speculative decoding, GLM's blank-infilling layouts.
+MTP speculative decoding (`EngineConfig(speculate=k)`): decoding requests run speculative.py's round instead of the
+decode step, [max_running, k + 1] tokens: the MTP layer drafts k tokens over its own paged cache (on the same pages as
+the main one), the main model checks them in one forward, and each request keeps the accepted drafts and one drawn
+token (accept_rows: the acceptance rule with each request's temperature, top_p and key). Greedy output is plain
+greedy decoding's; a prefill step writes the MTP layer's entries for the prompt. A page shared through the prefix
+cache may hold an MTP entry at its last slot made for another next token: that only makes a draft less likely to be
+kept, never changes what the main model emits.
+
+Not here yet: GLM's blank-infilling layouts.
 """
 
 from __future__ import annotations
@@ -54,9 +62,11 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from glm_jax.inference.sampler import check_heads
-from glm_jax.inference.sampling import SamplingParams, sample_rows
+from glm_jax.inference import speculative
+from glm_jax.inference.sampling import SamplingParams, draw_log_probs_rows, sample_rows
 from glm_jax.mesh_axes import BATCH_AXES
 from glm_jax.model.config import ModelConfig
+from glm_jax.model.transformer import check_draft
 from glm_jax.sharding.state import weight_shardings
 from glm_jax.serving import paged_cache
 from glm_jax.serving.paged_cache import PagePool
@@ -69,6 +79,7 @@ class EngineConfig:
   max_running: int = 16  # requests running at once (the decode step's rows)
   prefill_chunk: int = 32  # prompt tokens a prefilling request feeds a step
   prefill_rows: int = 4  # requests prefilled together (the prefill step's rows; at most max_running)
+  speculate: int = 0  # k >= 1: MTP speculative decoding, k drafts a round (the model needs an MTP layer)
   max_seq_len: int = 1024  # a request's prompt + max_new_tokens at most (the page table's width)
 
   def check(self, cfg: ModelConfig) -> None:
@@ -82,6 +93,10 @@ class EngineConfig:
       )
     if self.num_pages < 2:
       raise ValueError(f"engine.num_pages={self.num_pages}; need at least 2 (page 0 is scratch)")
+    if isinstance(self.speculate, bool) or not isinstance(self.speculate, int) or self.speculate < 0:
+      raise ValueError(f"engine.speculate={self.speculate!r}; must be an integer >= 0 (0: no speculation)")
+    if self.speculate:
+      check_draft(cfg)
     if self.max_seq_len > cfg.max_position_embeddings:
       raise ValueError(
         f"engine.max_seq_len={self.max_seq_len} exceeds model.max_position_embeddings={cfg.max_position_embeddings}"
@@ -122,6 +137,7 @@ class _Request:
   registered: int = 0  # leading pages registered in the prefix cache
   abort: bool = False
   version: Any = None  # the weight version it was admitted under
+  h: np.ndarray | None = None  # speculating: the main model's last hidden state at its last fed slot (the drafts')
 
   @property
   def generated(self) -> int:
@@ -142,10 +158,11 @@ class Engine:
     self._batch_axes = batch_axes(self.mesh, cfg, config)
     self.shards = math.prod(self.mesh.shape[a] for a in self._batch_axes) if self._batch_axes else 1
     self._graphdef, self._step = graphdef, compiled_step(graphdef)
+    self._round = compiled_round(graphdef, config.speculate) if config.speculate else None
     self._params, self._rest = self._placed(params, rest)
     self.version = version
     self.pools = [PagePool(config.num_pages // self.shards, config.page_size) for _ in range(self.shards)]
-    self._cache = paged_cache.empty_pool(cfg, config.num_pages, config.page_size)
+    self._cache = paged_cache.empty_pool(cfg, config.num_pages, config.page_size, mtp=config.speculate > 0)
     if self.mesh is not None:  # pages split over the batch axes like the rows
       self._cache = jax.device_put(self._cache, NamedSharding(self.mesh, P(None, self._batch_axes)))
     self._ids = itertools.count()
@@ -183,11 +200,12 @@ class Engine:
     bad = [t for t in prompt if not 0 <= int(t) < self.cfg.vocab_size]
     if bad:
       raise ValueError(f"prompt: token id {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})")
-    need = len(prompt) + sampling.max_new_tokens
+    need = len(prompt) + sampling.max_new_tokens + self.config.speculate  # a last round's drafts past the end
     if need > self.config.max_seq_len:
+      drafts = f" and {self.config.speculate} draft slots" if self.config.speculate else ""
       raise ValueError(
-        f"a prompt of {len(prompt)} tokens plus max_new_tokens={sampling.max_new_tokens} is {need} tokens; this "
-        f"engine serves at most engine.max_seq_len={self.config.max_seq_len}"
+        f"a prompt of {len(prompt)} tokens plus max_new_tokens={sampling.max_new_tokens}{drafts} is {need} tokens; "
+        f"this engine serves at most engine.max_seq_len={self.config.max_seq_len}"
       )
     if self._pages_for(len(prompt), sampling) > self.config.num_pages // self.shards - 1:
       raise ValueError(
@@ -254,7 +272,9 @@ class Engine:
       if len(req.tokens) - req.computed > 1 and taken[req.shard] < per_shard:
         prefilling[req.shard * per_shard + taken[req.shard]] = req
         taken[req.shard] += 1
-    if decoding:
+    if decoding and self.config.speculate:
+      events += self._spec_round(decoding)
+    elif decoding:
       events += self._model_step(decoding, self.config.max_running, 1)
     if prefilling:
       events += self._model_step(prefilling, self.config.prefill_rows, self.config.prefill_chunk)
@@ -267,20 +287,24 @@ class Engine:
     pos, n_new = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
     table = np.zeros((rows, self.config.table_width), np.int32)
     temp, top_p, seed = np.zeros(rows, np.float32), np.ones(rows, np.float32), np.zeros(rows, np.int32)
+    after = np.full(rows, -1, np.int32)  # the token after the fed ones, when known (the MTP layer's input)
     for i, req in group.items():
       n = min(t, len(req.tokens) - req.computed)
       tokens[i, :n] = req.tokens[req.computed : req.computed + n]
       pos[i], n_new[i] = req.computed, n
       table[i, : len(req.pages)] = req.pages
       temp[i], top_p[i], seed[i] = req.sampling.temperature, req.sampling.top_p, req.seed
+      if req.computed + n < len(req.tokens):
+        after[i] = req.tokens[req.computed + n]
     with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
-      tok, logp, self._cache = self._step(
+      tok, logp, h, self._cache = self._step(
         self._params,
         self._rest,
         self._cache,
-        *self._rows_on_mesh(tokens, pos, n_new, table, temp, top_p, seed),
+        *self._rows_on_mesh(tokens, pos, n_new, table, temp, top_p, seed, after),
       )
     tok, logp = np.asarray(tok), np.asarray(logp)
+    h = np.asarray(h) if self.config.speculate else None
     self.stats["steps_prefill" if t > 1 else "steps_decode"] += 1
     events = []
     for i, req in group.items():
@@ -289,6 +313,8 @@ class Engine:
       self.stats["prefill_tokens"] += prefill
       self.stats["decode_tokens"] += n - prefill
       req.computed += n
+      if h is not None:
+        req.h = h[i]
       self._register(req)
       if req.computed < len(req.tokens):
         continue  # a chunk inside the prompt: what was drawn after it is not a next token
@@ -298,6 +324,43 @@ class Engine:
       events.append(Event(req.rid, int(tok[i]), float(logp[i]), reason, req.version))
       if reason:
         self._finish(req, reason)
+    return events
+
+  def _spec_round(self, group: dict[int, _Request]) -> list[Event]:
+    """One speculative round ([max_running, k + 1] tokens, speculative.py's round): each decoding request of `group`
+    ({row: request}) drafts k tokens with the MTP layer and the main model checks them; it gains the kept drafts and
+    one drawn token, cut at a stop id or max_new_tokens."""
+    rows = self.config.max_running
+    x, n = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
+    h = np.zeros((rows, self.cfg.hidden_size), np.float32)
+    table = np.zeros((rows, self.config.table_width), np.int32)
+    temp, top_p, seed = np.zeros(rows, np.float32), np.ones(rows, np.float32), np.zeros(rows, np.int32)
+    for i, req in group.items():
+      x[i], n[i], h[i] = req.tokens[-1], req.computed, req.h
+      table[i, : len(req.pages)] = req.pages
+      temp[i], top_p[i], seed[i] = req.sampling.temperature, req.sampling.top_p, req.seed
+    with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
+      cand, kept, logp, h_new, self._cache = self._round(
+        self._params, self._rest, self._cache, *self._rows_on_mesh(x, n, h, table, temp, top_p, seed)
+      )
+    cand, kept, logp, h_new = map(np.asarray, (cand, kept, logp, h_new))
+    self.stats["spec_rounds"] += len(group)
+    events = []
+    for i, req in group.items():
+      a = int(kept[i])
+      self.stats["spec_drafts_kept"] += a
+      req.computed, req.h = int(n[i]) + a + 1, h_new[i]  # x and the kept drafts are in the cache now
+      self._register(req)
+      s = req.sampling
+      for j in range(a + 1):
+        token = int(cand[i, j])
+        req.tokens.append(token)
+        self.stats["decode_tokens"] += 1
+        reason = "stop" if token in s.stop_ids else ("length" if req.generated >= s.max_new_tokens else None)
+        events.append(Event(req.rid, token, float(logp[i, j]), reason, req.version))
+        if reason:
+          self._finish(req, reason)
+          break
     return events
 
   def _rows_on_mesh(self, *arrays: np.ndarray) -> list[jax.Array]:
@@ -310,8 +373,10 @@ class Engine:
     return [r for r in self._rows if r is not None]
 
   def _pages_for(self, prompt_len: int, sampling: SamplingParams) -> int:
-    """Pages a request holds: every slot it writes (prompt + max_new_tokens - 1: the last token is never fed)."""
-    return -(-(prompt_len + sampling.max_new_tokens - 1) // self.config.page_size)
+    """Pages a request holds: every slot it writes (prompt + max_new_tokens - 1: the last token is never fed; and
+    speculating, a last round's k drafts past them)."""
+    slots = prompt_len + sampling.max_new_tokens - 1 + self.config.speculate
+    return -(-slots // self.config.page_size)
 
   def _admit(self) -> None:
     """Waiting requests into free rows, in order, while the pool has their pages. A request whose next prompt page a
@@ -402,13 +467,62 @@ def compiled_step(graphdef):
   return _compiled[graphdef]
 
 
-def step_fn(graphdef, params, rest, pool, tokens_RT, pos_R, n_new_R, table_RP, temp_R, top_p_R, seed_R):
+def step_fn(graphdef, params, rest, pool, tokens_RT, pos_R, n_new_R, table_RP, temp_R, top_p_R, seed_R, after_R):
   """One engine step: row r feeds tokens[r, :n_new[r]] at slots pos[r].. over its pages; returns the token drawn
-  after each row's last fed token, its log-probability, and the pool with the new entries written."""
+  after each row's last fed token, its log-probability, the last layer's hidden state there (before the final norm)
+  and the pool with the new entries written. With an MTP cache in the pool (speculative decoding) the MTP layer's
+  entries for the fed slots are written too: slot s's from the hidden state at s and the token at s + 1, the last
+  one's being after[r] (the prompt's next token), or the token just drawn when after[r] < 0."""
   model = nnx.merge(graphdef, params, rest)
+  rows = jnp.arange(tokens_RT.shape[0])
   _, h_RTD, cache = model.decode_tokens(tokens_RT, pos_R, paged_cache.paged(pool, table_RP))
-  last_RD = h_RTD[jnp.arange(h_RTD.shape[0]), jnp.maximum(n_new_R - 1, 0)]
+  last = jnp.maximum(n_new_R - 1, 0)
+  last_RD = h_RTD[rows, last]
   logits_RV = model.head(model.norm(last_RD[:, None]))[:, 0]
   keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(seed_R, pos_R + n_new_R)
   tok, logp = sample_rows(logits_RV, keys, temp_R, top_p_R)
-  return tok, logp, paged_cache.unpaged(cache)
+  if pool.mtp is not None:
+    next_RT = jnp.pad(tokens_RT[:, 1:], ((0, 0), (0, 1)))
+    next_RT = next_RT.at[rows, last].set(jnp.where(after_R >= 0, after_R, tok))
+    _, _, cache = model.draft(h_RTD, next_RT, pos_R, cache)
+  return tok, logp, last_RD, paged_cache.unpaged(cache)
+
+
+def compiled_round(graphdef, k: int):
+  """round_fn jitted for `graphdef` and k drafts a round, the pool donated (one compile for every engine of them)."""
+  if (graphdef, k) not in _compiled:
+    _compiled[graphdef, k] = jax.jit(functools.partial(round_fn, graphdef, k), donate_argnums=2)
+  return _compiled[graphdef, k]
+
+
+def round_fn(graphdef, k: int, params, rest, pool, x_R, n_R, h_RD, table_RP, temp_R, top_p_R, seed_R):
+  """A speculative round for rows whose next token x (slot n) is drawn and whose main model's hidden state at slot
+  n - 1 is h (glm_jax/inference/speculative.py's round, each row with its own temperature, top_p and key): the MTP
+  layer drafts k tokens, the main model feeds [x, d_1..d_k] at slots n..n+k, accept_rows keeps a prefix of the
+  drafts and draws the token after it, and the MTP layer's entries at slots n..n+k-1 are rewritten from the main
+  model's states. Returns (candidates [R, k + 1]: the drafts with the drawn token at index kept, kept [R], their
+  log-probabilities under the main model, the main model's hidden state at the last kept slot, the pool)."""
+  model = nnx.merge(graphdef, params, rest)
+  rows = jnp.arange(x_R.shape[0])
+  cache = paged_cache.paged(pool, table_RP)
+  keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(seed_R, n_R)
+  k_draft, k_accept = jnp.moveaxis(jax.vmap(jax.random.split)(keys), 1, 0)
+  draft_keys_KR = jnp.moveaxis(jax.vmap(lambda key: jax.random.split(key, k))(k_draft), 1, 0)
+
+  def draft_step(carry, keys_R):  # the MTP layer at one slot: its input state, the token after it, the slot
+    g_R1D, tok_R, slot_R, cache = carry
+    q_R1V, g_R1D, cache = model.draft(g_R1D, tok_R[:, None], slot_R, cache)
+    d_R, _ = sample_rows(q_R1V[:, 0], keys_R, temp_R, top_p_R)
+    return (g_R1D, d_R, slot_R + 1, cache), (d_R, q_R1V[:, 0])
+
+  carry = (h_RD[:, None].astype(model.dtype), x_R, n_R - 1, cache)
+  (_, _, _, cache), (drafts_KR, q_KRV) = jax.lax.scan(draft_step, carry, draft_keys_KR)
+  drafts_RK, q_RKV = drafts_KR.T, jnp.moveaxis(q_KRV, 0, 1)
+  p_RJV, h_RJD, cache = model.decode_tokens(jnp.concatenate([x_R[:, None], drafts_RK], axis=1), n_R, cache)
+  kept_R, next_R = speculative.accept_rows(p_RJV, q_RKV, drafts_RK, k_accept, temp_R, top_p_R)
+  _, _, cache = model.draft(h_RJD[:, :k], drafts_RK, n_R, cache)
+  j = jnp.arange(k + 1)
+  cand_RJ = jnp.where(j == kept_R[:, None], next_R[:, None], jnp.pad(drafts_RK, ((0, 0), (0, 1))))
+  logp_RJV, _ = draw_log_probs_rows(p_RJV, temp_R, top_p_R)
+  logp_RJ = jnp.take_along_axis(logp_RJV, cand_RJ[..., None], axis=-1)[..., 0]
+  return cand_RJ, kept_R, logp_RJ, h_RJD[rows, kept_R], paged_cache.unpaged(cache)

@@ -126,36 +126,35 @@ def _per_shard(fn, pool, table, *row_args):
   )
 
 
-def empty_pool(cfg: ModelConfig, num_pages: int, page_size: int) -> KVCache:
-  """A KVCache of zeros whose LayerCaches' rows are pages: [L, num_pages, page_size, W] a stack."""
+def empty_pool(cfg: ModelConfig, num_pages: int, page_size: int, *, mtp: bool = False) -> KVCache:
+  """A KVCache of zeros whose LayerCaches' rows are pages: [L, num_pages, page_size, W] a stack; with mtp, the first
+  MTP layer's too ([num_pages, page_size, W], no layer axis: speculative decoding's drafts), on the same pages."""
   dtype = dtype_of(cfg.dtype)
 
-  def stack(layers: int) -> LayerCache | None:
-    if not layers:
+  def stack(*lead: int) -> LayerCache | None:
+    if not all(lead):
       return None
-    index_k = jnp.zeros((layers, num_pages, page_size, cfg.index_head_dim), dtype) if cfg.use_dsa else None
-    return LayerCache(kv=jnp.zeros((layers, num_pages, page_size, cfg.kv_latent_dim), dtype), index_k=index_k)
+    index_k = jnp.zeros((*lead, num_pages, page_size, cfg.index_head_dim), dtype) if cfg.use_dsa else None
+    return LayerCache(kv=jnp.zeros((*lead, num_pages, page_size, cfg.kv_latent_dim), dtype), index_k=index_k)
 
-  return KVCache(dense=stack(cfg.num_dense_layers), moe=stack(cfg.num_moe_layers))
+  return KVCache(dense=stack(cfg.num_dense_layers), moe=stack(cfg.num_moe_layers), mtp=stack() if mtp else None)
 
 
 def paged(pool: KVCache, page_table_RP: jax.Array) -> KVCache:
   """The pool as a KVCache of PagedLayerCaches (the page table repeated for each layer of a stack: scan slices it)."""
 
-  def wrap(stack: LayerCache | None):
+  def wrap(stack: LayerCache | None, layered: bool = True):
     if stack is None:
       return None
-    layers = stack.kv.shape[0]
-    return PagedLayerCache(stack, jnp.broadcast_to(page_table_RP, (layers, *page_table_RP.shape)))
+    lead = stack.kv.shape[:1] if layered else ()
+    return PagedLayerCache(stack, jnp.broadcast_to(page_table_RP, (*lead, *page_table_RP.shape)))
 
-  return KVCache(dense=wrap(pool.dense), moe=wrap(pool.moe))
+  return KVCache(dense=wrap(pool.dense), moe=wrap(pool.moe), mtp=wrap(pool.mtp, layered=False))
 
 
 def unpaged(cache: KVCache) -> KVCache:
   """The pool back out of `paged`'s KVCache."""
-  return KVCache(
-    dense=None if cache.dense is None else cache.dense.pages, moe=None if cache.moe is None else cache.moe.pages
-  )
+  return KVCache(**{k: None if c is None else c.pages for k, c in vars(cache).items()})
 
 
 def page_hashes(tokens, page_size: int, pages: int) -> list[bytes]:

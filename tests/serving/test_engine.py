@@ -211,3 +211,41 @@ def test_bad_requests_are_refused_by_name(tiny, prompt, sampling, match):
 def test_bad_engine_configs_are_refused_by_name(tiny, changes, match):
   with pytest.raises(ValueError, match=match):
     engine(tiny, **changes)
+
+
+@pytest.mark.slow  # a few training steps, and the engine's speculative round compiled
+def test_speculative_decoding_is_plain_decoding():
+  """engine.speculate=2 on a model whose MTP drafts are often, not always, right (tests/inference/
+  test_speculative.py's train_on_a_cycle): 6 greedy requests of ragged prompts, arriving at different steps, give the
+  Sampler's plain greedy tokens and log-probabilities, in as many rounds as the Sampler's speculative decoding of each
+  prompt alone takes (the same drafts). A request sampled at
+  temperature 0.8 gets each token's log-probability under the main model (the full forward over its prefix)."""
+  from tests.inference.test_speculative import train_on_a_cycle
+
+  cfg = ModelConfig.from_dict(configs.glm5_tiny.get_config().model.to_dict()).replace(index_topk=6, vocab_size=16)
+  graphdef, params, rest = train_on_a_cycle(cfg, steps=10)  # drafts often right, not always
+  rng = np.random.default_rng(5)
+  prompts = [rng.integers(0, 16, size=int(n)).tolist() for n in (5, 2, 8, 12, 3, 7)]
+  greedy = SamplingParams(max_new_tokens=20, temperature=0.0)
+  config = EngineConfig(num_pages=64, page_size=8, max_running=4, prefill_chunk=8, max_seq_len=48, speculate=2)
+  eng = Engine(graphdef, params, rest, cfg, config)
+  tokens, logps, reasons, _ = run(eng, [[(i, p, greedy)] for i, p in enumerate(prompts)])
+  plain = Sampler(graphdef, cfg, greedy, width=12, cache_len=32)
+  drafting = Sampler(graphdef, cfg, greedy, width=12, cache_len=32, speculate=2)
+  rounds = 0
+  for i, p in enumerate(prompts):
+    out = plain(params, rest, [p], jax.random.key(0))
+    assert tokens[i] == np.asarray(out.tokens[0, len(p) : len(p) + 20]).tolist(), i
+    np.testing.assert_allclose(logps[i], np.asarray(out.logp[0, len(p) : len(p) + 20]), atol=1e-5)
+    rounds += int(drafting(params, rest, [p], jax.random.key(0)).rounds[0])
+  # The same drafts as the Sampler's speculative decoding of each prompt alone: as many rounds, request by request.
+  assert eng.stats["spec_rounds"] == rounds and reasons == {i: "length" for i in range(6)}
+  assert 0 < eng.stats["spec_drafts_kept"] < 2 * rounds, dict(eng.stats)  # drafts were kept, and rejected
+
+  sampled = SamplingParams(max_new_tokens=12, temperature=0.8)
+  eng = Engine(graphdef, params, rest, cfg, config)
+  tokens, logps, _, _ = run(eng, [[("s", prompts[2], sampled)]])
+  seq = np.asarray(prompts[2] + tokens["s"])[None]
+  logits = nnx.merge(graphdef, params, rest)(seq, compute_mtp=False).logits[0, len(prompts[2]) - 1 : -1]
+  want = jax.nn.log_softmax(logits / 0.8)[np.arange(12), seq[0, len(prompts[2]) :]]
+  np.testing.assert_allclose(logps["s"], want, atol=5e-5)

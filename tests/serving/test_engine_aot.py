@@ -27,8 +27,9 @@ def compile_serve(*args: str, timeout: int = 600) -> tuple[int, dict | None, str
 
 
 def test_tiny_engine_on_a_v5p_slice_holds_its_hand_counted_bytes():
-  """glm5_tiny (fp32 weights) on 4 v5p chips with expert=4: the routed experts split 4 ways, every other weight whole
-  on each chip; the 64 pages of 8 tokens split 4 ways with the 8 rows, for the 3 decoder layers."""
+  """glm5_tiny (fp32 weights) on 4 v5p chips with expert=4, speculating 2 tokens a round: the routed experts split 4
+  ways, every other weight whole on each chip; the 64 pages of 8 tokens split 4 ways with the 8 rows, for the 3 decoder
+  layers and the MTP layer; the decode program is the speculative round."""
   rc, report, err = compile_serve(
     "--pages=64",
     "--page_size=8",
@@ -36,6 +37,7 @@ def test_tiny_engine_on_a_v5p_slice_holds_its_hand_counted_bytes():
     "--prefill_rows=4",
     "--prefill_chunk=16",
     "--max_seq_len=64",
+    "--speculate=2",
     "--config.mesh.expert=4",
     "--config.mesh.fsdp=1",
   )
@@ -48,7 +50,7 @@ def test_tiny_engine_on_a_v5p_slice_holds_its_hand_counted_bytes():
   bias = moe_layers * cfg.n_routed_experts  # e_score_correction_bias, replicated
   assert report["weights_bytes_per_chip"] == 4 * (counts["total"] + counts["mtp"] - routed + routed // 4 + bias)
   width = cfg.kv_lora_rank + cfg.qk_rope_head_dim + cfg.index_head_dim
-  pool = cfg.num_hidden_layers * (64 // 4) * 8 * width * 4
+  pool = (cfg.num_hidden_layers + 1) * (64 // 4) * 8 * width * 4  # the decoder's layers and the MTP layer's
   assert report["pool_bytes_per_chip"] == pool and report["pool_tokens"] == (64 - 4) * 8
   for step in ("decode", "prefill"):  # the donated pool is written in place (TPU's tiled layout: at least its size)
     assert report[f"{step}_per_chip_bytes"]["aliased"] >= pool and report[f"{step}_step_ms"] > 0
