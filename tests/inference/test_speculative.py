@@ -23,7 +23,7 @@ from flax import nnx
 
 import configs.glm5_tiny
 from glm_jax.inference import Sampler, SamplingParams, acceptance_length
-from glm_jax.inference.speculative import accept, residual
+from glm_jax.inference.speculative import accept, accept_rows, residual
 from glm_jax.model import GlmMoeDsa, ModelConfig
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [3, 4, 5, 6, 7, 8, 9, 10]]  # ragged: 5, 2 and 8 tokens
@@ -214,6 +214,26 @@ def test_speculative_greedy_decoding_is_plain_greedy_decoding():
   )
   with_stop, _ = same(sampling, (4,), plain=cut)  # the deepest drafts (k = 2 runs the same stop logic)
   assert np.asarray(with_stop.finished).all() and int(with_stop.lengths[1]) == 2 + 6
+
+
+def test_accept_rows_is_accept_row_by_row():
+  """accept_rows (the serving engine's: each row its own temperature, top_p and key) gives each row what `accept`
+  (tested above against the target distribution) gives that row alone with its key, greedy rows included."""
+  rng = np.random.default_rng(3)
+  rows, k, v = 64, 3, 7
+  p_logits = jnp.asarray(rng.standard_normal((rows, k + 1, v)) * 2, jnp.float32)
+  q_logits = jnp.asarray(rng.standard_normal((rows, k, v)) * 2, jnp.float32)
+  drafts = jnp.asarray(rng.integers(0, v, (rows, k)), jnp.int32)
+  temps = np.tile([0.0, 1.0, 0.7, 1.3], rows // 4).astype(np.float32)
+  top_ps = np.tile([1.0, 1.0, 0.9, 0.8], rows // 4).astype(np.float32)
+  keys = jax.random.split(jax.random.key(4), rows)
+  kept, nxt = jax.jit(accept_rows)(p_logits, q_logits, drafts, keys, jnp.asarray(temps), jnp.asarray(top_ps))
+  for b in range(rows):
+    want = accept(
+      p_logits[b : b + 1], q_logits[b : b + 1], drafts[b : b + 1], keys[b], float(temps[b]), float(top_ps[b])
+    )
+    assert (int(kept[b]), int(nxt[b])) == (int(want[0][0]), int(want[1][0])), b
+  assert len(set(np.asarray(kept).tolist())) > 1  # kept counts differ between rows: several branches ran
 
 
 @pytest.mark.slow  # the full forward over every continuation and a 2,048-row generation
