@@ -128,7 +128,8 @@ async def drive_server(requests) -> dict:
       await asyncio.sleep(max(0.0, start + arrival - time.perf_counter()))
       async with slots:
         first = None
-        body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": n, "temperature": 0}, "stream": True}
+        sampling = {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}  # exactly n tokens
+        body = {"input_ids": prompt, "sampling_params": sampling, "stream": True}
         async with client.stream("POST", url, json=body) as r:
           async for line in r.aiter_lines():
             if line.startswith("data: {"):

@@ -20,8 +20,8 @@ one engine (a session id); round_robin and random ignore the text. More router f
 0.5 ...".
 
 The supervisor (glm_jax/serving/fleet.py): an engine whose process ends, or whose /health fails 3 times running, is
-taken out of the router, started again (it restores the workdir's latest checkpoint), given the weight version the
-engines last reported, warmed with one generation and put back; the router retries a non-streamed request whose
+taken out of the router, started again (it restores the workdir's latest checkpoint, and reports that checkpoint's
+step as its weight version), warmed with one generation and put back; the router retries a non-streamed request whose
 engine died on another one. SIGTERM or SIGINT stops the router, then the engines, and exits with 128 + the signal's
 number.
 """

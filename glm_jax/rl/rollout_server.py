@@ -172,13 +172,15 @@ class ServerRolloutWorker:
         index += 1
 
   def _post(self, client: httpx.Client, body: dict) -> Any:
+    """The batch's outputs, every sample whole (ended by a stop id or max_new_tokens: an aborted one is sent again)."""
     wait = 0.5
     for attempt in range(RETRIES + 1):
       try:
         r = client.post(f"{self.router_url}/generate", json=body)
-        if r.status_code == 200:
+        reasons = [o["meta_info"]["finish_reason"]["type"] for o in r.json()] if r.status_code == 200 else []
+        if r.status_code == 200 and all(x in ("stop", "length") for x in reasons):
           return r.json()
-        why = f"HTTP {r.status_code}: {r.text[:500]}"
+        why = f"HTTP {r.status_code}: {r.text[:500]}" if r.status_code != 200 else f"finish reasons {reasons}"
       except httpx.HTTPError as e:
         why = repr(e)
       if attempt == RETRIES or self._stop.is_set():

@@ -24,7 +24,8 @@ page is being prefilled by a running request waits a step or more for it rather 
 Each row is its own request: the step is the model's decode over the row's own pages (`GlmMoeDsa.decode_tokens`:
 the absorbed MLA, DSA's exact top-k of the indexer over the request's own tokens, the MoE), and the token is drawn
 with the request's own temperature, top_p and key (`sample_rows`; the key is the request's seed folded with the
-token's position, so a request's draws do not depend on what it is batched with). Greedy output is the Sampler's for
+token's position, so a request's draws do not depend on what it is batched with; speculating, a shared prefix page's
+MTP entries can change which drafts are proposed, so a sampled request's draws may). Greedy output is the Sampler's for
 the prompt alone (tests/serving/test_engine.py), the log-probabilities those of the distribution drawn from
 (glm_jax/inference/sampling.py). `update_weights` swaps in new weights between steps and drops the prefix cache.
 
@@ -265,11 +266,17 @@ class Engine:
     events = [self._finish(req, "abort") for req in list(self._waiting) + self._running() if req.abort]
     self._admit()
     running = self._running()
-    decoding = {req.row: req for req in running if len(req.tokens) - req.computed == 1}
+
+    # Speculating, a request also goes through the prefill step until it has the hidden state its drafts start from:
+    # one whose prompt the prefix cache holds all but the last token of (a GRPO group's copies), a 1-token prompt.
+    def prefills(req):
+      return len(req.tokens) - req.computed > 1 or (self.config.speculate and req.h is None)
+
+    decoding = {req.row: req for req in running if not prefills(req)}
     per_shard = self.config.prefill_rows // self.shards  # a shard's rows of the prefill step
     prefilling, taken = {}, collections.Counter()
     for req in running:
-      if len(req.tokens) - req.computed > 1 and taken[req.shard] < per_shard:
+      if prefills(req) and taken[req.shard] < per_shard:
         prefilling[req.shard * per_shard + taken[req.shard]] = req
         taken[req.shard] += 1
     if decoding and self.config.speculate:

@@ -7,9 +7,9 @@ Every engine is a process serving glm_jax/serving/server.py's app on 127.0.0.1 a
 /generate and OpenAI's /v1/completions and /v1/chat/completions; a trainer's POST /update_weights goes to each engine.
 
 The supervisor: an engine whose process ends, or whose /health fails 3 times running, is taken out of the router
-(DELETE /workers/<id>), started again (engine_argv is asked again: it names the newest weights), warmed with one
-generation (GET /health_generate: its first compile), set to the weight version the engines last reported (POST
-/update_weights with {"weight_version": ...} when it starts with another) and put back (POST /workers). The router
+(DELETE /workers/<id>), started again (engine_argv is asked again: it names the newest weights, an RL run's last
+pushed ones, launch/router.py's the workdir's latest checkpoint, and the engine reports their version), warmed with
+one generation (GET /health_generate: its first compile) and put back (POST /workers). The router
 retries a request whose engine fails before answering (connection refused or reset, 5xx: up to 5 tries) on another
 one, so a non-streamed request in flight on an engine that dies is answered by another; a stream cut off midway ends
 without its [DONE]. A router that exits is started again. Children run in sessions of their own and die with the
@@ -134,7 +134,6 @@ class Fleet:
     self.engines = [Engine(i, f"http://127.0.0.1:{port + 1 + i}") for i in range(n)]
     self.router: subprocess.Popen | None = None
     self.router_url = f"http://127.0.0.1:{port}"
-    self.version: Any = None  # the weight version the engines serve (the newest one an engine reported)
     self.engine_env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
     self.router_env = dict(self.engine_env, **({API_KEY_ENV: key} if key else {}))
 
@@ -145,10 +144,10 @@ class Fleet:
     e.proc = _spawn(self.engine_argv(port), self.engine_env)
     e.failures = 0
 
-  def wait_ready(self, e: Engine, version: Any = None) -> None:
-    """Waits for the engine's /health, gives it `version` (the weight version the others serve, when its
-    checkpoint's step is not that name: POST /update_weights reloads the checkpoint under that name), then warms it:
-    one generation compiles its steps before traffic comes."""
+  def wait_ready(self, e: Engine) -> None:
+    """Waits for the engine's /health and warms it: one generation compiles its steps before traffic comes. Its
+    weight version is what it loaded (engine_argv's weights), never relabelled: a name given to other weights would
+    make the trainer's staleness accounting wrong."""
     deadline = time.time() + self.options.start_timeout
     while True:
       if e.proc.poll() is not None:
@@ -160,9 +159,6 @@ class Fleet:
         break
       except OSError:
         time.sleep(0.5)
-    if version is not None and e.version != version:
-      call("POST", f"{e.url}/update_weights", body={"weight_version": version}, timeout=self.options.start_timeout)
-      e.version = version
     call("GET", f"{e.url}/health_generate", timeout=self.options.start_timeout)
 
   def restart(self, e: Engine, why: str) -> None:
@@ -171,7 +167,7 @@ class Fleet:
     _stop(e.proc, 5)
     try:
       self.launch(e)
-      self.wait_ready(e, self.version)
+      self.wait_ready(e)
       self.add_worker(e.url)
     except OSError as err:  # it exited, an HTTP call failed, or it timed out
       logging.error("engine %d (%s) did not come back (%s); trying again in 10 s", e.index, e.url, err)
@@ -237,7 +233,6 @@ class Fleet:
     for e in self.engines:
       self.wait_ready(e)
       logging.info("engine %d (pid %d) is up: %s, weight version %s", e.index, e.proc.pid, e.url, e.version)
-    self.version = self.engines[0].version
     self.start_router([e.url for e in self.engines])
 
   def check(self) -> None:
@@ -256,8 +251,7 @@ class Fleet:
           self.restart(e, f"failed /health {e.failures} times running")
         continue
       e.failures = 0
-      if version != e.version:  # new weights (a trainer's /update_weights): what a restarted engine gets
-        e.version = self.version = version
+      e.version = version  # a trainer's /update_weights may have changed it
     if self.router.poll() is not None:
       logging.warning("the router exited (code %d); starting it again", self.router.returncode)
       self.start_router([e.url for e in self.engines if e.proc is not None and e.proc.poll() is None])

@@ -199,7 +199,8 @@ class PagePool:
   def acquire(self, shared: list[int], fresh: int) -> list[int] | None:
     """Holds the cached pages `shared` and `fresh` new ones, or returns None (holding nothing) when the pool
     cannot give them. Returns the pages in order: shared, then fresh."""
-    spare = len(self._free) + sum(1 for p in self._idle if p not in shared)
+    held = set(shared)
+    spare = len(self._free) + sum(1 for p in self._idle if p not in held)
     if fresh > spare:
       return None
     for p in shared:

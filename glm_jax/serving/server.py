@@ -4,7 +4,9 @@ OpenAI's.
   POST /generate              token ids (or text) in; token ids, text and log-probabilities out (SGLang's format:
                               what RL rollouts need, no re-tokenization); "stream": true for server-sent events; a
                               list of input_ids (with one sampling_params each, or one for all: item i then draws
-                              with seed + i) is a batch
+                              with seed + i) is a batch; it stops at EOS unless sampling_params.ignore_eos, and the
+                              text leaves the stop token out (SGLang's ways); a sample whose engine step failed gives
+                              503, which a router retries on another engine
   POST /v1/completions        OpenAI completions: a prompt (text or ids), n, max_tokens, temperature, top_p, seed,
                               stop, logprobs, stream
   POST /v1/chat/completions   OpenAI chat: messages and tools rendered in GLM-5's chat format (glm_jax/chat.py); the
@@ -15,11 +17,12 @@ OpenAI's.
   POST /abort_request         {"rid": ...}: ends a request (its pages go back)
   POST /update_weights        new weights between engine steps, with a version (glm_jax/serving/weights.py's source)
 
-Every response of a generation carries the weight version that produced it (meta_info.weight_version, or
-`weight_version` in the OpenAI objects). Bad requests get OpenAI's error object ({"error": {"message", "type",
-"param", "code"}}) with a 4xx status: malformed JSON or a field of the wrong type (400), an unknown model (404), a
-prompt too long for the engine, a token id outside the vocabulary, bad sampling parameters (400), a missing or wrong
-API key (401); the server goes on serving. A client that disconnects from a stream aborts its request.
+Every response of a generation carries the weight version its samples were admitted under (meta_info.weight_version, or
+`weight_version` in the OpenAI objects; a list when the samples of one response differ). Bad requests get OpenAI's error
+object ({"error": {"message", "type", "param", "code"}}) with a 4xx status: malformed JSON or a field of the wrong type
+(400), an unknown model (404), a prompt too long for the engine, a token id outside the vocabulary, bad sampling
+parameters (400), a missing or wrong API key (401); the server goes on serving. A client that disconnects from a stream
+aborts its request.
 
 With an API key (`api_key`), every request but /health and /health_generate (a router's probes, open on SGLang's
 servers too) must carry `Authorization: Bearer <key>`; launch/serve.py refuses a non-loopback host without one.
@@ -31,6 +34,7 @@ is; the HTTP handlers add requests under its lock and read each request's events
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import ipaddress
 import json
@@ -78,17 +82,25 @@ class ApiError(Exception):
 
 class EngineThread:
   """An Engine stepping in a thread of its own. `add` (a coroutine) queues a request and returns its id and the
-  asyncio queue its events arrive on; `abort`, `update_weights` and `stop` may be called from any thread."""
+  asyncio queue its events arrive on; `abort` never waits (the engine thread takes it before its next step), so an
+  event loop never blocks on a step; `update_weights` waits for the step in progress (call it from a worker thread);
+  `stop` from any thread. A step that raises fails the requests in it with finish reason "error" and sets `error`
+  (the server's /health answers 503) until a step succeeds again; the thread itself never dies of it."""
 
   def __init__(self, engine: Engine):
     self.engine = engine
     self._lock = threading.Lock()
     self._wake = threading.Event()
     self._queues: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+    self._aborts: collections.deque[int] = collections.deque()
     self._stopped = False
     self.error: BaseException | None = None
     self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
     self._thread.start()
+
+  @property
+  def alive(self) -> bool:
+    return self._thread.is_alive()
 
   async def add(self, prompt: list[int], sampling: SamplingParams, seed: int) -> tuple[int, asyncio.Queue]:
     """Queues a request from a coroutine (waiting for the lock in a worker thread: a step may hold it)."""
@@ -105,8 +117,9 @@ class EngineThread:
     return rid, queue
 
   def abort(self, rid: int) -> bool:
-    with self._lock:
-      found = self.engine.abort(rid)
+    """Ends the request before the next step; False if it is not running here (unknown or over)."""
+    found = rid in self._queues
+    self._aborts.append(rid)
     self._wake.set()
     return found
 
@@ -121,31 +134,45 @@ class EngineThread:
 
   def _run(self) -> None:
     while not self._stopped:
-      with self._lock:
-        busy = self.engine.has_work()
-        if busy:
-          try:
-            events = self.engine.step()
-          except Exception as e:  # a broken step (non-finite weights, say) fails its requests, not the server
-            logging.exception("engine step failed")
-            events = [Event(rid, None, None, "error") for rid in list(self._queues)]
-            for rid in list(self._queues):
-              self.engine.abort(rid)
-            self.error = e
+      try:
+        busy = self._step()
+      except Exception:  # a bug in the bookkeeping: logged, and the thread goes on serving
+        logging.exception("the engine thread's loop failed")
+        busy = False
       if not busy:
         self._wake.wait(timeout=1.0)
         self._wake.clear()
+
+  def _step(self) -> bool:
+    with self._lock:
+      while self._aborts:
+        self.engine.abort(self._aborts.popleft())
+      if not self.engine.has_work():
+        return False
+      try:
+        events = self.engine.step()
+        self.error = None
+      except Exception as e:  # a broken step (non-finite weights, say) fails its requests, not the server
+        logging.exception("engine step failed")
+        events = [Event(rid, None, None, "error") for rid in list(self._queues)]
+        for rid in list(self._queues):
+          self.engine.abort(rid)
+        self.error = e
+    by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+    for ev in events:
+      target = self._queues.get(ev.rid)
+      if target is None:
         continue
-      by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-      for ev in events:
-        target = self._queues.get(ev.rid)
-        if target is None:
-          continue
-        if ev.finish_reason:
-          del self._queues[ev.rid]
-        by_loop.setdefault(target[0], []).append((target[1], ev))
-      for loop, items in by_loop.items():  # one wake-up of each event loop a step, not one an event
+      if ev.finish_reason:
+        del self._queues[ev.rid]
+      by_loop.setdefault(target[0], []).append((target[1], ev))
+    for loop, items in by_loop.items():  # one wake-up of each event loop a step, not one an event
+      try:
         loop.call_soon_threadsafe(_deliver, items)
+      except RuntimeError:  # the loop is closed: nobody is listening to these requests any more
+        for _, ev in items:
+          self._aborts.append(ev.rid)
+    return True
 
 
 def _deliver(items) -> None:
@@ -198,7 +225,10 @@ def _sampling(body: dict, stop_ids: tuple[int, ...], max_key: str, default_max: 
 
 def _prompt_ids(state: ServerState, prompt: Any, where: str) -> list[int]:
   if isinstance(prompt, str):
-    return state.tokenizer.encode(prompt)
+    try:
+      return state.tokenizer.encode(prompt)
+    except (ValueError, KeyError) as e:  # a character vocabulary without one of its characters, say
+      raise ApiError(400, f"{where}: the tokenizer cannot encode it: {e}", where, "invalid_prompt") from e
   if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
     return list(prompt)
   raise ApiError(400, f"{where}: expected a string or a list of token ids", where, "invalid_type")
@@ -221,6 +251,7 @@ class Generation:
   logps: list[float] = dataclasses.field(default_factory=list)
   finish_reason: str | None = None
   version: Any = None  # the weight version the request was admitted under (the oldest that made its tokens)
+  rid: int | None = None  # the engine's id of the request (POST /abort_request takes it)
 
 
 async def _stream(state: ServerState, ids: list[int], sampling: SamplingParams, seed: int) -> AsyncIterator[Generation]:
@@ -228,22 +259,22 @@ async def _stream(state: ServerState, ids: list[int], sampling: SamplingParams, 
   once: a consumer that falls behind the engine gets fewer, larger updates) and at the end; aborts the request if
   the caller stops listening (a client gone)."""
   rid, queue = await state.engine.add(ids, sampling, seed)
-  gen = Generation()
+  gen, over = Generation(rid=rid), False  # over: the engine ended it (a caller may set gen's finish reason itself)
   try:
-    while gen.finish_reason is None:
+    while not over:
       ev = await queue.get()
       while True:
         if ev.token is not None:
           gen.tokens.append(ev.token)
           gen.logps.append(ev.logp)
-        gen.finish_reason = ev.finish_reason
+        gen.finish_reason, over = ev.finish_reason, ev.finish_reason is not None
         gen.version = ev.version if gen.version is None else gen.version
-        if gen.finish_reason is not None or queue.empty():
+        if over or queue.empty():
           break
         ev = queue.get_nowait()
       yield gen
   finally:
-    if gen.finish_reason is None:
+    if not over:
       state.engine.abort(rid)
 
 
@@ -360,6 +391,13 @@ def make_app(state: ServerState) -> FastAPI:
 
   @app.get("/health")
   async def health():
+    if not state.engine.alive or state.engine.error is not None:
+      why = (
+        "the engine thread is gone"
+        if not state.engine.alive
+        else f"the engine's last step failed: {state.engine.error}"
+      )
+      raise ApiError(503, why, None, "engine_error")
     return {"status": "ok", "weight_version": version()}
 
   @app.get("/health_generate")
@@ -426,9 +464,9 @@ def make_app(state: ServerState) -> FastAPI:
       raise ApiError(400, "this server was started without a weight source (launch/serve.py --workdir)", None, None)
     try:
       params, rest, new_version = await asyncio.to_thread(state.load_weights, body)
-    except (ValueError, FileNotFoundError) as e:
-      raise ApiError(400, f"update_weights: {e}", None, "bad_weights") from e
-    state.engine.update_weights(params, rest, new_version)
+    except Exception as e:  # the files named are the client's: whatever is wrong with them is a bad request
+      raise ApiError(400, f"update_weights: {type(e).__name__}: {e}", None, "bad_weights") from e
+    await asyncio.to_thread(state.engine.update_weights, params, rest, new_version)  # waits for the step in progress
     return {"success": True, "weight_version": new_version}
 
   # ---- SGLang's native generate
@@ -446,12 +484,15 @@ def make_app(state: ServerState) -> FastAPI:
       # forwards only that form): item i draws with its seed + i, so a group of one prompt gets distinct samples.
       items = [native_request(dict(body, input_ids=x, sampling_params=sp)) for x, sp in zip(ids, sps)]
       if not isinstance(body.get("sampling_params"), list):
-        items = [(x, sampling, seed + i, logp) for i, (x, sampling, seed, logp) in enumerate(items)]
+        items = [(x, sampling, _seed(seed, i), logp) for i, (x, sampling, seed, logp) in enumerate(items)]
       gens = await asyncio.gather(*(_run(state, *item[:3]) for item in items))
+      _raise_failed(gens)
       return [native_output(item, gen) for item, gen in zip(items, gens)]
     item = native_request(body)
     if not _field(body, "stream", bool, False):
-      return native_output(item, await _run(state, *item[:3]))
+      gen = await _run(state, *item[:3])
+      _raise_failed([gen])
+      return native_output(item, gen)
 
     async def events():
       async for gen in _stream(state, *item[:3]):
@@ -468,6 +509,10 @@ def make_app(state: ServerState) -> FastAPI:
       ids = _prompt_ids(state, _field(body, "text", str, None) or "", "text")
     sp = _field(body, "sampling_params", dict, {})
     stop_ids = _field(sp, "stop_token_ids", list, [], where="sampling_params.stop_token_ids")
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
+      raise ApiError(400, "sampling_params.stop_token_ids: expected a list of token ids", "stop_token_ids")
+    if not _field(sp, "ignore_eos", bool, False, where="sampling_params.ignore_eos"):  # SGLang stops at EOS too
+      stop_ids = [*stop_ids, tok.eos_id]
     # the seed: SGLang's sampling_params.sampling_seed (what its router forwards), or seed there or at the top level
     seed = next((x for x in (sp.get("sampling_seed"), sp.get("seed"), body.get("seed")) if x is not None), None)
     sampling, seed = _sampling({**sp, "seed": seed}, stop_ids, "max_new_tokens", 128)
@@ -481,10 +526,13 @@ def make_app(state: ServerState) -> FastAPI:
       "prompt_tokens": len(ids),
       "completion_tokens": len(gen.tokens),
       "weight_version": version() if gen.version is None else gen.version,
+      "id": str(gen.rid),  # what POST /abort_request takes
     }
     if with_logp:
       meta["output_token_logprobs"] = [[lp, t, None] for t, lp in zip(gen.tokens, gen.logps)]
-    return {"text": tok.decode(gen.tokens), "output_ids": list(gen.tokens), "meta_info": meta}
+    stop = gen.finish_reason == "stop" and gen.tokens and gen.tokens[-1] in item[1].stop_ids
+    text = tok.decode(gen.tokens[:-1] if stop else gen.tokens)  # the stop token's text is not in it (SGLang's way)
+    return {"text": text, "output_ids": list(gen.tokens), "meta_info": meta}
 
   # ---- OpenAI completions
 
@@ -492,10 +540,11 @@ def make_app(state: ServerState) -> FastAPI:
   async def completions(request: Request):
     body = await body_of(request)
     check_model(body)
-    prompt = body.get("prompt")
-    ids = _prompt_ids(state, prompt, "prompt")
+    ids = _prompt_ids(state, body.get("prompt"), "prompt")
     stops = _field(body, "stop", (str, list), [])
     stops = [stops] if isinstance(stops, str) else stops
+    if not all(isinstance(x, str) and x for x in stops) or len(stops) > 4:
+      raise ApiError(400, f"stop={json.dumps(stops)[:80]}: up to 4 non-empty strings", "stop", "invalid_type")
     n = _field(body, "n", int, 1)
     if not 1 <= n <= 64:
       raise ApiError(400, f"n={n}; must be in [1, 64]", "n")
@@ -504,34 +553,52 @@ def make_app(state: ServerState) -> FastAPI:
     with_logp = _field(body, "logprobs", int, None) is not None
     created, cid = int(time.time()), f"cmpl-{uuid.uuid4().hex}"
 
-    def choice(i: int, gen: Generation, text: str) -> dict:
+    def result(gen: Generation) -> tuple[str, int, bool]:
+      """(the completion's text, the tokens it took, whether a stop string ended it): the stop token and anything
+      from a stop string on are not in the text; the tokens are counted up to the one that completed the string."""
+      tokens = gen.tokens[:-1] if gen.tokens and gen.tokens[-1] in sampling.stop_ids else gen.tokens
+      text = tok.decode(tokens)
+      at = _text_stop(text, stops)
+      if at is None:
+        return text, len(gen.tokens), False
+      used = next(i for i in range(1, len(tokens) + 1) if _text_stop(tok.decode(tokens[:i]), stops) is not None)
+      return text[:at], used, True
+
+    def sendable(gen: Generation) -> str:
+      """What a stream may send so far: a prefix of the final text (not a half-decoded character, nor what could
+      begin a stop string)."""
+      text, _, stopped = result(gen)
+      if stopped or gen.finish_reason is not None:
+        return text
+      text = text.rstrip("\ufffd")
+      for size in range(min(len(text), max((len(x) for x in stops), default=1) - 1), 0, -1):
+        if any(x.startswith(text[-size:]) for x in stops):
+          return text[:-size]
+      return text
+
+    def choice(i: int, gen: Generation, text: str, used: int, stopped: bool) -> dict:
       logprobs = None
       if with_logp:
-        logprobs = {"tokens": [tok.decode([t]) for t in gen.tokens], "token_logprobs": list(gen.logps)}
-      return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": _finish(gen.finish_reason)}
-
-    def cut(gen: Generation) -> tuple[str, bool]:
-      text = tok.decode(gen.tokens)
-      at = _text_stop(text, stops)
-      return (text, False) if at is None else (text[:at], True)
-
-    def usage(gens) -> dict:
-      done = sum(len(g.tokens) for g in gens)
-      return {"prompt_tokens": len(ids) * n, "completion_tokens": done, "total_tokens": len(ids) * n + done}
+        logprobs = {"tokens": [tok.decode([t]) for t in gen.tokens[:used]], "token_logprobs": gen.logps[:used]}
+      reason = "stop" if stopped else _finish(gen.finish_reason)
+      return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason}
 
     if not _field(body, "stream", bool, False):
-      gens = []
-      for i in range(n):
-        gens.append(_stopped_by_text(_stream(state, ids, sampling, seed + i), cut))
-      gens = await asyncio.gather(*gens)
+      cut = lambda g: result(g)[2]  # noqa: E731
+      gens = await asyncio.gather(
+        *(_stopped_by_text(_stream(state, ids, sampling, _seed(seed, i)), cut) for i in range(n))
+      )
+      _raise_failed(gens)
+      results = [result(g) for g in gens]
+      done = sum(used for _, used, _ in results)
       return {
         "id": cid,
         "object": "text_completion",
         "created": created,
         "model": state.model_name,
-        "choices": [choice(i, g, cut(g)[0]) for i, g in enumerate(gens)],
-        "usage": usage(gens),
-        "weight_version": version(),
+        "choices": [choice(i, g, *r) for i, (g, r) in enumerate(zip(gens, results))],
+        "usage": {"prompt_tokens": len(ids) * n, "completion_tokens": done, "total_tokens": len(ids) * n + done},
+        "weight_version": _versions(gens, version()),
       }
     if n != 1:
       raise ApiError(400, "stream with n > 1 is not supported; stream one completion a request", "n")
@@ -541,12 +608,14 @@ def make_app(state: ServerState) -> FastAPI:
       stream = _stream(state, ids, sampling, seed)
       try:
         async for gen in stream:
-          text, stopped = cut(gen)
-          if stopped:
-            gen.finish_reason = gen.finish_reason or "stop"
-          delta, sent = text[len(sent) :], text
-          if delta or gen.finish_reason:
-            chunk = dict(choice(0, gen, delta), logprobs=None)
+          text, used, stopped = result(gen)
+          now = sendable(gen)
+          last = stopped or gen.finish_reason is not None
+          if now.startswith(sent) and (len(now) > len(sent) or last):
+            chunk = dict(choice(0, gen, now[len(sent) :], used, stopped), logprobs=None)
+            if not last:
+              chunk["finish_reason"] = None
+            sent = now
             yield _sse(
               {
                 "id": cid,
@@ -559,7 +628,7 @@ def make_app(state: ServerState) -> FastAPI:
           if stopped:
             break
       finally:
-        await stream.aclose()  # aborts the request if a stop string ended it early
+        await stream.aclose()  # a stop string ended it early: the engine's request is aborted
       yield "data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream")
@@ -570,6 +639,14 @@ def make_app(state: ServerState) -> FastAPI:
   async def chat_completions(request: Request):
     body = await body_of(request)
     check_model(body)
+    if not chat_stops:
+      raise ApiError(
+        400,
+        f"this server's tokenizer ({getattr(tok, 'name', '?')}) cannot encode GLM-5's chat format; use "
+        "/v1/completions or /generate",
+        None,
+        "chat_unsupported",
+      )
     messages = _field(body, "messages", list)
     if not messages:
       raise ApiError(400, "messages: expected a non-empty list of messages", "messages", "invalid_type")
@@ -621,7 +698,8 @@ def make_app(state: ServerState) -> FastAPI:
       }
 
     if not _field(body, "stream", bool, False):
-      gens = await asyncio.gather(*[_run(state, ids, sampling, seed + i) for i in range(n)])
+      gens = await asyncio.gather(*[_run(state, ids, sampling, _seed(seed, i)) for i in range(n)])
+      _raise_failed(gens)
       choices = []
       for i, gen in enumerate(gens):
         msg = message_of(gen)
@@ -634,7 +712,7 @@ def make_app(state: ServerState) -> FastAPI:
         "model": state.model_name,
         "choices": choices,
         "usage": {"prompt_tokens": len(ids) * n, "completion_tokens": done, "total_tokens": len(ids) * n + done},
-        "weight_version": version(),
+        "weight_version": _versions(gens, version()),
       }
     if n != 1:
       raise ApiError(400, "stream with n > 1 is not supported; stream one completion a request", "n")
@@ -657,11 +735,12 @@ def make_app(state: ServerState) -> FastAPI:
       async for gen in _stream(state, ids, sampling, seed):
         if gen.finish_reason is not None:
           continue  # the stream's last item: the message below
-        reasoning, content = reply_so_far(text_of(gen), thinking)
+        # not a half-decoded character (U+FFFD until its last byte's token comes): only text that stays
+        reasoning, content = reply_so_far(text_of(gen).rstrip("\ufffd"), thinking)
         delta = {}
-        if len(reasoning) > len(sent_r):
+        if len(reasoning) > len(sent_r) and reasoning.startswith(sent_r):
           delta["reasoning_content"], sent_r = reasoning[len(sent_r) :], reasoning
-        if len(content) > len(sent_c):
+        if len(content) > len(sent_c) and content.startswith(sent_c):
           delta["content"], sent_c = content[len(sent_c) :], content
         if delta:
           yield chunk(delta)
@@ -704,12 +783,29 @@ class _Decoding:
       return "\ufffd"
 
 
+def _seed(seed: int, i: int) -> int:
+  """The seed of a request's i-th sample (n > 1, a batch): seed + i, kept in [0, 2**31)."""
+  return (seed + i) % 2**31
+
+
+def _versions(gens, current):
+  """The weight version of a response: its samples' (the version each was admitted under), one if they agree."""
+  versions = [current if g.version is None else g.version for g in gens]
+  return versions[0] if all(v == versions[0] for v in versions) else versions
+
+
+def _raise_failed(gens) -> None:
+  """A sample the engine failed (a step that raised) fails the response: 503, which a router retries elsewhere."""
+  if any(g.finish_reason == "error" for g in gens):
+    raise ApiError(503, "the engine failed while generating this request; try again", None, "engine_error")
+
+
 async def _stopped_by_text(stream: AsyncIterator[Generation], cut) -> Generation:
   """Runs a stream until it ends or its text reaches a stop string (then it is aborted: finish reason "stop")."""
   gen = Generation()
   try:
     async for gen in stream:
-      if gen.finish_reason is None and cut(gen)[1]:
+      if cut(gen):
         gen.finish_reason = "stop"
         break
   finally:

@@ -1,6 +1,6 @@
 """Weights handed to serving engines by directory, as SGLang's update_weights_from_disk takes them: what an RL trainer
-writes for its rollout engines (glm_jax/rl/rollout_server.py) and what an engine process loads at start and on
-POST /update_weights (glm_jax/serving/worker.py).
+writes for its rollout engines and what each of those engine processes loads at start and on POST /update_weights
+(glm_jax/rl/rollout_server.py).
 
   <dir>/meta.json     {"version": ..., "model": the ModelConfig's fields, "tokenizer": {"kind": "char"} or a
                       Tokenizer record (glm_jax/data/tokenizer.py)}

@@ -216,20 +216,25 @@ def test_bad_engine_configs_are_refused_by_name(tiny, changes, match):
 @pytest.mark.slow  # a few training steps, and the engine's speculative round compiled
 def test_speculative_decoding_is_plain_decoding():
   """engine.speculate=2 on a model whose MTP drafts are often, not always, right (tests/inference/
-  test_speculative.py's train_on_a_cycle): 6 greedy requests of ragged prompts, arriving at different steps, give the
+  test_speculative.py's train_on_a_cycle): 8 greedy requests of ragged prompts, arriving at different steps, give the
   Sampler's plain greedy tokens and log-probabilities, in as many rounds as the Sampler's speculative decoding of each
-  prompt alone takes (the same drafts). A request sampled at
+  prompt alone takes (within 5%: the same drafts, up to rounding). A request sampled at
   temperature 0.8 gets each token's log-probability under the main model (the full forward over its prefix)."""
   from tests.inference.test_speculative import train_on_a_cycle
 
   cfg = ModelConfig.from_dict(configs.glm5_tiny.get_config().model.to_dict()).replace(index_topk=6, vocab_size=16)
   graphdef, params, rest = train_on_a_cycle(cfg, steps=10)  # drafts often right, not always
   rng = np.random.default_rng(5)
-  prompts = [rng.integers(0, 16, size=int(n)).tolist() for n in (5, 2, 8, 12, 3, 7)]
+  # A 1-token prompt, and three copies of a 9-token one: the 2nd and 3rd find its first page (8 tokens) cached and
+  # have one token left to feed, which must still give their drafts a hidden state to start from.
+  prompts = [rng.integers(0, 16, size=int(n)).tolist() for n in (5, 1, 8, 12, 9, 7)]
+  prompts += [prompts[4]] * 2
   greedy = SamplingParams(max_new_tokens=20, temperature=0.0)
   config = EngineConfig(num_pages=64, page_size=8, max_running=4, prefill_chunk=8, max_seq_len=48, speculate=2)
   eng = Engine(graphdef, params, rest, cfg, config)
-  tokens, logps, reasons, _ = run(eng, [[(i, p, greedy)] for i, p in enumerate(prompts)])
+  tokens, logps, reasons, _ = run(
+    eng, [[(i, p, greedy)] for i, p in enumerate(prompts[:6])] + [[(6, prompts[6], greedy), (7, prompts[7], greedy)]]
+  )
   plain = Sampler(graphdef, cfg, greedy, width=12, cache_len=32)
   drafting = Sampler(graphdef, cfg, greedy, width=12, cache_len=32, speculate=2)
   rounds = 0
@@ -238,9 +243,12 @@ def test_speculative_decoding_is_plain_decoding():
     assert tokens[i] == np.asarray(out.tokens[0, len(p) : len(p) + 20]).tolist(), i
     np.testing.assert_allclose(logps[i], np.asarray(out.logp[0, len(p) : len(p) + 20]), atol=1e-5)
     rounds += int(drafting(params, rest, [p], jax.random.key(0)).rounds[0])
-  # The same drafts as the Sampler's speculative decoding of each prompt alone: as many rounds, request by request.
-  assert eng.stats["spec_rounds"] == rounds and reasons == {i: "length" for i in range(6)}
+  # The drafts of the Sampler's speculative decoding of each prompt alone: as many rounds, within 5%. (The MTP layer's
+  # prompt entries are made a chunk at a time here and in one forward there; the rounding can flip a near-tie draft.
+  # What the requests emit is checked exactly above.)
+  assert abs(eng.stats["spec_rounds"] - rounds) <= 0.05 * rounds and reasons == {i: "length" for i in range(8)}
   assert 0 < eng.stats["spec_drafts_kept"] < 2 * rounds, dict(eng.stats)  # drafts were kept, and rejected
+  assert eng.stats["prefix_cached_tokens"] == 2 * 8 and np.isfinite(np.asarray(eng._cache.mtp.kv)).all()
 
   sampled = SamplingParams(max_new_tokens=12, temperature=0.8)
   eng = Engine(graphdef, params, rest, cfg, config)

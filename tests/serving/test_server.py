@@ -9,6 +9,7 @@
 """
 
 import collections
+import itertools
 import json
 import threading
 import time
@@ -100,12 +101,13 @@ def test_completions_and_generate_are_the_samplers(setup, served):
   ids = tok.encode(prompt)
   want = greedy(setup, ids, 12)
   out = served.client().completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0, logprobs=1)
-  assert out.choices[0].text == tok.decode(want)
+  answer = want[:-1] if want[-1] == tok.eos_id else want  # the stop token is not in the text
+  assert out.choices[0].text == tok.decode(answer)
   assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == len(want)
   assert out.choices[0].finish_reason == ("stop" if want[-1] == tok.eos_id else "length")
 
   stream = served.client().completions.create(model=NAME, prompt=ids, max_tokens=12, temperature=0, stream=True)
-  assert "".join(c.choices[0].text for c in stream) == tok.decode(want)
+  assert "".join(c.choices[0].text for c in stream) == tok.decode(answer)
 
   body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 12, "temperature": 0}, "return_logprob": True}
   r = httpx.post(f"{served.url}/generate", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
@@ -175,29 +177,35 @@ def test_chat_streaming_reassembles_to_the_message(setup, served):
 
 
 class ScriptedEngine:
-  """The Engine interface the server uses, answering every request with `reply`'s ids, a token a step."""
+  """The Engine interface the server uses, answering every request with `ids`, a token a step (finish reason "stop"
+  at their end), a step taking `delay` seconds; `aborted` lists the requests aborted; with `fail` set, a step raises."""
 
-  def __init__(self, ids):
-    self.ids, self.version, self.requests = ids, 0, {}
+  def __init__(self, ids, delay=0.0):
+    self.ids, self.version, self.requests, self.delay = ids, 0, {}, delay
     self.config, self.stats = EngineConfig(max_seq_len=4096), collections.Counter()
-    self.free_pages = 255
+    self.free_pages, self.used_pages = 255, 0
     self.num_running = self.num_waiting = 0
+    self.aborted, self.fail, self._ids = [], False, itertools.count()
 
   def check_request(self, prompt, sampling):
     pass
 
   def add(self, prompt, sampling, seed=0):
-    rid = len(self.requests)
+    rid = next(self._ids)
     self.requests[rid] = (list(prompt), 0)
     return rid
 
   def abort(self, rid):
+    self.aborted.append(rid)
     return self.requests.pop(rid, None) is not None
 
   def has_work(self):
     return bool(self.requests)
 
   def step(self):
+    if self.fail:
+      raise RuntimeError("a scripted failure")
+    time.sleep(self.delay)
     events = []
     for rid, (prompt, i) in list(self.requests.items()):
       done = i + 1 == len(self.ids)
@@ -219,7 +227,7 @@ TOOLS = [
   }
 ]
 REPLY = (
-  "Let me compute it. </think>I will use the calculator.<tool_call>calc<arg_key>expr</arg_key>"
+  "Let me compute it: 三十七 × 九十一. </think>I will use the calculator – é.<tool_call>calc<arg_key>expr</arg_key>"
   "<arg_value>37*91</arg_value><arg_key>digits</arg_key><arg_value>4</arg_value></tool_call><|observation|>"
 )
 
@@ -232,7 +240,9 @@ def test_chat_with_a_tool(setup):
     out = s.client().chat.completions.create(model=NAME, messages=messages, tools=TOOLS)
     msg = out.choices[0].message
     assert out.choices[0].finish_reason == "tool_calls"
-    assert (msg.content, msg.reasoning_content) == ("I will use the calculator.", "Let me compute it.")
+    # (the non-ASCII characters take several byte-level tokens each: a stream must not send half of one)
+    want = ("I will use the calculator – é.", "Let me compute it: 三十七 × 九十一.")
+    assert (msg.content, msg.reasoning_content) == want
     [call] = msg.tool_calls
     assert call.function.name == "calc" and json.loads(call.function.arguments) == {"expr": "37*91", "digits": 4}
 
@@ -300,3 +310,46 @@ def test_a_client_gone_mid_stream_aborts_its_request(setup, served):
     assert time.time() < deadline, "the request was not aborted"
     time.sleep(0.05)
   assert engine.stats["decode_tokens"] - before < 100 and engine.stats["finished_abort"] == aborted + 1
+
+
+def test_stop_strings_cut_the_text_and_abort_the_request(setup):
+  """A completion whose text reaches a stop string ends there, streamed or not: the text before it, finish reason
+  "stop", the tokens up to the one that completed it, and the engine's request aborted (not run to max_tokens)."""
+  tok = setup[0]
+  ids = [i for piece in ["12", ",", ",", "34"] + ["5"] * 40 for i in tok.encode(piece)]
+  engine = ScriptedEngine(ids, delay=0.02)  # a second for all 44 tokens: the stop string comes long before
+  s = Served(ServerState(EngineThread(engine), tok, NAME, api_key=KEY))
+  try:
+    out = s.client().completions.create(model=NAME, prompt="x", max_tokens=60, stop=[",,", "zz"], temperature=0)
+    choice = out.choices[0]
+    assert (choice.text, choice.finish_reason) == ("12", "stop")
+    assert out.usage.completion_tokens == len(tok.encode("12")) + 2  # the two "," tokens that make the stop string
+    streamed = "".join(
+      c.choices[0].text
+      for c in s.client().completions.create(model=NAME, prompt="x", max_tokens=60, stop=",,", stream=True)
+    )
+    assert streamed == "12"
+    deadline = time.time() + 10
+    while len(engine.aborted) < 2:  # both requests aborted, long before the 44 scripted tokens ran out
+      assert time.time() < deadline, engine.aborted
+      time.sleep(0.05)
+  finally:
+    s.stop()
+
+
+def test_a_failing_engine_step_is_a_503_and_unhealthy_until_a_step_succeeds(setup):
+  tok = setup[0]
+  engine = ScriptedEngine(tok.encode("fine"))
+  s = Served(ServerState(EngineThread(engine), tok, NAME, api_key=KEY))
+  headers = {"Authorization": f"Bearer {KEY}"}
+  try:
+    engine.fail = True
+    r = httpx.post(f"{s.url}/generate", json={"input_ids": [5, 6]}, headers=headers, timeout=60)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "engine_error"
+    assert httpx.get(f"{s.url}/health", timeout=60).status_code == 503
+    engine.fail = False
+    r = httpx.post(f"{s.url}/generate", json={"input_ids": [5, 6]}, headers=headers, timeout=60)
+    assert r.status_code == 200 and r.json()["output_ids"] == tok.encode("fine")
+    assert httpx.get(f"{s.url}/health", timeout=60).status_code == 200
+  finally:
+    s.stop()
