@@ -7,6 +7,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from configs import glm5_tiny
 from glm_jax.model import ModelConfig, param_counts
 from tests.helpers import ROOT, TPU_COMPILE
@@ -26,6 +28,7 @@ def compile_serve(*args: str, timeout: int = 600) -> tuple[int, dict | None, str
   return proc.returncode, json.loads(lines[-1]) if lines else None, proc.stderr
 
 
+@pytest.mark.slow  # a launch/compile.py process: three TPU compiles
 def test_tiny_engine_on_a_v5p_slice_holds_its_hand_counted_bytes():
   """glm5_tiny (fp32 weights) on 4 v5p chips with expert=4, speculating 2 tokens a round: the routed experts split 4
   ways, every other weight whole on each chip; the 64 pages of 8 tokens split 4 ways with the 8 rows, for the 3 decoder
