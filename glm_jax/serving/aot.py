@@ -10,7 +10,8 @@ glm_jax.sharding.topology.tpu_topology_devices it is XLA:TPU's compile for a sli
 With engine.speculate = k the decode program is a speculative round ([max_running, k + 1] tokens, the MTP layer's
 drafts and its paged cache included). `engine_report` gives launch/compile.py --serve's JSON: per-chip bytes of the
 weights and the pool, each program's memory analysis, `fits`, the tokens the pool holds, and each step's roofline
-time from its compiled ops (glm_jax/sharding/hlo_cost.py).
+time from its compiled ops (glm_jax/sharding/hlo_cost.py; the grouped matmuls as their grids run for the step's tokens,
+evenly routed, as launch/compile.py --flops costs a training step's).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from glm_jax.serving.engine import EngineConfig, batch_axes, compiled_round, com
 from glm_jax.sharding import hlo_cost, topology
 from glm_jax.sharding.mesh import make_mesh
 from glm_jax.sharding.state import weight_shardings, with_shardings
+from glm_jax.train import aot as train_aot
 
 
 @dataclasses.dataclass
@@ -128,7 +130,16 @@ def engine_report(result: CompiledEngine, usable_bytes: int) -> dict[str, Any]:
     }
     fits &= mem["total"] <= usable_bytes and mem["peak"] <= usable_bytes
     if chip is not None:
-      step = hlo_cost.program_time(program.as_text(), chip)
+      # megablox's calls as their grids run for the step's real rows (their declared cost is the whole static buffer,
+      # the worst case), evenly routed; the ragged all-to-alls move those rows (train/aot.py's models, as for a step)
+      tokens = e.max_running * (e.speculate + 1) if name == "decode" else e.prefill_rows * e.prefill_chunk
+      rows = tokens // result.shards * result.model_cfg.num_experts_per_tok
+      step = hlo_cost.program_time(
+        program.as_text(),
+        chip,
+        kernel_model=train_aot.kernel_model(rows, "balanced"),
+        ragged_rows=train_aot.ragged_model(rows, result.model_cfg.hidden_size),
+      )
       report[f"{name}_step_ms"] = round(step["scheduled_seconds"] * 1e3, 3)
       report[f"{name}_step_hbm_bytes"] = step["hbm_bytes"]
   report["fits"] = fits
