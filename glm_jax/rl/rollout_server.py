@@ -60,6 +60,7 @@ class ServerRolloutWorker:
     self._queue: queue.Queue = queue.Queue(maxsize=max(1, self.rl.max_pending))
     self._weights: queue.Queue = queue.Queue()
     self._latest: tuple[int, str] | None = None  # (version, directory) of the newest weights written
+    self._written: list[str] = []  # the directories kept: the newest two
     self._stop = threading.Event()
     self._threads: list[threading.Thread] = []
     self.fleet: fleet_lib.Fleet | None = None
@@ -73,8 +74,11 @@ class ServerRolloutWorker:
       cfg = cfg.replace(dtype=self.rl.rollout_dtype)
     path = os.path.join(self.dir, "weights", str(version))
     save_weights(path, self.ctx.served(params), rest, cfg, version=version, tokenizer={"kind": "char"})
-    if self._latest is not None and self._latest[1] != path:
-      shutil.rmtree(self._latest[1], ignore_errors=True)
+    # The one before stays: an engine the fleet is restarting may have just been told its name.
+    self._written = [p for p in self._written if p != path] + [path]
+    for old in self._written[:-2]:
+      shutil.rmtree(old, ignore_errors=True)
+    self._written = self._written[-2:]
     self._latest = (version, path)
     return path
 
