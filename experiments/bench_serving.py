@@ -38,6 +38,7 @@ _OUT_MAX = flags.DEFINE_integer("out_max", 64, "Most new tokens.")
 _SEED = flags.DEFINE_integer("seed", 0, "The load's seed.")
 _ROLE = flags.DEFINE_string("role", "client", "client (the benchmark) or server (its subprocess).")
 _PORT = flags.DEFINE_integer("port", 8321, "The server's port on 127.0.0.1.")
+_DECODE_STEPS = flags.DEFINE_integer("decode_steps", 4, "The engine's decode steps a call (EngineConfig.decode_steps).")
 _SYSTEMS = flags.DEFINE_list("systems", ["engine", "static"], "What to measure.")
 
 
@@ -65,7 +66,12 @@ def serve():
   cfg, graphdef, params, rest = model()
   pages = _CLIENTS.value * -(-max_seq() // 16) + 1
   config = EngineConfig(
-    num_pages=pages, page_size=16, max_running=_CLIENTS.value, prefill_chunk=64, max_seq_len=max_seq()
+    num_pages=pages,
+    page_size=16,
+    max_running=_CLIENTS.value,
+    prefill_chunk=64,
+    max_seq_len=max_seq(),
+    decode_steps=_DECODE_STEPS.value,
   )
   engine = Engine(graphdef, params, rest, cfg, config)
   for prompt_len in (_PROMPT_MAX.value, 1):  # compile the chunked-prefill and the decode steps

@@ -72,6 +72,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from glm_jax import cli, strict_json
+from glm_jax.serving import EngineConfig, engine_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file.", lock_config=True)
 _TOPOLOGY = flags.DEFINE_string("topology", None, "TPU slice: v5p:8x8x8, v5p-1024, v6e:16x16, v5e-256, ...")
@@ -86,12 +87,14 @@ _SPECULATE = flags.DEFINE_integer(
   "(the verification, a draft step, the MTP rewrite) and report its roofline.",
 )
 _SERVE = flags.DEFINE_bool("serve", False, "Compile the serving engine's decode and prefill steps instead.")
-_PAGES = flags.DEFINE_integer("pages", 32832, "--serve: pages in the pool (a scratch page a batch shard).")
-_PAGE_SIZE = flags.DEFINE_integer("page_size", 64, "--serve: tokens a page.")
-_MAX_RUNNING = flags.DEFINE_integer("max_running", 64, "--serve: requests decoded together.")
-_PREFILL_ROWS = flags.DEFINE_integer("prefill_rows", 64, "--serve: requests prefilled together.")
-_PREFILL_CHUNK = flags.DEFINE_integer("prefill_chunk", 256, "--serve: prompt tokens a request a prefill step.")
-_MAX_SEQ = flags.DEFINE_integer("max_seq_len", 32768, "--serve: a request's prompt + output at most.")
+# --serve's engine (glm_jax/serving/engine_flags.py): 64 requests of up to 32K tokens, a 64 x 32K-token pool over the
+# batch shards; a step a call of the decode program (on a pod the host round trip is small beside a step)
+_ENGINE = engine_flags.define(
+  EngineConfig(
+    num_pages=32832, page_size=64, max_running=64, prefill_rows=64, prefill_chunk=256, max_seq_len=32768, decode_steps=1
+  ),
+  help_prefix="--serve: ",
+)
 _PREFILL_LEN = flags.DEFINE_integer(
   "prefill_len",
   None,
@@ -233,20 +236,12 @@ def decode(config, topo):
 
 def serve(config, topo):
   """--serve: compile the serving engine's steps for the slice and print its report (glm_jax/serving/aot.py)."""
-  from glm_jax.serving import EngineConfig, aot as engine_aot
+  from glm_jax.serving import aot as engine_aot
   from glm_jax.sharding import topology
   from glm_jax.train.config import require_sections
 
   require_sections(config, ("model", "mesh"), "compiling the serving engine", "configs/glm5_tiny.py")
-  engine = EngineConfig(
-    num_pages=_PAGES.value,
-    page_size=_PAGE_SIZE.value,
-    max_running=_MAX_RUNNING.value,
-    prefill_rows=_PREFILL_ROWS.value,
-    prefill_chunk=_PREFILL_CHUNK.value,
-    max_seq_len=_MAX_SEQ.value,
-    speculate=_SPECULATE.value,
-  )
+  engine = _ENGINE()
   devices = topology.tpu_topology_devices(topo.name, num_slices=_NUM_SLICES.value)
   result = engine_aot.compile_engine(config, devices, engine)
   usable = topology.HBM_USABLE_BYTES[topo.generation.name]

@@ -7,8 +7,9 @@ endpoints (glm_jax/serving/server.py), under uvicorn.
 
 The model is the run's latest checkpoint (--config must be the run's config, as for launch/sample.py), or a packed
 (quantized) model with --packed; text is encoded with the tokenizer the checkpoint records. The engine's page pool
-and batch: --pages, --page_size, --max_running, --prefill_chunk, --max_seq_len; --speculate=k drafts k tokens a round
-with the model's MTP layer (the same greedy text, the same distribution sampled). `POST /update_weights` reloads the
+and batch: --pages, --page_size, --max_running, --prefill_rows, --prefill_chunk, --max_seq_len, --decode_steps
+(glm_jax/serving/engine_flags.py); --speculate=k drafts k tokens a round with the model's MTP layer (the same greedy
+text, the same distribution sampled). `POST /update_weights` reloads the
 workdir's latest checkpoint (a trainer that saved newer weights) and tags what follows with {"weight_version": ...}
 from the request's body (default: the checkpoint's step).
 
@@ -23,7 +24,7 @@ from absl import flags, logging
 from ml_collections import config_flags
 
 from glm_jax import cli
-from glm_jax.serving import Engine, EngineConfig
+from glm_jax.serving import Engine, EngineConfig, engine_flags
 from glm_jax.serving.server import EngineThread, ServerState, is_loopback, make_app
 from glm_jax.train.config import check_values, invalid, model_config_for_stage
 from glm_jax.train.packed_checkpoint import load_packed
@@ -38,12 +39,7 @@ _API_KEY = flags.DEFINE_string(
   "api_key", None, "Requests must send 'Authorization: Bearer <key>' (env GLM_JAX_API_KEY)."
 )
 _NAME = flags.DEFINE_string("model_name", None, "The model's name in the API (default: the config's name).")
-_PAGES = flags.DEFINE_integer("pages", 256, "Pages in the cache's pool (page 0 is scratch).")
-_PAGE_SIZE = flags.DEFINE_integer("page_size", 16, "Tokens a page.")
-_MAX_RUNNING = flags.DEFINE_integer("max_running", 16, "Requests decoded together.")
-_CHUNK = flags.DEFINE_integer("prefill_chunk", 64, "Prompt tokens a prefilling request feeds a step.")
-_MAX_SEQ = flags.DEFINE_integer("max_seq_len", 1024, "A request's prompt + max_tokens at most.")
-_SPECULATE = flags.DEFINE_integer("speculate", 0, "MTP speculative decoding: tokens drafted a round (0: none).")
+_ENGINE = engine_flags.define(EngineConfig(prefill_chunk=64))
 API_KEY_ENV = "GLM_JAX_API_KEY"
 
 
@@ -61,14 +57,7 @@ def main(argv):
     invalid("--port", _PORT.value, "must be in [1, 65535]")
   config = _CONFIG.value
   check_values(config)
-  engine_config = EngineConfig(
-    num_pages=_PAGES.value,
-    page_size=_PAGE_SIZE.value,
-    max_running=_MAX_RUNNING.value,
-    prefill_chunk=_CHUNK.value,
-    max_seq_len=_MAX_SEQ.value,
-    speculate=_SPECULATE.value,
-  )
+  engine_config = _ENGINE()
   workdir = _WORKDIR.value or f"workdirs/{config.get('name', 'run')}"
   load_weights = None
   if _PACKED.value:

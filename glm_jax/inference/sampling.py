@@ -93,7 +93,12 @@ def sample_rows(
   rows are different requests): (token [B] int32, its log-probability [B] fp32), row b's the same numbers as
   sample_token(logits[b:b+1], keys[b], temperature[b], top_p[b]) gives."""
   logp_BV, draw_BV = draw_log_probs_rows(logits_BV, temperature_B, top_p_B)
-  drawn = jax.vmap(lambda k, d: jax.random.categorical(k, d))(keys_B, draw_BV)
+  # The draws only when a row draws (each row's from its own key, so skipping them changes no row's token).
+  drawn = jax.lax.cond(
+    jnp.any(temperature_B > 0),
+    lambda: jax.vmap(lambda k, d: jax.random.categorical(k, d))(keys_B, draw_BV),
+    lambda: jnp.zeros(temperature_B.shape, jnp.int32),
+  )
   tok = jnp.where(temperature_B == 0, jnp.argmax(logp_BV, axis=-1), drawn).astype(jnp.int32)
   return tok, jnp.take_along_axis(logp_BV, tok[:, None], axis=-1)[:, 0]
 
@@ -107,7 +112,12 @@ def draw_log_probs_rows(logits_B_V: jax.Array, temperature_B: jax.Array, top_p_B
   logits = logits_B_V.astype(jnp.float32)
   shifted = logits - jnp.max(logits, axis=-1, keepdims=True)
   logp = jax.nn.log_softmax(jnp.where(scale == 1.0, logits, shifted / scale), axis=-1)
-  return logp, jnp.where((top_p_B < 1).reshape(shape), nucleus(logp, top_p_B.reshape(shape)), logp)
+  # The nucleus (a sort over the vocabulary: most of a small model's decode step on a CPU) only when a row draws
+  # from one: top_p < 1 at a temperature above 0 (a greedy row's draw is its log-probabilities, as in draw_log_probs).
+  cut_B = (top_p_B < 1) & (temperature_B > 0)
+  return logp, jax.lax.cond(
+    jnp.any(cut_B), lambda: jnp.where(cut_B.reshape(shape), nucleus(logp, top_p_B.reshape(shape)), logp), lambda: logp
+  )
 
 
 def nucleus(logp_BV: jax.Array, top_p) -> jax.Array:

@@ -3,10 +3,11 @@
 `compile_engine(config, devices, engine)` builds what `Engine(..., mesh=...)` runs (glm_jax/serving/engine.py): the
 model with its weights in the compute dtype laid out by their logical axes over config.mesh (the Sampler's serving
 layout, glm_jax/inference/aot.py), the page pool [L, num_pages, page_size, W] with its pages split over the batch
-axes like the requests' rows, and the engine's step function (`compiled_step`: the paged decode over each row's
-own pages, the pool donated and written in place) at its two shapes: decode [max_running, 1] and prefill
-[prefill_rows, prefill_chunk]. Everything is abstract, so with devices from
-glm_jax.sharding.topology.tpu_topology_devices it is XLA:TPU's compile for a slice on a machine without a TPU.
+axes like the requests' rows, and the engine's programs as it runs them, the pool donated and written in place: the
+decode program (`compiled_decode`: decode_steps steps of [max_running, 1] tokens in one call, each the paged decode
+over each row's own pages) and the prefill step (`compiled_step`, [prefill_rows, prefill_chunk]). Everything is
+abstract, so with devices from glm_jax.sharding.topology.tpu_topology_devices it is XLA:TPU's compile for a slice on
+a machine without a TPU.
 With engine.speculate = k the decode program is a speculative round ([max_running, k + 1] tokens, the MTP layer's
 drafts and its paged cache included). `engine_report` gives launch/compile.py --serve's JSON: per-chip bytes of the
 weights and the pool, each program's memory analysis, `fits`, the tokens the pool holds, and each step's roofline
@@ -33,7 +34,7 @@ from glm_jax.mesh_axes import MESH_AXES
 from glm_jax.model import GlmMoeDsa, ModelConfig
 from glm_jax.model.platform import target_platform
 from glm_jax.serving import paged_cache
-from glm_jax.serving.engine import EngineConfig, batch_axes, compiled_round, compiled_step
+from glm_jax.serving.engine import EngineConfig, batch_axes, compiled_decode, compiled_round, compiled_step
 from glm_jax.sharding import hlo_cost, topology
 from glm_jax.sharding.mesh import make_mesh
 from glm_jax.sharding.state import weight_shardings, with_shardings
@@ -82,7 +83,10 @@ def compile_engine(config: ml_collections.ConfigDict, devices: Sequence[Any], en
     return compiled_step(graphdef), (arr((r, t)), arr((r,)), arr((r,)), *sampling(r), arr((r,)))
 
   r = engine.max_running
-  programs = {"decode": step(r, 1), "prefill": step(engine.prefill_rows, engine.prefill_chunk)}
+  programs = {  # the decode program: decode_steps steps a call (last tokens, slots, 1 for a live row, ...)
+    "decode": (compiled_decode(graphdef, engine.decode_steps), (arr((r,)), arr((r,)), arr((r,)), *sampling(r))),
+    "prefill": step(engine.prefill_rows, engine.prefill_chunk),
+  }
   if engine.speculate:  # decoding rows run speculative rounds: next tokens, slots, hidden states, ...
     hidden = arr((r, cfg.hidden_size), f32)
     programs["decode"] = (compiled_round(graphdef, engine.speculate), (arr((r,)), arr((r,)), hidden, *sampling(r)))
@@ -132,6 +136,7 @@ def engine_report(result: CompiledEngine, usable_bytes: int) -> dict[str, Any]:
     if chip is not None:
       # megablox's calls as their grids run for the step's real rows (their declared cost is the whole static buffer,
       # the worst case), evenly routed; the ragged all-to-alls move those rows (train/aot.py's models, as for a step)
+      # (a grouped matmul's call: one step's tokens; hlo_cost counts a call in the decode program's loop per step)
       tokens = e.max_running * (e.speculate + 1) if name == "decode" else e.prefill_rows * e.prefill_chunk
       rows = tokens // result.shards * result.model_cfg.num_experts_per_tok
       step = hlo_cost.program_time(
@@ -143,8 +148,9 @@ def engine_report(result: CompiledEngine, usable_bytes: int) -> dict[str, Any]:
       report[f"{name}_step_ms"] = round(step["scheduled_seconds"] * 1e3, 3)
       report[f"{name}_step_hbm_bytes"] = step["hbm_bytes"]
   report["fits"] = fits
-  if "decode_step_ms" in report:  # each running request gets one token a decode step
-    report["decode_tokens_per_s"] = round(e.max_running / (report["decode_step_ms"] / 1e3), 1)
+  if "decode_step_ms" in report:  # a call of the decode program: decode_steps tokens a request (a round: at least 1)
+    per_call = 1 if e.speculate else e.decode_steps
+    report["decode_tokens_per_s"] = round(e.max_running * per_call / (report["decode_step_ms"] / 1e3), 1)
   if "prefill_step_ms" in report:
     report["prefill_tokens_per_s"] = round(e.prefill_rows * e.prefill_chunk / (report["prefill_step_ms"] / 1e3), 1)
   return report

@@ -10,10 +10,11 @@
 Continuous batching: the engine has `max_running` rows. Every step it retires the requests that ended and admits
 waiting ones (first come, first served) into the free rows while the page pool has room for them; a request that
 does not fit waits, it is not refused. A step then runs two programs, each compiled once whatever the requests: the
-decode step, [max_running, 1] tokens, feeds every decoding request its last token; the prefill step,
-[prefill_rows, prefill_chunk] tokens, feeds up to prefill_rows requests still prefilling their prompts the next
-chunk of it (chunked prefill beside decoding, which a new arrival does not stall: the decoding rows never run a
-chunk's width).
+decode program, decode_steps steps of [max_running, 1] tokens in one call, feeds every decoding request its last
+token and then each token it draws (a host round trip for several tokens a request: on a small model the round trip
+costs as much as the step); the prefill step, [prefill_rows, prefill_chunk] tokens, feeds up to prefill_rows
+requests still prefilling their prompts the next chunk of it (chunked prefill beside decoding, which a new arrival
+does not stall: the decoding rows never run a chunk's width).
 
 The cache is paged (glm_jax/serving/paged_cache.py): a request holds the pages its prompt and max_new_tokens can
 fill (reserved when it is admitted, so it never runs out mid-way), pages shared with earlier requests through the
@@ -82,9 +83,14 @@ class EngineConfig:
   prefill_rows: int = 4  # requests prefilled together (the prefill step's rows; at most max_running)
   speculate: int = 0  # k >= 1: MTP speculative decoding, k drafts a round (the model needs an MTP layer)
   max_seq_len: int = 1024  # a request's prompt + max_new_tokens at most (the page table's width)
+  # decode steps in one call of the decode program: a host round trip (and an update of the streams) for that many
+  # tokens a row; a request admitted meanwhile waits for the call, and one that ends inside it wastes the rest of its
+  # steps. Speculating, the decode program is one speculative round instead.
+  decode_steps: int = 4
 
   def check(self, cfg: ModelConfig) -> None:
-    for name in ("num_pages", "page_size", "max_running", "prefill_chunk", "prefill_rows", "max_seq_len"):
+    names = ("num_pages", "page_size", "max_running", "prefill_chunk", "prefill_rows", "max_seq_len", "decode_steps")
+    for name in names:
       v = getattr(self, name)
       if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise ValueError(f"engine.{name}={v!r}; must be a positive integer")
@@ -159,6 +165,7 @@ class Engine:
     self._batch_axes = batch_axes(self.mesh, cfg, config)
     self.shards = math.prod(self.mesh.shape[a] for a in self._batch_axes) if self._batch_axes else 1
     self._graphdef, self._step = graphdef, compiled_step(graphdef)
+    self._decode = compiled_decode(graphdef, config.decode_steps)
     self._round = compiled_round(graphdef, config.speculate) if config.speculate else None
     self._params, self._rest = self._placed(params, rest)
     self.version = version
@@ -261,8 +268,9 @@ class Engine:
   # ---- the step
 
   def step(self) -> list[Event]:
-    """Retires aborted requests, admits waiting ones, then runs the decode step over the decoding requests and the
-    prefill step over up to prefill_rows prefilling ones: the events of both."""
+    """Retires aborted requests, admits waiting ones, then runs the decode program (decode_steps steps, or a
+    speculative round) over the decoding requests and the prefill step over up to prefill_rows prefilling ones: the
+    events of both."""
     events = [self._finish(req, "abort") for req in list(self._waiting) + self._running() if req.abort]
     self._admit()
     running = self._running()
@@ -272,24 +280,27 @@ class Engine:
     def prefills(req):
       return len(req.tokens) - req.computed > 1 or (self.config.speculate and req.h is None)
 
-    decoding = {req.row: req for req in running if not prefills(req)}
     per_shard = self.config.prefill_rows // self.shards  # a shard's rows of the prefill step
-    prefilling, taken = {}, collections.Counter()
+    decoding, prefilling, taken = {}, {}, collections.Counter()
     for req in running:
-      if prefills(req) and taken[req.shard] < per_shard:
+      if not prefills(req):
+        decoding[req.row] = req
+      elif taken[req.shard] < per_shard:
         prefilling[req.shard * per_shard + taken[req.shard]] = req
         taken[req.shard] += 1
     if decoding and self.config.speculate:
       events += self._spec_round(decoding)
     elif decoding:
-      events += self._model_step(decoding, self.config.max_running, 1)
+      events += self._decode_steps(decoding)
     if prefilling:
-      events += self._model_step(prefilling, self.config.prefill_rows, self.config.prefill_chunk)
+      events += self._prefill_step(prefilling)
     return events
 
-  def _model_step(self, group: dict[int, _Request], rows: int, t: int) -> list[Event]:
-    """One compiled step of [rows, t] tokens: each request of `group` ({row: request}, a row on the request's shard)
-    feeds its next tokens (up to t) in its row."""
+  def _prefill_step(self, group: dict[int, _Request]) -> list[Event]:
+    """One prefill step, [prefill_rows, prefill_chunk] tokens: each request of `group` ({row: request}, a row on the
+    request's shard) feeds its next prompt tokens (up to a chunk) in its row; one whose prompt is then all fed gets its
+    first token."""
+    rows, t = self.config.prefill_rows, self.config.prefill_chunk
     tokens = np.zeros((rows, t), np.int32)
     pos, n_new = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
     table = np.zeros((rows, self.config.table_width), np.int32)
@@ -312,7 +323,7 @@ class Engine:
       )
     tok, logp = np.asarray(tok), np.asarray(logp)
     h = np.asarray(h) if self.config.speculate else None
-    self.stats["steps_prefill" if t > 1 else "steps_decode"] += 1
+    self.stats["steps_prefill"] += 1
     events = []
     for i, req in group.items():
       n = int(n_new[i])
@@ -331,6 +342,42 @@ class Engine:
       events.append(Event(req.rid, int(tok[i]), float(logp[i]), reason, req.version))
       if reason:
         self._finish(req, reason)
+    return events
+
+  def _decode_steps(self, group: dict[int, _Request]) -> list[Event]:
+    """decode_steps steps of the decode program ([max_running, 1] tokens a step) in one call: each decoding request
+    of `group` ({row: request}) feeds its last token, then each token it draws; it keeps them up to a stop id or
+    max_new_tokens (the steps after that are discarded: their entries land in slots it never reads)."""
+    rows = self.config.max_running
+    x, pos, live = np.zeros(rows, np.int32), np.zeros(rows, np.int32), np.zeros(rows, np.int32)
+    table = np.zeros((rows, self.config.table_width), np.int32)
+    temp, top_p, seed = np.zeros(rows, np.float32), np.ones(rows, np.float32), np.zeros(rows, np.int32)
+    for i, req in group.items():
+      x[i], pos[i], live[i] = req.tokens[-1], req.computed, 1
+      table[i, : len(req.pages)] = req.pages
+      temp[i], top_p[i], seed[i] = req.sampling.temperature, req.sampling.top_p, req.seed
+    with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
+      tok, logp, self._cache = self._decode(
+        self._params, self._rest, self._cache, *self._rows_on_mesh(x, pos, live, table, temp, top_p, seed)
+      )
+    tok, logp = np.asarray(tok), np.asarray(logp)
+    self.stats["steps_decode"] += self.config.decode_steps
+    events = []
+    for i, req in group.items():
+      s = req.sampling
+      for j in range(self.config.decode_steps):
+        token = int(tok[i, j])
+        # the token fed at this step is in the cache now (a prompt's last token, when the prefill step left just it)
+        self.stats["prefill_tokens" if req.computed < len(req.prompt) else "decode_tokens"] += 1
+        req.computed += 1
+        req.tokens.append(token)
+        reason = "stop" if token in s.stop_ids else ("length" if req.generated >= s.max_new_tokens else None)
+        events.append(Event(req.rid, token, float(logp[i, j]), reason, req.version))
+        if reason:
+          self._finish(req, reason)
+          break
+      else:
+        self._register(req)
     return events
 
   def _spec_round(self, group: dict[int, _Request]) -> list[Event]:
@@ -373,7 +420,7 @@ class Engine:
   def _rows_on_mesh(self, *arrays: np.ndarray) -> list[jax.Array]:
     """A step's [rows, ...] operands, split over the mesh's batch axes like the pool's pages."""
     if self.mesh is None:
-      return jax.device_put(list(arrays))
+      return list(arrays)  # jit moves them (its own transfer is faster than a device_put a step)
     return jax.device_put(list(arrays), NamedSharding(self.mesh, P(self._batch_axes)))
 
   def _running(self) -> list[_Request]:
@@ -493,6 +540,31 @@ def step_fn(graphdef, params, rest, pool, tokens_RT, pos_R, n_new_R, table_RP, t
     next_RT = next_RT.at[rows, last].set(jnp.where(after_R >= 0, after_R, tok))
     _, _, cache = model.draft(h_RTD, next_RT, pos_R, cache)
   return tok, logp, last_RD, paged_cache.unpaged(cache)
+
+
+def compiled_decode(graphdef, steps: int):
+  """decode_fn jitted for `graphdef` and `steps` steps a call, the pool donated."""
+  if (graphdef, "decode", steps) not in _compiled:
+    _compiled[graphdef, "decode", steps] = jax.jit(functools.partial(decode_fn, graphdef, steps), donate_argnums=2)
+  return _compiled[graphdef, "decode", steps]
+
+
+def decode_fn(graphdef, steps: int, params, rest, pool, x_R, pos_R, live_R, table_RP, temp_R, top_p_R, seed_R):
+  """`steps` decode steps (step_fn with one token a row), each row feeding the token drawn at the step before: row r
+  (live[r] = 1; 0 for an idle row, which writes to the scratch page) feeds x[r] at slot pos[r], then its drawn tokens
+  at the slots after, each drawn with the key the single steps would use. Returns the tokens [R, steps], their
+  log-probabilities and the pool."""
+  after_R = jnp.full_like(x_R, -1)
+
+  def one(carry, i):
+    x_R, pool = carry
+    tok, logp, _, pool = step_fn(
+      graphdef, params, rest, pool, x_R[:, None], pos_R + i * live_R, live_R, table_RP, temp_R, top_p_R, seed_R, after_R
+    )
+    return (tok, pool), (tok, logp)
+
+  (_, pool), (tok_SR, logp_SR) = jax.lax.scan(one, (x_R, pool), jnp.arange(steps))
+  return tok_SR.T, logp_SR.T, pool
 
 
 def compiled_round(graphdef, k: int):

@@ -8,7 +8,7 @@ from flax import nnx
 
 import configs.glm5_tiny
 from glm_jax.inference import Sampler, SamplingParams
-from glm_jax.inference.sampling import sample_token, tempered_log_softmax
+from glm_jax.inference.sampling import sample_rows, sample_token, tempered_log_softmax
 from glm_jax.model import GlmMoeDsa, ModelConfig
 from glm_jax.model.kv_cache import cache_bytes_per_token
 
@@ -112,6 +112,30 @@ def test_a_tiny_temperature_draws_the_greedy_token_with_log_probability_zero(tem
     np.testing.assert_array_equal(np.asarray(logp), 0.0)
   with pytest.raises(ValueError, match=r"temperature=1e-42; must be 0 \(greedy\) or at least 1e-30"):
     SamplingParams(max_new_tokens=4, temperature=1e-42)
+
+
+@pytest.mark.parametrize(
+  "rows",
+  [
+    [(0.0, 1.0), (0.0, 1.0), (0.0, 1.0)],  # every row greedy: no draw, no nucleus
+    [(0.0, 0.3), (0.0, 0.9), (0.0, 1.0)],  # greedy rows that name a top_p: still no nucleus
+    [(0.8, 1.0), (1.0, 1.0), (0.0, 0.5)],  # draws, no nucleus
+    [(0.7, 0.5), (0.0, 1.0), (1.3, 0.9), (1.0, 1.0)],  # draws, some from a nucleus
+  ],
+)
+def test_sample_rows_is_sample_token_row_by_row(rows):
+  """The serving engine's per-row sampling: row b's token and log-probability are sample_token's for that row's
+  logits, key, temperature and top_p alone (whichever of its branches, draws and nucleus, the batch needs)."""
+  rng = np.random.default_rng(2)
+  b = len(rows)
+  logits = jnp.asarray(rng.standard_normal((b, 40)) * 3, jnp.float32)
+  keys = jax.random.split(jax.random.key(3), b)
+  temp, top_p = (jnp.asarray(x, jnp.float32) for x in zip(*rows))
+  tok, logp = jax.jit(sample_rows)(logits, keys, temp, top_p)
+  for i, (t, p) in enumerate(rows):
+    want_tok, want_logp = sample_token(logits[i : i + 1], keys[i], t, p)
+    assert int(tok[i]) == int(want_tok[0]), (i, t, p)
+    np.testing.assert_allclose(float(logp[i]), float(want_logp[0]), rtol=1e-6, atol=1e-6)
 
 
 def test_tempered_log_softmax_is_the_plain_formula_where_that_is_finite():

@@ -63,17 +63,19 @@ def run(eng, arrivals):
   return tokens, logps, reasons, busiest
 
 
-def test_concurrent_requests_equal_the_sampler_alone(tiny):
+@pytest.mark.parametrize("decode_steps", [1, 3])
+def test_concurrent_requests_equal_the_sampler_alone(tiny, decode_steps):
   """16 requests of 3-40 prompt tokens and 4-10 new ones, two arriving a step, into 8 rows (mixing chunked
-  prefill and decode): each request's greedy tokens are the Sampler's for its prompt alone, log-probabilities
-  within fp32 rounding, and the pages all come back."""
+  prefill and decode; decoding a step at a time, or 3 steps a call, where requests end inside a call): each
+  request's greedy tokens are the Sampler's for its prompt alone, log-probabilities within fp32 rounding, and the
+  pages all come back."""
   rng = np.random.default_rng(0)
   prompts = [rng.integers(1, 512, size=int(n)).tolist() for n in rng.integers(3, 41, size=16)]
   news = rng.integers(4, 11, size=16)
   arrivals = [[] for _ in range(8)]
   for i, (p, n) in enumerate(zip(prompts, news)):
     arrivals[i // 2].append((i, p, SamplingParams(max_new_tokens=int(n), temperature=0.0)))
-  eng = engine(tiny)
+  eng = engine(tiny, decode_steps=decode_steps)
   tokens, logps, reasons, busiest = run(eng, arrivals)
   assert busiest == 8  # continuous batching filled every row
   for i, (p, n) in enumerate(zip(prompts, news.tolist())):
@@ -120,7 +122,7 @@ def test_a_full_pool_queues_requests(tiny):
 
 
 def test_abort_frees_pages(tiny):
-  eng = engine(tiny)
+  eng = engine(tiny, decode_steps=1)  # a token a step: both requests still run after 4 steps
   rng = np.random.default_rng(3)
   running = eng.add(rng.integers(1, 512, size=20).tolist(), SamplingParams(max_new_tokens=40, temperature=0.0))
   other = eng.add(rng.integers(1, 512, size=20).tolist(), GREEDY)

@@ -33,7 +33,8 @@ from tests.helpers import ROOT
 STEP = 3  # the checkpoint's step: the engines' weight version until /update_weights names another
 VERSION = "rl-1"
 NEW_TOKENS = 48
-ENGINE_FLAGS = "--pages=64 --page_size=16 --max_running=8 --prefill_chunk=32 --max_seq_len=256"
+# a token a step: the 16 requests stay running long enough to be caught there by the kill below, on a loaded machine too
+ENGINE_FLAGS = "--pages=64 --page_size=16 --max_running=8 --prefill_chunk=32 --max_seq_len=256 --decode_steps=1"
 
 
 def refuses(port: int) -> bool:
