@@ -92,6 +92,8 @@ class LoopResult:
   sampled_tokens: int
   seconds: float
   logits: list[list[np.ndarray]] | None = None  # with return_logits: per row, per sampled token, its logits [V]
+  # through the serving engines: the oldest weight version that made a turn (None here: the weights given to run)
+  weight_version: Any = None
 
 
 def _bucket(n: int) -> int:
@@ -272,24 +274,11 @@ class AgentLoop:
         feed: dict[int, list[int]] = {}
         for (r, parsed), res in zip(stepping, results):
           rewards[r] = float(res.reward)
-          end = None
-          if res.done:
-            end = "done"
-          elif parsed["stop"] is None:  # the turn ran out of tokens: its text is cut, the episode ends
-            end = "turn_tokens" if len(trajs[r].tokens) - trajs[r].spans[-1].start == p.max_turn_tokens else "length"
-          elif parsed["stop"] == "<|endoftext|>" or not res.messages:
-            end = "stop"
-          elif turn == p.max_turns:
-            end = "max_turns"
+          end, ids = after_turn(trajs[r], parsed, res, turn, p)
           if end is not None:
             live[r], finish[r] = False, end
           else:
-            # Appended only with room for it and a token after in the cache; else the episode ends here.
-            ids = trajs[r].add_observation(res.messages, max_ids=p.cache_len - pos[r] - 1)
-            if ids is None:
-              live[r], finish[r] = False, "length"
-            else:
-              feed[r] = ids
+            feed[r] = ids
         if not feed:
           break
         logits, cache, pos = self._continue(params, rest, trajs, feed, logits, cache, pos)
@@ -335,6 +324,24 @@ class AgentLoop:
       tokens[r, : len(ids)], lens[r] = ids, len(ids)
     new_logits, cache = self._extend(params, rest, cache, jnp.asarray(tokens), jnp.asarray(lens), jnp.asarray(pos))
     return new_logits, cache, pos + lens
+
+
+def after_turn(traj: Trajectory, parsed: dict, res: StepResult, turn: int, p: AgentParams):
+  """What follows turn `turn` of an episode (its ids already in `traj`, `parsed` them parsed, `res` its
+  environment's answer): (the episode's finish reason, None) when it ends here, else (None, the observation's ids,
+  appended to traj: what the model is fed before its next turn). The agent loop's rule, and the rollouts' through
+  the serving engines (glm_jax/rl/rollout_server.py)."""
+  if res.done:
+    return "done", None
+  if parsed["stop"] is None:  # the turn ran out of tokens: its text is cut, the episode ends
+    return ("turn_tokens" if len(traj.tokens) - traj.spans[-1].start == p.max_turn_tokens else "length"), None
+  if parsed["stop"] == "<|endoftext|>" or not res.messages:
+    return "stop", None
+  if turn == p.max_turns:
+    return "max_turns", None
+  # Appended only with room for it and a token after in the cache; else the episode ends here.
+  ids = traj.add_observation(res.messages, max_ids=p.cache_len - len(traj.tokens) - 1)
+  return ("length", None) if ids is None else (None, ids)
 
 
 def describe(result: LoopResult) -> dict[str, Any]:

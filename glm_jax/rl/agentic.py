@@ -85,6 +85,8 @@ class RolloutContext:
     result = self.loop.run(self.params, self.rest, trajs, episodes, key)
     for k in ("tool_calls", "tool_errors", "sampled_tokens"):
       self.stats[k] = self.stats.get(k, 0) + getattr(result, k)
+    if result.weight_version is not None:  # episodes through the serving engines: the oldest weights of any turn
+      self.stats["weight_version"] = min(result.weight_version, self.stats.get("weight_version", result.weight_version))
     self.stats["loop_s"] = self.stats.get("loop_s", 0.0) + result.seconds
     return result
 
@@ -269,6 +271,7 @@ def step_rollout(run_ctx, params, rest, version: int, index: int, group_size: in
   ctx = rollout_context(run_ctx, run_ctx.sampler, params, rest, group_size, version)
   key = jax.random.fold_in(jax.random.key(rl.seed), index)
   samples = check_samples(run_ctx.rollout_fn(ctx, prompts, key), rl.rollout_fn)
+  version = ctx.stats.pop("weight_version", version)  # through the engines: the weights that made the episodes
   rollout = to_rollout(samples, version, rl.cache_len, run_ctx.vocab.pad_id, time.perf_counter() - t0)
   rollout.index = index
   rollout.extra_metrics = agentic_metrics(samples, ctx.stats)

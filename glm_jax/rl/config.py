@@ -86,8 +86,9 @@ def default_rl_config() -> ml_collections.ConfigDict:
   c.worker_start_timeout = 300.0  # seconds a new worker may take to start (imports, compiling) before its first beat
   c.handshake_timeout = 30.0  # seconds to connect to a started worker and authenticate both ways, else it is replaced
   c.max_worker_restarts = 3  # replacements before the run fails
-  # Rollouts through the serving engines' HTTP API (glm_jax/rl/rollout_server.py; async GRPO on the single-turn tasks):
-  # rollout_engines engine processes behind SGLang's router, weights pushed through their /update_weights.
+  # Rollouts through the serving engines' HTTP API (glm_jax/rl/rollout_server.py; GRPO, asynchronous or not, and
+  # distillation; the single-turn tasks and the agent loop's episodes): rollout_engines engine processes behind
+  # SGLang's router, weights pushed through their /update_weights.
   c.rollout_server = False
   c.rollout_engines = 1
   c.rollout_max_running = 64  # requests an engine decodes together
@@ -215,10 +216,8 @@ def _validate_rl_section(rl: ml_collections.ConfigDict) -> None:
       invalid("rl.max_worker_restarts", rl.max_worker_restarts, "must be an integer >= 0")
   if rl.rollout_server:
     why = {
-      "rl.async_rollouts": (not rl.async_rollouts, "rollouts through the engines are asynchronous: set it True"),
       "rl.rollout_process": (rl.rollout_process, "one rollout engine at a time: rl.rollout_server or this"),
-      "rl.tokenizer": (rl.tokenizer != "char", "the agent loop's rollouts do not go through the engines yet: 'char'"),
-      "rl.speculate": (bool(rl.speculate), "the serving engine decodes without MTP drafts yet: 0"),
+      "rl.speculate": (bool(rl.speculate), "the rollouts through the engines decode without MTP drafts: 0"),
     }
     for field, (bad, valid) in why.items():
       if bad:

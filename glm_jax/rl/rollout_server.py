@@ -1,13 +1,18 @@
-"""GRPO's rollouts through the serving engines' HTTP API, as slime makes GLM-5's: the trainer is a client of SGLang's
-router in front of rl.rollout_engines engine processes.
+"""RL rollouts through the serving engines' HTTP API, as slime makes GLM-5's: the trainer is a client of SGLang's
+router in front of rl.rollout_engines engine processes. GRPO (asynchronous with rl.async_rollouts, else a rollout a
+step from the step's weights) and distillation (a rollout a step), on the single-turn tasks or, with
+rl.tokenizer="model", the agent loop's multi-turn episodes.
 
-  rl.async_rollouts=True, rl.rollout_server=True     (glm_jax/rl/trainer.py)
+  rl.rollout_server=True     (glm_jax/rl/trainer.py)
 
-`ServerRolloutWorker` has the RolloutWorker interface (push_weights, start, get, stop):
+`ServerRolloutWorker` has the RolloutWorker interface (push_weights, start, get, stop), and `rollout_at` for the
+synchronous loops:
   - start: writes the first weights (glm_jax/serving/weights.py: a directory the engines load) and starts the fleet
     (glm_jax/serving/fleet.py): rl.rollout_engines processes `python -m glm_jax.rl.rollout_server <spec.json>`, each
     an Engine of the policy (in rl.rollout_dtype when set) behind glm_jax/serving/server.py's app, and the router
-    in front of them. A thread then makes rollouts ahead of the trainer (at most rl.max_pending queued).
+    in front of them. Asynchronous, a thread then makes rollouts ahead of the trainer (at most rl.max_pending queued).
+  - rollout_at(index, version, params, rest): the weights to every engine (waiting for each to take them), then
+    rollout `index` from them.
   - push_weights(version, params, rest): writes the weights as served (quantization-aware runs pack them) to
     <workdir>/rollout/weights/<version> and has every engine load them (POST /update_weights with weights_path and
     weight_version) from a sender thread: the trainer does not wait. An engine that dies is restarted by the fleet
@@ -19,9 +24,13 @@ router in front of rl.rollout_engines engine processes.
     and log-probabilities; laid out as the Sampler lays a batch out and scored by the run's reward function. Its
     version is the oldest weight version among its samples' (each sample's is the version its engine admitted it
     under), so the trainer's staleness check (rollout.is_stale, rl.tau) sees every token's weights at their oldest.
+  - an agentic rollout is agentic.step_rollout's with `ApiAgentLoop` for the agent loop: each episode a thread, each
+    turn a POST /generate of the episode's whole sequence so far (the engine's prefix cache maps the pages of the
+    turns before: only the new tokens are prefilled), stopped at the chat format's stop ids, its tokens and
+    log-probabilities into the trajectory as the engine sampled them, the turn's end and the observation by the
+    agent loop's rule (agent_loop.after_turn). The engines decode with the run's tokenizer (the weights record it).
 A request that fails (the router retries one whose engine died; 503 while no engine is up) is sent again, up to 5
-times with a growing wait; then the rollout fails and `get` raises. The single-turn tasks only (rl.tokenizer="char");
-the agent loop's rollouts stay in-process or in rl.rollout_process.
+times with a growing wait; then the rollout fails and `get` raises.
 """
 
 from __future__ import annotations
@@ -37,10 +46,14 @@ import time
 from typing import Any
 
 import httpx
+import jax
 import numpy as np
 from absl import logging
 
+from glm_jax import chat
+from glm_jax.rl import agentic
 from glm_jax.rl import rewards as rewards_lib
+from glm_jax.rl.agent_loop import AgentParams, LoopResult, after_turn
 from glm_jax.rl.rollout import Rollout, step_problems
 from glm_jax.serving import fleet as fleet_lib
 from glm_jax.serving.weights import save_weights
@@ -55,8 +68,12 @@ class ServerRolloutWorker:
   def __init__(self, ctx, group_size: int):
     self.ctx, self.rl, self.group_size = ctx, ctx.config.rl, group_size
     self.dir = os.path.join(ctx.workdir, "rollout")
-    self.width = max(t.max_prompt_len for t, _ in ctx.tasks_and_weights)  # the Sampler's prompt width
-    self.length = self.width + self.rl.max_new_tokens
+    self.agentic = bool(ctx.environments)
+    if self.agentic:  # an episode's whole sequence
+      self.length = self.rl.cache_len
+    else:  # the Sampler's prompt width and the answer
+      self.width = max(t.max_prompt_len for t, _ in ctx.tasks_and_weights)
+      self.length = self.width + self.rl.max_new_tokens
     self._queue: queue.Queue = queue.Queue(maxsize=max(1, self.rl.max_pending))
     self._weights: queue.Queue = queue.Queue()
     self._latest: tuple[int, str] | None = None  # (version, directory) of the newest weights written
@@ -73,7 +90,8 @@ class ServerRolloutWorker:
     if self.rl.rollout_dtype and self.rl.rollout_dtype != cfg.dtype:  # the engines compute in the rollout dtype
       cfg = cfg.replace(dtype=self.rl.rollout_dtype)
     path = os.path.join(self.dir, "weights", str(version))
-    save_weights(path, self.ctx.served(params), rest, cfg, version=version, tokenizer={"kind": "char"})
+    tokenizer = self.ctx.vocab.record() if self.agentic else {"kind": "char"}
+    save_weights(path, self.ctx.served(params), rest, cfg, version=version, tokenizer=tokenizer)
     # The one before stays: an engine the fleet is restarting may have just been told its name.
     self._written = [p for p in self._written if p != path] + [path]
     for old in self._written[:-2]:
@@ -100,15 +118,27 @@ class ServerRolloutWorker:
         continue
       while not self._weights.empty():  # only the newest matters
         item = self._weights.get_nowait()
-      version, params, rest = item
-      path = self._write(version, params, rest)
-      for e in self.fleet.engines:
-        try:
-          fleet_lib.call(
-            "POST", f"{e.url}/update_weights", body={"weights_path": path, "weight_version": version}, timeout=600
-          )
-        except OSError as err:  # a dead engine: the fleet restarts it with the newest weights
-          logging.warning("rollout engine %d did not take weights %d: %s", e.index, version, err)
+      self._load(*item)
+
+  def _load(self, version: int, params, rest) -> None:
+    """Writes the weights and has every engine load them (each call returns when its engine has them)."""
+    path = self._write(version, params, rest)
+    for e in self.fleet.engines:
+      try:
+        fleet_lib.call(
+          "POST", f"{e.url}/update_weights", body={"weights_path": path, "weight_version": version}, timeout=600
+        )
+      except OSError as err:  # a dead engine: the fleet restarts it with the newest weights
+        logging.warning("rollout engine %d did not take weights %d: %s", e.index, version, err)
+
+  def rollout_at(self, index: int, version: int, params, rest) -> Rollout:
+    """The synchronous loops' rollout: every engine on weights `version` (params, rest), then rollout `index`."""
+    if version != self._latest[0]:
+      self._load(version, params, rest)
+    rollout = self.rollout(self._client, index)
+    if rollout.version != version:
+      raise RuntimeError(f"rollout {index}: made by weights {rollout.version}, not the step's {version}")
+    return rollout
 
   # ---- the fleet
 
@@ -124,7 +154,8 @@ class ServerRolloutWorker:
       json.dump(spec, f)
     return [sys.executable, "-m", "glm_jax.rl.rollout_server", path]
 
-  def start(self, first_index: int = 0) -> ServerRolloutWorker:
+  def start(self, first_index: int = 0, *, produce: bool = True) -> ServerRolloutWorker:
+    """Starts the fleet; with `produce` (asynchronous), the threads that make rollouts ahead and send new weights."""
     if self._latest is None:
       raise RuntimeError("push_weights before start: the engines start with the newest weights")
     n = self.rl.rollout_engines
@@ -134,7 +165,11 @@ class ServerRolloutWorker:
     self.fleet.start()
     self.router_url = f"http://127.0.0.1:{port}"
     logging.info("rollouts through the router %s in front of %d engines", self.router_url, n)
-    for target, args in ((self._produce_loop, (first_index,)), (self._send_weights, ()), (self._supervise, ())):
+    self._client = httpx.Client(timeout=600, limits=httpx.Limits(max_connections=64))
+    threads = [(self._supervise, ())]
+    if produce:
+      threads += [(self._produce_loop, (first_index,)), (self._send_weights, ())]
+    for target, args in threads:
       t = threading.Thread(target=target, args=args, daemon=True)
       t.start()
       self._threads.append(t)
@@ -155,25 +190,25 @@ class ServerRolloutWorker:
     for t in self._threads:
       t.join(timeout=30)
     if self.fleet is not None:
+      self._client.close()
       self.fleet.stop()
 
   # ---- rollouts
 
   def _produce_loop(self, index: int) -> None:
-    with httpx.Client(timeout=600, limits=httpx.Limits(max_connections=64)) as client:
+    while not self._stop.is_set():
+      try:
+        rollout = self.rollout(self._client, index)
+      except Exception as e:  # handed to the trainer: get raises
+        self._queue.put(e)
+        return
       while not self._stop.is_set():
         try:
-          rollout = self.rollout(client, index)
-        except Exception as e:  # handed to the trainer: get raises
-          self._queue.put(e)
-          return
-        while not self._stop.is_set():
-          try:
-            self._queue.put(rollout, timeout=0.5)
-            break
-          except queue.Full:
-            continue
-        index += 1
+          self._queue.put(rollout, timeout=0.5)
+          break
+        except queue.Full:
+          continue
+      index += 1
 
   def _post(self, client: httpx.Client, body: dict) -> Any:
     """The batch's outputs, every sample whole (ended by a stop id or max_new_tokens: an aborted one is sent again)."""
@@ -195,6 +230,11 @@ class ServerRolloutWorker:
 
   def rollout(self, client: httpx.Client, index: int) -> Rollout:
     """Rollout `index` through the router (module docstring)."""
+    if self.agentic:
+      ctx = self.ctx
+      loop = ApiAgentLoop(ctx.vocab, ctx.sampler.params, lambda body: self._post(client, body))
+      run = agentic.AgenticRun(ctx.config, ctx.environments, loop, ctx.vocab, ctx.rollout_fn)
+      return agentic.step_rollout(run, None, None, self._latest[0], index, self.group_size)
     rl, vocab, g = self.rl, self.ctx.vocab, self.group_size
     t0 = time.perf_counter()
     problems = step_problems(self.ctx.tasks_and_weights, rl, index)
@@ -247,6 +287,63 @@ class ServerRolloutWorker:
     return rollout
 
 
+class ApiAgentLoop:
+  """AgentLoop.run's episodes through the engines' /generate (module docstring): `post(body)` sends one and returns
+  its outputs (ServerRolloutWorker._post). The weights are the engines'; run's params and rest are not used."""
+
+  def __init__(self, tokenizer, params: AgentParams, post):
+    self.tokenizer, self.params, self.post = tokenizer, params, post
+    self._stop_ids = [tokenizer.chat_ids[s] for s in chat.STOP_STRINGS]
+
+  def run(self, params, rest, trajectories, envs, key, *, script=None, return_logits=False) -> LoopResult:
+    if script is not None or return_logits:
+      raise ValueError("ApiAgentLoop.run: no script or return_logits through the engines (AgentLoop has them)")
+    if len(envs) != len(trajectories) or not trajectories:
+      raise ValueError(f"{len(trajectories)} trajectories and {len(envs)} environments; one environment an episode")
+    t0 = time.perf_counter()
+    seeds = np.asarray(jax.random.randint(key, (len(trajectories),), 0, 2**31 - 1)).tolist()
+    with concurrent.futures.ThreadPoolExecutor(min(64, len(trajectories))) as pool:
+      ends = list(pool.map(self._episode, trajectories, envs, seeds))
+    return LoopResult(
+      trajectories=list(trajectories),
+      rewards=[e["reward"] for e in ends],
+      turns=[t.turns for t in trajectories],
+      finish=[e["finish"] for e in ends],
+      tool_calls=sum(e["tool_calls"] for e in ends),
+      tool_errors=sum(e["tool_errors"] for e in ends),
+      sampled_tokens=sum(e["sampled"] for e in ends),
+      seconds=time.perf_counter() - t0,
+      weight_version=min(e["version"] for e in ends),
+    )
+
+  def _episode(self, traj, env, seed: int) -> dict:
+    """One episode to its end: the agent loop's turns, each a request (its draws keyed by the seed and the slot)."""
+    p = self.params
+    end = {"reward": 0.0, "finish": "", "tool_calls": 0, "tool_errors": 0, "sampled": 0, "version": None}
+    for turn in range(1, p.max_turns + 1):
+      sampling = dict(max_new_tokens=min(p.max_turn_tokens, p.cache_len - len(traj.tokens)), top_p=p.top_p)
+      sampling.update(temperature=p.temperature, stop_token_ids=self._stop_ids, sampling_seed=seed)
+      out = self.post({"input_ids": [list(traj.tokens)], "sampling_params": sampling, "return_logprob": True})[0]
+      logp = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+      if not np.isfinite(logp).all():
+        raise FloatingPointError("an engine drew tokens with non-finite log-probabilities: broken weights?")
+      version = out["meta_info"]["weight_version"]
+      end["version"] = version if end["version"] is None else min(end["version"], version)
+      parsed = traj.add_sample(out["output_ids"], logp)
+      parsed["stop"] = traj.stop
+      end["sampled"] += len(logp)
+      end["tool_calls"] += len(parsed["tool_calls"])
+      end["tool_errors"] += len(parsed["errors"])
+      res = env.step(parsed)
+      end["reward"] = float(res.reward)
+      finish, _ = after_turn(traj, parsed, res, turn, p)
+      if finish is not None:
+        end["finish"] = finish
+        break
+    traj.version = end["version"]
+    return end
+
+
 def _engine_config(rl, length: int) -> dict:
   """An engine's EngineConfig fields for the run: rl.rollout_max_running rows, pages for all of them at full length."""
   page = 16
@@ -265,6 +362,7 @@ def serve_engine(spec_path: str) -> None:
   """An engine process (module docstring): the weights its spec names, on 127.0.0.1:port, until it is stopped."""
   import uvicorn
 
+  from glm_jax.data import Tokenizer
   from glm_jax.model import ModelConfig
   from glm_jax.rl.tasks import CharVocab
   from glm_jax.serving import Engine, EngineConfig
@@ -284,7 +382,9 @@ def serve_engine(spec_path: str) -> None:
     new_meta, _, new_params, new_rest = load_weights(path, cfg)
     return new_params, new_rest, body.get("weight_version", new_meta["version"])
 
-  state = ServerState(EngineThread(engine), CharVocab(), spec["model_name"], load_weights=load)
+  record = meta["tokenizer"]  # the run's: an agentic run's model tokenizer, else the tasks' characters
+  tokenizer = Tokenizer.from_record(record) if "json" in record else CharVocab()
+  state = ServerState(EngineThread(engine), tokenizer, spec["model_name"], load_weights=load)
   try:
     uvicorn.run(make_app(state), host="127.0.0.1", port=spec["port"], log_level="warning")
   finally:

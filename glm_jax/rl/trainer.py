@@ -240,10 +240,15 @@ def _grpo_loop(ctx: RunContext, state, start: int):
     return _step_rollout(ctx, params, rest, version, index, rl.group_size)
 
   worker = None
-  if rl.async_rollouts and rl.rollout_server:  # through the serving engines' API (glm_jax/rl/rollout_server.py)
+  if rl.rollout_server:  # through the serving engines' API (glm_jax/rl/rollout_server.py)
     worker = ServerRolloutWorker(ctx, rl.group_size)
     worker.push_weights(start, state.params, state.rest)
-    worker.start(first_index=start)
+    worker.start(first_index=start, produce=rl.async_rollouts)
+    if not rl.async_rollouts:  # a rollout a step, from the step's weights
+
+      def produce(params, rest, version, index):
+        return worker.rollout_at(index, version, params, rest)
+
   elif rl.async_rollouts and rl.rollout_process:  # a worker process (glm_jax/rl/rollout_engine.py)
     worker = ProcessRolloutWorker(ctx.config, ctx.workdir, served=ctx.served, tokenizer=ctx.vocab)
     worker.push_weights(start, state.params, state.rest)
@@ -257,7 +262,7 @@ def _grpo_loop(ctx: RunContext, state, start: int):
     done = start
     while done < rl.steps:
       t0 = time.perf_counter()
-      if worker is not None:
+      if rl.async_rollouts:
         rollout = worker.get()
         if is_stale(rollout.version, done, rl.tau):
           dropped += 1
@@ -276,7 +281,7 @@ def _grpo_loop(ctx: RunContext, state, start: int):
       state, m = step_fn(state, rollout.train_batch(advantages=adv, **extra))
       m = _host_metrics(m)
       done += 1
-      if worker is not None:
+      if rl.async_rollouts:
         worker.push_weights(done, state.params, state.rest)
       m.update(
         rollout.metrics(),
@@ -320,13 +325,31 @@ def _row_teachers(ctx: RunContext, names: list[str], problems) -> np.ndarray:
 def _distill_loop(ctx: RunContext, state, start: int):
   """Distillation updates from step `start` to rl.steps: (state, the summary's teacher_kl and reward_mean)."""
   rl = ctx.config.rl
-  names = list(ctx.config.teachers.keys())
   teachers = _teachers(ctx)
   step_fn = rl_step.make_distill_step(ctx.graphdef, ctx.optimizer, ctx.schedule, rl, ctx.quant_plan)
   last = {}
+  worker = None
+  if rl.rollout_server:  # the student's rollouts through the serving engines' API, a rollout a step
+    worker = ServerRolloutWorker(ctx, 1)
+    worker.push_weights(start, state.params, state.rest)
+    worker.start(first_index=start, produce=False)
+  try:
+    state, last = _distill_steps(ctx, state, start, worker, teachers, step_fn)
+  finally:
+    if worker is not None:
+      worker.stop()
+  return state, dict(teacher_kl=last.get("teacher_kl"), reward_mean=last.get("reward_mean"))
+
+
+def _distill_steps(ctx: RunContext, state, start: int, worker, teachers, step_fn):
+  """_distill_loop's updates: (state, the last step's metrics)."""
+  rl, names, last = ctx.config.rl, list(ctx.config.teachers.keys()), {}
   for done in range(start, rl.steps):
     t0 = time.perf_counter()
-    rollout = _step_rollout(ctx, state.params, state.rest, done, done, 1)
+    if worker is not None:
+      rollout = worker.rollout_at(done, done, state.params, state.rest)
+    else:
+      rollout = _step_rollout(ctx, state.params, state.rest, done, done, 1)
     which = _row_teachers(ctx, names, rollout.problems)
     tokens = jnp.asarray(rollout.tokens)
     teacher_logp = np.zeros(rollout.tokens.shape, np.float32)
@@ -342,4 +365,4 @@ def _distill_loop(ctx: RunContext, state, start: int):
       m[f"teacher_kl/{name}"] = float(np.sum((rollout.rollout_logp - teacher_logp)[rows]) / max(rows.sum(), 1))
     m.update(rollout.metrics(), train_s=time.perf_counter() - t1, step_s=time.perf_counter() - t0)
     last = _log_and_eval(ctx, done + 1, m, state)
-  return state, dict(teacher_kl=last.get("teacher_kl"), reward_mean=last.get("reward_mean"))
+  return state, last

@@ -374,10 +374,10 @@ class Engine:
         reason = "stop" if token in s.stop_ids else ("length" if req.generated >= s.max_new_tokens else None)
         events.append(Event(req.rid, token, float(logp[i, j]), reason, req.version))
         if reason:
-          self._finish(req, reason)
           break
-      else:
-        self._register(req)
+      self._register(req)  # its pages written whole, for the prefix cache (a next turn re-sends them)
+      if reason:
+        self._finish(req, reason)
     return events
 
   def _spec_round(self, group: dict[int, _Request]) -> list[Event]:

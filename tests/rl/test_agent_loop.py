@@ -13,7 +13,9 @@
 
 import dataclasses
 import re
+import threading
 
+import httpx
 import jax
 import numpy as np
 import pytest
@@ -224,3 +226,60 @@ def test_raising_sleeping_and_flooding_tools_are_bounded_and_reported_through_th
   assert {k: v for k, v in counts.items() if v} == {"error": 1, "timeout": 1, "truncated": 1}
   assert result.finish == ["done"] * 3 and result.rewards == [1.0] * 3 and result.turns == [2, 2, 2]
   assert result.tool_calls == 3 and result.tool_errors == 0
+
+
+def test_episodes_through_the_serving_engine_are_the_agent_loops(setup):
+  """rl.rollout_server's agent loop (glm_jax/rl/rollout_server.py ApiAgentLoop: a POST /generate a turn to an engine
+  served over HTTP, the episode's whole sequence each time) against the in-process AgentLoop, greedy, on weights
+  whose lm_head has the column of <|observation|> swapped with that of the token greedy decoding writes first (so
+  turns end in <|observation|> and episodes run several turns): the same tokens, loss masks, spans, finish
+  reasons, rewards and tool counts, log-probabilities within fp32 rounding (the engine's paged cache and batch),
+  tagged with the engine's weight version; the engine prefilled each history once (its prefix cache)."""
+  from glm_jax.rl.rollout_server import ApiAgentLoop, ServerRolloutWorker
+  from glm_jax.serving import Engine, EngineConfig
+  from glm_jax.serving.server import EngineThread, ServerState
+  from tests.serving.test_server import Served
+
+  tok, model_cfg, _, graphdef, params, rest = setup
+  agent = AgentParams(max_turns=3, max_turn_tokens=16, cache_len=160, temperature=0.0)
+
+  def start():
+    return [Trajectory(tok, [{"role": "user", "content": q}]) for q in QUESTIONS]
+
+  def envs():
+    return [ScriptedEnv(9) for _ in QUESTIONS]
+
+  first = AgentLoop(graphdef, model_cfg, tok, agent).run(params, rest, start(), envs(), jax.random.key(2))
+  t = first.trajectories[0].tokens[first.trajectories[0].spans[1].start]
+  o = tok.chat_ids["<|observation|>"]
+  params = jax.tree.map(lambda x: x, params)  # new Variables: the fixture's weights stay as they are
+  head = params["lm_head"].get_value()
+  params["lm_head"].set_value(head.at[:, [t, o]].set(head[:, [o, t]]))
+
+  want = AgentLoop(graphdef, model_cfg, tok, agent).run(params, rest, start(), envs(), jax.random.key(2))
+  assert max(want.turns) > 1  # observations fed and continued from
+  # pages for every token of the three episodes: no cached page is evicted
+  config = EngineConfig(num_pages=80, page_size=8, max_running=4, prefill_chunk=32, max_seq_len=agent.cache_len)
+  engine = Engine(graphdef, params, rest, model_cfg, config, version=7)
+  served = Served(ServerState(EngineThread(engine), tok, "policy"))
+  try:
+    worker = ServerRolloutWorker.__new__(ServerRolloutWorker)  # its retrying POST, to this one engine
+    worker.router_url, worker._stop = served.url, threading.Event()
+    with httpx.Client(timeout=120) as client:
+      loop = ApiAgentLoop(tok, agent, lambda body: worker._post(client, body))
+      got = loop.run(None, None, start(), envs(), jax.random.key(2))
+  finally:
+    served.stop()
+  assert got.weight_version == 7 and all(traj.version == 7 for traj in got.trajectories)
+  for a, b in zip(got.trajectories, want.trajectories):
+    assert a.tokens == b.tokens and a.loss_mask == b.loss_mask and a.spans == b.spans
+    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=5e-5)
+  for field in ("finish", "rewards", "turns", "tool_calls", "tool_errors", "sampled_tokens"):
+    assert getattr(got, field) == getattr(want, field), field
+  # A turn after the first re-sends the history: the whole pages of what the turns before fed (up to the last
+  # sampled token, never fed) come from the prefix cache.
+  cached = 0
+  for traj in got.trajectories:
+    samples = [s for s in traj.spans if s.kind == "sample"]
+    cached += sum((before.end - 1) // 8 * 8 for before in samples[:-1])
+  assert engine.stats["prefix_cached_tokens"] == cached > 0

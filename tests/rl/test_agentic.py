@@ -183,11 +183,14 @@ def test_grpo_through_a_plugin_rollout_logs_its_rewards(plugin):
   assert summary["step"] == config.rl.steps and 0.0 <= summary["eval_accuracy"] <= 1.0
 
 
+@pytest.mark.parametrize("rollouts", ["in_process", "rollout_server"])
 @pytest.mark.slow  # a distillation run: the agent loop, the teachers' scorer and the distillation step compiled
-def test_distillation_on_environments_scores_each_episode_by_its_teacher(plugin):
+def test_distillation_on_environments_scores_each_episode_by_its_teacher(plugin, rollouts):
   """Two teachers, each an Echo environment and a model of its own seed (no fine-tuning): each step's logged
   teacher_kl/<name> equals the KL recomputed here from the recorded episodes, the teacher's log-probs by a plain
-  forward pass of a model built from its seed, on the model's turns only (the loss mask)."""
+  forward pass of a model built from its seed, on the model's turns only (the loss mask). "rollout_server": the
+  student's episodes through a serving engine's API (glm_jax/rl/rollout_server.py: an engine process behind the
+  router, the step's weights pushed to it before each rollout, each turn a POST /generate)."""
   import jax
   from flax import nnx
 
@@ -204,6 +207,7 @@ def test_distillation_on_environments_scores_each_episode_by_its_teacher(plugin)
   del config["tasks"]
   config.rl.rollout_fn = "my_agents.rollouts:recording"
   config.rl.group_size, config.rl.prompts_per_step, config.rl.steps = 1, 4, 2
+  config.rl.rollout_server = rollouts == "rollout_server"
   validate_rl_config(config)
   trainer.run(config, str(plugin / "run"))
 
@@ -226,6 +230,8 @@ def test_distillation_on_environments_scores_each_episode_by_its_teacher(plugin)
       assert logged[step][f"teacher_kl/{name}"] == pytest.approx(expected, abs=2e-4), (step, name)
       seen |= {name} if rows else set()
   assert seen == set(teachers)  # both teachers' environments were played
+  # through the engines: each step's weights were written for them (the last two kept)
+  assert (rollouts == "rollout_server") == os.path.isdir(plugin / "run" / "rollout" / "weights" / "1")
 
 
 @pytest.mark.slow  # async GRPO with a rollout worker process (its imports and compiles)

@@ -59,12 +59,12 @@ def test_rollouts_through_the_engines_are_checked_by_name():
     return c
 
   rl_config.validate_rl_config(config())
+  rl_config.validate_rl_config(config(async_rollouts=False))  # a rollout a step, from the step's weights
   for changes, message in (
-    ({"async_rollouts": False}, r"rl.async_rollouts=False is invalid; with rl.rollout_server=True: .* asynchronous"),
     ({"rollout_process": True}, r"rl.rollout_process=True is invalid; with rl.rollout_server=True: one rollout"),
     ({"speculate": 2}, r"rl.speculate=2 is invalid; with rl.rollout_server=True: .* without MTP drafts"),
     ({"rollout_engines": 0}, r"rl.rollout_engines=0 is invalid; must be a positive integer"),
-    ({"tokenizer": "model"}, r"rl.tokenizer='model' is invalid; with rl.rollout_server=True: the agent loop"),
+    ({"rollout_max_running": True}, r"rl.rollout_max_running=True is invalid; must be a positive integer"),
   ):
     with pytest.raises(ValueError, match=message):
       rl_config.validate_rl_config(config(**changes))
