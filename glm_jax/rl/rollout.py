@@ -180,6 +180,17 @@ def is_stale(rollout_version: int, trainer_version: int, tau: int) -> bool:
   return trainer_version - rollout_version > tau
 
 
+def put_until_stopped(q: queue.Queue, item, stop: threading.Event) -> None:
+  """Puts `item` in the bounded queue `q`, waiting while it is full, unless `stop` is set meanwhile (a rollout
+  worker's producer: the trainer may stop taking rollouts)."""
+  while not stop.is_set():
+    try:
+      q.put(item, timeout=0.5)
+      return
+    except queue.Full:
+      continue
+
+
 class RolloutWorker:
   """Generates rollouts on a background thread: `produce(params, rest, version, index) -> Rollout` with the
   newest pushed weights, into a queue of at most `max_pending` batches (the worker waits when it is full)."""
@@ -228,14 +239,8 @@ class RolloutWorker:
       while not self._stop.is_set():
         with self._lock:
           version, params, rest = self._weights
-        rollout = self._produce(params, rest, version, index)
+        put_until_stopped(self._queue, self._produce(params, rest, version, index), self._stop)
         index += 1
-        while not self._stop.is_set():
-          try:
-            self._queue.put(rollout, timeout=0.5)
-            break
-          except queue.Full:
-            continue
     except BaseException as e:  # surfaced to the trainer by get()
       logging.exception("rollout worker failed")
       self._error = e

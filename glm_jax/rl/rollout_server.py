@@ -54,7 +54,7 @@ from glm_jax import chat
 from glm_jax.rl import agentic
 from glm_jax.rl import rewards as rewards_lib
 from glm_jax.rl.agent_loop import AgentParams, LoopResult, after_turn
-from glm_jax.rl.rollout import Rollout, step_problems
+from glm_jax.rl.rollout import Rollout, put_until_stopped, step_problems
 from glm_jax.serving import fleet as fleet_lib
 from glm_jax.serving.weights import save_weights
 
@@ -200,14 +200,9 @@ class ServerRolloutWorker:
       try:
         rollout = self.rollout(self._client, index)
       except Exception as e:  # handed to the trainer: get raises
-        self._queue.put(e)
+        put_until_stopped(self._queue, e, self._stop)
         return
-      while not self._stop.is_set():
-        try:
-          self._queue.put(rollout, timeout=0.5)
-          break
-        except queue.Full:
-          continue
+      put_until_stopped(self._queue, rollout, self._stop)
       index += 1
 
   def _post(self, client: httpx.Client, body: dict) -> Any:
