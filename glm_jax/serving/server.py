@@ -462,7 +462,8 @@ def make_app(state: ServerState) -> FastAPI:
       }
     ]
 
-  @app.post("/abort_request")
+  @app.post("/abort_request")  # SGLang's name; /abort the same
+  @app.post("/abort")
   async def abort_request(request: Request):
     rid = _field(await body_of(request), "rid", (int, str))
     found = state.engine.abort(int(rid)) if str(rid).isdigit() else False

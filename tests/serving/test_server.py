@@ -312,6 +312,27 @@ def test_a_client_gone_mid_stream_aborts_its_request(setup, served):
   assert engine.stats["decode_tokens"] - before < 100 and engine.stats["finished_abort"] == aborted + 1
 
 
+@pytest.mark.parametrize("path", ["/abort_request", "/abort"])
+def test_abort_by_id_ends_a_running_stream(setup, served, path):
+  """A streamed /generate's id (meta_info.id, what SGLang's clients abort by) posted to the abort endpoint: the stream
+  ends with finish reason abort well before its max_new_tokens, its pages come back; an id not running is
+  {"aborted": false}."""
+  engine = served.state.engine.engine
+  free, auth = engine.free_pages, {"Authorization": f"Bearer {KEY}"}
+  body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 120, "temperature": 1.0}, "stream": True}
+  with httpx.stream("POST", f"{served.url}/generate", json=body, headers=auth, timeout=60) as r:
+    lines = r.iter_lines()
+    rid = sse([next(lines)])[0]["meta_info"]["id"]
+    assert httpx.post(f"{served.url}{path}", json={"rid": rid}, headers=auth).json() == {"aborted": True}
+    last = sse(list(lines))[-1]
+  assert last["meta_info"]["finish_reason"] == {"type": "abort"} and len(last["output_ids"]) < 120
+  deadline = time.time() + 30
+  while engine.free_pages != free:
+    assert time.time() < deadline, "the aborted request kept its pages"
+    time.sleep(0.05)
+  assert httpx.post(f"{served.url}{path}", json={"rid": rid}, headers=auth).json() == {"aborted": False}
+
+
 def test_stop_strings_cut_the_text_and_abort_the_request(setup):
   """A completion whose text reaches a stop string ends there, streamed or not: the text before it, finish reason
   "stop", the tokens up to the one that completed it, and the engine's request aborted (not run to max_tokens)."""
