@@ -14,7 +14,8 @@ The static-batch baseline runs the same requests, arriving on the same schedule,
 process: whenever it is idle it takes up to --clients requests that have arrived (padded to --clients rows, one
 compiled program) and runs every row for --out_max tokens (one program; a batch of many rows holds an output near that
 long anyway), counting each request's own output; a request's latency ends with its batch.
-Both sides are compiled before the clock starts.
+The engine alone (--systems=alone) runs the same load through the engine in this process, without HTTP. Every system
+is compiled before the clock starts.
 """
 
 import asyncio
@@ -38,8 +39,9 @@ _OUT_MAX = flags.DEFINE_integer("out_max", 64, "Most new tokens.")
 _SEED = flags.DEFINE_integer("seed", 0, "The load's seed.")
 _ROLE = flags.DEFINE_string("role", "client", "client (the benchmark) or server (its subprocess).")
 _PORT = flags.DEFINE_integer("port", 8321, "The server's port on 127.0.0.1.")
+_PREFILL_ROWS = flags.DEFINE_integer("prefill_rows", 4, "The engine's prefill step's rows (EngineConfig.prefill_rows).")
 _DECODE_STEPS = flags.DEFINE_integer("decode_steps", 4, "The engine's decode steps a call (EngineConfig.decode_steps).")
-_SYSTEMS = flags.DEFINE_list("systems", ["engine", "static"], "What to measure.")
+_SYSTEMS = flags.DEFINE_list("systems", ["engine", "alone", "static"], "What to measure.")
 
 
 def model():
@@ -56,12 +58,9 @@ def max_seq() -> int:
   return _PROMPT_MAX.value + _OUT_MAX.value
 
 
-def serve():
-  import uvicorn
-
-  from glm_jax.data import default_data_config, load_tokenizer
+def compiled_engine():
+  """The engine the server runs, its decode and chunked-prefill programs compiled."""
   from glm_jax.serving import Engine, EngineConfig
-  from glm_jax.serving.server import EngineThread, ServerState, make_app
 
   cfg, graphdef, params, rest = model()
   pages = _CLIENTS.value * -(-max_seq() // 16) + 1
@@ -70,6 +69,7 @@ def serve():
     page_size=16,
     max_running=_CLIENTS.value,
     prefill_chunk=64,
+    prefill_rows=_PREFILL_ROWS.value,
     max_seq_len=max_seq(),
     decode_steps=_DECODE_STEPS.value,
   )
@@ -78,6 +78,16 @@ def serve():
     engine.add([1] * prompt_len, _sampling(2))
   while engine.has_work():
     engine.step()
+  return engine
+
+
+def serve():
+  import uvicorn
+
+  from glm_jax.data import default_data_config, load_tokenizer
+  from glm_jax.serving.server import EngineThread, ServerState, make_app
+
+  engine = compiled_engine()
   state = ServerState(EngineThread(engine), load_tokenizer(default_data_config()), "bench")
   uvicorn.run(make_app(state), host="127.0.0.1", port=_PORT.value, log_level="warning")
 
@@ -173,6 +183,31 @@ def run_server_side(requests) -> dict:
     proc.wait(timeout=60)
 
 
+def run_alone(requests) -> dict:
+  """The same load through the engine in this process, without HTTP: each request added when it has arrived and
+  fewer than --clients are in flight (as the clients send them), the engine stepped meanwhile."""
+  engine = compiled_engine()
+  rows, first, running = [], {}, {}
+  i = 0
+  start = time.perf_counter()
+  while len(rows) < len(requests):
+    now = time.perf_counter() - start
+    while i < len(requests) and requests[i][0] <= now and len(running) < _CLIENTS.value:
+      arrival, prompt, n = requests[i]
+      running[engine.add(prompt, _sampling(n))] = (arrival, n)
+      i += 1
+    if not engine.has_work():
+      time.sleep(max(0.0, requests[i][0] - now))
+      continue
+    for ev in engine.step():
+      t = time.perf_counter() - start
+      first.setdefault(ev.rid, t)
+      if ev.finish_reason:
+        arrival, n = running.pop(ev.rid)
+        rows.append((first[ev.rid] - arrival, t - arrival, n))
+  return summary("engine alone (no HTTP)", time.perf_counter() - start, rows)
+
+
 def run_static(requests) -> dict:
   from glm_jax.inference import Sampler, SamplingParams
 
@@ -209,7 +244,8 @@ def main(argv):
     return
   requests = load()
   for system in _SYSTEMS.value:
-    result = run_server_side(requests) if system == "engine" else run_static(requests)
+    run = {"engine": run_server_side, "alone": run_alone, "static": run_static}[system]
+    result = run(requests)
     print(json.dumps(result), flush=True)
 
 
