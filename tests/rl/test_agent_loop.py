@@ -228,6 +228,7 @@ def test_raising_sleeping_and_flooding_tools_are_bounded_and_reported_through_th
   assert result.tool_calls == 3 and result.tool_errors == 0
 
 
+@pytest.mark.slow  # an engine served over HTTP and the loop's turns compiled for new weights (about 25 s)
 def test_episodes_through_the_serving_engine_are_the_agent_loops(setup):
   """rl.rollout_server's agent loop (glm_jax/rl/rollout_server.py ApiAgentLoop: a POST /generate a turn to an engine
   served over HTTP, the episode's whole sequence each time) against the in-process AgentLoop, greedy, on weights

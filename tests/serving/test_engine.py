@@ -63,7 +63,7 @@ def run(eng, arrivals):
   return tokens, logps, reasons, busiest
 
 
-@pytest.mark.parametrize("decode_steps", [1, 3])
+@pytest.mark.parametrize("decode_steps", [pytest.param(1, marks=pytest.mark.slow), 3])  # 1: a compile more
 def test_concurrent_requests_equal_the_sampler_alone(tiny, decode_steps):
   """16 requests of 3-40 prompt tokens and 4-10 new ones, two arriving a step, into 8 rows (mixing chunked
   prefill and decode; decoding a step at a time, or 3 steps a call, where requests end inside a call): each
