@@ -9,9 +9,9 @@ The model is the run's latest checkpoint (--config must be the run's config, as 
 (quantized) model with --packed; text is encoded with the tokenizer the checkpoint records. The engine's page pool
 and batch: --pages, --page_size, --max_running, --prefill_rows, --prefill_chunk, --max_seq_len, --decode_steps
 (glm_jax/serving/engine_flags.py); --speculate=k drafts k tokens a round with the model's MTP layer (the same greedy
-text, the same distribution sampled). `POST /update_weights` reloads the
-workdir's latest checkpoint (a trainer that saved newer weights) and tags what follows with {"weight_version": ...}
-from the request's body (default: the checkpoint's step).
+text, the same distribution sampled). `POST /update_weights` reloads the workdir's latest checkpoint (a trainer that
+saved newer weights) and tags what follows with {"weight_version": ...} from the request's body (default: the
+checkpoint's step).
 
 The server binds to 127.0.0.1. Another --host (0.0.0.0: every interface) needs an API key, --api_key or the
 GLM_JAX_API_KEY environment variable, which every request must then send as `Authorization: Bearer <key>`.

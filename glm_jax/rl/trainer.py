@@ -327,7 +327,6 @@ def _distill_loop(ctx: RunContext, state, start: int):
   rl = ctx.config.rl
   teachers = _teachers(ctx)
   step_fn = rl_step.make_distill_step(ctx.graphdef, ctx.optimizer, ctx.schedule, rl, ctx.quant_plan)
-  last = {}
   worker = None
   if rl.rollout_server:  # the student's rollouts through the serving engines' API, a rollout a step
     worker = ServerRolloutWorker(ctx, 1)
