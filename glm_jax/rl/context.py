@@ -26,6 +26,7 @@ from glm_jax.train.checkpoint import Checkpointer
 from glm_jax.train.guards import ConsecutiveSkips
 from glm_jax.train.lifecycle import StopSignals
 from glm_jax.train.metrics import MetricsWriter
+from glm_jax.train.progress import Progress
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -69,6 +70,7 @@ class RunContext(RunSetup):
   greedy: Sampler | Any  # eval_accuracy's
   eval_problems: list[Problem] | list[tuple[str, dict]]  # answered greedily for eval_accuracy; (label, task) agentic
   writer: MetricsWriter
+  progress: Progress  # the lines on stdout and the progress bar (glm_jax/train/progress.py)
   skips: ConsecutiveSkips  # stops the run after rl.max_consecutive_skips skipped updates in a row
   stop: StopSignals  # a preemption or Ctrl-C: a checkpoint at the next update, then Stopped
   rollout_fn: Callable | None = None  # agentic: rl.rollout_fn (glm_jax/rl/agentic.py)

@@ -48,6 +48,7 @@ from glm_jax.train.checkpoint import Checkpointer, check_writable
 from glm_jax.train.guards import ConsecutiveSkips
 from glm_jax.train.lifecycle import StopSignals, Stopped, stopped_message, workdir_lock
 from glm_jax.train.metrics import MetricsWriter, last_logged
+from glm_jax.train.progress import Progress
 
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
@@ -70,14 +71,19 @@ def _train(config, workdir: str, stop: StopSignals, setup: RunSetup, state) -> d
   state, start, info = warm_start(setup, state)
   ctx = _context(setup, start, stop)
   summary = dict(trainer=config.trainer, workdir=os.path.abspath(workdir), **info)
+  ctx.progress.print(f"step {start}: greedy answers to {len(ctx.eval_problems)} held-out problems (eval_accuracy)")
   accuracy = _eval_accuracy(ctx, state)
+  ctx.progress.print(f"step {start} eval_accuracy {accuracy:.4g}")
   if start == 0:
     ctx.writer.write(0, dict(eval_accuracy=accuracy, **info))
   summary["start_eval_accuracy"] = accuracy
   loop = _grpo_loop if config.trainer == "grpo" else _distill_loop
   try:
+    if start < config.rl.steps:
+      ctx.progress.compiling(f"the rollouts and the {config.trainer} step")
     state, extra = loop(ctx, state, start)
   finally:
+    ctx.progress.close()
     ctx.checkpointer.close()
     ctx.writer.close()
   if start >= config.rl.steps:  # a rerun of a finished run: its last logged values, as the run reported them
@@ -85,6 +91,7 @@ def _train(config, workdir: str, stop: StopSignals, setup: RunSetup, state) -> d
     extra = {k: last_logged(workdir, k, through=start) if v is None else v for k, v in extra.items()}
   summary.update(extra, step=int(state.step))
   summary["eval_accuracy"] = _eval_accuracy(ctx, state)
+  summary.update(ctx.progress.summary())
   return summary
 
 
@@ -164,6 +171,8 @@ def _context(setup: RunSetup, start: int, stop: StopSignals) -> RunContext:
   # A fresh run (start 0) writes its step-0 row again, so it keeps none.
   writer = MetricsWriter(setup.workdir, tensorboard=rl.tensorboard, keep_through=start if start else -1)
   skips = ConsecutiveSkips(rl.max_consecutive_skips, "rl.max_consecutive_skips")
+  # MFU is left out: most of an RL step is sampling, whose useful FLOPs useful_flops does not count
+  progress = Progress(setup.config.get("name", setup.config.trainer), total=rl.steps, start=start)
   return RunContext.after_warm_start(
     setup,
     reward_fn=reward_fn,
@@ -171,6 +180,7 @@ def _context(setup: RunSetup, start: int, stop: StopSignals) -> RunContext:
     greedy=greedy,
     eval_problems=eval_problems,
     writer=writer,
+    progress=progress,
     skips=skips,
     stop=stop,
     rollout_fn=rollout_fn,
@@ -202,18 +212,24 @@ def _step_rollout(ctx: RunContext, params, rest, version: int, index: int, group
   )
 
 
-def _log_and_eval(ctx: RunContext, done: int, metrics: dict, state) -> dict:
-  """Adds eval_accuracy every rl.eval_every steps, writes the metrics every rl.log_every, and checkpoints."""
+def _log_and_eval(ctx: RunContext, done: int, metrics: dict, state, tokens: int) -> dict:
+  """After update `done` (whose rollout and batch had `tokens` tokens): adds eval_accuracy every rl.eval_every steps,
+  writes the metrics and a progress line every rl.log_every, and checkpoints."""
   rl = ctx.config.rl
+  ctx.progress.step_done(done, tokens=tokens)
   ctx.skips.count(done, metrics["skipped"])  # raises Diverged after too many skipped updates in a row
   if done % rl.eval_every == 0 or done == rl.steps:
-    metrics["eval_accuracy"] = _eval_accuracy(ctx, state)
+    with ctx.progress.aside():
+      metrics["eval_accuracy"] = _eval_accuracy(ctx, state)
   if done % rl.log_every == 0 or done == rl.steps or "eval_accuracy" in metrics:
-    row = ctx.writer.write(done, metrics)
-    logging.info("step %d: %s", done, {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()})
-  saved = ctx.checkpointer.save(
-    done, state, None, ctx.config.to_dict(), tokenizer=ctx.vocab.record(), force=done == rl.steps
-  )
+    rates = ctx.progress.rates()
+    row = ctx.writer.write(done, {**rates, **metrics})  # the loop's own step_s (this step's) over the window's
+    shown = _SHOWN[ctx.config.trainer] + ("eval_accuracy",)
+    ctx.progress.log(done, {k: row[k] for k in shown if k in row}, rates)
+  with ctx.progress.aside():
+    saved = ctx.checkpointer.save(
+      done, state, None, ctx.config.to_dict(), tokenizer=ctx.vocab.record(), force=done == rl.steps
+    )
   signum = ctx.stop.due(done)
   if signum is not None:
     if not saved:
@@ -221,6 +237,10 @@ def _log_and_eval(ctx: RunContext, done: int, metrics: dict, state) -> dict:
     ctx.checkpointer.wait()
     raise Stopped(signum, stopped_message(signum, done, ctx.checkpointer.directory))
   return metrics
+
+
+# The values of a trainer's progress line (eval_accuracy too, at the steps that evaluate).
+_SHOWN = {"grpo": ("reward_mean", "response_len_mean", "mismatch_kl"), "distill": ("teacher_kl", "reward_mean")}
 
 
 def _host_metrics(m) -> dict:
@@ -293,7 +313,7 @@ def _grpo_loop(ctx: RunContext, state, start: int):
       )
       if isinstance(worker, ProcessRolloutWorker):
         m["workers_replaced"] = worker.replaced
-      last = _log_and_eval(ctx, done, m, state)
+      last = _log_and_eval(ctx, done, m, state, int(np.sum(rollout.lengths)))
   finally:
     if worker is not None:
       worker.stop()
@@ -363,5 +383,5 @@ def _distill_steps(ctx: RunContext, state, start: int, worker, teachers, step_fn
       rows = mask & (which == k)[:, None]
       m[f"teacher_kl/{name}"] = float(np.sum((rollout.rollout_logp - teacher_logp)[rows]) / max(rows.sum(), 1))
     m.update(rollout.metrics(), train_s=time.perf_counter() - t1, step_s=time.perf_counter() - t0)
-    last = _log_and_eval(ctx, done + 1, m, state)
+    last = _log_and_eval(ctx, done + 1, m, state, int(np.sum(rollout.lengths)))
   return state, last

@@ -35,6 +35,7 @@ from glm_jax.rl.context import RunSetup
 from glm_jax.train import optimizers, step as train_step_lib
 from glm_jax.train.checkpoint import Checkpointer, describe_tokenizer
 from glm_jax.train.packed_checkpoint import is_packed, load_packed
+from glm_jax.train.progress import Progress
 
 
 def make_policy(model_cfg: ModelConfig, opt_cfg: ml_collections.ConfigDict, seed: int, freeze_indexer: bool):
@@ -77,19 +78,28 @@ def supervised_finetune(
   """sft.steps updates of the pretraining step on the tasks' demonstrations, or when `environments` are given
   ([(label, environment, weight)], an agentic run's) on their scripted conversations: returns (params, rest, the
   last step's loss)."""
+  compiled_before = len(setup.sft_steps)
   optimizer, step_fn = sft_step(setup.sft_steps, graphdef, model_cfg, params, sft)
   state = train_step_lib.new_train_state(params, rest, optimizer)
   rng = np.random.default_rng(seed)
   loss = float("nan")
-  for i in range(sft.steps):
-    if environments:  # agentic: the environments' scripted conversations, loss on the model's turns
-      batch = agentic.demonstration_batch(environments, setup.vocab, rng, sft.batch_size, sft.seq_len)
-    else:
-      batch = tasks_lib.sft_batch(tasks_and_weights, rng, sft.batch_size, sft.seq_len, setup.vocab)
-    state, m = step_fn(state, {k: jnp.asarray(v) for k, v in batch.items()})
-    if (i + 1) % max(sft.steps // 5, 1) == 0 or i + 1 == sft.steps:
-      loss = float(m["lm_loss"])
-      logging.info("%s step %d/%d: lm_loss %.4f", log_prefix, i + 1, sft.steps, loss)
+  name = f"{setup.config.get('name', setup.config.trainer)} {log_prefix}"
+  progress = Progress(name, total=sft.steps, start=0, tokens_per_step=sft.batch_size * sft.seq_len)
+  if len(setup.sft_steps) > compiled_before:  # a new step function: its first call compiles
+    progress.compiling("the fine-tuning step")
+  try:
+    for i in range(sft.steps):
+      if environments:  # agentic: the environments' scripted conversations, loss on the model's turns
+        batch = agentic.demonstration_batch(environments, setup.vocab, rng, sft.batch_size, sft.seq_len)
+      else:
+        batch = tasks_lib.sft_batch(tasks_and_weights, rng, sft.batch_size, sft.seq_len, setup.vocab)
+      state, m = step_fn(state, {k: jnp.asarray(v) for k, v in batch.items()})
+      progress.step_done(i + 1, m)
+      if (i + 1) % max(sft.steps // 5, 1) == 0 or i + 1 == sft.steps:
+        loss = float(m["lm_loss"])
+        progress.log(i + 1, {"lm_loss": loss}, progress.rates())
+  finally:
+    progress.close()
   return state.params, state.rest, loss
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging as pylogging
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -129,6 +130,23 @@ class CheckpointWriteError(OSError):
   """A checkpoint could not be written; the message names the step, the cause and the last good step."""
 
 
+class _ReadOnlyNotice(pylogging.Filter):
+  def filter(self, record: pylogging.LogRecord) -> bool:
+    return not str(record.msg).startswith("Given directory is read only")
+
+
+@contextlib.contextmanager
+def _without_read_only_warning():
+  """Orbax's "Given directory is read only" warning left out of absl's log while a read-only manager opens."""
+  notice = _ReadOnlyNotice()
+  logger = logging.get_absl_logger()
+  logger.addFilter(notice)
+  try:
+    yield
+  finally:
+    logger.removeFilter(notice)
+
+
 class Checkpointer:
   """Orbax's CheckpointManager over <workdir>/checkpoints.
 
@@ -159,7 +177,8 @@ class Checkpointer:
     self._manager = self._open() if os.path.isdir(self.directory) else None
 
   def _open(self) -> ocp.CheckpointManager:
-    manager = ocp.CheckpointManager(self.directory, options=self._options)
+    with _without_read_only_warning():  # Orbax warns that a read-only manager is read-only: asked for, not news
+      manager = ocp.CheckpointManager(self.directory, options=self._options)
     # Orbax's manager, on finishing an asynchronous save, asks its checkpointer for the save thread's error and only
     # logs it (leaving the step unfinalized); the error is kept here so that check_saves can stop the run.
     check = manager.check_for_errors
@@ -258,6 +277,10 @@ class Checkpointer:
       )
     return data
 
+  def due(self, step: int, *, force: bool = False) -> bool:
+    """Whether save(step, ..., force=force) writes a checkpoint."""
+    return force or self.manager.should_save(step)
+
   def save(
     self,
     step: int,
@@ -271,7 +294,7 @@ class Checkpointer:
     """Saves state, the config, the tokenizer record when given and, when given, the data iterator's position
     (a run whose data is a function of the step, such as the RL loops', has none). Refuses (Diverged, nothing
     written) a state whose parameters are not all finite."""
-    if not (force or self.manager.should_save(step)):
+    if not self.due(step, force=force):
       return False
     bad = first_nonfinite(state.params) if hasattr(state, "params") else None
     if bad is not None:

@@ -1,7 +1,10 @@
 """Metrics to <workdir>/metrics.jsonl (one JSON object a logged step) and to TensorBoard event files.
 
 Scalars are written as numbers; a per-layer vector (e.g. expert_load_entropy) as a list in the JSON line
-and as one TensorBoard scalar a layer ("expert_load_entropy/layer_3"). The lines are strict JSON
+and as one TensorBoard scalar a layer. TensorBoard's tags are grouped by `tensorboard_tag`: eval/ (the held-out
+metrics), moe/ (routing: balance loss, expert load, dropped tokens), dsa/ (the indexer), rl/ (rewards, the rollout
+policy's mismatch, IcePop, staleness), distill/ (the teachers' KL), speed/ (the rates and timings) and train/ (the
+rest: losses, gradient norm, learning rate), e.g. "moe/expert_load_entropy/layer_3". The lines are strict JSON
 (glm_jax/strict_json.py): a NaN or infinite value is written as null and the row's "nonfinite" list names it.
 
 A resumed run continues from its checkpoint's step, so the rows a killed run wrote after that checkpoint would
@@ -21,8 +24,44 @@ import numpy as np
 from absl import logging
 
 from glm_jax import strict_json
+from glm_jax.train.progress import TIMING_KEYS
 
 DROPPED_FILE = "metrics.dropped.jsonl"
+
+
+# A metric's TensorBoard group by its name's prefix (the first match wins); train/ for the rest.
+_GROUPS = (
+  ("eval_", "eval"),
+  ("expert_", "moe"),
+  ("balance_", "moe"),
+  ("moe_", "moe"),
+  ("indexer_", "dsa"),
+  ("teacher_kl", "distill"),
+  ("reward_", "rl"),
+  ("mismatch_", "rl"),
+  ("icepop_", "rl"),
+  ("is_weight", "rl"),
+  ("ratio_", "rl"),
+  ("clip_", "rl"),
+  ("staleness", "rl"),
+  ("dropped_stale", "rl"),
+  ("async_", "rl"),
+  ("response_", "rl"),
+  ("truncated_", "rl"),
+  ("rollout_", "rl"),
+  ("kl_ref", "rl"),
+)
+
+
+def tensorboard_tag(key: str) -> str:
+  """The TensorBoard tag of metric `key`: "eval_loss" -> "eval/loss", "indexer_kl" -> "dsa/indexer_kl",
+  "tokens_per_s" -> "speed/tokens_per_s", "lm_loss" -> "train/lm_loss" (see the module docstring)."""
+  if key in TIMING_KEYS or key.endswith("_s"):
+    return f"speed/{key}"
+  for prefix, group in _GROUPS:
+    if key.startswith(prefix):
+      return f"eval/{key[len(prefix) :]}" if group == "eval" else f"{group}/{key}"
+  return f"train/{key}"
 
 
 def to_python(value: Any) -> float | int | list:
@@ -119,11 +158,12 @@ class MetricsWriter:
       for key, value in row.items():
         if key == "step":
           continue
+        tag = tensorboard_tag(key)
         if isinstance(value, list):
           for i, v in enumerate(value):
-            self.tb.add_scalar(f"{key}/layer_{i}", v, step)
+            self.tb.add_scalar(f"{tag}/layer_{i}", v, step)
         else:
-          self.tb.add_scalar(key, value, step)
+          self.tb.add_scalar(tag, value, step)
       self.tb.flush()
     return row
 

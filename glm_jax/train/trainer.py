@@ -11,7 +11,6 @@ import contextlib
 import dataclasses
 import math
 import os
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -31,10 +30,12 @@ from glm_jax.sharding.state import abstract_sharded, with_shardings
 from glm_jax.train import optimizers, step as step_lib
 from glm_jax.train.checkpoint import INIT_FROM_FREE_FIELDS, RESUME_SECTIONS, Checkpointer, check_writable
 from glm_jax.train.config import invalid, model_config_for_stage, require_sections, validate_train_config
+from glm_jax.train.flops import useful_flops
 from glm_jax.train.guards import ConsecutiveSkips
 from glm_jax.train.optimizer_config import checked_optimizer_config
 from glm_jax.train.lifecycle import StopSignals, Stopped, stopped_message, workdir_lock
 from glm_jax.train.metrics import MetricsWriter, last_logged
+from glm_jax.train.progress import Progress
 
 
 def create_train_state(config: ml_collections.ConfigDict, model_cfg: ModelConfig):
@@ -348,47 +349,47 @@ def _train(config, workdir, model_cfg, mesh, hooks, stop) -> dict[str, Any]:
 
   writer = MetricsWriter(workdir, tensorboard=train.tensorboard, enabled=jax.process_index() == 0, keep_through=start)
   skips = ConsecutiveSkips(train.max_consecutive_skips, "train.max_consecutive_skips")
-  tokens_per_step = config.data.batch_size * config.data.seq_len
-  last_loss = math.nan
+  progress = Progress(
+    config.get("name", "train"),
+    total=train.steps,
+    start=start,
+    tokens_per_step=config.data.batch_size * config.data.seq_len,
+    flops_per_step=useful_flops(model_cfg, config.data.batch_size, config.data.seq_len, train.dsa_stage)["total"],
+    enabled=jax.process_index() == 0,
+    devices=1 if mesh is None else mesh.size,
+  )
+  shown = ("loss", "lm_loss") + (("indexer_kl",) if train.dsa_stage != "dense" else ())
+  last_loss = last_lm_loss = math.nan
   eval_loss, evals = None, {}
   try:
-    from tqdm import tqdm
-
-    bar = tqdm(
-      total=train.steps,
-      initial=start,
-      disable=None if jax.process_index() == 0 else True,
-      dynamic_ncols=True,
-      desc="train",
-    )
-    t_log, steps_since_log = time.perf_counter(), 0
+    if start < train.steps:
+      progress.compiling("the train step")
     for step in range(start, train.steps):
       with mesh_context():
         state, metrics = train_step(state, _global_batch(next(data_iter), data_sharding))
-      steps_since_log += 1
       done = step + 1
+      progress.step_done(done, metrics)
       skips.update(done, metrics["skipped"])  # raises Diverged after too many skipped steps in a row
       if done % train.log_every == 0 or done == train.steps:
         metrics = jax.device_get(metrics)
-        elapsed = time.perf_counter() - t_log
-        metrics["tokens_per_s"] = steps_since_log * tokens_per_step / max(elapsed, 1e-9)
-        row = writer.write(done, metrics)
-        last_loss = row["loss"]
+        rates = progress.rates()
+        row = writer.write(done, {**metrics, **rates})
+        last_loss, last_lm_loss = row["loss"], row["lm_loss"]
         if row["skipped"]:
           logging.warning("step %d skipped: loss %.4g, grad norm %.4g", done, row["loss"], row["grad_norm"])
-        bar.set_postfix(loss=f"{row['loss']:.3f}", refresh=False)
-        t_log, steps_since_log = time.perf_counter(), 0
+        progress.log(done, {k: row[k] for k in shown if k in row}, rates)
       if (done % train.eval_every == 0 or done == train.steps) and eval_batches:
-        with mesh_context():
+        with progress.aside(state), mesh_context():
           evals = eval_metrics(eval_step, state, eval_batches, data_sharding)
         eval_loss = evals["eval_loss"]
         writer.write(done, evals)
-      saved = checkpointer.save(
-        done, state, data_iter, config_dict, tokenizer=tokenizer_record, force=done == train.steps
-      )
-      for hook in hooks:
-        hook(done, state, metrics)
-      bar.update(1)
+        progress.print(f"step {done} " + "  ".join(f"{k} {v:.4g}" for k, v in evals.items() if v is not None))
+      with progress.aside(state if checkpointer.due(done, force=done == train.steps) else None):
+        saved = checkpointer.save(
+          done, state, data_iter, config_dict, tokenizer=tokenizer_record, force=done == train.steps
+        )
+        for hook in hooks:
+          hook(done, state, metrics)
       checkpointer.check_saves()  # a failed save stops the run here, not at the next one
       signum = stop.due(done)
       if signum is not None:
@@ -398,14 +399,16 @@ def _train(config, workdir, model_cfg, mesh, hooks, stop) -> dict[str, Any]:
         checkpointer.wait()
         raise Stopped(signum, stopped_message(signum, done, checkpointer.directory))
     skips.finish()
-    bar.close()
-    checkpointer.wait()
+    with progress.aside():
+      checkpointer.wait()
   finally:
+    progress.close()
     checkpointer.close()
     writer.close()
 
   if start >= train.steps:  # a rerun of a finished run: its last logged loss, as the run reported it
     last_loss = last_logged(workdir, "loss", through=start)
+    last_lm_loss = last_logged(workdir, "lm_loss", through=start)
     logging.warning(
       "%s is complete at step %d (train.steps=%d): nothing to train; raise train.steps to go on",
       workdir,
@@ -421,9 +424,11 @@ def _train(config, workdir, model_cfg, mesh, hooks, stop) -> dict[str, Any]:
     **evals,
     "eval_loss": eval_loss,
     "unigram_entropy": data_lib.unigram_entropy(config.data, tokenizer),
-    "train_loss": last_loss,
+    "train_loss": last_loss,  # the step's whole objective (MTP, balance, indexer terms included)
+    "train_lm_loss": last_lm_loss,  # its next-token loss alone, comparable with eval_loss
     "skipped_steps": int(state.skipped),
     "params": counts["total"],
     "active_params": counts["active"],
+    **progress.summary(),
     "workdir": os.path.abspath(workdir),
   }

@@ -20,6 +20,7 @@ from glm_jax import data as data_lib
 from glm_jax.train.checkpoint import Checkpointer
 from glm_jax.train.config import model_config_for_stage
 from glm_jax.train.guards import Diverged, first_nonfinite
+from glm_jax.train.progress import TIMING_KEYS
 from glm_jax.train.trainer import BATCH_KEYS, create_train_state, train_and_evaluate
 from tests.train.runs import make_config, metric_rows, run_script, run_train, snapshot, strict_loads, train_rows
 
@@ -52,7 +53,7 @@ def copy_of(workdir, tmp_path):
 
 
 def without_speed(rows):
-  return [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in rows]
+  return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in rows]
 
 
 def largest_array_file(step_dir):

@@ -24,6 +24,7 @@ from configs import sft_tiny
 from glm_jax import data as data_lib, paths
 from glm_jax.train import lifecycle
 from glm_jax.train.checkpoint import Checkpointer, CheckpointWriteError
+from glm_jax.train.progress import TIMING_KEYS
 from glm_jax.train.trainer import train_and_evaluate
 from tests.helpers import ROOT
 from tests.train.runs import flag_args, make_config, run_script, run_train, snapshot, strict_loads, train_rows
@@ -40,7 +41,7 @@ def straight(tmp_path_factory, data_cache_dir):
 
 
 def without_speed(rows):
-  return [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in rows]
+  return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in rows]
 
 
 def last_line(proc):

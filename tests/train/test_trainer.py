@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from configs import common
 from glm_jax import data as data_lib
 from glm_jax.train.checkpoint import Checkpointer
 from glm_jax.train.config import model_config_for_stage
+from glm_jax.train.progress import TIMING_KEYS
 from glm_jax.train import trainer as trainer_lib
 from glm_jax.train.trainer import create_train_state, train_and_evaluate
 from tests.helpers import ROOT
@@ -29,6 +31,8 @@ def straight_run(tmp_path_factory, data_cache_dir):
   workdir = str(tmp_path_factory.mktemp("straight"))
   proc = run_train(workdir, data_cache_dir)
   assert proc.returncode == 0, proc.stderr[-3000:]
+  with open(os.path.join(workdir, "stdout.txt"), "w") as f:
+    f.write(proc.stdout)
   return workdir, json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -77,6 +81,32 @@ def test_train_py_end_to_end(straight_run, data_cache_dir):
           count += 1
   assert summary["eval_loss"] == pytest.approx(total / count, rel=1e-5)
   assert summary["unigram_entropy"] == pytest.approx(data_lib.unigram_entropy(config.data, tok))
+
+
+@pytest.mark.slow
+def test_a_run_outside_a_terminal_prints_a_progress_line_a_logged_step(straight_run):
+  """stdout is a pipe here: a line each log_every (1) steps with the step's losses as logged, tokens/s of the steps
+  alone and an ETA, the compilation announced, the JSON line last; the summary's rates from the logged ones."""
+  workdir, summary = straight_run
+  proc_lines = open(os.path.join(workdir, "stdout.txt")).read().splitlines()
+  rows = train_rows(workdir)
+  assert proc_lines[0] == "[glm5_tiny] compiling the train step (the first step waits for it)"
+  assert re.fullmatch(r"\[glm5_tiny\] step 1 took [\d.]+ s \(compilation included\)", proc_lines[1])
+  lines = [line for line in proc_lines if re.match(r"\[glm5_tiny\] step \d+/9 ", line)]
+  assert len(lines) == 9 and json.loads(proc_lines[-1]) == summary
+  for row, line in zip(rows, lines):
+    head = f"[glm5_tiny] step {row['step']}/9  |  loss {row['loss']:.4g}  lm_loss {row['lm_loss']:.4g}"
+    assert line.startswith(head), (line, head)
+    if row["step"] > 1:  # the first step (compilation) has no rate; every later one was logged alone
+      shown = re.search(r"\|  ([\d.]+)(k?) tok/s", line)
+      assert float(shown.group(1)) * (1e3 if shown.group(2) else 1) == pytest.approx(row["tokens_per_s"], rel=5e-3)
+      assert row["tokens_per_s"] == pytest.approx(4 * 64 / row["step_s"], rel=1e-9)
+    assert ("ETA" in line) == (1 < row["step"] < 9)
+  assert summary["train_lm_loss"] == rows[-1]["lm_loss"] and summary["train_loss"] == rows[-1]["loss"]
+  # 8 steps after the first, 4 x 64 tokens each, in the steps' own time (the sum of the logged windows)
+  assert summary["steps_s"] == pytest.approx(sum(r["step_s"] for r in rows[1:]), rel=1e-6)
+  assert summary["tokens_per_s"] == pytest.approx(8 * 4 * 64 / summary["steps_s"], rel=1e-9)
+  assert summary["wall_s"] > summary["first_step_s"] + summary["steps_s"] and summary["mfu"] is None
 
 
 @pytest.mark.slow
@@ -163,7 +193,7 @@ def test_kill_during_async_save_resumes_from_last_complete_checkpoint(straight_r
   # as the uninterrupted run wrote it (but its speed); the first run's rows of steps 4-6 were moved aside, and
   # they too equal the uninterrupted run's.
   def same(rows):
-    return [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in rows]
+    return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in rows]
 
   straight = train_rows(straight_run[0])
   assert same(train_rows(workdir)) == same(straight)
