@@ -23,7 +23,7 @@ import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from configs import agent_tiny  # noqa: E402
+from glm_jax.configs import agent_tiny  # noqa: E402
 from glm_jax import cli, plots  # noqa: E402
 from glm_jax.model import GlmMoeDsa, ModelConfig  # noqa: E402
 from glm_jax.rl import agentic, environment, trainer  # noqa: E402

@@ -23,7 +23,7 @@ import time
 
 from absl import app, flags
 
-from configs import glm5_744b
+from glm_jax.configs import glm5_744b
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

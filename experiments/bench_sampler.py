@@ -18,7 +18,7 @@ import numpy as np
 from absl import app, flags
 from flax import nnx
 
-from configs import glm5_tiny
+from glm_jax.configs import glm5_tiny
 from glm_jax.inference import Sampler, SamplingParams
 from glm_jax.model import GlmMoeDsa, ModelConfig
 from glm_jax.model.kv_cache import cache_bytes_per_token

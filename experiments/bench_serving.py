@@ -47,10 +47,10 @@ _SYSTEMS = flags.DEFINE_list("systems", ["engine", "alone", "static"], "What to 
 def model():
   from flax import nnx
 
-  import configs.glm5_tiny
+  import glm_jax.configs.glm5_tiny
   from glm_jax.model import GlmMoeDsa, ModelConfig
 
-  cfg = ModelConfig.from_dict(configs.glm5_tiny.get_config().model.to_dict())
+  cfg = ModelConfig.from_dict(glm_jax.configs.glm5_tiny.get_config().model.to_dict())
   return cfg, *nnx.split(GlmMoeDsa(cfg, nnx.Rngs(0)), nnx.Param, ...)
 
 

@@ -36,7 +36,7 @@ import torch
 from absl import app, flags
 from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
 
-from configs import common
+from glm_jax.configs import common
 from glm_jax import strict_json
 from glm_jax.model import ModelConfig
 from glm_jax.train import step as step_lib

@@ -21,7 +21,7 @@ import time
 
 from absl import app, flags
 
-from configs import glm5_tiny
+from glm_jax.configs import glm5_tiny
 from glm_jax import cli, plots
 from glm_jax.train.trainer import train_and_evaluate
 

@@ -839,13 +839,13 @@ from multiprocessing.connection import Client
 
 from flax import nnx
 
-import configs.grpo_tiny
+import glm_jax.configs.grpo_tiny
 from glm_jax.model import GlmMoeDsa, ModelConfig
 from glm_jax.rl import rollout_engine
 from glm_jax.train.step import split_model
 
 intruder, workdir = sys.argv[1], sys.argv[2]
-config = configs.grpo_tiny.get_config()
+config = glm_jax.configs.grpo_tiny.get_config()
 config.sft.steps = 0
 rl = dict(tensorboard=False, async_rollouts=True, rollout_process=True, prompts_per_step=8, group_size=4,
           eval_prompts=8, eval_every=1000, checkpoint_every=1000, max_worker_restarts=0, worker_start_timeout=240.0)

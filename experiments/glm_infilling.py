@@ -23,7 +23,7 @@ import numpy as np
 from absl import app, flags
 from flax import nnx
 
-from configs import glm130b_tiny
+from glm_jax.configs import glm130b_tiny
 from glm_jax import cli
 from glm_jax import data as data_lib
 from glm_jax.train import step as step_lib

@@ -16,7 +16,7 @@ import os
 import numpy as np
 from absl import app, flags
 
-from configs import glm130b_tiny
+from glm_jax.configs import glm130b_tiny
 from glm_jax import cli, plots
 from glm_jax.train.trainer import train_and_evaluate
 

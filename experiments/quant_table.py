@@ -20,7 +20,7 @@ import types
 import jax
 from absl import app, flags
 
-from configs import glm5_tiny, sft_tiny
+from glm_jax.configs import glm5_tiny, sft_tiny
 from glm_jax import cli
 from glm_jax import data as data_lib
 from glm_jax.model.quantization import pack_params, quant_plan, weight_bytes

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from configs import common
+from glm_jax.configs import common
 from glm_jax import sweep
 from glm_jax.model.config import ModelConfig
 from glm_jax.rl.config import default_rl_config

@@ -8,7 +8,7 @@ import pytest
 
 from tests.helpers import ROOT
 
-SCANNED = ("pallas_kernels", "glm_jax", "configs", "launch", "experiments")
+SCANNED = ("pallas_kernels", "glm_jax", "launch", "experiments")  # configs/ is glm_jax/configs
 
 # Group (the longest matching module prefix) -> rank. An import must stay inside its group or go to a lower rank.
 RANKS = {
@@ -35,8 +35,8 @@ RANKS = {
   "experiments": 7,
 }
 EXACT = {"glm_jax"}  # groups of one module: a new glm_jax subpackage or leaf module must be ranked here
-CONFIGS = "configs"  # experiment files: only entry points import them, and they import each other and these:
-# the library's default sections (configs/common.py)
+CONFIGS = "glm_jax.configs"  # experiment files: only entry points import them, and they import each other and these:
+# the library's default sections (glm_jax/configs/common.py)
 CONFIG_IMPORTS = {
   "glm_jax.data.config",
   "glm_jax.sharding.mesh",
@@ -167,13 +167,13 @@ def test_the_checker_finds_cycles_upward_and_sideways_edges(tmp_path):
     "glm_jax/data/__init__.py": "from glm_jax.model import a\n",  # sideways
     "glm_jax/train/__init__.py": "from glm_jax import tree_paths\nfrom glm_jax.rl import loop\n",  # upward
     "glm_jax/rl/__init__.py": "",
-    "glm_jax/rl/loop.py": "from glm_jax.train import x\nimport configs.c\n",  # configs from a library module
-    "configs/__init__.py": "",
-    "configs/c.py": "from configs import d\nfrom glm_jax.train.config import default_train_config\n",
-    "configs/d.py": "from glm_jax.model import a\n",  # a config reaching into the model
+    "glm_jax/rl/loop.py": "from glm_jax.train import x\nimport glm_jax.configs.c\n",  # configs from a library module
+    "glm_jax/configs/__init__.py": "",
+    "glm_jax/configs/c.py": "from glm_jax.configs import d\nfrom glm_jax.train.config import default_train_config\n",
+    "glm_jax/configs/d.py": "from glm_jax.model import a\n",  # a config reaching into the model
     "glm_jax/train/config.py": "",
     "launch/__init__.py": "",
-    "launch/run.py": "from configs import c\nfrom glm_jax.rl import loop\n",
+    "launch/run.py": "from glm_jax.configs import c\nfrom glm_jax.rl import loop\n",
   }
   for rel, text in sources.items():
     path = tmp_path / rel
@@ -182,10 +182,10 @@ def test_the_checker_finds_cycles_upward_and_sideways_edges(tmp_path):
   edges, files = import_graph(str(tmp_path))
   assert edges["glm_jax.model.b"] == {"glm_jax.model.a"} and edges["glm_jax.tree_paths"] == {"pallas_kernels.k"}
   assert layering_violations(edges, files) == [
-    "configs/d.py imports glm_jax/model/a.py: configs import only configs and the library's default sections",
+    "glm_jax/configs/d.py imports glm_jax/model/a.py: configs import only configs and the library's default sections",
     "glm_jax/data/__init__.py imports glm_jax/model/a.py: sideways: glm_jax.data (rank 2) may not import "
     "glm_jax.model (rank 2)",
-    "glm_jax/rl/loop.py imports configs/c.py: only entry points (launch, experiments) import configs",
+    "glm_jax/rl/loop.py imports glm_jax/configs/c.py: only entry points (launch, experiments) import configs",
     "glm_jax/train/__init__.py imports glm_jax/rl/loop.py: upward: glm_jax.train (rank 3) may not import "
     "glm_jax.rl (rank 5)",
   ]

@@ -8,10 +8,14 @@ import ast
 import json
 import os
 import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import venv
 
 import nbformat
 import pytest
-from nbclient import NotebookClient
 
 from tests.helpers import ROOT
 
@@ -41,19 +45,90 @@ def test_every_notebook_has_shrunk_parameters_and_no_outputs():
     assert all(not c.outputs and c.execution_count is None for c in code), f"{name} carries outputs; clear them"
 
 
-def execute(name, workdir, data_cache_dir):
+def test_the_repository_url_is_given_once():
+  """setup.cfg's url is the notebooks' REPO_URL, and each notebook's Open-in-Colab link (its own and the README's)."""
+  import configparser
+
+  cfg = configparser.ConfigParser()
+  cfg.read(os.path.join(ROOT, "setup.cfg"))
+  url = cfg["metadata"]["url"]
+  github = url.removeprefix("https://github.com/")
+  readme = open(os.path.join(ROOT, "README.md")).read()
+  for name in NAMES:
+    nb = nbformat.read(os.path.join(NOTEBOOKS, name), as_version=4)
+    colab = f"https://colab.research.google.com/github/{github}/blob/main/notebooks/{name}"
+    assert re.findall(r'REPO_URL = "([^"]+)"', "".join(c.source for c in nb.cells)) == [url], name
+    assert colab in nb.cells[0].source and colab in readme, name
+  assert sorted(set(re.findall(r"colab\.research\.google\.com/github/[^)]+/notebooks/([\w.]+)", readme))) == NAMES
+
+
+@pytest.fixture(scope="module")
+def installed_python(tmp_path_factory):
+  """A fresh venv's python with glm-jax pip-installed (not editable) from a clean copy of the repository: its tracked
+  and untracked-but-not-ignored files, as a clone has them. The venv reuses this environment's dependencies through a
+  .pth line naming its site-packages (a path line: the .pth files there, such as the checkout's editable install, are
+  not run), so the source tree is not on its sys.path."""
+  root = tmp_path_factory.mktemp("pip_install")
+  listed = subprocess.run(
+    ["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, capture_output=True, text=True, check=True
+  ).stdout.split("\0")
+  copy = root / "glm-jax"
+  for rel in filter(None, listed):
+    src, dst = os.path.join(ROOT, rel), copy / rel
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    if os.path.islink(src):
+      os.symlink(os.readlink(src), dst)
+    elif os.path.isfile(src):
+      shutil.copy2(src, dst)
+  venv.create(root / "venv", with_pip=False)
+  python = str(root / "venv" / "bin" / "python")
+  site = subprocess.run(
+    [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], capture_output=True, text=True
+  ).stdout.strip()
+  with open(os.path.join(site, "ci_dependencies.pth"), "w") as f:
+    f.write(sysconfig.get_paths()["purelib"] + "\n")
+  subprocess.run(
+    [sys.executable, "-m", "pip", "--python", python, "install", "-q", "--no-deps", "--no-build-isolation", str(copy)],
+    check=True,
+    capture_output=True,
+    env=_clean_env(),
+  )
+  return python
+
+
+def _clean_env():
+  """This environment without PYTHONPATH (the checkout on it would shadow the installed package)."""
+  return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+
+def execute(name, workdir, data_cache_dir, python):
+  """Runs notebook `name` in a kernel of `python` (the pip-installed venv's), in a directory outside the checkout."""
   nb = nbformat.read(os.path.join(NOTEBOOKS, name), as_version=4)
   at = next(i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", []))
   values = {**SHRINK[name]}
   for key, value in (("WORKDIR", str(workdir)), ("DATA_CACHE_DIR", data_cache_dir)):
     if f"\n{key} = " in "\n" + nb.cells[at].source:
       values[key] = value
-  injected = nbformat.v4.new_code_cell("\n".join(f"{k} = {v!r}" for k, v in values.items()))
+  injected = nbformat.v4.new_code_cell(
+    "\n".join(f"{k} = {v!r}" for k, v in values.items()) + "\nimport glm_jax\nprint('glm_jax from', glm_jax.__file__)"
+  )
   injected.metadata["tags"] = ["injected-parameters"]
   nb.cells.insert(at + 1, injected)
-  # The kernel runs in the repository root (as in a checkout) with this environment (JAX_PLATFORMS=cpu, the venv).
-  NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": ROOT}}).execute()
-  return nb
+  run_dir = os.path.dirname(str(workdir))
+  path = os.path.join(run_dir, "notebook.ipynb")
+  nbformat.write(nb, path)
+  # The kernel is the venv's python (jupyter_client runs a "python3" kernel with the launching interpreter).
+  code = (
+    "import sys, nbformat\nfrom nbclient import NotebookClient\n"
+    "nb = nbformat.read(sys.argv[1], as_version=4)\n"
+    "NotebookClient(nb, timeout=600, kernel_name='python3', resources={'metadata': {'path': sys.argv[2]}}).execute()\n"
+    "nbformat.write(nb, sys.argv[1])\n"
+  )
+  proc = subprocess.run(
+    [python, "-c", code, path, run_dir], cwd=run_dir, capture_output=True, text=True, env=_clean_env()
+  )
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  return nbformat.read(path, as_version=4)
 
 
 def outputs(nb, kind):
@@ -62,9 +137,14 @@ def outputs(nb, kind):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
-def test_a_notebook_runs_top_to_bottom(name, tmp_path, data_cache_dir):
-  nb = execute(name, tmp_path / "work", data_cache_dir)
+def test_a_notebook_runs_top_to_bottom(name, tmp_path, data_cache_dir, installed_python):
+  nb = execute(name, tmp_path / "work", data_cache_dir, installed_python)
   assert not outputs(nb, "error")
+  (where,) = re.findall(r"glm_jax from (\S+)", stdout(nb))
+  assert os.path.dirname(installed_python) not in where and where.startswith(
+    os.path.dirname(os.path.dirname(installed_python))
+  )
+  assert not where.startswith(ROOT)
   images = [o for kind in ("display_data", "execute_result") for o in outputs(nb, kind) if "image/png" in o["data"]]
   assert images, f"{name} showed no figure"
   if name != "dsa_kernels.ipynb":
@@ -74,6 +154,8 @@ def test_a_notebook_runs_top_to_bottom(name, tmp_path, data_cache_dir):
     assert "100.00% of the indices equal the reference's" in text
   else:
     CHECK_PRINTED[name](stdout(nb), tmp_path / "work", SHRINK[name])
+    # the runs' progress lines (glm_jax/train/progress.py) reach the notebook's output
+    assert re.search(r"^\[[\w ]+\] step \d+/\d+  \|", stdout(nb), re.M), "no progress line in the notebook's output"
 
 
 def stdout(nb) -> str:

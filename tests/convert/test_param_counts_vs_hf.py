@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
 
-from configs import glm5_744b
+from glm_jax.configs import glm5_744b
 from glm_jax.model import ModelConfig, param_counts
 
 

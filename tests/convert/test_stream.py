@@ -28,7 +28,7 @@ import torch
 from flax import nnx
 from transformers import GlmMoeDsaForCausalLM
 
-from configs import glm5_tiny
+from glm_jax.configs import glm5_tiny
 from glm_jax.convert import fp8, hf, safetensors_io, stream
 from glm_jax.model import GlmMoeDsa
 from glm_jax.sharding import checkpoint_arrays

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from configs import glm5_tiny
+from glm_jax.configs import glm5_tiny
 from glm_jax.model import ModelConfig, param_counts
 from tests.helpers import ROOT
 from tests.helpers import TPU_COMPILE

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import configs.glm5_tiny
+import glm_jax.configs.glm5_tiny
 from glm_jax.inference import Sampler, SamplingParams
 from glm_jax.inference.sampling import sample_rows, sample_token, tempered_log_softmax
 from glm_jax.model import GlmMoeDsa, ModelConfig
@@ -17,7 +17,7 @@ PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [3, 4, 5, 6, 7, 8, 9, 10]]  # ragged: 5, 2
 
 def tiny(**changes) -> ModelConfig:
   # A larger init than the default makes the logits far from uniform, so greedy argmaxes are not near-ties.
-  cfg = ModelConfig.from_dict(configs.glm5_tiny.get_config().model.to_dict())
+  cfg = ModelConfig.from_dict(glm_jax.configs.glm5_tiny.get_config().model.to_dict())
   return cfg.replace(initializer_range=0.2, **changes)
 
 

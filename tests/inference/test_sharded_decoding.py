@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 from jax.sharding import AbstractMesh
 
-import configs.glm5_tiny
+import glm_jax.configs.glm5_tiny
 from glm_jax.inference import Sampler, SamplingParams
 from glm_jax.mesh_axes import MESH_AXES
 from glm_jax.model import GlmMoeDsa, ModelConfig
@@ -26,7 +26,7 @@ GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0)
 
 
 def tiny(**changes) -> ModelConfig:
-  cfg = ModelConfig.from_dict(configs.glm5_tiny.get_config().model.to_dict())
+  cfg = ModelConfig.from_dict(glm_jax.configs.glm5_tiny.get_config().model.to_dict())
   return cfg.replace(initializer_range=0.2, index_topk=6, **changes)  # far from uniform logits: no argmax near-ties
 
 

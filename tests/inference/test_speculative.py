@@ -21,7 +21,7 @@ import optax
 import pytest
 from flax import nnx
 
-import configs.glm5_tiny
+import glm_jax.configs.glm5_tiny
 from glm_jax.inference import Sampler, SamplingParams, acceptance_length
 from glm_jax.inference.speculative import accept, accept_rows, residual
 from glm_jax.model import GlmMoeDsa, ModelConfig
@@ -30,7 +30,7 @@ PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [3, 4, 5, 6, 7, 8, 9, 10]]  # ragged: 5, 2
 
 
 def tiny(**changes) -> ModelConfig:
-  cfg = ModelConfig.from_dict(configs.glm5_tiny.get_config().model.to_dict())
+  cfg = ModelConfig.from_dict(glm_jax.configs.glm5_tiny.get_config().model.to_dict())
   return cfg.replace(index_topk=6, **changes)  # DSA selects past 6 keys
 
 

@@ -3,7 +3,7 @@ in docs/glm5_facts.md (section 1) for the tiny config."""
 
 import pytest
 
-from configs import glm5_744b, glm5_tiny
+from glm_jax.configs import glm5_744b, glm5_tiny
 from glm_jax.model.config import ModelConfig
 from glm_jax.model.params import param_counts
 

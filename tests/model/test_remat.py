@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from configs import glm5_tiny
+from glm_jax.configs import glm5_tiny
 from glm_jax.model import ModelConfig
 from glm_jax.model.transformer import GlmMoeDsa
 from glm_jax.sharding.topology import tpu_topology_devices

@@ -104,7 +104,7 @@ def test_mla_dense_stage_with_pallas_equals_reference():
 def test_dense_stage_compiles_splash_kernels_for_tpu():
   """The dense-stage train step with attention_impl="pallas", compiled for v5p: splash's kernels (forward and the
   fused backward) run the attention, and no [B, H, T, S] fp32 scores are left."""
-  from configs import glm5_tiny
+  from glm_jax.configs import glm5_tiny
   from glm_jax.sharding.topology import tpu_topology_devices
   from glm_jax.train import aot
 

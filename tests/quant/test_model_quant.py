@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import configs.glm5_tiny
+import glm_jax.configs.glm5_tiny
 from glm_jax.inference import Sampler, SamplingParams
 from glm_jax.model import GlmMoeDsa, ModelConfig
 from glm_jax.model import quantization as Q
@@ -30,7 +30,7 @@ ROUTED = [
 
 
 def tiny_cfg(**changes) -> ModelConfig:
-  cfg = ModelConfig.from_dict(configs.glm5_tiny.get_config().model.to_dict())
+  cfg = ModelConfig.from_dict(glm_jax.configs.glm5_tiny.get_config().model.to_dict())
   return cfg.replace(initializer_range=0.2, **changes)
 
 
@@ -129,7 +129,7 @@ def test_qat_steps_then_packed_model_is_bitwise_the_qat_model():
   """After INT4 QAT steps (groups of 32 on the routed experts and the attention), each fake-quantized weight equals
   its packed form dequantized bit for bit, and the sampler's greedy tokens and logits from the packed model equal
   those from the QAT model (the fake-quantized weights) bit for bit."""
-  from configs import sft_tiny
+  from glm_jax.configs import sft_tiny
   from glm_jax.train import step as step_lib
   from glm_jax.train.trainer import abstract_train_state, training_quant_plan
 
@@ -193,7 +193,7 @@ def test_packed_checkpoint_round_trip_and_refusals(tiny_model, tmp_path):
   from glm_jax.train.packed_checkpoint import load_packed, save_packed
 
   cfg, graphdef, params, rest = tiny_model
-  config = configs.glm5_tiny.get_config()
+  config = glm_jax.configs.glm5_tiny.get_config()
   config.model.initializer_range = 0.2
   out = str(tmp_path / "w4a8")
   meta = save_packed(
@@ -245,7 +245,7 @@ def test_packed_744b_decode_step_compiles_to_integer_dots_for_tpu():
   takes int8 operands (their int4 codes widened: XLA:TPU's ragged dot has no 4-bit operands)."""
   import re
 
-  from configs import glm5_744b
+  from glm_jax.configs import glm5_744b
   from glm_jax.model.platform import target_platform
   from glm_jax.sharding.topology import tpu_topology_devices
 
@@ -287,7 +287,7 @@ def test_a_packed_model_serves_as_a_distillation_teacher(tmp_path):
   tokenizer is refused by name."""
   import types
 
-  from configs import distill_tiny
+  from glm_jax.configs import distill_tiny
   from glm_jax.rl import step as rl_step, tasks as tasks_lib
   from glm_jax.rl.warm_start import load_teacher
   from glm_jax.train.packed_checkpoint import save_packed

@@ -166,7 +166,7 @@ def test_quantize_leaves_a_foreign_partial_alone(tmp_path, kind):
 def test_quantize_replaces_its_own_stale_partial(tmp_path):
   """A `.partial` launch/quantize.py left behind (it carries the marker) is removed; the packed model is written
   through a new one, renamed to --out complete, and nothing else is left."""
-  from configs import glm5_tiny
+  from glm_jax.configs import glm5_tiny
   from glm_jax.convert import stream
   from glm_jax.model import ModelConfig
   from tests.convert.test_untrusted import make_stale_partial, write_hf

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import configs.glm5_tiny
+import glm_jax.configs.glm5_tiny
 from glm_jax.data import default_data_config, load_tokenizer
 from glm_jax.model import GlmMoeDsa, ModelConfig
 from glm_jax.rl.agent_loop import AgentLoop, AgentParams, describe
@@ -61,7 +61,7 @@ def setup(tmp_path_factory):
   cfg = default_data_config()
   cfg.cache_dir = str(tmp_path_factory.mktemp("cache"))
   tok = load_tokenizer(cfg)
-  model_cfg = ModelConfig.from_dict(configs.glm5_tiny.get_config().model.to_dict())
+  model_cfg = ModelConfig.from_dict(glm_jax.configs.glm5_tiny.get_config().model.to_dict())
   model_cfg = model_cfg.replace(index_topk=8, initializer_range=0.2)  # DSA selects past 8 tokens
   model = GlmMoeDsa(model_cfg, nnx.Rngs(0))
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)

@@ -133,7 +133,7 @@ def plugin(tmp_path, monkeypatch):
 
 
 def plugin_config(cache_dir):
-  from configs import agent_tiny
+  from glm_jax.configs import agent_tiny
 
   config = agent_tiny.get_config("smoke")
   config.data.cache_dir = cache_dir
@@ -194,7 +194,7 @@ def test_distillation_on_environments_scores_each_episode_by_its_teacher(plugin,
   import jax
   from flax import nnx
 
-  from configs import distill_tiny
+  from glm_jax.configs import distill_tiny
   from glm_jax.model import GlmMoeDsa, ModelConfig
   from glm_jax.rl import trainer
 

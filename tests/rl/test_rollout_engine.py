@@ -22,7 +22,7 @@ import ml_collections
 import pytest
 from flax import nnx
 
-import configs.grpo_tiny
+import glm_jax.configs.grpo_tiny
 from glm_jax.model import GlmMoeDsa, ModelConfig
 from glm_jax.rl import config as rl_config
 from glm_jax.rl import rollout_engine
@@ -37,7 +37,7 @@ from tests.helpers import init_module
 
 
 def process_config(**rl) -> ml_collections.ConfigDict:
-  config = configs.grpo_tiny.get_config()
+  config = glm_jax.configs.grpo_tiny.get_config()
   config.sft.steps = 0
   config.rl.update(
     dict(

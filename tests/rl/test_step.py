@@ -12,7 +12,7 @@ import optax
 import pytest
 from flax import nnx
 
-import configs.grpo_tiny
+import glm_jax.configs.grpo_tiny
 from glm_jax.model import GlmMoeDsa, ModelConfig
 from glm_jax.rl import step as rl_step
 from glm_jax.rl import config as rl_config, warm_start
@@ -25,13 +25,13 @@ N, S = 4, 8
 
 
 def tiny_cfg() -> ModelConfig:
-  m = configs.grpo_tiny.get_config().model.to_dict()
+  m = glm_jax.configs.grpo_tiny.get_config().model.to_dict()
   m.update(num_hidden_layers=2, index_topk=4)  # a dense and a MoE layer; DSA selects 4 of up to 8 keys
   return ModelConfig.from_dict(m)
 
 
 def rl_cfg(**changes):
-  cfg = configs.grpo_tiny.get_config().rl
+  cfg = glm_jax.configs.grpo_tiny.get_config().rl
   cfg.grad_clip_norm = 0.0  # the update is then exactly -lr * gradient
   cfg.update(changes)
   return cfg
@@ -186,7 +186,7 @@ def test_non_finite_loss_skips_the_update(setup):
 def test_frozen_indexer_stays_fixed():
   """rl.freeze_indexer (GLM-5's RL): the optimizer leaves every indexer parameter as it was."""
   cfg = tiny_cfg()
-  opt_cfg = configs.grpo_tiny.get_config().optimizer
+  opt_cfg = glm_jax.configs.grpo_tiny.get_config().optimizer
   opt_cfg.lr = opt_cfg.lr_init = 1e-2
   graphdef, state, optimizer, schedule = warm_start.make_policy(cfg, opt_cfg, 0, freeze_indexer=True)
   tokens = jnp.asarray(np.random.default_rng(0).integers(2, 20, (2, S)), jnp.int32)
@@ -203,7 +203,7 @@ def test_frozen_indexer_stays_fixed():
 
 
 def test_rl_config_errors():
-  config = configs.grpo_tiny.get_config()
+  config = glm_jax.configs.grpo_tiny.get_config()
   for field, value, message in (
     ("group_size", 1, "rl.group_size=1 is invalid; GRPO needs >= 2"),
     ("objective", "ppo", "rl.objective='ppo' is invalid; one of"),

@@ -13,8 +13,8 @@ import ml_collections
 import numpy as np
 import pytest
 
-import configs.distill_tiny
-import configs.grpo_tiny
+import glm_jax.configs.distill_tiny
+import glm_jax.configs.grpo_tiny
 from glm_jax.rl.config import task_mix, validate_rl_config
 from glm_jax.rl.rewards import make_reward_fn, score
 from glm_jax.rl.rollout import step_rollout
@@ -67,7 +67,7 @@ def plugin(tmp_path, monkeypatch):
 
 
 def grpo_config(task: str = f"{MODULE}:LargestDigitTask", reward: str = f"{MODULE}:make_reward"):
-  config = configs.grpo_tiny.get_config()
+  config = glm_jax.configs.grpo_tiny.get_config()
   config.tasks = ml_collections.ConfigDict({"largest": dict(weight=1.0, task=task, length=3)})
   config.rl.reward = reward
   config.rl.prompts_per_step = 6
@@ -133,7 +133,7 @@ def test_plugin_tasks_mix_with_built_in_ones_and_serve_as_teachers(plugin):
   validate_rl_config(config)
   mix = {t.name: (type(t).__name__, w) for t, w in task_mix(config)}
   assert mix == {"addition": (AdditionTask.__name__, 3.0), "largest": ("LargestDigitTask", 1.0)}
-  config = configs.distill_tiny.get_config()
+  config = glm_jax.configs.distill_tiny.get_config()
   config.teachers.sort.task = f"{MODULE}:LargestDigitTask"
   config.teachers.sort.task_kwargs = ml_collections.ConfigDict(dict(length=3))
   validate_rl_config(config)
@@ -159,7 +159,7 @@ def test_a_bad_task_import_path_names_the_field_the_value_and_what_is_valid(plug
   msg = str(e.value)
   assert msg.startswith("tasks.largest.task: make_task: ") and repr(task) in msg, msg
   assert problem in msg and VALID_TASKS in msg, msg
-  config = configs.distill_tiny.get_config()
+  config = glm_jax.configs.distill_tiny.get_config()
   config.teachers.sort.task = task
   with pytest.raises(ValueError, match=r"^teachers\.sort\.task: make_task: .*" + re.escape(VALID_TASKS)):
     validate_rl_config(config)

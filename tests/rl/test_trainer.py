@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import configs.distill_tiny
-import configs.grpo_tiny
+import glm_jax.configs.distill_tiny
+import glm_jax.configs.grpo_tiny
 from glm_jax.model import GlmMoeDsa, ModelConfig
 from glm_jax.rl import rewards as rewards_lib
 from glm_jax.rl import tasks as tasks_lib
@@ -77,7 +77,7 @@ def test_grpo_raises_expected_reward(tmp_path, engine):
   (glm_jax/rl/rollout_server.py; two engines, the step's weights pushed through /update_weights before each rollout)
   too. (Asynchronous through the engines, which rollouts are dropped as stale depends on the machine's timing: one
   fresh-clone run gained 0.034, so the learning test runs them synchronously.)"""
-  config = quiet(configs.grpo_tiny.get_config(), steps=30, eval_every=1000, checkpoint_every=1000)
+  config = quiet(glm_jax.configs.grpo_tiny.get_config(), steps=30, eval_every=1000, checkpoint_every=1000)
   if engine == "rollout_process":
     config.rl.update(async_rollouts=True, rollout_process=True, tau=1)
   if engine == "rollout_server":
@@ -118,7 +118,7 @@ def test_async_drops_stale_rollouts_and_survives_failing_rewards(tmp_path, monke
     return reward
 
   monkeypatch.setitem(rewards_lib.REWARD_FNS, "flaky", flaky)
-  config = configs.grpo_tiny.get_config()
+  config = glm_jax.configs.grpo_tiny.get_config()
   config.sft.steps = 0
   quiet(
     config,
@@ -152,7 +152,7 @@ def test_distillation_lowers_kl_to_teachers(tmp_path):
   sum_v p_s(v) (log p_s(v) - log p_t(v)) at each answer position, over the whole vocabulary, with each prompt's
   own teacher; averaged over answer tokens."""
   config = quiet(
-    configs.distill_tiny.get_config(),
+    glm_jax.configs.distill_tiny.get_config(),
     steps=20,
     prompts_per_step=32,
     eval_prompts=8,
@@ -199,21 +199,21 @@ def test_distillation_lowers_kl_to_teachers(tmp_path):
 
 
 def test_bad_configs(tmp_path):
-  config = configs.distill_tiny.get_config()
+  config = glm_jax.configs.distill_tiny.get_config()
   config.teachers.sort.model = ml_collections.ConfigDict({"vocab_size": 64})
   config.sft.steps = 0
   with pytest.raises(ValueError, match="teachers.sort: vocab_size 64 differs from the student's model.vocab_size 32"):
     rl_trainer.run(quiet(config), str(tmp_path / "a"))
-  config = configs.grpo_tiny.get_config()
+  config = glm_jax.configs.grpo_tiny.get_config()
   config.model.vocab_size = 10
   with pytest.raises(ValueError, match="model vocab_size=10 is smaller than the task vocabulary.s 18 ids"):
     rl_trainer.run(quiet(config), str(tmp_path / "b"))
   assert not os.path.exists(tmp_path / "b" / "checkpoints")
-  config = configs.grpo_tiny.get_config()
+  config = glm_jax.configs.grpo_tiny.get_config()
   config.tasks.addition.weight = -1.0
   with pytest.raises(ValueError, match="weights must be finite and non-negative"):
     rl_trainer.run(quiet(config), str(tmp_path / "c"))
-  config = configs.distill_tiny.get_config()
+  config = glm_jax.configs.distill_tiny.get_config()
   with pytest.raises(ValueError, match="rl.group_size=8 is invalid; on-policy distillation samples one answer"):
     rl_trainer.run(quiet(config, group_size=8), str(tmp_path / "d"))
 
@@ -226,7 +226,7 @@ def test_quantization_aware_grpo_samples_from_the_packed_weights(tmp_path):
   the packed ones' by far more. The final weights stay unquantized (fp32) in the checkpoint."""
   from glm_jax.model import quantization as Q
 
-  config = configs.grpo_tiny.get_config()
+  config = glm_jax.configs.grpo_tiny.get_config()
   config.sft.steps = 0
   config.quant = Q.default_quant_config()
   config.quant.update(scheme="int4_row", scope="routed_experts,attention")
@@ -250,7 +250,7 @@ def test_async_grpo_through_the_engines_trains_on_rollouts_within_tau(tmp_path):
   """Asynchronous GRPO through the serving engines (rollouts made ahead by the worker's thread while new weights are
   pushed to the engines): every step trains on a rollout at most rl.tau versions behind the weights it updates, in
   the order the worker made them, and the rollouts dropped as stale are counted."""
-  config = quiet(configs.grpo_tiny.get_config(), steps=10, eval_every=1000, checkpoint_every=1000)
+  config = quiet(glm_jax.configs.grpo_tiny.get_config(), steps=10, eval_every=1000, checkpoint_every=1000)
   config.rl.update(async_rollouts=True, rollout_server=True, rollout_engines=2, tau=1)
   summary = rl_trainer.run(config, str(tmp_path))
   rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import configs.glm5_tiny
+import glm_jax.configs.glm5_tiny
 from glm_jax.inference import Sampler, SamplingParams
 from glm_jax.model import GlmMoeDsa, ModelConfig
 from glm_jax.serving import Engine, EngineConfig
@@ -17,7 +17,7 @@ GREEDY = SamplingParams(max_new_tokens=10, temperature=0.0)
 @pytest.fixture(scope="module")
 def tiny():
   # index_topk 8: DSA selects in prefill chunks and decode steps; a larger init keeps greedy argmaxes off near-ties.
-  cfg = ModelConfig.from_dict(configs.glm5_tiny.get_config().model.to_dict()).replace(
+  cfg = ModelConfig.from_dict(glm_jax.configs.glm5_tiny.get_config().model.to_dict()).replace(
     initializer_range=0.2, index_topk=8
   )
   model = GlmMoeDsa(cfg, nnx.Rngs(0))
@@ -224,7 +224,9 @@ def test_speculative_decoding_is_plain_decoding():
   temperature 0.8 gets each token's log-probability under the main model (the full forward over its prefix)."""
   from tests.inference.test_speculative import train_on_a_cycle
 
-  cfg = ModelConfig.from_dict(configs.glm5_tiny.get_config().model.to_dict()).replace(index_topk=6, vocab_size=16)
+  cfg = ModelConfig.from_dict(glm_jax.configs.glm5_tiny.get_config().model.to_dict()).replace(
+    index_topk=6, vocab_size=16
+  )
   graphdef, params, rest = train_on_a_cycle(cfg, steps=10)  # drafts often right, not always
   rng = np.random.default_rng(5)
   # A 1-token prompt, and three copies of a 9-token one: the 2nd and 3rd find its first page (8 tokens) cached and

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from configs import glm5_tiny
+from glm_jax.configs import glm5_tiny
 from glm_jax.model import ModelConfig, param_counts
 from tests.helpers import ROOT, TPU_COMPILE
 

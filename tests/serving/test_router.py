@@ -22,7 +22,7 @@ import time
 import httpx
 import pytest
 
-import configs.glm5_tiny
+import glm_jax.configs.glm5_tiny
 from glm_jax.data import load_tokenizer
 from glm_jax.train.checkpoint import Checkpointer
 from glm_jax.train.config import model_config_for_stage
@@ -45,7 +45,7 @@ def refuses(port: int) -> bool:
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory, data_cache_dir):
   """A run directory with one checkpoint at step STEP, as launch/train.py writes it (state, config, tokenizer)."""
-  config = configs.glm5_tiny.get_config()
+  config = glm_jax.configs.glm5_tiny.get_config()
   config.data.cache_dir = data_cache_dir
   _, state, _, _ = create_train_state(config, model_config_for_stage(config))
   path = str(tmp_path_factory.mktemp("run"))

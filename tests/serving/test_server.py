@@ -22,7 +22,7 @@ import pytest
 import uvicorn
 from flax import nnx
 
-import configs.glm5_tiny
+import glm_jax.configs.glm5_tiny
 from glm_jax.data import default_data_config, load_tokenizer
 from glm_jax.inference import Sampler, SamplingParams
 from glm_jax.model import GlmMoeDsa, ModelConfig
@@ -62,7 +62,7 @@ def setup(tmp_path_factory):
   data = default_data_config()
   data.cache_dir = str(tmp_path_factory.mktemp("cache"))
   tok = load_tokenizer(data)
-  cfg = ModelConfig.from_dict(configs.glm5_tiny.get_config().model.to_dict()).replace(
+  cfg = ModelConfig.from_dict(glm_jax.configs.glm5_tiny.get_config().model.to_dict()).replace(
     initializer_range=0.2, index_topk=8
   )
   graphdef, params, rest = nnx.split(GlmMoeDsa(cfg, nnx.Rngs(0)), nnx.Param, ...)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import configs.glm5_tiny
+import glm_jax.configs.glm5_tiny
 from glm_jax.inference import Sampler, SamplingParams
 from glm_jax.model import GlmMoeDsa, ModelConfig
 from glm_jax.serving import Engine, EngineConfig
@@ -20,7 +20,7 @@ GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0)
 
 @pytest.fixture(scope="module")
 def tiny():
-  cfg = ModelConfig.from_dict(configs.glm5_tiny.get_config().model.to_dict()).replace(
+  cfg = ModelConfig.from_dict(glm_jax.configs.glm5_tiny.get_config().model.to_dict()).replace(
     initializer_range=0.2, index_topk=8
   )
   return cfg, *nnx.split(GlmMoeDsa(cfg, nnx.Rngs(0)), nnx.Param, ...)

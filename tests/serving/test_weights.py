@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import configs.glm5_tiny
-import configs.grpo_tiny
+import glm_jax.configs.glm5_tiny
+import glm_jax.configs.grpo_tiny
 from glm_jax.model import GlmMoeDsa, ModelConfig
 from glm_jax.rl import config as rl_config
 from glm_jax.serving.weights import ARRAYS, META, load_weights, save_weights
@@ -18,7 +18,7 @@ from glm_jax.serving.weights import ARRAYS, META, load_weights, save_weights
 
 @pytest.fixture(scope="module")
 def tiny():
-  cfg = ModelConfig.from_dict(configs.glm5_tiny.get_config().model.to_dict())
+  cfg = ModelConfig.from_dict(glm_jax.configs.glm5_tiny.get_config().model.to_dict())
   return cfg, *nnx.split(GlmMoeDsa(cfg, nnx.Rngs(0)), nnx.Param, ...)
 
 
@@ -54,7 +54,7 @@ def test_bad_weights_directories_are_named(tiny, tmp_path):
 
 def test_rollouts_through_the_engines_are_checked_by_name():
   def config(**rl):
-    c = configs.grpo_tiny.get_config()
+    c = glm_jax.configs.grpo_tiny.get_config()
     c.rl.update(dict(async_rollouts=True, rollout_server=True) | rl)
     return c
 

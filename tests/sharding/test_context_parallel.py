@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from configs import glm5_tiny
+from glm_jax.configs import glm5_tiny
 from glm_jax.model import GlmMoeDsa, context_parallel
 from glm_jax.sharding.mesh import batch_sharding, make_mesh
 from glm_jax.sharding.topology import tpu_topology_devices

@@ -178,7 +178,7 @@ def test_a_reduce_scatter_fusion_is_a_reduce_scatter():
   """XLA:TPU writes the gradient reduce-scatters of glm5_tiny's FSDP step as all-reduce-scatter fusions (an
   all-reduce whose result is only sliced): each is counted as a reduce-scatter of its operand, (g - 1) / g on the
   wire, not as an all-reduce (twice that) nor as HBM traffic alone."""
-  from configs import glm5_tiny
+  from glm_jax.configs import glm5_tiny
 
   from glm_jax.train import aot
 
@@ -282,7 +282,7 @@ def test_cost_report_of_the_expert_parallel_step(tmp_path):
   extrapolation from the 1+1, 2+1 and 1+2-layer copies is linear: it equals the unrolled full depth (the 1+3 copy)
   both in XLA's count and op by op. XLA's count of the scanned step has one MoE layer of three (a loop body is
   counted once)."""
-  from configs import glm5_tiny
+  from glm_jax.configs import glm5_tiny
   from glm_jax.sharding.topology import compiled_flops
   from glm_jax.train import aot
 
@@ -354,7 +354,7 @@ def test_tpu_tiling_and_splash_grid_by_hand():
 def test_moe_rows_count_the_tokens_a_device_holds_under_context():
   """4 chips as expert 2 x context 2, 8 rows of 64 tokens: a device holds 8 x 64 / 4 = 128 tokens, so its experts
   get 128 x K rows with balanced routing (the context axis splits the tokens as the batch axes do)."""
-  from configs import glm5_tiny
+  from glm_jax.configs import glm5_tiny
   from glm_jax.sharding.mesh import make_mesh
   from glm_jax.train import aot
 

@@ -17,7 +17,7 @@ import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import AbstractMesh, PartitionSpec as P
 
-from configs import glm5_tiny
+from glm_jax.configs import glm5_tiny
 from glm_jax.mesh_axes import MESH_AXES
 from glm_jax.sharding.mesh import batch_sharding, entry_axes, logical_to_spec, make_mesh, mesh_shape, spec_for_mesh
 from glm_jax.sharding.state import abstract_sharded, param_specs

@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from configs import glm5_tiny
+from glm_jax.configs import glm5_tiny
 from tests.helpers import ROOT
 
 # A short run: 9 steps of 4 x 64 tokens, a checkpoint every 3 steps, every step logged.

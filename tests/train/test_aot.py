@@ -20,7 +20,7 @@ from glm_jax.sharding.state import abstract_sharded
 from glm_jax.sharding.topology import parse_topology, tpu_topology_devices
 from glm_jax.train import aot, trainer
 from glm_jax.train.config import model_config_for_stage
-from configs import glm5_744b, glm5_tiny
+from glm_jax.configs import glm5_744b, glm5_tiny
 from tests.helpers import ROOT
 from tests.helpers import needs_libtpu
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from configs import glm5_tiny
+from glm_jax.configs import glm5_tiny
 from glm_jax.train import losses
 from glm_jax.train import step as step_lib
 from glm_jax.train.trainer import check_config

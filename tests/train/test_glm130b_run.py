@@ -4,7 +4,7 @@ and span exact-match equal a numpy recomputation from the restored model's logit
 import numpy as np
 import pytest
 
-from configs import glm130b_tiny
+from glm_jax.configs import glm130b_tiny
 from glm_jax import data as data_lib
 from glm_jax.train import step as step_lib
 from glm_jax.train.trainer import check_config, restore_run, train_and_evaluate

@@ -19,7 +19,7 @@ import time
 import orbax.checkpoint as ocp
 import pytest
 
-from configs import sft_tiny
+from glm_jax.configs import sft_tiny
 
 from glm_jax import data as data_lib, paths
 from glm_jax.train import lifecycle

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 import pytest
 
-from configs import glm5_tiny
+from glm_jax.configs import glm5_tiny
 from glm_jax import data as data_lib
 from glm_jax.train import distributed, step as step_lib, trainer
 from glm_jax.train.checkpoint import Checkpointer

@@ -12,7 +12,7 @@ import optax
 import pytest
 from flax import nnx
 
-from configs import glm5_tiny
+from glm_jax.configs import glm5_tiny
 from glm_jax.model import ModelConfig
 from glm_jax.model.params import abstract_model
 from glm_jax.train import optimizers as opt

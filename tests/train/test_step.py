@@ -17,7 +17,7 @@ import optax
 import pytest
 from flax import nnx
 
-from configs import glm5_tiny
+from glm_jax.configs import glm5_tiny
 from glm_jax.model import ModelConfig
 from glm_jax.model.transformer import GlmMoeDsa
 from glm_jax.train import losses, optimizers

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from configs import common
+from glm_jax.configs import common
 from glm_jax import data as data_lib
 from glm_jax.train.checkpoint import Checkpointer
 from glm_jax.train.config import model_config_for_stage
@@ -156,7 +156,7 @@ def test_the_initial_state_is_the_default_compilers_bit_for_bit(data_cache_dir):
 # asynchronous save of step argv[3] has started, while Orbax is still writing it.
 KILL_DURING_SAVE = """
 import json, os, signal, sys
-from configs import glm5_tiny
+from glm_jax.configs import glm5_tiny
 from glm_jax.train.trainer import train_and_evaluate
 config = glm5_tiny.get_config()
 for key, value in json.loads(sys.argv[2]).items():

@@ -4,7 +4,7 @@ its relation to analytic_flops; and, printed for the record, the 744B config's u
 
 import pytest
 
-from configs import glm5_744b, glm5_744b_128k, glm5_744b_200k
+from glm_jax.configs import glm5_744b, glm5_744b_128k, glm5_744b_200k
 from glm_jax.model import ModelConfig
 from glm_jax.train.config import model_config_for_stage
 from glm_jax.train.flops import analytic_flops, useful_flops

@@ -16,7 +16,7 @@ trained weights with the same quantizer, and the packed model computes the QAT m
 
 import ml_collections
 
-from configs import common, glm5_tiny
+from glm_jax.configs import common, glm5_tiny
 
 
 def get_config() -> ml_collections.ConfigDict:

@@ -11,7 +11,7 @@ student's per-token KL to its teachers (metrics: teacher_kl, teacher_kl/<name>) 
 
 import ml_collections
 
-from configs import grpo_tiny
+from glm_jax.configs import grpo_tiny
 
 
 def teacher(task: str, weight: float, seed: int, **task_kwargs) -> ml_collections.ConfigDict:

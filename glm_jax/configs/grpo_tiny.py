@@ -10,7 +10,7 @@ with an exact-match reward: the sampled answers' mean reward climbs past 50% wit
 
 import ml_collections
 
-from configs import common, glm5_tiny
+from glm_jax.configs import common, glm5_tiny
 
 
 def get_config() -> ml_collections.ConfigDict:

@@ -12,7 +12,7 @@ They combine: `:long,smoke`.
 
 import ml_collections
 
-from configs import common
+from glm_jax.configs import common
 
 
 VARIANTS = ("long", "smoke")

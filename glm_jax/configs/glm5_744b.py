@@ -7,7 +7,7 @@ not published); configs/glm5_744b_128k.py is the long-context stage.
 
 import ml_collections
 
-from configs import common
+from glm_jax.configs import common
 
 
 def get_config() -> ml_collections.ConfigDict:

@@ -13,7 +13,7 @@ the environments' scripted demonstrations (loss on the model's turns only). expe
 
 import ml_collections
 
-from configs import common, distill_tiny, glm5_tiny, grpo_tiny
+from glm_jax.configs import common, distill_tiny, glm5_tiny, grpo_tiny
 
 # smoke: a few steps of SFT and RL on small batches, for tests. distill: trainer "distill", the tasks section turned
 # into teachers (one an environment, labelled as the task was), each its init_from or fine-tuned here like the student.

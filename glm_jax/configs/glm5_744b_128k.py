@@ -21,7 +21,7 @@ indexer, then the sparse stage); docs/glm5_facts.md sections 1 and 3. The layout
 Measured figures are in the README ("Long context").
 """
 
-from configs import common, glm5_744b
+from glm_jax.configs import common, glm5_744b
 
 VARIANTS = ("warmup",)
 

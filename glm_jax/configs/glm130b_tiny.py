@@ -21,7 +21,7 @@ Variants (`--config=configs/glm130b_tiny.py:<variant>`):
 
 import ml_collections
 
-from configs import common, glm5_tiny
+from glm_jax.configs import common, glm5_tiny
 
 VARIANTS = ("causal", "smoke")
 

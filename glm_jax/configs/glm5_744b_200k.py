@@ -13,7 +13,7 @@ time (1,584 = 11 x 144): [64 heads, 144, 202,752] fp32 scores a block, 7.0 GiB. 
 row at a time (8,192 does not divide 202,752).
 """
 
-from configs.glm5_744b_128k import VARIANTS, long_context  # noqa: F401 - its variants are the 128K config's
+from glm_jax.configs.glm5_744b_128k import VARIANTS, long_context  # noqa: F401 - its variants are the 128K config's
 
 
 def get_config(variant: str = ""):
