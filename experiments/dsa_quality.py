@@ -11,8 +11,9 @@ about 1,000-3,000 tokens) trains in GLM-5's order:
        sparse_k     DSA's sparse stage with index_topk = k for each k of --topk: each query attends to the k
                     keys its indexer picks, the indexer trained by the KL on its selection.
 Every stage is a run directory under --workdir (rerunning resumes or skips finished stages). The held-out loss
-of each branch (in the attention it was trained with, on the held-out chapters) goes to --results as JSON, and the
-branches' loss curves and final held-out losses to --figure.
+of each branch (in the attention it was trained with, on the held-out chapters) goes to --results as JSON; the loss
+curves of every stage, on one step axis with the branches continuing from the warm-up, to --figure, and the branches
+alone (their training and held-out losses) to --branch_figure.
 """
 
 import json
@@ -32,7 +33,10 @@ _STEPS = flags.DEFINE_integer("steps", 100, "Steps of each branch (dense, sparse
 _TOPK = flags.DEFINE_list("topk", ["64", "128", "256"], "index_topk of the sparse branches.")
 _BATCH = flags.DEFINE_integer("batch_size", 2, "Rows of 2,048 tokens a step.")
 _RESULTS = flags.DEFINE_string("results", "experiments/results/dsa_quality.json", "The JSON of the figures.")
-_FIGURE = flags.DEFINE_string("figure", "experiments/figures/dsa_quality.png", "The PNG.")
+_FIGURE = flags.DEFINE_string("figure", "experiments/figures/dsa_quality.png", "Every stage on one step axis (PNG).")
+_BRANCH_FIGURE = flags.DEFINE_string(
+  "branch_figure", "experiments/figures/dsa_quality_branches.png", "The branches alone (PNG)."
+)
 
 
 def stage_config(stage: str, steps: int, init_from: str = "", topk: int | None = None):
@@ -92,17 +96,16 @@ def main(argv):
   os.makedirs(os.path.dirname(os.path.abspath(_RESULTS.value)), exist_ok=True)
   with open(_RESULTS.value, "w") as f:
     json.dump(summary, f, indent=1)
-  fig = plots.curves(
-    {name: os.path.join(root, f"branch_{name}") for name in branches},
-    "lm_loss",
-    width=6.5,
-    title=f"dense vs DSA after {_WARMUP_STEPS.value} warm-up steps, 2,048-token rows",
-  )
-  ax = fig.axes[0]
-  for i, s in enumerate(branches.values()):
-    ax.axhline(s["eval_loss"], ls=":", lw=1, color=f"C{i}")
-  ax.set_ylabel("lm_loss (dotted: held-out loss at the end)")
+  branch_dirs = {name: os.path.join(root, f"branch_{name}") for name in branches}
+  stages = {"dense (from scratch)": dense_dir, "warm-up": warmup_dir}
+  metrics, entropy = ["lm_loss", "eval_loss"], warm["unigram_entropy"]
+  fig = plots.timeline(stages, metrics, branches=branch_dirs, smooth=3, reference=entropy, width=6.5)
   plots.save(fig, _FIGURE.value)
+  # the branches alone, where their differences (a percent of the loss) show: the same step axis, held-out points
+  _, offsets, _ = plots.chain(stages, branch_dirs)
+  title = f"dense vs DSA after {_WARMUP_STEPS.value} warm-up steps, 2,048-token rows"
+  fig = plots.curves(branch_dirs, metrics, smooth=3, reference=entropy, offsets=offsets, width=6.5, title=title)
+  plots.save(fig, _BRANCH_FIGURE.value)
   print(json.dumps(summary), flush=True)
 
 

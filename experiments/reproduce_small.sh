@@ -54,5 +54,5 @@ python experiments/glm_stability.py --workdir="$R/glm_stability" --lr=1e-2 --res
 # DSA keeps quality: dense vs warm-up + sparse at 2,048-token rows, top-k 64 / 128 / 256.
 stamp dsa_quality
 python experiments/dsa_quality.py --workdir="$R/dsa_quality" --results="$S/dsa_quality.json" \
-    --figure="$F/dsa_quality.png"
+    --figure="$F/dsa_quality.png" --branch_figure="$F/dsa_quality_branches.png"
 stamp done

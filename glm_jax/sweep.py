@@ -1,13 +1,17 @@
 """Sweeps: the product of a few config overrides, each point trained by launch/train.py in its own run directory.
 
-  python launch/sweep.py --config=configs/glm5_tiny.py --workdir=runs/lr_topk \
-      --sweep="optimizer.lr=1e-3,3e-3;model.index_topk=16,32" --config.train.steps=200 --parallel=2
+  python launch/sweep.py --config=configs/glm5_tiny.py --workdir=runs/lr_mtp \
+      --sweep="optimizer.lr=1e-3,3e-3;model.num_nextn_predict_layers=0,1" --config.train.steps=200 --parallel=2
 
 The spec: `;` separates the axes, `,` the values of an axis (a value holding a comma goes in brackets or quotes:
 `model.x=(1,2),(3,4)`); the sweep is their product, in order. The `--config.*` flags given to the sweep apply to
 every run. Each point's flags are parsed exactly as launch/train.py parses them and the resulting config is
 checked (glm_jax.train.trainer.check_config, or the RL trainers' checks), all before the first run starts, so an
 unknown field, a value of the wrong type or an invalid config fails at once, naming the point and the field.
+An axis whose field the run ignores in its configured stage (UNUSED: model.index_topk in the dense DSA stage, rl.tau
+without rl.async_rollouts, ...) would only repeat one run; it is refused then too, naming the field, the stage and
+what makes it matter, unless allow_unused_axes (launch/sweep.py --allow_unused_axes) turns that into a warning.
+Each finished run's line shows its final metrics (FINAL_METRICS of its final JSON line) beside its wall time.
 
 Layout of the sweep's directory:
   DIR/sweep.json              the config and the shared overrides (a rerun under others is refused)
@@ -16,7 +20,7 @@ Layout of the sweep's directory:
   DIR/results.jsonl           one row a finished run, in sweep order: {"run", "overrides", "result", "wall_s"}
   DIR/.compilation_cache/     jax's persistent compilation cache, shared by the runs (unless
                               JAX_COMPILATION_CACHE_DIR is set): a program compiled for one run is reused by the next
-A run is named by its overrides (`optimizer.lr=1e-3,model.index_topk=16`). Rerunning a sweep skips the runs
+A run is named by its overrides (`optimizer.lr=1e-3,model.num_nextn_predict_layers=0`). Rerunning a sweep skips the runs
 that have a result.json and resumes the others from their latest checkpoint, so a killed sweep finishes where it
 stopped; adding values to an axis runs only the new points.
 """
@@ -81,7 +85,7 @@ def parse_spec(spec: str) -> list[Axis]:
   """'a.b=1,2;c.d=x,y' -> [Axis('a.b', ('1', '2')), Axis('c.d', ('x', 'y'))]; a malformed spec is a ValueError
   naming the axis and what is wrong with it."""
   if not spec or not spec.strip():
-    raise ValueError("--sweep is empty; give axes like 'optimizer.lr=1e-3,3e-3;model.index_topk=16,32'")
+    raise ValueError("--sweep is empty; give axes like 'optimizer.lr=1e-3,3e-3;model.num_nextn_predict_layers=0,1'")
   axes: list[Axis] = []
   for i, part in enumerate(spec.split(";")):
     where = f"--sweep axis {i + 1} ({part.strip()!r})"
@@ -112,8 +116,8 @@ def points(axes: Sequence[Axis]) -> list[dict[str, str]]:
 
 
 def run_name(point: dict[str, str]) -> str:
-  """A run directory's name from its overrides: 'optimizer.lr=1e-3,model.index_topk=16' (path separators and
-  other unsafe characters become '_')."""
+  """A run directory's name from its overrides: 'optimizer.lr=1e-3,model.num_nextn_predict_layers=0' (path
+  separators and other unsafe characters become '_')."""
   name = ",".join(f"{k}={v}" for k, v in point.items()) or "base"
   return re.sub(r"[^\w.=,+\-]", "_", name)
 
@@ -156,6 +160,133 @@ def check_config(config: ml_collections.ConfigDict) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
+class Unused:
+  """Fields that a run of one of `trainers` ignores while `when(config)` holds (`stage` names that setting, `why`
+  says why), so a sweep axis over one of them trains one run a value, all the same; `matters`: what makes them
+  count."""
+
+  trainers: tuple[str, ...]
+  fields: tuple[str, ...]
+  when: Callable[[ml_collections.ConfigDict], bool]
+  stage: str
+  why: str
+  matters: str
+
+
+_PRETRAIN = ("pretrain", "sft")
+
+
+def _stage_is(stage: str) -> Callable[[ml_collections.ConfigDict], bool]:
+  return lambda config: config.train.dsa_stage == stage
+
+
+# tests/test_sweep.py checks each pretraining row and rl.tis_cap's: two values of a field give the same programs
+# (the state's initialization, the train and eval steps; the GRPO step) where a row says it is unused, and different
+# ones (or a refused config) where `matters` says. rl.tau and rl.max_pending are read only by the asynchronous
+# rollout workers and the staleness check (glm_jax/rl/trainer.py _grpo_loop); distillation refuses those.
+UNUSED = (
+  Unused(
+    _PRETRAIN,
+    (
+      "model.index_topk",
+      "model.use_dsa",
+      "model.indexer_types",
+      "model.indexer_rope_interleave",
+      "model.index_norm_eps",
+      "train.indexer_loss_weight",
+    ),
+    _stage_is("dense"),
+    "train.dsa_stage='dense'",
+    "dense attention; the DSA indexer neither runs nor trains",
+    "--config.train.dsa_stage=sparse (from a warm-up run's checkpoint: experiments/dsa_quality.py)",
+  ),
+  Unused(
+    _PRETRAIN,
+    ("model.index_topk", "model.use_dsa", "train.indexer_loss_weight"),
+    _stage_is("warmup"),
+    "train.dsa_stage='warmup'",
+    "dense attention; the loss is the indexer's KL to it over every visible key, unweighted",
+    "--config.train.dsa_stage=sparse",
+  ),
+  Unused(
+    _PRETRAIN,
+    ("train.mtp_loss_weight", "train.balance_loss_weight", "train.expert_bias_rate"),
+    _stage_is("warmup"),
+    "train.dsa_stage='warmup'",
+    "only the indexer trains, on its KL alone; the rest of the model is frozen",
+    "--config.train.dsa_stage=dense or sparse",
+  ),
+  Unused(
+    ("grpo",),
+    ("rl.tau", "rl.max_pending"),
+    lambda config: not config.rl.async_rollouts,
+    "rl.async_rollouts=False",
+    "every rollout comes from the step's own weights: none is queued or stale",
+    "--config.rl.async_rollouts=True",
+  ),
+  Unused(
+    ("distill",),
+    ("rl.tau", "rl.max_pending"),
+    lambda config: True,
+    "config.trainer='distill'",
+    "distillation's rollouts are synchronous",
+    "GRPO with --config.rl.async_rollouts=True",
+  ),
+  Unused(
+    ("grpo", "distill"),
+    ("rl.tis_cap",),
+    lambda config: config.rl.objective == "async",
+    "rl.objective='async'",
+    "Eq. 3-5's loss has no importance weight to cap",
+    "--config.rl.objective=grpo --config.rl.is_correction=truncated",
+  ),
+  Unused(
+    ("grpo", "distill"),
+    ("rl.tis_cap",),
+    lambda config: config.rl.is_correction != "truncated",
+    "rl.is_correction other than 'truncated'",
+    "only the truncated importance weight is capped",
+    "--config.rl.is_correction=truncated",
+  ),
+)
+
+
+def unused_in(config: ml_collections.ConfigDict, field: str) -> Unused | None:
+  """The row of UNUSED saying that a run of `config` ignores `field` (a dotted name), or None."""
+  kind = config.get("trainer", "pretrain")
+  for row in UNUSED:
+    if kind in row.trainers and field in row.fields and row.when(config):
+      return row
+  return None
+
+
+def unused_axes(
+  axes: Sequence[Axis], point_configs: Sequence[tuple[str, ml_collections.ConfigDict]]
+) -> tuple[list[str], list[str]]:
+  """(refused, warned) messages, one an axis: `refused` for an axis whose field every point's run ignores (UNUSED),
+  `warned` for one whose field the runs of some points ignore (those points repeat each other).
+  point_configs: (run name, config) of every point."""
+  refused, warned = [], []
+  for axis in axes:
+    ignored = [(name, row) for name, config in point_configs if (row := unused_in(config, axis.field))]
+    if not ignored:
+      continue
+    row = ignored[0][1]
+    if len(ignored) == len(point_configs):
+      refused.append(
+        f"--sweep axis {axis.field}={','.join(axis.values)} changes nothing with {row.stage} ({row.why}): every "
+        f"value would train the same run; it matters with {row.matters}"
+      )
+    else:
+      names = [name for name, _ in ignored]
+      warned.append(
+        f"--sweep axis {axis.field} changes nothing with {row.stage} ({row.why}), so the points "
+        f"{', '.join(names)} repeat each other"
+      )
+  return refused, warned
+
+
+@dataclasses.dataclass(frozen=True)
 class Run:
   name: str
   overrides: dict[str, str]
@@ -169,21 +300,40 @@ class Run:
     return os.path.exists(self.result_path)
 
 
-def plan(config_arg: str, workdir: str, axes: Sequence[Axis], shared: Sequence[str]) -> list[Run]:
+UNUSED_FLAG = "--allow_unused_axes"
+
+
+def plan(
+  config_arg: str,
+  workdir: str,
+  axes: Sequence[Axis],
+  shared: Sequence[str],
+  *,
+  allow_unused_axes: bool = False,
+  log: Callable[[str], None] = print,
+) -> list[Run]:
   """Every point's run, each point's config loaded and checked first: the first bad point raises ValueError
-  naming it (and nothing has been written). Also refuses a workdir that holds a sweep of another config or
-  other shared overrides."""
+  naming it (and nothing has been written). Then an axis whose field the runs ignore (unused_axes) raises
+  ValueError naming it, unless allow_unused_axes (then it is logged as a warning, as an axis that only some points
+  ignore always is). Also refuses a workdir that holds a sweep of another config or other shared overrides."""
   bad = [a for a in shared if not a.startswith("--config.") or "=" not in a]
   if bad:
     raise ValueError(f"shared override(s) {bad}: write each as --config.<section>.<field>=<value>")
-  runs = []
+  runs, point_configs = [], []
   for point in points(axes):
     name = run_name(point)
     try:
-      check_config(load_config(config_arg, [*shared, *point_flags(point)]))
+      config = load_config(config_arg, [*shared, *point_flags(point)])
+      check_config(config)
     except ValueError as e:
       raise ValueError(f"sweep point {name!r}: {e}") from e
     runs.append(Run(name, point, os.path.join(workdir, name)))
+    point_configs.append((name, config))
+  refused, warned = unused_axes(axes, point_configs)
+  if refused and not allow_unused_axes:
+    raise ValueError(f"{'; '.join(refused)}; pass {UNUSED_FLAG} to sweep anyway")
+  for message in [*refused, *warned]:
+    log(f"[sweep] warning: {message}")
   names = [r.name for r in runs]
   clash = sorted({n for n in names if names.count(n) > 1})
   if clash:
@@ -238,6 +388,25 @@ def _error_line(stderr_path: str) -> str:
   return (errors or lines or [""])[-1]
 
 
+# The keys of a run's final JSON line that final_metrics shows, in this order: pretraining and SFT
+# (launch/train.py's summary: glm_jax/train/trainer.py), GLM's blank infilling, then GRPO and distillation.
+FINAL_METRICS = ("eval_loss", "train_loss", "eval_span_exact", "eval_accuracy", "reward_mean", "teacher_kl")
+_BOOKKEEPING = ("step", "params", "active_params", "skipped_steps", "wall_s")
+
+
+def final_metrics(summary: dict) -> str:
+  """'eval_loss 3.024, train_loss 2.981' from a run's final JSON line: its FINAL_METRICS that are numbers (4
+  significant digits), else its other numbers but the bookkeeping (step, params, ...); '' when it has none."""
+
+  def number(v):
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+  keys = [k for k in FINAL_METRICS if number(summary.get(k))]
+  if not keys:
+    keys = [k for k, v in summary.items() if number(v) and k not in _BOOKKEEPING]
+  return ", ".join(f"{k} {summary[k]:.4g}" for k in keys)
+
+
 def collect(workdir: str, runs: Sequence[Run]) -> list[dict]:
   """Writes DIR/results.jsonl from the finished runs' result.json, in sweep order; returns the rows."""
   rows = [r for r in (_read_json(run.result_path) for run in runs) if r is not None]
@@ -272,9 +441,11 @@ def run_sweep(
   parallel: int = 1,
   log: Callable[[str], None] = print,
   command: Callable[[str, Sequence[str], Run], list[str]] = train_command,
+  allow_unused_axes: bool = False,
 ) -> tuple[list[dict], list[str]]:
   """Runs every unfinished point of the sweep, `parallel` processes at a time; returns (results rows, names of
-  the runs that failed). A failed run is reported with its last error line and retried on the next rerun."""
+  the runs that failed). A failed run is reported with its last error line and retried on the next rerun; a finished
+  one with its wall time and final metrics (final_metrics). allow_unused_axes: see plan."""
   if not isinstance(parallel, int) or parallel < 1:
     raise ValueError(f"--parallel={parallel!r} is invalid; a positive number of runs at a time")
   if command is train_command and not os.path.isfile(TRAIN_SCRIPT):
@@ -282,7 +453,7 @@ def run_sweep(
       f"{TRAIN_SCRIPT} does not exist: sweeps run launch/train.py from a checkout of the repository "
       "(pip install -e of a clone), not from an installed copy of the package"
     )
-  runs = plan(config_arg, workdir, axes, shared)
+  runs = plan(config_arg, workdir, axes, shared, allow_unused_axes=allow_unused_axes, log=log)
   os.makedirs(workdir, exist_ok=True)
   _write_json(
     os.path.join(workdir, SWEEP_FILE),
@@ -328,7 +499,8 @@ def run_sweep(
           _write_json(
             run.result_path, {"run": run.name, "overrides": run.overrides, "result": summary, "wall_s": round(wall, 1)}
           )
-          log(f"[sweep] {run.name}: done in {wall:.0f} s")
+          metrics = final_metrics(summary)
+          log(f"[sweep] {run.name}: done in {wall:.0f} s" + (f": {metrics}" if metrics else ""))
           collect(workdir, runs)
         else:
           failed.append(run.name)

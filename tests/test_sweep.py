@@ -1,14 +1,18 @@
 """The sweep runner (glm_jax/sweep.py, launch/sweep.py): the spec's grammar and its errors, every point checked
-before the first run, and a real 2 x 2 sweep of launch/train.py runs that is killed midway and finished by a
-rerun."""
+before the first run, an axis the runs ignore refused by name (and the table of such fields checked against the
+compiled programs), each finished run's final metrics, and a real sweep of launch/train.py runs that is killed
+midway and finished by a rerun."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 from glm_jax import sweep
@@ -102,6 +106,204 @@ def test_a_workdir_of_another_sweep_is_refused(tmp_path):
     sweep.plan(CONFIG, str(workdir), sweep.parse_spec("train.seed=1,2"), [])
 
 
+def test_an_axis_the_runs_ignore_is_refused_by_name(tmp_path):
+  """model.index_topk in the default (dense) DSA stage: one line naming the field, its values, the stage, what makes
+  it matter and the flag that sweeps it anyway; nothing is written. The flag turns it into a warning."""
+  workdir = tmp_path / "sweep"
+  axes = sweep.parse_spec("optimizer.lr=1e-3,3e-3;model.index_topk=16,32")
+  with pytest.raises(ValueError) as e:
+    sweep.run_sweep(CONFIG, str(workdir), axes, command=lambda *a: pytest.fail("a run started"))
+  assert str(e.value) == (
+    "--sweep axis model.index_topk=16,32 changes nothing with train.dsa_stage='dense' (dense attention; the DSA "
+    "indexer neither runs nor trains): every value would train the same run; it matters with "
+    "--config.train.dsa_stage=sparse (from a warm-up run's checkpoint: experiments/dsa_quality.py); pass "
+    "--allow_unused_axes to sweep anyway"
+  )
+  assert not workdir.exists()
+  lines = []
+  runs_planned = sweep.plan(CONFIG, str(workdir), axes, [], allow_unused_axes=True, log=lines.append)
+  assert len(runs_planned) == 4 and len(lines) == 1
+  assert lines[0].startswith("[sweep] warning: --sweep axis model.index_topk=16,32 changes nothing with")
+  # in the sparse stage the same axis is a real one
+  assert len(sweep.plan(CONFIG, str(workdir), axes, ["--config.train.dsa_stage=sparse"], log=pytest.fail)) == 4
+
+
+@pytest.mark.parametrize(
+  "config, spec, shared, message",
+  [
+    (CONFIG, "train.mtp_loss_weight=0.1,0.3", ["--config.train.dsa_stage=warmup"], "train.dsa_stage='warmup'"),
+    (CONFIG, "train.indexer_loss_weight=0.5,1", ["--config.train.dsa_stage=warmup"], "--config.train.dsa_stage=sparse"),
+    ("configs/grpo_tiny.py", "rl.tau=1,2", [], "rl.async_rollouts=False"),
+    ("configs/grpo_tiny.py", "rl.tis_cap=1.5,3", [], "it matters with --config.rl.is_correction=truncated"),
+    ("configs/distill_tiny.py", "rl.max_pending=1,4", [], "config.trainer='distill'"),
+  ],
+)
+def test_the_unused_fields_of_each_trainer_and_stage(tmp_path, config, spec, shared, message):
+  with pytest.raises(ValueError, match="changes nothing") as e:
+    sweep.plan(config, str(tmp_path / "sweep"), sweep.parse_spec(spec), shared)
+  assert message in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+  "config, spec, shared",
+  [
+    ("configs/grpo_tiny.py", "rl.tau=1,2", ["--config.rl.async_rollouts=True"]),
+    ("configs/grpo_tiny.py", "rl.tis_cap=1.5,3", ["--config.rl.is_correction=truncated"]),
+    (CONFIG, "train.mtp_loss_weight=0.1,0.3", []),
+  ],
+)
+def test_the_same_fields_where_they_matter_are_swept(tmp_path, config, spec, shared):
+  assert len(sweep.plan(config, str(tmp_path / "sweep"), sweep.parse_spec(spec), shared, log=pytest.fail)) == 2
+
+
+def test_an_axis_some_points_ignore_is_a_warning_naming_them(tmp_path):
+  lines = []
+  axes = sweep.parse_spec("train.dsa_stage=dense,sparse;model.index_topk=16,32")
+  assert len(sweep.plan(CONFIG, str(tmp_path / "sweep"), axes, [], log=lines.append)) == 4
+  assert lines == [
+    "[sweep] warning: --sweep axis model.index_topk changes nothing with train.dsa_stage='dense' (dense attention; "
+    "the DSA indexer neither runs nor trains), so the points train.dsa_stage=dense,model.index_topk=16, "
+    "train.dsa_stage=dense,model.index_topk=32 repeat each other"
+  ]
+
+
+def test_final_metrics_are_the_runs_headline_numbers():
+  summary = {"step": 600, "eval_loss": 3.02441, "unigram_entropy": 5.179, "train_loss": 2.98, "params": 262144}
+  assert sweep.final_metrics(summary) == "eval_loss 3.024, train_loss 2.98"
+  grpo = {"trainer": "grpo", "step": 200, "start_eval_accuracy": 0.1, "eval_accuracy": 0.84375, "reward_mean": 0.5}
+  assert sweep.final_metrics(grpo) == "eval_accuracy 0.8438, reward_mean 0.5"
+  assert sweep.final_metrics({"step": 3, "seed": 1, "ok": True, "workdir": "/x"}) == "seed 1"  # none of the above
+  assert sweep.final_metrics({"step": 3, "eval_loss": None}) == ""
+
+
+# The table of unused fields, checked against what the trainer compiles: for each pretraining row of sweep.UNUSED,
+# each field at two values gives the same programs (the train state's initialization, the train step, the eval step)
+# in the row's stage, and different ones (or a refused config) in the stage of MATTERS. glm5_tiny at 2 x 16 tokens,
+# DSA selecting 4 keys; every program is lowered (traced to StableHLO), not compiled.
+TWO_VALUES = {
+  "model.index_topk": (4, 8),
+  "model.use_dsa": (True, False),
+  "model.indexer_types": (None, "FSF"),
+  "model.indexer_rope_interleave": (True, False),
+  "model.index_norm_eps": (1e-6, 1e-3),
+  "train.indexer_loss_weight": (1.0, 0.5),
+  "train.mtp_loss_weight": (0.3, 0.1),
+  "train.balance_loss_weight": (1e-4, 1e-2),
+  "train.expert_bias_rate": (1e-3, 1e-2),
+}
+MATTERS = {  # a stage where the field changes the programs
+  "model.index_topk": "sparse",
+  "model.use_dsa": "sparse",  # (False is refused there)
+  "model.indexer_types": "sparse",
+  "model.indexer_rope_interleave": "warmup",
+  "model.index_norm_eps": "warmup",
+  "train.indexer_loss_weight": "sparse",
+  "train.mtp_loss_weight": "dense",
+  "train.balance_loss_weight": "dense",
+  "train.expert_bias_rate": "dense",
+}
+
+
+def pretrain_programs(stage: str, field: str, value) -> tuple[str, ...]:
+  """The StableHLO of the state's initialization, the train step and the eval step that glm_jax/train/trainer.py
+  builds for glm5_tiny at (stage, field=value)."""
+  from configs import glm5_tiny
+  from glm_jax.train import step as step_lib, trainer
+
+  config = glm5_tiny.get_config()
+  config.data.seq_len, config.data.batch_size, config.model.index_topk = 16, 2, 4
+  config.train.dsa_stage = stage
+  section, name = field.split(".")
+  config[section][name] = value
+  model_cfg = trainer.check_config(config)
+  target = trainer.abstract_train_state(config, model_cfg)
+  train_step = step_lib.make_train_step(target.graphdef, target.optimizer, target.schedule, config.train)
+  eval_step = step_lib.make_eval_step(target.graphdef, {}, loss_chunk=config.train.loss_chunk)
+  batch = {k: jax.ShapeDtypeStruct((2, 16), jnp.int32) for k in ("input_ids", "segment_ids", "positions")}
+  return (
+    jax.jit(target.make_state).lower().as_text(),
+    train_step.lower(target.state, batch).as_text(),
+    eval_step.lower(target.state.params, target.state.rest, batch).as_text(),
+  )
+
+
+def pretrain_rows():
+  """(stage, field) of every pretraining row of sweep.UNUSED."""
+  from configs import glm5_tiny
+  from glm_jax.train.step import STAGES
+
+  out = []
+  for row in sweep.UNUSED:
+    if "pretrain" in row.trainers:
+      config = glm5_tiny.get_config()
+      for stage in STAGES:
+        config.train.dsa_stage = stage
+        if row.when(config):
+          out += [(stage, field) for field in row.fields]
+  return out
+
+
+def assert_unused_then_used(stage, field):
+  """The programs are the same for both values in `stage`, and differ (or a value is refused) in MATTERS[field]."""
+  a, b = TWO_VALUES[field]
+  assert pretrain_programs(stage, field, a) == pretrain_programs(stage, field, b), (stage, field)
+  try:
+    assert pretrain_programs(MATTERS[field], field, a) != pretrain_programs(MATTERS[field], field, b), field
+  except ValueError as e:  # a value the stage refuses: it matters there too
+    assert field in str(e), e
+
+
+@pytest.mark.slow  # 12 (stage, field) pairs, 4 x 3 programs lowered each: 10-20 s a pair on 2 cores
+@pytest.mark.parametrize("stage, field", pretrain_rows())
+def test_each_unused_pretraining_field_compiles_the_same_programs(stage, field):
+  assert_unused_then_used(stage, field)
+
+
+@pytest.mark.slow  # five GRPO steps lowered
+def test_tis_cap_changes_the_grpo_step_only_under_truncated_is():
+  """rl.tis_cap's rows: the GRPO step's program for tis_cap 1.5 and 3 is the same under IcePop and under the
+  asynchronous objective, and differs under truncated IS."""
+  import ml_collections
+  import optax
+  from flax import nnx
+
+  import configs.grpo_tiny
+  from glm_jax.model import GlmMoeDsa, ModelConfig
+  from glm_jax.rl import step as rl_step
+  from glm_jax.train.step import new_train_state
+
+  model = configs.grpo_tiny.get_config().model.to_dict()
+  model.update(num_hidden_layers=2)
+  abstract = nnx.eval_shape(lambda: GlmMoeDsa(ModelConfig.from_dict(model), nnx.Rngs(0)))
+  graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
+  optimizer = optax.sgd(0.1)
+  state = jax.eval_shape(lambda: new_train_state(params, rest, optimizer))
+  n, s = 4, 8
+  batch = dict(
+    tokens=jax.ShapeDtypeStruct((n, s), jnp.int32),
+    response_mask=jax.ShapeDtypeStruct((n, s), jnp.bool_),
+    rollout_logp=jax.ShapeDtypeStruct((n, s), jnp.float32),
+    advantages=jax.ShapeDtypeStruct((n,), jnp.float32),
+  )
+
+  def program(**changes):
+    config = configs.grpo_tiny.get_config()
+    config.rl.update(changes)
+    field_used = sweep.unused_in(config, "rl.tis_cap") is None
+    rl_cfg = ml_collections.FrozenConfigDict(config.rl)
+    step = rl_step.make_grpo_step(graphdef, optimizer, lambda step: 0.1, rl_cfg)
+    return field_used, step.lower(state, batch).as_text()
+
+  for setting in (dict(is_correction="icepop"), dict(objective="async", async_rollouts=True)):
+    (used_a, a), (used_b, b) = program(tis_cap=1.5, **setting), program(tis_cap=3.0, **setting)
+    assert a == b and not used_a and not used_b, setting
+  (used_a, a), (used_b, b) = (
+    program(tis_cap=1.5, is_correction="truncated"),
+    program(tis_cap=3.0, is_correction="truncated"),
+  )
+  assert a != b and used_a and used_b
+
+
 def test_a_failed_run_is_reported_and_retried(tmp_path):
   """A run that exits non-zero leaves no result; the others go on, and the rerun retries only it."""
   workdir = str(tmp_path / "sweep")
@@ -113,15 +315,17 @@ def test_a_failed_run_is_reported_and_retried(tmp_path):
     code = f"open({marker!r}, 'w').close(); import sys; " + (
       "sys.stderr.write('error: disk full\\n'); sys.exit(1)"
       if fail
-      else f"print('noise'); print('{{\"step\": 3, \"seed\": {run.overrides['train.seed']}}}')"
+      else f"print('noise'); print('{{\"step\": 3, \"seed\": {run.overrides['train.seed']}, \"eval_loss\": 3.14159}}')"
     )
     return [sys.executable, "-c", code]
 
   lines = []
   rows, failed = sweep.run_sweep(CONFIG, workdir, axes, command=fake, log=lines.append)
   assert failed == ["train.seed=2"]
-  assert [r["result"] for r in rows] == [{"step": 3, "seed": 1}]
+  assert [r["result"] for r in rows] == [{"step": 3, "seed": 1, "eval_loss": 3.14159}]
   assert any("train.seed=2: FAILED (exit code 1) error: disk full" in line for line in lines)
+  (done,) = [line for line in lines if "done in" in line]
+  assert re.fullmatch(r"\[sweep\] train\.seed=1: done in \d+ s: eval_loss 3\.142", done), done
   lines.clear()
   rows, failed = sweep.run_sweep(CONFIG, workdir, axes, command=fake, log=lines.append)
   assert failed == [] and [r["result"]["seed"] for r in rows] == [1, 2]
@@ -184,7 +388,7 @@ def test_a_killed_sweep_finishes_only_its_missing_runs(tmp_path, data_cache_dir)
   assert losses[0] != losses[1]  # the seed reached each run
 
 
-@pytest.mark.slow  # three launch/sweep.py processes; the in-process tests above check the same errors
+@pytest.mark.slow  # four launch/sweep.py processes; the in-process tests above check the same errors
 @pytest.mark.parametrize(
   "args, code, message",
   [
@@ -195,6 +399,11 @@ def test_a_killed_sweep_finishes_only_its_missing_runs(tmp_path, data_cache_dir)
     ),
     (["--sweep=optimizer.lrr=1e-3"], 1, "error: sweep point 'optimizer.lrr=1e-3':"),
     (["--sweep=train.seed=1", "--config.train.stepz=3"], 2, "error: --config.train.stepz=3: the config has no field"),
+    (
+      ["--sweep=model.index_topk=16,32"],
+      1,
+      "error: --sweep axis model.index_topk=16,32 changes nothing with train.dsa_stage='dense'",
+    ),
   ],
 )
 def test_the_command_line_fails_in_one_line_and_creates_nothing(tmp_path, args, code, message):
