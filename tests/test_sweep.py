@@ -207,7 +207,7 @@ MATTERS = {  # a stage where the field changes the programs
 def pretrain_programs(stage: str, field: str, value) -> tuple[str, ...]:
   """The StableHLO of the state's initialization, the train step and the eval step that glm_jax/train/trainer.py
   builds for glm5_tiny at (stage, field=value)."""
-  from configs import glm5_tiny
+  from glm_jax.configs import glm5_tiny
   from glm_jax.train import step as step_lib, trainer
 
   config = glm5_tiny.get_config()
@@ -229,7 +229,7 @@ def pretrain_programs(stage: str, field: str, value) -> tuple[str, ...]:
 
 def pretrain_rows():
   """(stage, field) of every pretraining row of sweep.UNUSED."""
-  from configs import glm5_tiny
+  from glm_jax.configs import glm5_tiny
   from glm_jax.train.step import STAGES
 
   out = []
@@ -267,12 +267,12 @@ def test_tis_cap_changes_the_grpo_step_only_under_truncated_is():
   import optax
   from flax import nnx
 
-  import configs.grpo_tiny
+  import glm_jax.configs.grpo_tiny
   from glm_jax.model import GlmMoeDsa, ModelConfig
   from glm_jax.rl import step as rl_step
   from glm_jax.train.step import new_train_state
 
-  model = configs.grpo_tiny.get_config().model.to_dict()
+  model = glm_jax.configs.grpo_tiny.get_config().model.to_dict()
   model.update(num_hidden_layers=2)
   abstract = nnx.eval_shape(lambda: GlmMoeDsa(ModelConfig.from_dict(model), nnx.Rngs(0)))
   graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
@@ -287,7 +287,7 @@ def test_tis_cap_changes_the_grpo_step_only_under_truncated_is():
   )
 
   def program(**changes):
-    config = configs.grpo_tiny.get_config()
+    config = glm_jax.configs.grpo_tiny.get_config()
     config.rl.update(changes)
     field_used = sweep.unused_in(config, "rl.tis_cap") is None
     rl_cfg = ml_collections.FrozenConfigDict(config.rl)
