@@ -7,11 +7,12 @@ scores the student's tokens, and the advantage of each token is sg(log p_teacher
 student's per-token KL to its teachers (metrics: teacher_kl, teacher_kl/<name>) falls.
 
   python launch/train.py --config=configs/distill_tiny.py                   # ~5 minutes on a laptop CPU
+  python launch/train.py --config=configs/distill_tiny.py:smoke             # a few steps of everything: seconds
 """
 
 import ml_collections
 
-from glm_jax.configs import grpo_tiny
+from glm_jax.configs import common, grpo_tiny
 
 
 def teacher(task: str, weight: float, seed: int, **task_kwargs) -> ml_collections.ConfigDict:
@@ -29,7 +30,11 @@ def teacher(task: str, weight: float, seed: int, **task_kwargs) -> ml_collection
   )
 
 
-def get_config() -> ml_collections.ConfigDict:
+VARIANTS = ("smoke",)
+
+
+def get_config(variant: str = "") -> ml_collections.ConfigDict:
+  v = common.variants(variant, "configs/distill_tiny.py", VARIANTS)
   config = grpo_tiny.get_config()
   config.name = "distill_tiny"
   config.trainer = "distill"
@@ -46,4 +51,4 @@ def get_config() -> ml_collections.ConfigDict:
   config.rl.eval_every = 20
   config.optimizer.lr = 1e-3  # the advantages are log-prob gaps, not normalized: larger steps than GRPO's
   config.optimizer.lr_init = 0.0
-  return config
+  return grpo_tiny.smoke(config) if v.smoke else config

@@ -6,6 +6,7 @@ with an exact-match reward: the sampled answers' mean reward climbs past 50% wit
   python launch/train.py --config=configs/grpo_tiny.py                      # ~5 minutes on a laptop CPU
   python launch/train.py --config=configs/grpo_tiny.py --config.rl.async_rollouts=True \
       --config.rl.objective=async --config.rl.tau=1                         # GLM-5's asynchronous form
+  python launch/train.py --config=configs/grpo_tiny.py:smoke                # a few steps of everything: seconds
 """
 
 import ml_collections
@@ -13,7 +14,21 @@ import ml_collections
 from glm_jax.configs import common, glm5_tiny
 
 
-def get_config() -> ml_collections.ConfigDict:
+VARIANTS = ("smoke",)
+
+
+def smoke(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """A post-training config as a run of seconds: 4 fine-tuning steps, 2 updates on small batches, evaluated at each."""
+  config.sft.steps, config.sft.batch_size = 4, 16
+  config.sft.optimizer.warmup_steps, config.sft.optimizer.decay_steps = 1, 3
+  config.rl.update(dict(steps=2, prompts_per_step=8, eval_prompts=16, log_every=1, eval_every=2, checkpoint_every=2))
+  for spec in config.get("teachers", {}).values():
+    spec.sft_steps = 4
+  return config
+
+
+def get_config(variant: str = "") -> ml_collections.ConfigDict:
+  v = common.variants(variant, "configs/grpo_tiny.py", VARIANTS)
   config = ml_collections.ConfigDict()
   config.name = "grpo_tiny"
   config.trainer = "grpo"  # launch/train.py: "pretrain" | "grpo" | "distill"
@@ -66,4 +81,4 @@ def get_config() -> ml_collections.ConfigDict:
   o.schedule = "constant"
   o.weight_decay = 0.0
   o.b2 = 0.99
-  return config
+  return smoke(config) if v.smoke else config

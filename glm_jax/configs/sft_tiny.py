@@ -12,6 +12,7 @@ trained weights with the same quantizer, and the packed model computes the QAT m
 
   python launch/train.py --config=configs/glm5_tiny.py --workdir=runs/base            # pretrain first
   python launch/train.py --config=configs/sft_tiny.py --workdir=runs/sft --config.train.init_from=runs/base
+  python launch/train.py --config=configs/sft_tiny.py:smoke              # 20 steps: seconds, for CI
 """
 
 import ml_collections
@@ -19,7 +20,11 @@ import ml_collections
 from glm_jax.configs import common, glm5_tiny
 
 
-def get_config() -> ml_collections.ConfigDict:
+VARIANTS = ("smoke",)
+
+
+def get_config(variant: str = "") -> ml_collections.ConfigDict:
+  v = common.variants(variant, "configs/sft_tiny.py", VARIANTS)
   config = glm5_tiny.get_config()
   config.name = "sft_tiny"
   config.trainer = "sft"
@@ -29,4 +34,4 @@ def get_config() -> ml_collections.ConfigDict:
   config.train = common.train(steps=200, eval_every=50, checkpoint_every=100)
   config.optimizer = common.optimizer(lr=1e-3, lr_end=1e-4, warmup_steps=20, decay_steps=180)
   config.quant = common.quant(scheme="int4", group_size=32, scope="routed_experts")
-  return config
+  return common.smoke(config) if v.smoke else config
