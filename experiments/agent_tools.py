@@ -34,6 +34,7 @@ _BASE = flags.DEFINE_string("base", None, "A pretraining run of glm5_tiny (its c
 _OUT = flags.DEFINE_string("out", None, "Where the agentic run goes (<out>/run).")
 _SFT_STEPS = flags.DEFINE_integer("sft_steps", None, "Agentic SFT steps (default: the config's).")
 _RL_STEPS = flags.DEFINE_integer("rl_steps", None, "GRPO steps (default: the config's).")
+_SEED = flags.DEFINE_integer("seed", 0, "rl.seed: the SFT's and GRPO's data and sampling.")
 _EVAL_TASKS = flags.DEFINE_integer("eval_tasks", 64, "Held-out tasks an environment, answered greedily.")
 _RESULTS = flags.DEFINE_string("results", "experiments/results/agent_tools.json", "Where the figures go (JSON).")
 _FIGURE = flags.DEFINE_string("figure", "experiments/figures/agent_tools.png", "The reward curves.")
@@ -84,6 +85,7 @@ def main(argv):
     raise app.UsageError("--base and --out are required")
   config = agent_tiny.get_config()
   config.rl.init_from = _BASE.value
+  config.rl.seed = _SEED.value
   if _SFT_STEPS.value is not None:
     config.sft.steps = _SFT_STEPS.value
     config.sft.optimizer.decay_steps = max(config.sft.steps - config.sft.optimizer.warmup_steps, 1)

@@ -31,7 +31,9 @@ _DENSE_STEPS = flags.DEFINE_integer("dense_steps", 150, "Steps of the dense stag
 _WARMUP_STEPS = flags.DEFINE_integer("warmup_steps", 40, "Steps of the indexer warm-up.")
 _STEPS = flags.DEFINE_integer("steps", 100, "Steps of each branch (dense, sparse at each top-k).")
 _TOPK = flags.DEFINE_list("topk", ["64", "128", "256"], "index_topk of the sparse branches.")
-_BATCH = flags.DEFINE_integer("batch_size", 2, "Rows of 2,048 tokens a step.")
+_BATCH = flags.DEFINE_integer("batch_size", 2, "Rows of --seq_len tokens a step.")
+_SEQ_LEN = flags.DEFINE_integer("seq_len", 2048, "Tokens a row (glm5_tiny's long variant: 2,048).")
+_SEED = flags.DEFINE_integer("seed", 0, "train.seed of every stage (the dense stage's initialization, the data order).")
 _RESULTS = flags.DEFINE_string("results", "experiments/results/dsa_quality.json", "The JSON of the figures.")
 _FIGURE = flags.DEFINE_string("figure", "experiments/figures/dsa_quality.png", "Every stage on one step axis (PNG).")
 _BRANCH_FIGURE = flags.DEFINE_string(
@@ -42,6 +44,8 @@ _BRANCH_FIGURE = flags.DEFINE_string(
 def stage_config(stage: str, steps: int, init_from: str = "", topk: int | None = None):
   config = glm5_tiny.get_config("long")
   config.data.batch_size = _BATCH.value
+  config.data.seq_len = _SEQ_LEN.value
+  config.train.seed = _SEED.value
   config.train.dsa_stage = stage
   config.train.steps = steps
   config.train.init_from = init_from
@@ -80,7 +84,8 @@ def main(argv):
   rows = plots.read_metrics(warmup_dir)
   kl = [r["indexer_kl"] for r in rows if r.get("indexer_kl") is not None]
   summary = {
-    "seq_len": 2048,
+    "seq_len": _SEQ_LEN.value,
+    "seed": _SEED.value,
     "batch_size": _BATCH.value,
     "dense_steps": _DENSE_STEPS.value,
     "warmup_steps": _WARMUP_STEPS.value,
@@ -103,7 +108,7 @@ def main(argv):
   plots.save(fig, _FIGURE.value)
   # the branches alone, where their differences (a percent of the loss) show: the same step axis, held-out points
   _, offsets, _ = plots.chain(stages, branch_dirs)
-  title = f"dense vs DSA after {_WARMUP_STEPS.value} warm-up steps, 2,048-token rows"
+  title = f"dense vs DSA after {_WARMUP_STEPS.value} warm-up steps, {_SEQ_LEN.value:,}-token rows"
   fig = plots.curves(branch_dirs, metrics, smooth=3, reference=entropy, offsets=offsets, width=6.5, title=title)
   plots.save(fig, _BRANCH_FIGURE.value)
   print(json.dumps(summary), flush=True)

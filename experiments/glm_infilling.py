@@ -32,6 +32,7 @@ from glm_jax.train.trainer import restore_run, train_and_evaluate
 _WORKDIR = flags.DEFINE_string("workdir", "runs/glm_infilling", "Where the runs go.")
 _STEPS = flags.DEFINE_integer("steps", 600, "Training steps of each model.")
 _RESULTS = flags.DEFINE_string("results", "experiments/results/glm_infilling.jsonl", "JSON lines of the table.")
+_SEED = flags.DEFINE_integer("seed", 0, "train.seed of both models (the initialization, the data order).")
 
 
 def blanks_of(batch: dict[str, np.ndarray]) -> list[dict]:
@@ -149,7 +150,9 @@ def main(argv):
   configs = {"glm": glm130b_tiny.get_config(), "causal": glm130b_tiny.get_config("causal")}
   for name, config in configs.items():
     config.train.steps = _STEPS.value
+    config.train.seed = _SEED.value
     config.train.eval_every = config.train.checkpoint_every = _STEPS.value
+    config.optimizer.warmup_steps = min(config.optimizer.warmup_steps, max(_STEPS.value // 10, 1))  # 50 at 600
     config.optimizer.decay_steps = _STEPS.value - config.optimizer.warmup_steps
     workdir = os.path.join(_WORKDIR.value, name)
     t0 = time.perf_counter()

@@ -23,6 +23,7 @@ from glm_jax.train.trainer import train_and_evaluate
 _WORKDIR = flags.DEFINE_string("workdir", "runs/glm_stability", "Where the runs go.")
 _LR = flags.DEFINE_float("lr", 1e-2, "AdamW's peak learning rate (after 20 warm-up steps, then constant).")
 _STEPS = flags.DEFINE_integer("steps", 300, "Training steps of each run.")
+_SEED = flags.DEFINE_integer("seed", 0, "train.seed of every run (the initialization, the data order).")
 _FIGURE = flags.DEFINE_string("figure", "experiments/figures/glm_stability.png", "The loss curves.")
 _RESULTS = flags.DEFINE_string("results", "experiments/results/glm_stability.jsonl", "JSON lines of the runs.")
 
@@ -39,6 +40,7 @@ def config_for(norm_style: str, egs: float):
   config.model.norm_style = norm_style
   config.train.embedding_grad_shrink = egs
   config.train.steps = _STEPS.value
+  config.train.seed = _SEED.value
   config.train.log_every = 1
   config.train.eval_every = config.train.checkpoint_every = _STEPS.value
   config.train.grad_clip_norm = 0.0
@@ -46,7 +48,7 @@ def config_for(norm_style: str, egs: float):
   config.train.max_consecutive_skips = 0
   config.optimizer.name = "adamw"
   config.optimizer.lr = _LR.value
-  config.optimizer.warmup_steps = 20
+  config.optimizer.warmup_steps = min(20, max(_STEPS.value // 10, 1))  # 20 at 300 steps
   config.optimizer.schedule = "constant"
   return config
 
