@@ -2,7 +2,7 @@ r"""The pod table: glm5_744b's training steps compiled for a v5p slice and coste
 
 Runs `launch/compile.py --flops` for every row (a process each; the shallow copies' HLO is kept under --hlo_dir so
 the cost model can be run again without compiling) and writes the JSON lines to --out, then prints the table the
-README shows: per-chip memory, compiled / useful FLOPs, the serial and the scheduled step, the calibrated step
+docs/pods.md shows: per-chip memory, compiled / useful FLOPs, the serial and the scheduled step, the calibrated step
 (hlo_cost.CALIBRATION), MFU over the useful-work numerator (glm_jax/train/flops.py, useful_flops), tokens a second
 a chip; balanced routing, hot routing's step beside it. A second table bounds each program: its MFU if every
 collective were hidden, and if besides the recompute were gone (glm_jax/train/aot.py's step_bounds).

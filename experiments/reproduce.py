@@ -8,7 +8,8 @@ r"""The small-scale reproductions: runs them, then writes docs/results.md, the f
 Each result is a claim of the GLM-5 report (or of GLM-130B's, whose ideas GLM inherits) measured at glm5_tiny's
 scale: its runs (a sweep of launch/train.py, or an experiment script), its figures (--out/figures, by default
 experiments/figures), its numbers (--out/results/<name>.json, by default experiments/results) and one row of the
-table in docs/results.md (--out/results.md), every number of which is read from the runs. A learning result runs
+table in docs/results.md (its section between the reproduce.py markers; --out/results.md), every number of which is
+read from the runs. A learning result runs
 --seeds seeds (3) and reports the mean over them with the range (min to max), so that a figure means the same on
 another machine; a verdict is "reproduces" only when it holds in every seed.
 
@@ -102,6 +103,9 @@ _SHRUNK_PRETRAIN = [
   "--config.optimizer.warmup_steps=1",
   "--config.optimizer.decay_steps=1",
 ]
+
+
+_QUIET = "--verbosity=-1"  # the experiment scripts: absl's WARNING and up (Orbax logs every save at INFO)
 
 
 def _rl_config(ctx: Ctx, name: str) -> str:
@@ -403,7 +407,7 @@ def _per_seed_script(
   `figures` ({flag: file name}), the other seeds' beside their runs."""
   for seed in ctx.seeds:
     d = ctx.run_dir(name, f"seed_{seed}")
-    argv = [script, f"--workdir={d}", f"--seed={seed}", f"--results={os.path.join(d, 'results.json')}"]
+    argv = [script, f"--workdir={d}", f"--seed={seed}", f"--results={os.path.join(d, 'results.json')}", _QUIET]
     for flag, file in figures.items():
       target = os.path.join(ctx.figures, file) if seed == ctx.seeds[0] else os.path.join(d, file)
       argv.append(f"--{flag}={target}")
@@ -519,7 +523,14 @@ def run_agent_tools(ctx: Ctx) -> None:
       if ctx.shrink
       else ["--sft_steps=1200", "--rl_steps=60", "--eval_tasks=64"]
     )
-    argv = ["experiments/agent_tools.py", f"--base={base}", f"--out={d}", f"--seed={seed}", f"--figure={figure}"]
+    argv = [
+      "experiments/agent_tools.py",
+      f"--base={base}",
+      f"--out={d}",
+      f"--seed={seed}",
+      f"--figure={figure}",
+      _QUIET,
+    ]
     ctx.run("agent_tools", [*argv, f"--results={os.path.join(d, 'results.json')}", *size])
 
 
@@ -623,18 +634,20 @@ def _git_commit() -> str:
   return proc.stdout.strip() or "unknown"
 
 
+BEGIN, END = "<!-- reproduce.py: begin -->", "<!-- reproduce.py: end -->"
+
+
 def render(ctx: Ctx, measured: dict[str, dict | None]) -> str:
-  """docs/results.md: the table of every result, from the runs."""
+  """The section of docs/results.md this script owns (between BEGIN and END): the table of every result."""
   when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
   lines = [
-    "# Small-scale reproductions",
+    BEGIN,
+    "## Small-scale reproductions",
     "",
-    "Written by `experiments/reproduce.py` from its runs; do not edit by hand. Rerun it to update this page:",
-    "`bash scripts/with_env.sh python experiments/reproduce.py` (a finished run is not run again).",
-    "",
+    "Written by `experiments/reproduce.py` from its runs; do not edit by hand. "
     f"Last written {when} at commit {_git_commit()}, on {platform.machine()} with {os.cpu_count()} CPUs"
-    f"{' (shrunk runs: not results)' if ctx.shrink else ''}. Learning results: {len(ctx.seeds)} seed(s), "
-    "each number the mean and, in parentheses, the range over the seeds; a verdict holds in every seed or says so.",
+    f"{' (shrunk runs: not results)' if ctx.shrink else ''}. Learning results over {len(ctx.seeds)} seed(s): each "
+    "number is the mean and, in parentheses, the range over the seeds; a verdict holds in every seed or says so.",
     "",
     "| claim | command | seeds | wall time | measured | verdict | figures |",
     "|---|---|---|---|---|---|---|",
@@ -652,10 +665,19 @@ def render(ctx: Ctx, measured: dict[str, dict | None]) -> str:
       ", ".join(f"[`{f}`](../experiments/figures/{f})" for f in r.figures) or "-",
     ]
     lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
-  lines.append("")
-  for f in FIGURES:
-    lines += [f"![{f}](../experiments/figures/{f})", ""]
+  lines += ["", END]
   return "\n".join(lines)
+
+
+def write_page(path: str, section: str) -> None:
+  """Replaces the section between BEGIN and END in `path` (a page without them, or no page: the section alone)."""
+  text = open(path).read() if os.path.exists(path) else ""
+  if BEGIN in text and END in text:
+    text = text[: text.index(BEGIN)] + section + text[text.index(END) + len(END) :]
+  else:
+    text = section + "\n"
+  with open(path, "w") as f:
+    f.write(text)
 
 
 def main(argv):
@@ -689,8 +711,7 @@ def main(argv):
       with open(os.path.join(ctx.results, f"{r.name}.json"), "w") as f:
         json.dump({"claim": r.claim, "seeds": list(ctx.seeds), "wall_s": ctx.wall_s(r.name), **m}, f, indent=1)
   page = os.path.join(out, "results.md") if out else os.path.join(ROOT, "docs", "results.md")
-  with open(page, "w") as f:
-    f.write(render(ctx, measured))
+  write_page(page, render(ctx, measured))
   print(f"[reproduce] wrote {page}", flush=True)
 
 

@@ -74,3 +74,18 @@ def test_the_shrunk_reproduction_writes_every_figure_and_row(tmp_path):
       and numbers["seeds"] == [0]
       and numbers["measured"] in (out / "results.md").read_text()
     )
+
+
+def test_the_script_replaces_only_its_section(tmp_path):
+  page = tmp_path / "results.md"
+  page.write_text(f"# Results\nintro\n{reproduce.BEGIN}\nold table\n{reproduce.END}\n\n## Quantization\nkept\n")
+  reproduce.write_page(str(page), f"{reproduce.BEGIN}\nnew table\n{reproduce.END}")
+  assert (
+    page.read_text() == f"# Results\nintro\n{reproduce.BEGIN}\nnew table\n{reproduce.END}\n\n## Quantization\nkept\n"
+  )
+  fresh = tmp_path / "fresh.md"
+  reproduce.write_page(str(fresh), "section")
+  assert fresh.read_text() == "section\n"
+  # the committed page has the markers once each, so a run of the script replaces only the reproductions' table
+  committed = open(os.path.join(ROOT, "docs", "results.md")).read()
+  assert committed.count(reproduce.BEGIN) == 1 and committed.count(reproduce.END) == 1

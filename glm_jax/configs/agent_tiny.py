@@ -42,7 +42,7 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
 
   sft = config.sft = grpo_tiny.get_config().sft
   # 400 steps taught the form (well-formed calls) but not copying: the model called the tool with other numbers and
-  # answered other words (0-2% success); 1200 steps copy the calculator's arguments and result exactly (README).
+  # answered other words (0-2% success); 1200 steps copy the calculator's arguments and result exactly (docs/results.md)
   sft.steps = 1200
   sft.batch_size = 8
   sft.seq_len = 1024  # a demonstration with the tools' block is 600-900 tokens

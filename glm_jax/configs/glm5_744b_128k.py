@@ -18,7 +18,7 @@ indexer, then the sparse stage); docs/glm5_facts.md sections 1 and 3. The layout
     [4,096 x 154,880] fp32 logits a chip whole (2.4 GiB, and as much again for their gradient).
   - warm-up: dense attention (and the indexer's KL to it) model.attention_chunk=256 query rows at a time, in MLA's
     absorbed form against the gathered keys ([64 heads, 256, 131,072] fp32 scores a block, 8 GiB), never [T, T].
-Measured figures are in the README ("Long context").
+Measured figures are in docs/pods.md ("Long context").
 """
 
 from glm_jax.configs import common, glm5_744b

@@ -13,7 +13,7 @@ A post-training config (configs/grpo_tiny.py, configs/distill_tiny.py) has the s
   quant      (optional) INT4 quantization-aware RL (glm_jax/model/quantization.py, slime's recipe): the updates
              fake-quantize the planned weights and the rollouts sample from them packed by the same quantizer
 rl.reward is a name of glm_jax/rl/rewards.py's REWARD_FNS or the import path of a reward factory
-("package.module:make_reward"): a new task and its reward live in a module of their own (README.md, post-training).
+("package.module:make_reward"): a new task and its reward live in a module of their own (docs/post_training.md).
 `validate_rl_config` checks them, naming the field, its value and what is valid; `task_mix` is the run's
 [(task, weight)].
 """

@@ -19,7 +19,7 @@ The tasks (a prompt ends with "=", the answer follows it and the model ends it w
 
 A task of your own needs no edit here: subclass TaskBase in a module of yours and name it by its import path,
 make_task("my_tasks:CountTask", length=3) (a config's tasks.<label>.task or teachers.<name>.task field;
-README.md's post-training section shows one with its reward).
+docs/post_training.md shows one with its reward).
 
 Host-side numpy only; everything is deterministic given the numpy Generator passed in.
 """
