@@ -1,15 +1,20 @@
 r"""Post-training quantization: packs a run's latest checkpoint into a quantized model for the sampler and rollouts.
 
-  python launch/quantize.py --config=configs/glm5_tiny.py --workdir=workdirs/glm5_tiny --scheme=w4a8 \
-      --out=workdirs/glm5_tiny_w4a8
-  python launch/sample.py --config=configs/glm5_tiny.py --packed=workdirs/glm5_tiny_w4a8 --prompt="In the beginning"
+  python launch/quantize.py --workdir=workdirs/glm5_tiny --scheme=w4a8 --out=workdirs/glm5_tiny_w4a8
+  python launch/sample.py --packed=workdirs/glm5_tiny_w4a8 --prompt="In the beginning"
+
+--workdir is any run's directory (pretraining, SFT, GRPO, distillation, a converted checkpoint: glm_jax/restore.py);
+its config and tokenizer come from the checkpoint. --config (optional) gives the config instead, its model the run's
+(without --workdir the run is workdirs/<config.name>); --config.x.y=v overrides without --config apply to the recorded
+config.
 
 Schemes (glm_jax/model/quantization.py): int4 (weight-only, groups of --group_size along the input; GLM-5's QAT
 format, by default on the routed experts), int4_row (GLM-130B's per-row INT4 weight-only on the attention and
 feed-forward weights), w8a8, w4a8 (the Ascend mix: W8A8 attention and dense MLPs, W4A8 MoE experts).
 --scope overrides the scheme's default scope: groups ("routed_experts,attention") or "re:<regex on paths>".
---config must be the run's config; the packed model records it, its tokenizer and the quant section. Prints
-one JSON line: the scheme, the packed parameters, the weight bytes before and after.
+The packed model records the config, the run's tokenizer and the quant section (the config's quant section, when it
+has one, under the flags: an SFT run's QAT group size is the default). Prints one JSON line: the scheme, the packed
+parameters, the weight bytes before and after.
 
 --out must not exist, nor be inside the run's directory. The model is written inside <out>.partial, a directory
 made with glm_jax/paths.py's marker (which names its writer), and renamed to <out> when complete; a <out>.partial
@@ -19,18 +24,22 @@ and refused before any work.
 
 import json
 import os
+import sys
 
 import ml_collections
 from absl import flags, logging
 from ml_collections import config_flags
 
-from glm_jax import cli, paths
+from glm_jax import cli, paths, restore
 from glm_jax.model.quantization import SCHEMES, check_quant_config, default_quant_config
 from glm_jax.train.packed_checkpoint import save_packed
-from glm_jax.train.trainer import restore_run
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "The run's configs/*.py file.", lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "The run's directory (default: workdirs/<config name>).")
+_CONFIG = config_flags.DEFINE_config_file(
+  "config", None, "The run's configs/*.py file (default: the config the checkpoint recorded).", lock_config=True
+)
+_WORKDIR = flags.DEFINE_string(
+  "workdir", None, "The run's directory (any run, or a converted checkpoint; with --config: workdirs/<config.name>)."
+)
 _OUT = flags.DEFINE_string("out", None, "The packed model's directory (must not exist).")
 _SCHEME = flags.DEFINE_enum("scheme", None, [s for s in SCHEMES if s != "none"], "The quantization scheme.")
 _GROUP = flags.DEFINE_integer(
@@ -72,16 +81,20 @@ def main(argv):
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)
   config = _CONFIG.value
-  q = quant_section(config)
-  workdir = _WORKDIR.value or f"workdirs/{config.get('name', 'run')}"
+  if config is not None:
+    quant_section(config)  # the flags and the config's quant section, before the run is looked at
+  workdir = _WORKDIR.value or (f"workdirs/{config.get('name', 'run')}" if config is not None else None)
+  if workdir is None:
+    raise ValueError("--workdir is required: give a run's directory")
   out = checked_out(_OUT.value, workdir)
-  run = restore_run(config, workdir)
+  run = restore.load_run(workdir, config, check=quant_section)  # the recorded config's section, before any weight
+  q = quant_section(run.config)
   meta = save_packed(
     out,
-    run.state.params,
-    run.state.rest,
+    run.params,
+    run.rest,
     quant=q,
-    config=config.to_dict(),
+    config=run.config.to_dict(),
     tokenizer=run.tokenizer.record(),
     source={"workdir": workdir, "step": run.step},
   )
@@ -103,5 +116,8 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  flags.mark_flags_as_required(["config", "out", "scheme"])
+  flags.mark_flags_as_required(["out", "scheme"])
+  sys.argv = restore.config_file_argv(
+    sys.argv, os.path.join(os.path.dirname(os.path.abspath(__file__)), "recorded_config.py")
+  )
   cli.run(main)

@@ -31,6 +31,7 @@ RANKS = {
   "glm_jax.rl": 5,  # its rollouts may run on the serving engine
   "glm_jax.cli": 5,  # the launch scripts' error handling (reads train.guards)
   "glm_jax.sweep": 6,  # checks each point's config with the pretraining and RL trainers' checks
+  "glm_jax.restore": 6,  # any run's weights, config and tokenizer (the RL tasks' vocabulary among them)
   "launch": 7,
   "experiments": 7,
 }

@@ -272,6 +272,27 @@ class Sampler:
     """positions / block_positions (one list per prompt, as long as it) and prefix_lens (the bidirectional
     prefix of each prompt): GLM's blank-infilling layout (glm_jax/inference/infill.py); none of them for plain
     prompts."""
+    generate, args = self._program(params, rest, prompts, key, positions, block_positions, prefix_lens)
+    with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
+      out = generate(*args)
+    finite_B = np.asarray(jnp.all(jnp.isfinite(out.logp) | ~out.response_mask, axis=-1))
+    if not finite_B.all():
+      rows = np.flatnonzero(~finite_B).tolist()
+      raise FloatingPointError(
+        f"sampling: rows {rows} drew tokens with a non-finite log-probability (temperature="
+        f"{self.sampling.temperature}): the model's logits are NaN or infinite (non-finite weights?)"
+      )
+    return out
+
+  def compile(self, params, rest, prompts: Sequence[Sequence[int]], key: jax.Array) -> None:
+    """Compiles the generation for a batch shaped like `prompts` without running it: a later call on such a batch
+    runs at once (jax keeps the executable), so that a caller can time the generation alone (launch/sample.py)."""
+    generate, args = self._program(params, rest, prompts, key, None, None, None)
+    with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
+      generate.lower(*args).compile()
+
+  def _program(self, params, rest, prompts, key, positions, block_positions, prefix_lens):
+    """(the jitted generation for these prompts' cache length, its arguments), the prompts checked."""
     cache_len = check_prompts(prompts, self.cfg, self.sampling, self.cache_len, self.width, self.speculate or 0)
     prompts_BT, lens_B = pad_prompts(prompts, self.sampling.pad_id, self.width)
     layout = self._layout(prompts, prompts_BT.shape[1], positions, block_positions, prefix_lens)
@@ -290,16 +311,7 @@ class Sampler:
       )
       generate = functools.partial(speculative.generate, k=self.speculate) if self.speculate else _generate
       self._jitted[cache_len] = jax.jit(functools.partial(generate, self._graphdef, **kw))
-    with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
-      out = self._jitted[cache_len](*args)
-    finite_B = np.asarray(jnp.all(jnp.isfinite(out.logp) | ~out.response_mask, axis=-1))
-    if not finite_B.all():
-      rows = np.flatnonzero(~finite_B).tolist()
-      raise FloatingPointError(
-        f"sampling: rows {rows} drew tokens with a non-finite log-probability (temperature="
-        f"{self.sampling.temperature}): the model's logits are NaN or infinite (non-finite weights?)"
-      )
-    return out
+    return self._jitted[cache_len], args
 
   def _sharded(self, args):
     """The generation's arguments put on the mesh (the parameters by their logical axes, every [B, ...] row-indexed

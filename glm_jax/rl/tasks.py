@@ -26,9 +26,11 @@ Host-side numpy only; everything is deterministic given the numpy Generator pass
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import hashlib
 import importlib
+import re
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
@@ -62,6 +64,26 @@ class CharVocab:
     """What a checkpoint saves of this vocabulary (as data.Tokenizer.record, without a JSON to rebuild it from)."""
     digest = hashlib.sha256(f"CharVocab:{self.alphabet}".encode("utf-8")).hexdigest()
     return {"name": f"CharVocab({self.alphabet!r})", "sha256": digest, "vocab_size": self.vocab_size}
+
+  @classmethod
+  def from_record(cls, record: Mapping) -> "CharVocab":
+    """The vocabulary a checkpoint recorded (see record; its name holds the alphabet); ValueError when the record is
+    not a CharVocab's or does not rebuild it."""
+    name = record.get("name")
+    match = re.fullmatch(r"CharVocab\((.*)\)", name, re.S) if isinstance(name, str) else None
+    try:
+      alphabet = ast.literal_eval(match.group(1)) if match else None
+    except (ValueError, SyntaxError):
+      alphabet = None
+    if not isinstance(alphabet, str):
+      raise ValueError(f"tokenizer record {name!r}: not a CharVocab's (expected the name CharVocab('<alphabet>'))")
+    vocab = cls(alphabet)
+    if vocab.record()["sha256"] != record.get("sha256"):
+      raise ValueError(
+        f"tokenizer record {name!r}: its alphabet hashes to {vocab.record()['sha256'][:12]}, the record says "
+        f"{str(record.get('sha256'))[:12]}"
+      )
+    return vocab
 
   def __repr__(self) -> str:
     return f"CharVocab(alphabet={self.alphabet!r}, vocab_size={self.vocab_size})"

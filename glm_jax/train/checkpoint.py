@@ -218,6 +218,11 @@ class Checkpointer:
     tokenizers.Tokenizer, its JSON), or None for a checkpoint saved without one."""
     return self._read_json(step, "tokenizer")
 
+  def recorded_config(self, step: int) -> dict | None:
+    """The config saved with `step` (the run's whole config as JSON; a converted checkpoint's is the config it was laid
+    out for, or just its model section), or None for a checkpoint saved without one."""
+    return self._read_json(step, "config")
+
   def require_tokenizer(self, tokenizer: Mapping[str, Any], field: str) -> None:
     """Raises ValueError (naming `field`, the config field that chose this checkpoint) when the newest step
     recorded another tokenizer than `tokenizer` (a record); a step that recorded none is accepted."""

@@ -410,7 +410,8 @@ def test_sample_py_checks_its_flags_and_workdir_first(tmp_path):
   proc = run_script("launch/sample.py", *base)
   assert proc.returncode == 1
   assert one_error_line(proc) == (
-    f"error: {tmp_path}/missing: no checkpoints directory ({tmp_path}/missing/checkpoints does not exist)"
+    f"error: --workdir={tmp_path}/missing: no checkpoints directory ({tmp_path}/missing/checkpoints does not exist); "
+    "give a run's directory: launch/train.py's --workdir or launch/convert.py's --out_dir"
   )
   assert not os.path.exists(tmp_path / "missing")
 
