@@ -15,9 +15,9 @@ import jax
 import numpy as np
 import pytest
 
-import configs.distill_tiny
-import configs.grpo_tiny
-import configs.sft_tiny
+import glm_jax.configs.distill_tiny
+import glm_jax.configs.grpo_tiny
+import glm_jax.configs.sft_tiny
 from glm_jax import chat
 from glm_jax.data import Tokenizer
 from glm_jax.inference import Sampler, SamplingParams
@@ -111,7 +111,7 @@ def quiet_rl(config, **rl):
 @pytest.fixture(scope="module")
 def grpo_run(tmp_path_factory):
   workdir = str(tmp_path_factory.mktemp("grpo"))
-  config = quiet_rl(configs.grpo_tiny.get_config(), prompts_per_step=2, group_size=2)
+  config = quiet_rl(glm_jax.configs.grpo_tiny.get_config(), prompts_per_step=2, group_size=2)
   rl_trainer.run(config, workdir)
   return workdir, config
 
@@ -120,7 +120,7 @@ def grpo_run(tmp_path_factory):
 def distill_run(tmp_path_factory, grpo_run):
   """Both teachers are the GRPO run's policy (teachers.<name>.init_from): no teacher is fine-tuned here."""
   workdir = str(tmp_path_factory.mktemp("distill"))
-  config = quiet_rl(configs.distill_tiny.get_config(), prompts_per_step=4, max_new_tokens=3)
+  config = quiet_rl(glm_jax.configs.distill_tiny.get_config(), prompts_per_step=4, max_new_tokens=3)
   for teacher in config.teachers.values():
     teacher.init_from = grpo_run[0]
   rl_trainer.run(config, workdir)
@@ -134,7 +134,7 @@ def sft_run(tmp_path_factory, data_cache_dir):
   root = tmp_path_factory.mktemp("sft")
   data = root / "verses.jsonl"
   data.write_text("".join(json.dumps({"prompt": p, "response": r}) + "\n" for p, r in VERSES))
-  config = configs.sft_tiny.get_config()
+  config = glm_jax.configs.sft_tiny.get_config()
   config.model.update(SMALL)
   config.quant.scope = "routed_experts,shared_experts,dense_mlp,attention"  # QAT that moves the greedy text
   config.data.update(
