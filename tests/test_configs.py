@@ -24,7 +24,10 @@ CONFIG_FILES = sorted(
 CASES = [
   (path, variant)
   for path in CONFIG_FILES
-  for variant in ("", *getattr(importlib.import_module(f"configs.{os.path.basename(path)[:-3]}"), "VARIANTS", ()))
+  for variant in (
+    "",
+    *getattr(importlib.import_module(f"glm_jax.configs.{os.path.basename(path)[:-3]}"), "VARIANTS", ()),
+  )
 ]
 
 
@@ -32,6 +35,11 @@ def test_every_config_file_is_covered():
   names = {os.path.basename(p) for p in CONFIG_FILES}
   assert {"glm5_tiny.py", "glm5_744b.py", "glm5_744b_128k.py", "glm5_744b_200k.py", "grpo_tiny.py"} <= names
   assert ("configs/glm5_744b_200k.py", "warmup") in CASES and ("configs/glm5_tiny.py", "smoke") in CASES
+  # every post-training config (RL, SFT, distillation) has a run of seconds
+  for path in CONFIG_FILES:
+    config = sweep.load_config(os.path.join(ROOT, path), [])
+    if config.get("trainer", "pretrain") != "pretrain":
+      assert (path, "smoke") in CASES, f"{path} ({config.trainer}) has no :smoke variant"
 
 
 @pytest.mark.parametrize("path, variant", CASES, ids=[f"{os.path.basename(p)[:-3]}:{v}" for p, v in CASES])
