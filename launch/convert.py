@@ -3,7 +3,7 @@ one tensor at a time, so host memory stays a few times the largest tensor whatev
 
   python launch/convert.py --hf_dir=/data/GLM-5 --out_dir=/ckpt/glm5 --config=configs/glm5_744b.py
   python launch/train.py --config=configs/glm5_744b.py --config.train.init_from=/ckpt/glm5 ...
-  python launch/sample.py --config=configs/glm5_tiny.py --workdir=/ckpt/tiny --prompt="In the beginning"
+  python launch/sample.py --workdir=/ckpt/tiny --prompt="In the beginning"
   python launch/convert.py --to_hf --workdir=workdirs/glm5_tiny --out_dir=/export/glm5_tiny
 
 HF -> Orbax (glm_jax/convert/stream.py): --out_dir becomes a workdir with one weights-only step (0), the weights

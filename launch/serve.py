@@ -5,7 +5,7 @@ endpoints (glm_jax/serving/server.py), under uvicorn.
   curl localhost:8000/v1/completions -H 'Content-Type: application/json' \
       -d '{"model": "glm5_tiny", "prompt": "In the beginning", "max_tokens": 32}'
 
-The model is the run's latest checkpoint (--config must be the run's config, as for launch/sample.py), or a packed
+The model is the run's latest checkpoint (--config must be the run's config), or a packed
 (quantized) model with --packed; text is encoded with the tokenizer the checkpoint records. The engine's page pool
 and batch: --pages, --page_size, --max_running, --prefill_rows, --prefill_chunk, --max_seq_len, --decode_steps
 (glm_jax/serving/engine_flags.py); --speculate=k drafts k tokens a round with the model's MTP layer (the same greedy

@@ -15,7 +15,7 @@ Variants (`--config=configs/glm130b_tiny.py:<variant>`):
   smoke   20 steps: seconds, for CI
 
   python launch/train.py --config=configs/glm130b_tiny.py --workdir=runs/glm130b
-  python launch/sample.py --config=configs/glm130b_tiny.py --workdir=runs/glm130b \\
+  python launch/sample.py --workdir=runs/glm130b \\
       --prompt="In the beginning God created the [MASK] and the earth." --infill
 """
 
