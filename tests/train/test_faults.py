@@ -271,7 +271,8 @@ def test_a_diverging_run_stops_non_zero_and_checkpoints_only_finite_weights(tmp_
   assert proc.returncode == 1, proc.stderr[-3000:]
   summary = strict_loads(proc.stdout.strip().splitlines()[-1])
   assert summary["eval_loss"] is None and summary["train_loss"] is None
-  assert summary["nonfinite"] == ["eval_loss", "train_loss"] and summary["skipped_steps"] == 5
+  assert summary["train_lm_loss"] is None
+  assert summary["nonfinite"] == ["eval_loss", "train_loss", "train_lm_loss"] and summary["skipped_steps"] == 5
   assert one_error_line(proc) == (
     f"error: the run ended with a non-finite eval_loss and train_loss (step 6, 5 steps "
     f"skipped in all); see {workdir}/metrics.jsonl"
