@@ -58,7 +58,7 @@ def format_duration(seconds: float) -> str:
 
 
 def format_rate(value: float) -> str:
-  """8312.4 -> "8.31k", 1.2e6 -> "1.20M", 12.5 -> "12.5"."""
+  """8312.4 -> "8.31k", 1.2e6 -> "1.2M", 12.5 -> "12.5"."""
   for scale, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
     if abs(value) >= scale:
       return f"{value / scale:.3g}{suffix}"
