@@ -192,7 +192,6 @@ class Result:
   figures: tuple[str, ...]
   run: Callable[[Ctx], None]
   measure: Callable[[Ctx], dict | None]  # {"measured": text, "verdict": text, ...numbers}; None before it ran
-  seeded: bool = True
 
 
 def _window(ctx: Ctx) -> int:
@@ -225,10 +224,6 @@ def run_optimizer_mtp(ctx: Ctx) -> None:
 def _seed_of(row: dict) -> int:
   over = row["overrides"]
   return int(over.get("train.seed", over.get("rl.seed", 0)))
-
-
-def _by(rows: list[dict], field: str, value: str, key: str = "eval_loss") -> Spread:
-  return spread(r["result"][key] for r in rows if r["overrides"][field] == value and r["result"].get(key) is not None)
 
 
 def measure_optimizer_mtp(ctx: Ctx) -> dict | None:
