@@ -328,19 +328,20 @@ def measure_icepop(ctx: Ctx) -> dict | None:
   }
 
 
-def _run_seeded_config(ctx: Ctx, name: str, config: str) -> None:
-  _sweep(ctx, name, config, _seed_axis("rl.seed", ctx))
-
-
-def run_grpo(ctx: Ctx) -> None:
-  _run_seeded_config(ctx, "grpo_tiny", _rl_config(ctx, "grpo_tiny"))
-  rows = _sweep_rows(ctx, "grpo_tiny")
+def _run_config_over_seeds(ctx: Ctx, name: str, metrics: Sequence[str]) -> None:
+  """configs/<name>.py once a seed (a sweep over rl.seed), then <name>.png: `metrics` of every seed's run."""
+  _sweep(ctx, name, _rl_config(ctx, name), _seed_axis("rl.seed", ctx))
+  rows = _sweep_rows(ctx, name)
   if rows:
     from glm_jax import plots
 
     runs = {f"seed {_seed_of(r)}": r["result"]["workdir"] for r in rows}
-    fig = plots.curves(runs, ["reward_mean", "eval_accuracy"], smooth=5, title="configs/grpo_tiny.py, each seed")
-    plots.save(fig, os.path.join(ctx.figures, "grpo_tiny.png"))
+    fig = plots.curves(runs, metrics, smooth=5, title=f"configs/{name}.py, each seed")
+    plots.save(fig, os.path.join(ctx.figures, f"{name}.png"))
+
+
+def run_grpo(ctx: Ctx) -> None:
+  _run_config_over_seeds(ctx, "grpo_tiny", ["reward_mean", "eval_accuracy"])
 
 
 def measure_grpo(ctx: Ctx) -> dict | None:
@@ -368,15 +369,7 @@ def measure_grpo(ctx: Ctx) -> dict | None:
 
 
 def run_distill(ctx: Ctx) -> None:
-  _run_seeded_config(ctx, "distill_tiny", _rl_config(ctx, "distill_tiny"))
-  rows = _sweep_rows(ctx, "distill_tiny")
-  if rows:
-    from glm_jax import plots
-
-    runs = {f"seed {_seed_of(r)}": r["result"]["workdir"] for r in rows}
-    metrics = ["teacher_kl", "teacher_kl/addition", "teacher_kl/sort"]
-    fig = plots.curves(runs, metrics, smooth=5, title="configs/distill_tiny.py, each seed")
-    plots.save(fig, os.path.join(ctx.figures, "distill_tiny.png"))
+  _run_config_over_seeds(ctx, "distill_tiny", ["teacher_kl", "teacher_kl/addition", "teacher_kl/sort"])
 
 
 def measure_distill(ctx: Ctx) -> dict | None:
