@@ -2,8 +2,8 @@
 terminal, and a progress bar where one can render (a terminal or a notebook, through tqdm.auto).
 
   [glm5_tiny] compiling the train step (the first step waits for it)
-  [glm5_tiny] step 1 took 41.2 s (compilation included)
-  [glm5_tiny] step 50/600  loss 5.913  lm_loss 5.802  |  8.31k tok/s  0.062 s/step  |  ETA 2m05s
+  [glm5_tiny] step 1 took 24.6 s (compilation included)
+  [glm5_tiny] step 10/30  |  loss 8.06  lm_loss 6.188  |  16.4k tok/s  0.125 s/step  |  ETA 9s
 
 The rates are of the training steps alone. The first step of a process compiles, so it is timed apart; held-out
 evaluations, checkpoint saves and hooks run inside `aside()`, which waits for the steps dispatched before it and
