@@ -3,8 +3,9 @@ r"""Issue 37's measurements: a pretrained glm5_tiny, then agentic SFT, then GRPO
 with its tool and without it; tool-call validity, mean turns; the agent loop's sampled tokens/s continuing on the KV
 cache against re-prefilling every turn; reward curves.
 
-  python launch/train.py --config=configs/glm5_tiny.py --workdir=runs/base        # the base (the main job)
-  python experiments/agent_tools.py --base=runs/base --out=runs/agent
+  bash scripts/with_env.sh python launch/train.py --config=configs/glm5_tiny.py \
+      --workdir=runs/base  # the base (the main job)
+  bash scripts/with_env.sh python experiments/agent_tools.py --base=runs/base --out=runs/agent
 
 Trains <out>/run with launch/train.py's trainer (rl.init_from=--base: SFT on the environments' scripted
 demonstrations, kept in <out>/run/init, then GRPO), unless <out>/run is complete. Prints a markdown table; writes

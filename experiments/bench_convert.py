@@ -1,6 +1,6 @@
 r"""Peak resident memory and wall time of launch/convert.py against hf.load, on a random GLM-5-shaped checkpoint.
 
-  python experiments/bench_convert.py --workdir=/tmp/bench_convert --gb=2.2
+  bash scripts/with_env.sh python experiments/bench_convert.py --workdir=/tmp/bench_convert --gb=2.2
 
 Writes a random BF16 HF checkpoint in the release's layout (per-expert tensors, the MTP layer, sharded at 1 GiB)
 of at least --gb GiB, one tensor at a time, then runs, each in its own process so each peak is its own:

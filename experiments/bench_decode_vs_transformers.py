@@ -1,6 +1,7 @@
 r"""Greedy decoding, ours against transformers' generate, side by side in one process on the CPU.
 
-  .venv/bin/python experiments/bench_decode_vs_transformers.py [--batch=1,8] [--prompt_len=64] [--new_tokens=64]
+  bash scripts/with_env.sh python experiments/bench_decode_vs_transformers.py [--batch=1,8] [--prompt_len=64] \
+      [--new_tokens=64]
 
 The MoE model of experiments/bench_vs_transformers.py (hidden 256, 4 layers = 1 dense + 3 MoE with 16 experts
 top-4, MLA with q_lora 128 / kv_lora 64, vocab 8192; fp32; no MTP layer), built once by transformers

@@ -1,8 +1,9 @@
 """Prints the lightning-indexer top-k's speed: the Pallas kernel against the pure-jnp reference (einsum + lax.top_k).
 
-  python experiments/bench_kernels_indexer.py                      # this machine's backend
-  python experiments/bench_kernels_indexer.py --seq_len=16384 --block_k=1024
-  python experiments/bench_kernels_indexer.py --topology=v5p:2x2x1 # compile for a TPU only (needs libtpu)
+  bash scripts/with_env.sh python experiments/bench_kernels_indexer.py                      # this machine's backend
+  bash scripts/with_env.sh python experiments/bench_kernels_indexer.py --seq_len=16384 --block_k=1024
+  bash scripts/with_env.sh python experiments/bench_kernels_indexer.py \
+      --topology=v5p:2x2x1  # compile for a TPU only (needs libtpu)
 
 On a TPU the kernel runs compiled; elsewhere in Pallas interpret mode, whose times say nothing about a TPU (the
 default sizes then shrink to a CPU-sized problem). With --topology nothing runs: it prints the compile time and

@@ -1,8 +1,9 @@
 """Per-chip HBM and FLOPs of GLM-5's DSA attention, forward + backward: the Pallas kernels against a dense mask.
 
-  python experiments/bench_kernels_sparse_attention.py                          # v5p:2x2x1, T = S = 32768 and 4096
-  python experiments/bench_kernels_sparse_attention.py --topology=v6e:2x2
-  python experiments/bench_kernels_sparse_attention.py --seq_len=65536 --small_seq_len=0 --approach=kernels
+  bash scripts/with_env.sh python experiments/bench_kernels_sparse_attention.py      # v5p:2x2x1, T = S = 32768 and 4096
+  bash scripts/with_env.sh python experiments/bench_kernels_sparse_attention.py --topology=v6e:2x2
+  bash scripts/with_env.sh python experiments/bench_kernels_sparse_attention.py --seq_len=65536 --small_seq_len=0 \
+      --approach=kernels
 
 Compile only (needs libtpu, no TPU): each approach is lowered over abstract bf16 inputs for ONE chip of the
 topology (batch 1, nothing sharded) and compiled by XLA:TPU; a program that does not fit fails to compile with

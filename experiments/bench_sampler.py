@@ -1,7 +1,8 @@
 r"""Decoding speed: the KV-cache sampler against re-running the full forward for every new token.
 
-  python experiments/bench_sampler.py                                   # glm5_tiny shapes, CPU-sized
-  python experiments/bench_sampler.py --hidden_size=1024 --layers=8 --batch=32 --prompt_len=512 \
+  bash scripts/with_env.sh python experiments/bench_sampler.py                             # glm5_tiny shapes, CPU-sized
+  bash scripts/with_env.sh python experiments/bench_sampler.py --hidden_size=1024 --layers=8 --batch=32 \
+      --prompt_len=512 \
       --new_tokens=256 --index_topk=256                                 # a GPU / TPU-sized model
 
 Prints the compile time and the steady-state generated tokens per second of each (both jit-compiled once,

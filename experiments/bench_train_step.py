@@ -1,6 +1,6 @@
 """Speed and FLOP efficiency of the pretraining step on CPU: tokens/s, and XLA's FLOPs over an analytic count.
 
-  .venv/bin/python experiments/bench_train_step.py [--which=tiny|medium|both] [--steps=20] [--warmup=2]
+  bash scripts/with_env.sh python experiments/bench_train_step.py [--which=tiny|medium|both] [--steps=20] [--warmup=2]
       [--config=configs/glm5_tiny.py] [--batch_size=N] [--seq_len=T] [--dsa_stage=dense|warmup|sparse]
       [--no_unrolled_cost] [--verbose]
 

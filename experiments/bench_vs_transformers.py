@@ -1,6 +1,6 @@
 r"""Our pretraining step against the public reference, side by side in one process on the CPU.
 
-  .venv/bin/python experiments/bench_vs_transformers.py [--which=moe,dense] [--steps=10] [--warmup=2]
+  bash scripts/with_env.sh python experiments/bench_vs_transformers.py [--which=moe,dense] [--steps=10] [--warmup=2]
 
 The same GLM-5-shaped model (hidden 256, 4 layers = 1 dense + 3 MoE with 16 experts top-4, or all 4 dense; MLA
 with q_lora 128 / kv_lora 64; fp32; no MTP layer, which transformers does not train) trained on the same random

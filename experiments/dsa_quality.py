@@ -1,6 +1,7 @@
 r"""Does DSA keep quality? Dense attention against GLM-5's warm-up + sparse training, at 2,048-token rows.
 
-  python experiments/dsa_quality.py --workdir=runs/dsa_quality   # an hour or more on a 2-core CPU
+  bash scripts/with_env.sh python experiments/dsa_quality.py \
+      --workdir=runs/dsa_quality  # an hour or more on a 2-core CPU
 
 glm5_tiny's `long` variant (2,048-token rows of the embedded corpus, whose documents are Bible chapters of
 about 1,000-3,000 tokens) trains in GLM-5's order:

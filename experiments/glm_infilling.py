@@ -1,6 +1,7 @@
 r"""Blank infilling against a causal LM of the same size: GLM-130B's objective on the embedded corpus.
 
-  python experiments/glm_infilling.py --workdir=runs/glm_infilling      # two 600-step runs, ~10 min on 2 CPU cores
+  bash scripts/with_env.sh python experiments/glm_infilling.py \
+      --workdir=runs/glm_infilling  # two 600-step runs, ~10 min on 2 CPU cores
 
 Trains configs/glm130b_tiny.py (blank infilling: 30% [MASK] / 70% [gMASK]) and its `causal` variant (the same
 model on the same documents, next-token prediction), then scores both on the same held-out blanks (the glm data

@@ -1,7 +1,8 @@
 r"""GLM-130B's two stabilisers at a learning rate high enough to spike: DeepNorm vs Pre-LN, with and without
 embedding gradient shrink (EGS, alpha = 0.1).
 
-  python experiments/glm_stability.py --workdir=runs/glm_stability --lr=1e-2     # four runs, ~10 min on 2 cores
+  bash scripts/with_env.sh python experiments/glm_stability.py --workdir=runs/glm_stability \
+      --lr=1e-2  # four runs, ~10 min on 2 cores
 
 Four runs of configs/glm130b_tiny.py (blank infilling) that differ only in model.norm_style and
 train.embedding_grad_shrink, with AdamW at --lr, no gradient clipping and no spike guard (the step would otherwise

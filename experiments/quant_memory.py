@@ -1,6 +1,6 @@
 r"""Weight bytes of a config's model under each quantization scheme, from the packed parameters' shapes.
 
-  python experiments/quant_memory.py --config=configs/glm5_744b.py --chips=64,256,512
+  bash scripts/with_env.sh python experiments/quant_memory.py --config=configs/glm5_744b.py --chips=64,256,512
 
 Packs the model abstractly (jax.eval_shape: nothing is allocated) under each scheme of
 glm_jax/model/quantization.py and sums the stored bytes: int8 or two-to-a-byte int4 codes, fp32 scales, and

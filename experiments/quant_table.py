@@ -1,7 +1,7 @@
 r"""Quantization on a trained glm5_tiny: held-out loss and weight bytes in fp32, after post-training quantization
 (INT4 in groups, GLM-130B's per-row INT4, W8A8, W4A8) and after INT4 quantization-aware SFT.
 
-  python experiments/quant_table.py --workdir=runs/quant        # ~15 minutes on a 2-core CPU
+  bash scripts/with_env.sh python experiments/quant_table.py --workdir=runs/quant        # ~15 minutes on a 2-core CPU
 
 GLM-5's order (report 2.4.3: QAT in the SFT stage):
   1. base        glm5_tiny pretrained on the embedded corpus (configs/glm5_tiny.py, 600 steps)

@@ -1,8 +1,10 @@
 r"""Per-run summaries of metrics.jsonl columns, for the results table: the mean of the first and last N logged values,
 the mean and the max over the run, one JSON line a run.
 
-  python experiments/summarize.py --sweep=runs/repro/icepop --metrics=reward_mean,mismatch_kl --window=20
-  python experiments/summarize.py --workdirs=runs/repro/grpo_tiny --metrics=reward_mean,eval_accuracy
+  bash scripts/with_env.sh python experiments/summarize.py --sweep=runs/repro/icepop \
+      --metrics=reward_mean,mismatch_kl --window=20
+  bash scripts/with_env.sh python experiments/summarize.py --workdirs=runs/repro/grpo_tiny \
+      --metrics=reward_mean,eval_accuracy
 """
 
 import json

@@ -8,6 +8,10 @@ and usage) or 1 (everything else); the message names the field or file, its valu
 stopped by SIGTERM or SIGINT after its checkpoint (glm_jax/train/lifecycle.py) says so in one line and exits with
 128 + the signal's number. Set GLM_JAX_TRACEBACK=1, or pass -v 1, to get the full traceback instead. Any other
 exception is a bug and keeps its traceback.
+
+The scripts are the package glm_jax.launch (launch/ links to it), so an installed glm-jax runs them as
+`python -m glm_jax.launch.train --config=configs/glm5_tiny.py`: a --config path under configs/ that does not exist
+from the working directory is the installed package's config of that name (glm_jax/configs; packaged_config_argv).
 """
 
 from __future__ import annotations
@@ -53,9 +57,44 @@ def _message(error: BaseException) -> str:
   return " ".join(text.split())
 
 
+CONFIGS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+
+
+def packaged_config_argv(argv: list[str]) -> list[str]:
+  """argv with a --config path of the form configs/NAME.py[:variant] that does not exist from the working directory
+  replaced by glm_jax/configs/NAME.py[:variant] (a checkout's configs/ is a link to it, so inside a checkout both
+  name the same file); a NAME that is in neither is refused in one line listing the configs. Any other --config
+  value is left to config_flags, which names it when it does not load."""
+
+  def packaged(value: str) -> str:
+    path, sep, variant = value.partition(":")
+    head, _, name = path.partition("/")
+    if os.path.normpath(head) != "configs" or os.path.exists(path):
+      return value
+    candidate = os.path.join(CONFIGS_DIR, name)
+    if not os.path.isfile(candidate):
+      known = sorted(f for f in os.listdir(CONFIGS_DIR) if f.endswith(".py") and f not in ("__init__.py", "common.py"))
+      fail(f"--config={value}: {path} is neither here nor in the installed package's configs: {', '.join(known)}", 2)
+    return candidate + sep + variant
+
+  out = list(argv[:1])
+  args = iter(argv[1:])
+  for a in args:
+    if a in ("--config", "-config"):
+      out += [a, packaged(next(args, ""))]
+    elif a.startswith(("--config=", "-config=")):
+      flag, _, value = a.partition("=")
+      out.append(f"{flag}={packaged(value)}")
+    else:
+      out.append(a)
+  return out
+
+
 def _parse_flags(argv: list[str]) -> list[str]:
   """absl's flag parsing, with every failure (an unknown --config.* field, a config file that does not load, a
-  bad value) reported in one line naming the flag."""
+  bad value) reported in one line naming the flag; a --config under configs/ may name the installed package's
+  (packaged_config_argv)."""
+  argv = packaged_config_argv(argv)
   try:
     return flags.FLAGS(argv)
   except Exception as e:  # noqa: BLE001 - whatever the parse raised came from the command line or the config file

@@ -417,11 +417,11 @@ def collect(workdir: str, runs: Sequence[Run]) -> list[dict]:
   return rows
 
 
-TRAIN_SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch", "train.py")
+TRAIN_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "launch", "train.py")
 
 
 def train_command(config_arg: str, shared: Sequence[str], run: Run) -> list[str]:
-  """The command of one run: launch/train.py of the checkout this package is in."""
+  """The command of one run: this package's launch/train.py (glm_jax/launch, which launch/ links to)."""
   return [
     sys.executable,
     TRAIN_SCRIPT,
@@ -448,11 +448,6 @@ def run_sweep(
   one with its wall time and final metrics (final_metrics). allow_unused_axes: see plan."""
   if not isinstance(parallel, int) or parallel < 1:
     raise ValueError(f"--parallel={parallel!r} is invalid; a positive number of runs at a time")
-  if command is train_command and not os.path.isfile(TRAIN_SCRIPT):
-    raise ValueError(
-      f"{TRAIN_SCRIPT} does not exist: sweeps run launch/train.py from a checkout of the repository "
-      "(pip install -e of a clone), not from an installed copy of the package"
-    )
   runs = plan(config_arg, workdir, axes, shared, allow_unused_axes=allow_unused_axes, log=log)
   os.makedirs(workdir, exist_ok=True)
   _write_json(

@@ -8,7 +8,7 @@ import pytest
 
 from tests.helpers import ROOT
 
-SCANNED = ("pallas_kernels", "glm_jax", "launch", "experiments")  # configs/ is glm_jax/configs
+SCANNED = ("pallas_kernels", "glm_jax", "experiments")  # configs/ and launch/ link into glm_jax
 
 # Group (the longest matching module prefix) -> rank. An import must stay inside its group or go to a lower rank.
 RANKS = {
@@ -32,7 +32,7 @@ RANKS = {
   "glm_jax.cli": 5,  # the launch scripts' error handling (reads train.guards)
   "glm_jax.sweep": 6,  # checks each point's config with the pretraining and RL trainers' checks
   "glm_jax.restore": 6,  # any run's weights, config and tokenizer (the RL tasks' vocabulary among them)
-  "launch": 7,
+  "glm_jax.launch": 7,  # the entry points (launch/ links here)
   "experiments": 7,
 }
 EXACT = {"glm_jax"}  # groups of one module: a new glm_jax subpackage or leaf module must be ranked here
@@ -173,8 +173,8 @@ def test_the_checker_finds_cycles_upward_and_sideways_edges(tmp_path):
     "glm_jax/configs/c.py": "from glm_jax.configs import d\nfrom glm_jax.train.config import default_train_config\n",
     "glm_jax/configs/d.py": "from glm_jax.model import a\n",  # a config reaching into the model
     "glm_jax/train/config.py": "",
-    "launch/__init__.py": "",
-    "launch/run.py": "from glm_jax.configs import c\nfrom glm_jax.rl import loop\n",
+    "glm_jax/launch/__init__.py": "",
+    "glm_jax/launch/run.py": "from glm_jax.configs import c\nfrom glm_jax.rl import loop\n",
   }
   for rel, text in sources.items():
     path = tmp_path / rel

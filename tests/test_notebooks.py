@@ -131,6 +131,30 @@ def execute(name, workdir, data_cache_dir, python):
   return nbformat.read(path, as_version=4)
 
 
+@pytest.mark.slow
+def test_the_installed_package_runs_the_launch_scripts_from_anywhere(installed_python, tmp_path):
+  """`python -m glm_jax.launch.X --config=configs/NAME.py` in a directory without configs/, after pip install: the
+  installed script and config (the venv's, not the checkout's), whose parameter counts are the checkout's."""
+
+  def model_info(python, config, cwd, env=None):
+    command = [python, "-m", "glm_jax.launch.model_info", f"--config={config}"]
+    proc = subprocess.run(command, cwd=cwd, capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+  where = subprocess.run(
+    [installed_python, "-c", "import glm_jax.launch.model_info as m; print(m.__file__)"],
+    cwd=tmp_path,
+    capture_output=True,
+    text=True,
+    env=_clean_env(),
+  ).stdout.strip()
+  assert where.startswith(os.path.dirname(os.path.dirname(installed_python))) and not where.startswith(ROOT)
+  for config in ("configs/glm5_tiny.py", "configs/grpo_tiny.py:smoke"):
+    installed = model_info(installed_python, config, tmp_path, _clean_env())
+    assert installed == model_info(sys.executable, config, ROOT), config
+
+
 def outputs(nb, kind):
   return [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.get("output_type") == kind]
 

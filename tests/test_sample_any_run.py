@@ -373,7 +373,7 @@ def test_bad_input_is_one_line_naming_the_flag(tmp_path):
 def test_a_prompts_file_is_json_lines_of_prompts(tmp_path):
   """One {"prompt": ...} a line, other keys ignored, blank lines skipped; an empty file or another line is refused
   by line number."""
-  from launch.sample import read_prompts
+  from glm_jax.launch.sample import read_prompts
 
   path = tmp_path / "p.jsonl"
   path.write_text('{"prompt": "Genesis 1:1\\n", "response": "In the beginning"}\n\n{"prompt": ""}\n')

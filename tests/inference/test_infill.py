@@ -91,7 +91,7 @@ def test_sample_py_encodes_the_literal_blanks_as_special_tokens():
   import tokenizers
 
   from glm_jax.data import SPECIAL_TOKENS, Tokenizer
-  from launch.sample import encode_with_blanks
+  from glm_jax.launch.sample import encode_with_blanks
 
   words = ["a", "b", "c"]
   vocab = {t: i for i, t in enumerate(list(SPECIAL_TOKENS) + words)}

@@ -1,8 +1,9 @@
 r"""Compiles the real pretraining step for a TPU slice ahead of time, on any machine, and says whether it fits.
 
   pip install -r requirements-tpu.txt        # libtpu, the TPU compiler (CPU work does not need it)
-  python launch/compile.py --config=configs/glm5_744b.py --topology=v5p:8x8x8
-  python launch/compile.py --config=configs/glm5_744b.py --topology=v5p-1024 --config.data.seq_len=8192 \
+  bash scripts/with_env.sh python launch/compile.py --config=configs/glm5_744b.py --topology=v5p:8x8x8
+  bash scripts/with_env.sh python launch/compile.py --config=configs/glm5_744b.py --topology=v5p-1024 \
+      --config.data.seq_len=8192 \
       --config.data.batch_size=256 --config.mesh.expert=16
 
 --topology is a chip grid ("v5p:8x8x8", "v5e:16x16", "v6e:16x16", "v4:4x4x4") or a Cloud accelerator type
@@ -41,12 +42,14 @@ The serving engine (--serve): its decode step ([--max_running, 1] tokens) and ch
 --prefill_chunk]) over a page pool of --pages pages of --page_size tokens, the rows and pages split over the batch
 axes (glm_jax/serving/aot.py): per-chip bytes of the weights and the pool, each program's memory analysis, fits, and
 each step's roofline ms; the defaults are a pool of 64 x 32K tokens for glm5_744b:
-  python launch/compile.py --serve --config=configs/glm5_744b.py --topology=v5p:4x4x4 --config.mesh.expert=64
+  bash scripts/with_env.sh python launch/compile.py --serve --config=configs/glm5_744b.py --topology=v5p:4x4x4 \
+      --config.mesh.expert=64
 
 Serving (--decode): the real decode step, and the prefill of --prefill_len tokens a row, for --batch_size rows
 against a cache of --cache_len slots, with the weights in model.dtype laid out over config.mesh (the Sampler's
 layout under a mesh: glm_jax/inference/aot.py):
-  python launch/compile.py --decode --config=configs/glm5_744b.py --topology=v5p:4x4x4 --batch_size=64 \
+  bash scripts/with_env.sh python launch/compile.py --decode --config=configs/glm5_744b.py --topology=v5p:4x4x4 \
+      --batch_size=64 \
       --cache_len=32768 --config.mesh.fsdp=8 --config.mesh.expert=8
   weights_bytes_per_chip, cache_bytes_per_chip   the shards one chip holds
   decode_per_chip_bytes, prefill_per_chip_bytes  XLA's memory analysis of each program (as above); fits: both do

@@ -1,7 +1,8 @@
 r"""Serves a run's model over HTTP: the serving engine (glm_jax/serving/engine.py) behind SGLang's native and OpenAI's
 endpoints (glm_jax/serving/server.py), under uvicorn.
 
-  python launch/serve.py --config=configs/glm5_tiny.py --workdir=workdirs/glm5_tiny [--port=8000]
+  bash scripts/with_env.sh python launch/serve.py --config=configs/glm5_tiny.py \
+      --workdir=workdirs/glm5_tiny [--port=8000]
   curl localhost:8000/v1/completions -H 'Content-Type: application/json' \
       -d '{"model": "glm5_tiny", "prompt": "In the beginning", "max_tokens": 32}'
 

@@ -3,24 +3,27 @@ r"""Trains GLM-5 from a config; resumes from --workdir's latest checkpoint. conf
 responses; with config.quant, INT4 quantization-aware training), "grpo" or "distill" (post-training,
 glm_jax/rl/trainer.py).
 
-  python launch/train.py --config=configs/glm5_tiny.py                 # the embedded corpus, on CPU
-  python launch/train.py --config=configs/sft_tiny.py                  # SFT with INT4 QAT on the routed experts
-  python launch/train.py --config=configs/grpo_tiny.py                 # GRPO + IcePop on 2-digit addition
-  python launch/train.py --config=configs/distill_tiny.py              # on-policy distillation, two teachers
-  python launch/train.py --config=configs/glm5_tiny.py --workdir=/tmp/run1 \
+  bash scripts/with_env.sh python launch/train.py --config=configs/glm5_tiny.py     # the embedded corpus, on CPU
+  bash scripts/with_env.sh python launch/train.py --config=configs/sft_tiny.py      # SFT, INT4 QAT on the experts
+  bash scripts/with_env.sh python launch/train.py --config=configs/grpo_tiny.py     # GRPO + IcePop, 2-digit addition
+  bash scripts/with_env.sh python launch/train.py --config=configs/distill_tiny.py  # distillation, two teachers
+  bash scripts/with_env.sh python launch/train.py --config=configs/glm5_tiny.py --workdir=/tmp/run1 \
       --config.train.steps=50 --config.optimizer.lr=3e-3 --config.train.dsa_stage=warmup
 
 Any config field can be overridden as --config.<section>.<field>=value; an unknown field is an error.
 
 Several hosts (glm_jax/train/distributed.py): run the same command on every host. On a Cloud TPU pod slice
-  gcloud compute tpus tpu-vm ssh NAME --worker=all --command="cd glm-jax && python launch/train.py \
+  gcloud compute tpus tpu-vm ssh NAME --worker=all \
+      --command="cd glm-jax && bash scripts/with_env.sh python launch/train.py \
       --distributed=on --config=configs/glm5_744b.py --config.data.path=/mnt/shared/shards \
       --workdir=/mnt/shared/run"
 (--distributed=on: jax.distributed.initialize finds the slice's hosts itself; the default, auto, does so
 only when environment variables name a multi-process job). Elsewhere give the coordinator explicitly, e.g.
 two processes on one machine:
-  python launch/train.py --config=... --coordinator_address=localhost:12345 --num_processes=2 --process_id=0
-  python launch/train.py --config=... --coordinator_address=localhost:12345 --num_processes=2 --process_id=1
+  bash scripts/with_env.sh python launch/train.py --config=... --coordinator_address=localhost:12345 \
+      --num_processes=2 --process_id=0
+  bash scripts/with_env.sh python launch/train.py --config=... --coordinator_address=localhost:12345 \
+      --num_processes=2 --process_id=1
 Every process reads its own rows of each global batch and writes its part of each checkpoint; process 0
 writes the metrics and prints the JSON line.
 Metrics go to <workdir>/metrics.jsonl and <workdir>/tensorboard, checkpoints to <workdir>/checkpoints.

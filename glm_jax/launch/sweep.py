@@ -1,10 +1,11 @@
 r"""Runs a sweep: the product of config overrides, each point a launch/train.py run in its own directory.
 
-  python launch/sweep.py --config=configs/glm5_tiny.py --workdir=runs/lr_mtp \
+  bash scripts/with_env.sh python launch/sweep.py --config=configs/glm5_tiny.py --workdir=runs/lr_mtp \
       --sweep="optimizer.lr=1e-3,3e-3;model.num_nextn_predict_layers=0,1" --config.train.steps=200
-  python launch/sweep.py --config=configs/glm5_tiny.py --workdir=runs/topk --sweep="model.index_topk=16,32" \
+  bash scripts/with_env.sh python launch/sweep.py --config=configs/glm5_tiny.py --workdir=runs/topk \
+      --sweep="model.index_topk=16,32" \
       --config.train.dsa_stage=sparse --config.train.init_from=runs/warmup
-  python launch/sweep.py --config=configs/glm5_tiny.py:long --workdir=runs/mtp \
+  bash scripts/with_env.sh python launch/sweep.py --config=configs/glm5_tiny.py:long --workdir=runs/mtp \
       --sweep="model.num_nextn_predict_layers=0,1" --parallel=2
 
 `;` separates the axes of the product, `,` the values of one axis; every --config.* flag applies to every run
@@ -16,7 +17,8 @@ default dense DSA stage: the line names the field, the stage and the override th
 its final JSON line lands in DIR/results.jsonl with its overrides; rerunning the same command skips the finished
 runs and resumes the rest. Plot the results with launch/plot.py:
 
-  python launch/plot.py --sweep=runs/lr_mtp --metric=eval_loss --against=optimizer.lr --out=lr.png
+  bash scripts/with_env.sh python launch/plot.py --sweep=runs/lr_mtp --metric=eval_loss --against=optimizer.lr \
+      --out=lr.png
 
 --parallel=N runs N processes at a time (each one uses all the cores it finds: on a small CPU machine 1 is
 fastest). Exit code 1 when a run failed (its error line is printed; the rerun retries it).

@@ -1,7 +1,8 @@
 r"""Post-training quantization: packs a run's latest checkpoint into a quantized model for the sampler and rollouts.
 
-  python launch/quantize.py --workdir=workdirs/glm5_tiny --scheme=w4a8 --out=workdirs/glm5_tiny_w4a8
-  python launch/sample.py --packed=workdirs/glm5_tiny_w4a8 --prompt="In the beginning"
+  bash scripts/with_env.sh python launch/quantize.py --workdir=workdirs/glm5_tiny --scheme=w4a8 \
+      --out=workdirs/glm5_tiny_w4a8
+  bash scripts/with_env.sh python launch/sample.py --packed=workdirs/glm5_tiny_w4a8 --prompt="In the beginning"
 
 --workdir is any run's directory (pretraining, SFT, GRPO, distillation, a converted checkpoint: glm_jax/restore.py);
 its config and tokenizer come from the checkpoint. --config (optional) gives the config instead, its model the run's

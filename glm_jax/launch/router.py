@@ -2,7 +2,8 @@ r"""Serves a run's model from N engine processes behind SGLang's router (the `sg
 fronts its SGLang engines with), and keeps them up.
 
   pip install sglang-router   # 0.3.2 was used
-  python launch/router.py --config=configs/glm5_tiny.py --workdir=workdirs/glm5_tiny --engines=2 [--port=8000]
+  bash scripts/with_env.sh python launch/router.py --config=configs/glm5_tiny.py --workdir=workdirs/glm5_tiny \
+      --engines=2 [--port=8000]
   curl localhost:8000/generate -H 'Content-Type: application/json' \
       -d '{"text": "In the beginning", "sampling_params": {"max_new_tokens": 32}}'
 

@@ -1,10 +1,13 @@
 r"""Prints text sampled from any run's latest checkpoint, or from a packed model.
 
-  python launch/sample.py --workdir=workdirs/glm5_tiny --prompt="In the beginning" --max_new_tokens=64
-  python launch/sample.py --workdir=workdirs/grpo_tiny --prompt="3+4=" --max_new_tokens=3 --temperature=0
-  python launch/sample.py --workdir=workdirs/sft_tiny --prompts_file=prompts.jsonl --num_samples=4
-  python launch/sample.py --workdir=workdirs/glm5_tiny --chat --prompt="Who made the light?"
-  python launch/sample.py --packed=workdirs/glm5_tiny_w4a8 --prompt="In the beginning"
+  bash scripts/with_env.sh python launch/sample.py --workdir=workdirs/glm5_tiny --prompt="In the beginning" \
+      --max_new_tokens=64
+  bash scripts/with_env.sh python launch/sample.py --workdir=workdirs/grpo_tiny --prompt="3+4=" --max_new_tokens=3 \
+      --temperature=0
+  bash scripts/with_env.sh python launch/sample.py --workdir=workdirs/sft_tiny --prompts_file=prompts.jsonl \
+      --num_samples=4
+  bash scripts/with_env.sh python launch/sample.py --workdir=workdirs/glm5_tiny --chat --prompt="Who made the light?"
+  bash scripts/with_env.sh python launch/sample.py --packed=workdirs/glm5_tiny_w4a8 --prompt="In the beginning"
 
 --workdir is any run's directory: pretraining or SFT (launch/train.py), GRPO or distillation (config.trainer
 "grpo" / "distill"; a distillation's teachers are <workdir>/teachers/<name>, an RL run's warm start <workdir>/init),
@@ -42,7 +45,7 @@ length on stderr.
 [gMASK] in --prompt are blanks, filled left to right, each generated until <eop> (glm_jax/inference/infill.py);
 a prompt without one gets [gMASK] appended, which continues the text:
 
-  python launch/sample.py --workdir=runs/glm130b --infill \
+  bash scripts/with_env.sh python launch/sample.py --workdir=runs/glm130b --infill \
       --prompt="In the beginning God created the [MASK] and the earth."
 """
 

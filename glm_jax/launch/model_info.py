@@ -1,7 +1,7 @@
 r"""Sizes a config and, when it is small enough, runs it: one JSON line on stdout.
 
-  python launch/model_info.py --config=configs/glm5_744b.py          # counts only (abstract shapes)
-  python launch/model_info.py --config=configs/glm5_tiny.py --forward_tokens=128 \
+  bash scripts/with_env.sh python launch/model_info.py --config=configs/glm5_744b.py     # counts only (abstract shapes)
+  bash scripts/with_env.sh python launch/model_info.py --config=configs/glm5_tiny.py --forward_tokens=128 \
       --config.model.index_topk=16
 
 Prints {"config", "total", "active", "mtp"} (parameter counts, see glm_jax.model.param_counts) and, with

@@ -1,15 +1,19 @@
 r"""PNG figures of runs and sweeps (glm_jax/plots.py).
 
   # metrics.jsonl columns over steps, one line a run; a held-out column shares its training column's panel
-  python launch/plot.py --workdirs=runs/dense,runs/sparse --metrics=lm_loss,eval_loss --smooth=10 --out=curves.png
-  python launch/plot.py --workdirs=runs/dense --metrics="expert_load_entropy[1]" --out=entropy.png
+  bash scripts/with_env.sh python launch/plot.py --workdirs=runs/dense,runs/sparse --metrics=lm_loss,eval_loss \
+      --smooth=10 --out=curves.png
+  bash scripts/with_env.sh python launch/plot.py --workdirs=runs/dense --metrics="expert_load_entropy[1]" \
+      --out=entropy.png
   # DSA's stages on one step axis (each stage started from the last one's checkpoint), the boundaries marked
-  python launch/plot.py --workdirs=runs/dense,runs/warmup,runs/sparse --stages --metrics=lm_loss --out=dsa.png
+  bash scripts/with_env.sh python launch/plot.py --workdirs=runs/dense,runs/warmup,runs/sparse --stages \
+      --metrics=lm_loss --out=dsa.png
   # a sweep's final metric against one of its overrides, one line (or, for categories, points) for each value of
   # the others; train_loss and eval_loss on one axis
-  python launch/plot.py --sweep=runs/lr_mtp --metric=train_loss,eval_loss --against=optimizer.lr --out=lr.png
+  bash scripts/with_env.sh python launch/plot.py --sweep=runs/lr_mtp --metric=train_loss,eval_loss \
+      --against=optimizer.lr --out=lr.png
   # the curves of every run of a sweep, labelled by their overrides
-  python launch/plot.py --sweep=runs/lr_mtp --metrics=loss,eval_loss --out=lr_curves.png
+  bash scripts/with_env.sh python launch/plot.py --sweep=runs/lr_mtp --metrics=loss,eval_loss --out=lr_curves.png
 
 Every figure has a title (the metrics' unless --title), units on its axes and its legend outside them. The panels
 of lm_loss, mtp_loss and eval_loss get a dashed line at the data's unigram entropy: --reference=auto (the default)

@@ -1,10 +1,11 @@
 r"""Converts between Hugging Face checkpoints (zai-org's releases, BF16 or FP8) and this codebase's Orbax ones,
 one tensor at a time, so host memory stays a few times the largest tensor whatever the model's size.
 
-  python launch/convert.py --hf_dir=/data/GLM-5 --out_dir=/ckpt/glm5 --config=configs/glm5_744b.py
-  python launch/train.py --config=configs/glm5_744b.py --config.train.init_from=/ckpt/glm5 ...
-  python launch/sample.py --workdir=/ckpt/tiny --prompt="In the beginning"
-  python launch/convert.py --to_hf --workdir=workdirs/glm5_tiny --out_dir=/export/glm5_tiny
+  bash scripts/with_env.sh python launch/convert.py --hf_dir=/data/GLM-5 --out_dir=/ckpt/glm5 \
+      --config=configs/glm5_744b.py
+  bash scripts/with_env.sh python launch/train.py --config=configs/glm5_744b.py --config.train.init_from=/ckpt/glm5 ...
+  bash scripts/with_env.sh python launch/sample.py --workdir=/ckpt/tiny --prompt="In the beginning"
+  bash scripts/with_env.sh python launch/convert.py --to_hf --workdir=workdirs/glm5_tiny --out_dir=/export/glm5_tiny
 
 HF -> Orbax (glm_jax/convert/stream.py): --out_dir becomes a workdir with one weights-only step (0), the weights
 laid out for --config's model and mesh (a -1 mesh axis takes --devices; each array is chunked by one device's
