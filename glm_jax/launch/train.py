@@ -5,7 +5,7 @@ glm_jax/rl/trainer.py).
 
   bash scripts/with_env.sh python launch/train.py --config=configs/glm5_tiny.py     # the embedded corpus, on CPU
   bash scripts/with_env.sh python launch/train.py --config=configs/sft_tiny.py      # SFT, INT4 QAT on the experts
-  bash scripts/with_env.sh python launch/train.py --config=configs/grpo_tiny.py     # GRPO + IcePop, 2-digit addition
+  bash scripts/with_env.sh python launch/train.py --config=configs/grpo_tiny.py     # GRPO + IcePop, 1-digit addition
   bash scripts/with_env.sh python launch/train.py --config=configs/distill_tiny.py  # distillation, two teachers
   bash scripts/with_env.sh python launch/train.py --config=configs/glm5_tiny.py --workdir=/tmp/run1 \
       --config.train.steps=50 --config.optimizer.lr=3e-3 --config.train.dsa_stage=warmup
