@@ -4,12 +4,13 @@ r"""Quantization on a trained glm5_tiny: held-out loss and weight bytes in fp32,
   bash scripts/with_env.sh python experiments/quant_table.py --workdir=runs/quant        # ~15 minutes on a 2-core CPU
 
 GLM-5's order (report 2.4.3: QAT in the SFT stage):
-  1. base        glm5_tiny pretrained on the embedded corpus (configs/glm5_tiny.py, 600 steps)
+  1. base        glm5_tiny pretrained on the embedded corpus (configs/glm5_tiny.py, 600 steps: --base_steps)
   2. sft         configs/sft_tiny.py without QAT from 1 (verse reference -> verse text, loss on the response)
   3. qat_<name>  the same SFT from 1 with QAT of each scheme of --qat
 Then every model's held-out SFT loss (nats per response token) is measured with its weights as served: the fp32
 SFT model as it is and packed under each PTQ scheme, each QAT model packed under its own scheme (which computes
-its training forward bit for bit). Rows go to --results (JSON lines), the table is printed.
+its training forward bit for bit). Rows go to --results (JSON lines), the table is printed. --seed is every run's
+train.seed; experiments/reproduce.py runs it once a seed.
 """
 
 import json
@@ -29,6 +30,8 @@ from glm_jax.train.trainer import evaluate, restore_run, train_and_evaluate
 
 _WORKDIR = flags.DEFINE_string("workdir", "runs/quant", "Where the runs go.")
 _SFT_STEPS = flags.DEFINE_integer("sft_steps", 200, "SFT steps (with and without QAT).")
+_BASE_STEPS = flags.DEFINE_integer("base_steps", 600, "Pretraining steps of the base (glm5_tiny's).")
+_SEED = flags.DEFINE_integer("seed", 0, "train.seed of every run (the initialization, the data order).")
 _RESULTS = flags.DEFINE_string("results", "experiments/results/quant_table.jsonl", "JSON lines of the table.")
 
 # (row name, scheme, group size, scope): the post-training schemes applied to the fp32 SFT model.
@@ -42,14 +45,19 @@ PTQ = [
 QAT = [row for row in PTQ if row[1] in ("int4", "int4_row")]
 
 
-def sft_config(init_from: str, scheme: str = "none", group_size: int = 32, scope: str = ""):
-  config = sft_tiny.get_config()
-  config.train.steps = _SFT_STEPS.value
-  config.train.init_from = init_from
-  config.train.eval_every = _SFT_STEPS.value
-  config.train.checkpoint_every = _SFT_STEPS.value
+def with_steps(config, steps: int):
+  """config trained `steps` steps (--seed's), evaluated and saved at the end, its schedule fitted to them."""
+  config.train.steps = config.train.eval_every = config.train.checkpoint_every = steps
+  config.train.seed = _SEED.value
   config.train.tensorboard = False
-  config.optimizer.decay_steps = _SFT_STEPS.value - config.optimizer.warmup_steps
+  config.optimizer.warmup_steps = min(config.optimizer.warmup_steps, steps // 2)
+  config.optimizer.decay_steps = steps - config.optimizer.warmup_steps
+  return config
+
+
+def sft_config(init_from: str, scheme: str = "none", group_size: int = 32, scope: str = ""):
+  config = with_steps(sft_tiny.get_config(), _SFT_STEPS.value)
+  config.train.init_from = init_from
   config.quant.scheme, config.quant.group_size, config.quant.scope = scheme, group_size, scope
   return config
 
@@ -76,6 +84,9 @@ def main(argv):
   t0 = time.perf_counter()
   base = os.path.join(root, "base")
   base_config = glm5_tiny.get_config()
+  if _BASE_STEPS.value != base_config.train.steps:
+    base_config = with_steps(base_config, _BASE_STEPS.value)
+  base_config.train.seed = _SEED.value
   base_config.train.tensorboard = False
   train_and_evaluate(base_config, base)
   sft_dir = os.path.join(root, "sft")

@@ -147,11 +147,11 @@ class Spread:
     return statistics.fmean(self.values)
 
   def fmt(self, digits: int = 3) -> str:
-    """ "0.512 (0.481-0.540)" over several seeds, "0.512" over one."""
-    f = f"{{:.{digits}f}}"
-    if len(self.values) == 1:
+    """ "0.512 (0.481 to 0.540)" over several seeds, "0.512" over one (or when every seed gives it)."""
+    f = f"{{:,.{digits}f}}"
+    if len(set(self.values)) == 1:
       return f.format(self.values[0])
-    return f"{f.format(self.mean)} ({f.format(min(self.values))}-{f.format(max(self.values))})"
+    return f"{f.format(self.mean)} ({f.format(min(self.values))} to {f.format(max(self.values))})"
 
   def below(self, other: Spread) -> bool:
     """Every value of self is below every value of other: the order holds in every seed, whichever pairing."""
@@ -192,6 +192,14 @@ class Result:
   figures: tuple[str, ...]
   run: Callable[[Ctx], None]
   measure: Callable[[Ctx], dict | None]  # {"measured": text, "verdict": text, ...numbers}; None before it ran
+  # The runs' numbers in more detail, a table under the main one (its lines, under a "###" title); None before it ran
+  details: Callable[[Ctx], list[str] | None] = lambda ctx: None
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+  """A markdown table's lines."""
+  lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+  return lines + ["| " + " | ".join(str(c).replace("|", "\\|") for c in row) + " |" for row in rows]
 
 
 def _window(ctx: Ctx) -> int:
@@ -444,6 +452,35 @@ def measure_infilling(ctx: Ctx) -> dict | None:
   }
 
 
+def details_infilling(ctx: Ctx) -> list[str] | None:
+  per_seed = _script_results(ctx, "glm_infilling")
+  if not per_seed:
+    return None
+
+  def of(rows, model, kind):
+    row = next(r for r in rows if r["model"] == model)
+    return row if kind == "all" else row["by_kind"][kind]
+
+  kinds = ["all", *next(r for r in per_seed[0] if r["model"] == "glm")["by_kind"]]
+  body = []
+  for kind in kinds:
+    cells = [kind, spread(of(rows, "glm", kind)["blanks"] for rows in per_seed).fmt(0)]
+    cells.append(spread(of(rows, "glm", kind)["span_tokens"] for rows in per_seed).fmt(0))
+    for key in ("span_nll", "exact"):
+      cells += [spread(of(rows, m, kind)[key] for rows in per_seed).fmt() for m in ("glm", "causal")]
+    body.append(cells)
+  header = ["held-out blanks", "count", "tokens", "GLM NLL", "causal NLL", "GLM exact", "causal exact"]
+  return [
+    "### Blank infilling against a causal LM, by kind of blank",
+    "",
+    "glm130b_tiny and its `causal` variant (the same model on the same documents) on the same held-out blanks: the "
+    "NLL a token of each blank (GLM: given both sides; causal: the text before it) and the share of blanks whose "
+    "every token is the model's argmax.",
+    "",
+    *table(header, body),
+  ]
+
+
 def run_stability(ctx: Ctx) -> None:
   _per_seed_script(
     ctx,
@@ -470,6 +507,27 @@ def measure_stability(ctx: Ctx) -> dict | None:
     "verdict": f"DeepNorm: {verdict(all(deepnorm), not any(deepnorm))}; EGS: {verdict(all(egs), not any(egs))}",
     "max_jump": {k: s.values for k, s in jump.items()},
   }
+
+
+def details_stability(ctx: Ctx) -> list[str] | None:
+  per_seed = _script_results(ctx, "glm_stability")
+  if not per_seed:
+    return None
+  body = []
+  for run in [r["run"] for r in per_seed[0]]:
+    row = [next(r for r in rows if r["run"] == run) for rows in per_seed]
+    body.append([run, *(spread(r[k] for r in row).fmt(digits) for k, digits in STABILITY_COLUMNS)])
+  return [
+    "### Stability at a high learning rate, by run",
+    "",
+    f"AdamW at lr {per_seed[0][0]['lr']:g}, no clipping, no spike guard; the largest rise of the training loss from "
+    "one logged step to the next, and the held-out loss and span exact match at the end.",
+    "",
+    *table(["run", "largest loss jump", "held-out loss", "held-out span exact"], body),
+  ]
+
+
+STABILITY_COLUMNS = (("max_jump", 2), ("eval_loss", 3), ("eval_span_exact", 3))
 
 
 def run_dsa(ctx: Ctx) -> None:
@@ -537,6 +595,99 @@ def measure_agent_tools(ctx: Ctx) -> dict | None:
   return {"measured": "; ".join(parts), "verdict": verdict(all(better), not any(better))}
 
 
+POLICIES = (("base", "base"), ("sft", "after agentic SFT"), ("grpo", "after GRPO"))
+
+
+def details_agent_tools(ctx: Ctx) -> list[str] | None:
+  per_seed = _script_results(ctx, "agent_tools")
+  if not per_seed:
+    return None
+
+  def cell(env, policy, tools, key, digits=3):
+    values = [s["eval"][f"{env}/{policy}/{tools}"][key] for s in per_seed]
+    return "-" if any(v is None for v in values) else spread(values).fmt(digits)
+
+  body = []
+  for env in sorted({k.split("/")[0] for k in per_seed[0]["eval"]}):
+    for policy, label in POLICIES:
+      body.append(
+        [
+          env if policy == "base" else "",
+          label,
+          cell(env, policy, "tools", "success_rate"),
+          cell(env, policy, "no_tools", "success_rate"),
+          cell(env, policy, "tools", "tool_call_validity", 2),
+          cell(env, policy, "tools", "mean_turns", 2),
+        ]
+      )
+  header = ["environment", "policy", "success with the tool", "without", "tool-call validity", "mean turns"]
+  return [
+    "### Agentic post-training with tools, by environment",
+    "",
+    f"Greedy on {per_seed[0]['eval'][next(iter(per_seed[0]['eval']))]['episodes']} held-out tasks an environment; "
+    "the base is the main job's run (configs/glm5_tiny.py).",
+    "",
+    *table(header, body),
+  ]
+
+
+QUANT_SCOPES = (("int4_g32_experts", "routed experts"), ("int4_g32_all", "every linear layer"))
+QUANT_SCOPES += (("int4_row_all", "every linear layer per row (GLM-130B)"),)
+
+
+def run_quant(ctx: Ctx) -> None:
+  _per_seed_script(ctx, "quant", "experiments/quant_table.py", [], ["--base_steps=2", "--sft_steps=2"], {})
+
+
+def _quant_rows(ctx: Ctx) -> list[dict[str, dict]] | None:
+  """Each seed's quant_table rows by what was served ("fp32", "PTQ <scheme>", "packed <scheme>" for QAT)."""
+  per_seed = _script_results(ctx, "quant")
+  return [{r["served"]: r for r in rows} for rows in per_seed] if per_seed else None
+
+
+def measure_quant(ctx: Ctx) -> dict | None:
+  per_seed = _quant_rows(ctx)
+  if not per_seed:
+    return None
+  parts, verdicts = [], []
+  for scheme, label in QUANT_SCOPES:
+    ptq = spread(s[f"PTQ {scheme}"]["minus_fp32"] for s in per_seed)
+    qat = spread(s[f"packed {scheme}"]["minus_fp32"] for s in per_seed)
+    parts.append(f"{label}: PTQ {ptq.fmt(4)}, QAT {qat.fmt(4)}")
+    recovers = [q <= p for q, p in zip(qat.values, ptq.values)]  # QAT's loss at most PTQ's, seed by seed
+    verdicts.append(f"{label}: {verdict(all(recovers), not any(recovers))}")
+  return {
+    "measured": "held-out loss of the INT4 model as served minus fp32's; " + "; ".join(parts),
+    "verdict": "; ".join(verdicts),
+  }
+
+
+def details_quant(ctx: Ctx) -> list[str] | None:
+  per_seed = _quant_rows(ctx)
+  if not per_seed:
+    return None
+  body = []
+  for served in per_seed[0]:
+    rows = [s[served] for s in per_seed]
+    body.append(
+      [
+        rows[0]["model"],
+        served,
+        spread(r["eval_loss"] for r in rows).fmt(4),
+        spread(r["minus_fp32"] for r in rows).fmt(4),
+        f"{rows[0]['weight_bytes']:,}",
+      ]
+    )
+  return [
+    "### Quantization, by scheme",
+    "",
+    "glm5_tiny pretrained, then SFT on the verses without QAT and with QAT under three INT4 scopes; the held-out "
+    "response loss (nats a token) of each model as served, and its weight bytes (unquantized parameters in fp32).",
+    "",
+    *table(["model", "served as", "held-out loss", "minus fp32", "weight bytes"], body),
+  ]
+
+
 RESULTS = (
   Result(
     "dsa_quality",
@@ -596,6 +747,16 @@ RESULTS = (
     ("agent_tools.png",),
     run_agent_tools,
     measure_agent_tools,
+    details_agent_tools,
+  ),
+  Result(
+    "quant",
+    "INT4 quantization-aware training recovers the loss of INT4 post-training quantization",
+    "experiments/quant_table.py (glm5_tiny, 600 steps, then 200 SFT steps without and with QAT) a seed",
+    (),
+    run_quant,
+    measure_quant,
+    details_quant,
   ),
   Result(
     "glm_infilling",
@@ -604,6 +765,7 @@ RESULTS = (
     (),
     run_infilling,
     measure_infilling,
+    details_infilling,
   ),
   Result(
     "glm_stability",
@@ -612,6 +774,7 @@ RESULTS = (
     ("glm_stability.png",),
     run_stability,
     measure_stability,
+    details_stability,
   ),
 )
 FIGURES = sorted({f for r in RESULTS for f in r.figures})
@@ -653,6 +816,10 @@ def render(ctx: Ctx, measured: dict[str, dict | None]) -> str:
       ", ".join(f"[`{f}`](../experiments/figures/{f})" for f in r.figures) or "-",
     ]
     lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+  for r in RESULTS:
+    more = r.details(ctx)
+    if more:
+      lines += ["", *more]
   lines += ["", END]
   return "\n".join(lines)
 

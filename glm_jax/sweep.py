@@ -1,6 +1,6 @@
 """Sweeps: the product of a few config overrides, each point trained by launch/train.py in its own run directory.
 
-  python launch/sweep.py --config=configs/glm5_tiny.py --workdir=runs/lr_mtp \
+  bash scripts/with_env.sh python launch/sweep.py --config=configs/glm5_tiny.py --workdir=runs/lr_mtp \
       --sweep="optimizer.lr=1e-3,3e-3;model.num_nextn_predict_layers=0,1" --config.train.steps=200 --parallel=2
 
 The spec: `;` separates the axes, `,` the values of an axis (a value holding a comma goes in brackets or quotes:

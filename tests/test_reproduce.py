@@ -33,8 +33,9 @@ def test_every_cited_and_committed_figure_is_written_by_the_script():
 
 def test_spread_over_seeds():
   s = reproduce.spread([0.5, 0.25, 0.75])
-  assert s.mean == 0.5 and s.fmt() == "0.500 (0.250-0.750)" and s.fmt(1) == "0.5 (0.2-0.8)"
+  assert s.mean == 0.5 and s.fmt() == "0.500 (0.250 to 0.750)" and s.fmt(1) == "0.5 (0.2 to 0.8)"
   assert reproduce.spread([0.1234]).fmt() == "0.123"
+  assert reproduce.spread([12705, 12705, 12705]).fmt(0) == "12,705"  # the same in every seed: shown once
   assert reproduce.spread([1, 2]).below(reproduce.spread([2.5, 3]))
   assert not reproduce.spread([1, 2.6]).below(reproduce.spread([2.5, 3]))  # overlapping ranges: not in every seed
   assert reproduce.verdict(True, False) == "reproduces"
@@ -64,9 +65,12 @@ def test_the_shrunk_reproduction_writes_every_figure_and_row(tmp_path):
   )
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   assert sorted(os.listdir(out / "figures")) == sorted(reproduce.FIGURES)
-  table = [line for line in (out / "results.md").read_text().splitlines() if line.startswith("| ")][1:]
+  page = (out / "results.md").read_text()
+  table = [line for line in page.split("\n\n###")[0].splitlines() if line.startswith("| ")][1:]  # the main table
   assert [line.split(" | ")[0].removeprefix("| ") for line in table] == [r.claim for r in reproduce.RESULTS]
   assert not any("not run" in line for line in table)
+  titles = re.findall(r"^### (.+)$", page, re.M)
+  assert len(titles) == sum(r.details is not reproduce.Result.details for r in reproduce.RESULTS) == 4, titles
   for r in reproduce.RESULTS:
     numbers = json.loads((out / "results" / f"{r.name}.json").read_text())
     assert (
@@ -89,3 +93,70 @@ def test_the_script_replaces_only_its_section(tmp_path):
   # the committed page has the markers once each, so a run of the script replaces only the reproductions' table
   committed = open(os.path.join(ROOT, "docs", "results.md")).read()
   assert committed.count(reproduce.BEGIN) == 1 and committed.count(reproduce.END) == 1
+
+
+def _write_seed_results(runs, name, per_seed):
+  for seed, rows in enumerate(per_seed):
+    d = runs / name / f"seed_{seed}"
+    d.mkdir(parents=True)
+    (d / "results.json").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def _ctx(tmp_path, seeds):
+  return reproduce.Ctx(str(tmp_path / "runs"), str(tmp_path / "f"), str(tmp_path / "r"), seeds, shrink=False)
+
+
+def test_the_stability_table_over_seeds(tmp_path):
+  rows = lambda jump, loss: [  # noqa: E731
+    {"run": "Pre-LN", "lr": 0.01, "max_jump": jump, "eval_loss": loss, "eval_span_exact": 0.0},
+    {"run": "DeepNorm", "lr": 0.01, "max_jump": 0.25, "eval_loss": 3.0, "eval_span_exact": 0.5},
+  ]
+  _write_seed_results(tmp_path / "runs", "glm_stability", [rows(1.5, 3.5), rows(2.0, 3.75)])
+  lines = reproduce.details_stability(_ctx(tmp_path, (0, 1)))
+  assert lines[0] == "### Stability at a high learning rate, by run" and "lr 0.01," in lines[2]
+  assert lines[4:] == [
+    "| run | largest loss jump | held-out loss | held-out span exact |",
+    "|---|---|---|---|",
+    "| Pre-LN | 1.75 (1.50 to 2.00) | 3.625 (3.500 to 3.750) | 0.000 |",  # means of the two seeds; a tie shown once
+    "| DeepNorm | 0.25 | 3.000 | 0.500 |",
+  ]
+  assert reproduce.details_stability(_ctx(tmp_path, (0, 1, 2))) is None  # a seed without results: not run yet
+
+
+def test_the_quantization_claim_and_table_over_seeds(tmp_path):
+  def seed(ptq_experts, qat_experts):
+    fp32 = {"model": "sft fp32", "served": "fp32", "eval_loss": 2.0, "weight_bytes": 1000, "minus_fp32": 0.0}
+    out = [fp32]
+    for scheme, ptq, qat in (
+      ("int4_g32_experts", ptq_experts, qat_experts),
+      ("int4_g32_all", 0.01, 0.007),
+      ("int4_row_all", 0.012, 0.009),
+    ):
+      out.append({"model": "sft fp32", "served": f"PTQ {scheme}", "eval_loss": 2 + ptq, "weight_bytes": 500})
+      out.append(
+        {"model": f"sft QAT {scheme}", "served": f"packed {scheme}", "eval_loss": 2 + qat, "weight_bytes": 500}
+      )
+    for row in out:
+      row["minus_fp32"] = row["eval_loss"] - 2.0
+    return out
+
+  runs = tmp_path / "runs"
+  _write_seed_results(runs, "quant", [seed(0.001, -0.0005), seed(0.002, 0.003)])  # QAT worse in seed 1
+  m = reproduce.measure_quant(_ctx(tmp_path, (0, 1)))
+  assert m["verdict"] == (
+    "routed experts: mixed across seeds; every linear layer: reproduces; every linear layer per row (GLM-130B): "
+    "reproduces"
+  )
+  assert m["measured"].startswith("held-out loss of the INT4 model as served minus fp32's; routed experts: PTQ ")
+  assert "routed experts: PTQ 0.0015 (0.0010 to 0.0020), QAT 0.0013 (-0.0005 to 0.0030)" in m["measured"]
+  lines = reproduce.details_quant(_ctx(tmp_path, (0, 1)))
+  assert lines[4:7] == [
+    "| model | served as | held-out loss | minus fp32 | weight bytes |",
+    "|---|---|---|---|---|",
+    "| sft fp32 | fp32 | 2.0000 | 0.0000 | 1,000 |",
+  ]
+  assert lines[7] == "| sft fp32 | PTQ int4_g32_experts | 2.0015 (2.0010 to 2.0020) | 0.0015 (0.0010 to 0.0020) | 500 |"
+  (runs / "quant" / "seed_1" / "results.json").unlink()
+  _write_seed_results(tmp_path / "runs2", "quant", [seed(0.001, -0.0005), seed(0.002, 0.001)])
+  ctx = reproduce.Ctx(str(tmp_path / "runs2"), "", "", (0, 1), shrink=False)
+  assert reproduce.measure_quant(ctx)["verdict"].startswith("routed experts: reproduces;")

@@ -5,9 +5,11 @@ environments in GLM-5's chat format (glm_jax/rl/environment.py), multi-turn, thr
 Warm start: rl.init_from (a pretraining run of glm5_tiny: its tokenizer is the run's), else sft.steps of agentic SFT on
 the environments' scripted demonstrations (loss on the model's turns only). experiments/agent_tools.py measures it.
 
-  python launch/train.py --config=configs/agent_tiny.py --config.rl.init_from=workdirs/glm5_tiny
-  python launch/train.py --config=configs/agent_tiny.py:smoke      # a few steps of everything
-  python launch/train.py --config=configs/agent_tiny.py:distill --config.teachers.calculator.init_from=RUN ...
+  bash scripts/with_env.sh python launch/train.py --config=configs/agent_tiny.py \
+      --config.rl.init_from=workdirs/glm5_tiny
+  bash scripts/with_env.sh python launch/train.py --config=configs/agent_tiny.py:smoke      # a few steps of everything
+  bash scripts/with_env.sh python launch/train.py --config=configs/agent_tiny.py:distill \
+      --config.teachers.calculator.init_from=RUN ...
                          # on-policy distillation on the same environments, a teacher an environment (GLM-5 Eq. 2)
 """
 

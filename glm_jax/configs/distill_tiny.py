@@ -6,8 +6,9 @@ prompt from the student, prompts mixed from the teachers' tasks by weight; the t
 scores the student's tokens, and the advantage of each token is sg(log p_teacher - log p_student). The
 student's per-token KL to its teachers (metrics: teacher_kl, teacher_kl/<name>) falls.
 
-  python launch/train.py --config=configs/distill_tiny.py                   # ~5 minutes on a laptop CPU
-  python launch/train.py --config=configs/distill_tiny.py:smoke             # a few steps of everything: seconds
+  bash scripts/with_env.sh python launch/train.py --config=configs/distill_tiny.py          # ~5 minutes on a laptop CPU
+  bash scripts/with_env.sh python launch/train.py \
+      --config=configs/distill_tiny.py:smoke  # a few steps of everything: seconds
 """
 
 import ml_collections

@@ -14,8 +14,8 @@ Variants (`--config=configs/glm130b_tiny.py:<variant>`):
           positions are then all 0): the baseline of experiments/glm_infilling.py
   smoke   20 steps: seconds, for CI
 
-  python launch/train.py --config=configs/glm130b_tiny.py --workdir=runs/glm130b
-  python launch/sample.py --workdir=runs/glm130b \\
+  bash scripts/with_env.sh python launch/train.py --config=configs/glm130b_tiny.py --workdir=runs/glm130b
+  bash scripts/with_env.sh python launch/sample.py --workdir=runs/glm130b \\
       --prompt="In the beginning God created the [MASK] and the earth." --infill
 """
 

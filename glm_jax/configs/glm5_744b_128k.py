@@ -1,8 +1,10 @@
 """glm5_744b's 128K stage (131,072-token sequences) on v5p-1024, in DSA's sparse stage or, with the `warmup`
 variant, the indexer's dense warm-up:
 
-  python launch/compile.py --config=configs/glm5_744b_128k.py --topology=v5p:8x8x8           # sparse (top-2048)
-  python launch/compile.py --config=configs/glm5_744b_128k.py:warmup --topology=v5p:8x8x8    # dense + indexer KL
+  bash scripts/with_env.sh python launch/compile.py --config=configs/glm5_744b_128k.py \
+      --topology=v5p:8x8x8  # sparse (top-2048)
+  bash scripts/with_env.sh python launch/compile.py --config=configs/glm5_744b_128k.py:warmup \
+      --topology=v5p:8x8x8  # dense + indexer KL
 
 GLM-5 extends the context 32K -> 128K -> 200K in mid-training, with DSA adapted first (a dense warm-up of the
 indexer, then the sparse stage); docs/glm5_facts.md sections 1 and 3. The layout:

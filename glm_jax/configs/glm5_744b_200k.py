@@ -1,8 +1,8 @@
 """glm5_744b's last context stage, 202,752-token sequences (GLM-5's 200K: its DSA warm-up ran 1,000 steps of
 14 x 202,752 tokens), on v5p-1024, in the sparse stage or, with the `warmup` variant, the indexer's dense warm-up:
 
-  python launch/compile.py --config=configs/glm5_744b_200k.py --topology=v5p:8x8x8
-  python launch/compile.py --config=configs/glm5_744b_200k.py:warmup --topology=v5p:8x8x8
+  bash scripts/with_env.sh python launch/compile.py --config=configs/glm5_744b_200k.py --topology=v5p:8x8x8
+  bash scripts/with_env.sh python launch/compile.py --config=configs/glm5_744b_200k.py:warmup --topology=v5p:8x8x8
 
 As configs/glm5_744b_128k.py, with the sequence split 64 ways (mesh context=64 x expert=8, fsdp=1): a chip holds
 3,168 of a sequence's tokens (202,752 = 64 x 3,168, two zig-zag chunks of 1,584), at most glm5_744b's 4K per-chip

@@ -3,10 +3,11 @@ index_topk below the sequence length, so the indexer selects during RL) on a cha
 by a brief supervised fine-tuning on one-digit addition (to about 10% exact answers when sampling), then RL
 with an exact-match reward: the sampled answers' mean reward climbs past 50% within 200 steps.
 
-  python launch/train.py --config=configs/grpo_tiny.py                      # ~5 minutes on a laptop CPU
-  python launch/train.py --config=configs/grpo_tiny.py --config.rl.async_rollouts=True \
-      --config.rl.objective=async --config.rl.tau=1                         # GLM-5's asynchronous form
-  python launch/train.py --config=configs/grpo_tiny.py:smoke                # a few steps of everything: seconds
+  bash scripts/with_env.sh python launch/train.py --config=configs/grpo_tiny.py             # ~5 minutes on a laptop CPU
+  bash scripts/with_env.sh python launch/train.py --config=configs/grpo_tiny.py --config.rl.async_rollouts=True \
+      --config.rl.objective=async --config.rl.tau=1  # GLM-5's asynchronous form
+  bash scripts/with_env.sh python launch/train.py \
+      --config=configs/grpo_tiny.py:smoke  # a few steps of everything: seconds
 """
 
 import ml_collections

@@ -10,9 +10,10 @@ quant.group_size = 32 along each weight's input: 128 in GLM-5 / slime, 32 here b
 and 64), with the straight-through gradient; `launch/quantize.py --scheme=int4 --group_size=32` then packs the
 trained weights with the same quantizer, and the packed model computes the QAT model's logits bit for bit.
 
-  python launch/train.py --config=configs/glm5_tiny.py --workdir=runs/base            # pretrain first
-  python launch/train.py --config=configs/sft_tiny.py --workdir=runs/sft --config.train.init_from=runs/base
-  python launch/train.py --config=configs/sft_tiny.py:smoke              # 20 steps: seconds, for CI
+  bash scripts/with_env.sh python launch/train.py --config=configs/glm5_tiny.py --workdir=runs/base     # pretrain first
+  bash scripts/with_env.sh python launch/train.py --config=configs/sft_tiny.py --workdir=runs/sft \
+      --config.train.init_from=runs/base
+  bash scripts/with_env.sh python launch/train.py --config=configs/sft_tiny.py:smoke         # 20 steps: seconds, for CI
 """
 
 import ml_collections
