@@ -855,6 +855,9 @@ def main(argv):
   )
   for d in (ctx.runs, ctx.figures, ctx.results):
     os.makedirs(d, exist_ok=True)
+  # The runs share jax's persistent compilation cache (unless one is set): the seeds of a result compile the same
+  # programs, which the later seeds then load instead of compiling (the same executables, so the same numbers).
+  os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(ctx.runs, "jax_cache"))
   measured = {}
   for r in RESULTS:
     if not _ONLY.value or r.name in _ONLY.value:
