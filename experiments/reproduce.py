@@ -788,6 +788,11 @@ def _git_commit() -> str:
 BEGIN, END = "<!-- reproduce.py: begin -->", "<!-- reproduce.py: end -->"
 
 
+def result_wall_s(ctx: Ctx, r: Result) -> float | None:
+  """The wall time of a result's runs (mtp's are optimizer_mtp's sweep)."""
+  return ctx.wall_s(r.name if r.name != "mtp" else "optimizer_mtp")
+
+
 def render(ctx: Ctx, measured: dict[str, dict | None]) -> str:
   """The section of docs/results.md this script owns (between BEGIN and END): the table of every result."""
   when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
@@ -805,7 +810,7 @@ def render(ctx: Ctx, measured: dict[str, dict | None]) -> str:
   ]
   for r in RESULTS:
     m = measured.get(r.name)
-    wall = ctx.wall_s(r.name if r.name != "mtp" else "optimizer_mtp")
+    wall = result_wall_s(ctx, r)
     cells = [
       r.claim,
       f"`{r.command}`",
@@ -867,7 +872,7 @@ def main(argv):
     measured[r.name] = m
     if m is not None:
       with open(os.path.join(ctx.results, f"{r.name}.json"), "w") as f:
-        json.dump({"claim": r.claim, "seeds": list(ctx.seeds), "wall_s": ctx.wall_s(r.name), **m}, f, indent=1)
+        json.dump({"claim": r.claim, "seeds": list(ctx.seeds), "wall_s": result_wall_s(ctx, r), **m}, f, indent=1)
   page = os.path.join(out, "results.md") if out else os.path.join(ROOT, "docs", "results.md")
   write_page(page, render(ctx, measured))
   print(f"[reproduce] wrote {page}", flush=True)
