@@ -2,7 +2,10 @@
 included, read with `ast`; no cycle, and no edge up or sideways between packages. A failure names both files."""
 
 import ast
+import importlib.metadata
 import os
+import re
+import sys
 
 import pytest
 
@@ -200,3 +203,33 @@ def test_an_unranked_package_is_an_error():
   for module in ("glm_jax_extra.x", "glm_jax.new_leaf", "glm_jax.newpkg.module"):
     with pytest.raises(ValueError, match=f"{module} belongs to no group"):
       group_of(module)
+
+
+def third_party_imports(files: dict[str, str], root: str = ROOT) -> dict[str, str]:
+  """{top-level module: a file importing it} for every module outside the standard library and this repository
+  that `files` import, lazy imports included."""
+  out = {}
+  for rel in files.values():
+    for node in ast.walk(ast.parse(open(os.path.join(root, rel)).read())):
+      names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+      if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+        names = [node.module]
+      for top in {n.split(".")[0] for n in names} - set(sys.stdlib_module_names) - {"glm_jax", "pallas_kernels"}:
+        out.setdefault(top, rel)
+  return out
+
+
+def test_every_third_party_import_of_the_package_is_a_runtime_requirement():
+  """What a `pip install` of glm-jax installs (requirements.txt, setup.py's install_requires) holds every module
+  the package imports: httpx, imported by the rollout server, was only a test requirement, so a Colab-style install
+  failed at launch/train.py's imports while the notebook test, which reuses this venv, passed."""
+  with open(os.path.join(ROOT, "requirements.txt")) as f:
+    required = {re.split(r"[<>=!~\[; ]", line.strip())[0].lower().replace("_", "-") for line in f}
+  distributions = importlib.metadata.packages_distributions()
+  package = {m: rel for m, rel in module_files().items() if m.startswith(("glm_jax", "pallas_kernels"))}
+  missing = {
+    module: rel
+    for module, rel in third_party_imports(package).items()
+    if not {d.lower().replace("_", "-") for d in distributions.get(module, [module])} & required
+  }
+  assert not missing, f"imported but not in requirements.txt (module: a file importing it): {missing}"
