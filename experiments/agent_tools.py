@@ -9,7 +9,8 @@ cache against re-prefilling every turn; reward curves.
 
 Trains <out>/run with launch/train.py's trainer (rl.init_from=--base: SFT on the environments' scripted
 demonstrations, kept in <out>/run/init, then GRPO), unless <out>/run is complete. Prints a markdown table; writes
-experiments/results/agent_tools.json and experiments/figures/agent_tools.png.
+--results (<out>/results.json) and --figure (<out>/agent_tools.png); experiments/reproduce.py runs it a seed
+into the committed figure and numbers.
 """
 
 import json
@@ -37,8 +38,8 @@ _SFT_STEPS = flags.DEFINE_integer("sft_steps", None, "Agentic SFT steps (default
 _RL_STEPS = flags.DEFINE_integer("rl_steps", None, "GRPO steps (default: the config's).")
 _SEED = flags.DEFINE_integer("seed", 0, "rl.seed: the SFT's and GRPO's data and sampling.")
 _EVAL_TASKS = flags.DEFINE_integer("eval_tasks", 64, "Held-out tasks an environment, answered greedily.")
-_RESULTS = flags.DEFINE_string("results", "experiments/results/agent_tools.json", "Where the figures go (JSON).")
-_FIGURE = flags.DEFINE_string("figure", "experiments/figures/agent_tools.png", "The reward curves.")
+_RESULTS = flags.DEFINE_string("results", "", "Where the figures go (JSON; default: <out>/results.json).")
+_FIGURE = flags.DEFINE_string("figure", "", "The reward curves (default: <out>/agent_tools.png).")
 
 
 def load_weights(workdir: str, cfg: ModelConfig):
@@ -125,9 +126,10 @@ def main(argv):
 
   metrics = ["success_rate", *(f"reward/{label}" for label in config.tasks), "mean_turns", "eval_accuracy"]
   fig = plots.curves({"grpo": run}, metrics, title="Agentic GRPO on glm5_tiny after agentic SFT (greedy eval: right)")
-  plots.save(fig, _FIGURE.value)
-  os.makedirs(os.path.dirname(_RESULTS.value), exist_ok=True)
-  with open(_RESULTS.value, "w") as f:
+  plots.save(fig, _FIGURE.value or os.path.join(_OUT.value, "agent_tools.png"))
+  results_path = _RESULTS.value or os.path.join(_OUT.value, "results.json")
+  os.makedirs(os.path.dirname(results_path), exist_ok=True)
+  with open(results_path, "w") as f:
     json.dump(results, f, indent=1)
   print("| environment | policy | tools | success | tool-call validity | mean turns | finish |")
   print("|---|---|---|---|---|---|---|")

@@ -35,10 +35,10 @@ _TOPK = flags.DEFINE_list("topk", ["64", "128", "256"], "index_topk of the spars
 _BATCH = flags.DEFINE_integer("batch_size", 2, "Rows of --seq_len tokens a step.")
 _SEQ_LEN = flags.DEFINE_integer("seq_len", 2048, "Tokens a row (glm5_tiny's long variant: 2,048).")
 _SEED = flags.DEFINE_integer("seed", 0, "train.seed of every stage (the dense stage's initialization, the data order).")
-_RESULTS = flags.DEFINE_string("results", "experiments/results/dsa_quality.json", "The JSON of the figures.")
-_FIGURE = flags.DEFINE_string("figure", "experiments/figures/dsa_quality.png", "Every stage on one step axis (PNG).")
+_RESULTS = flags.DEFINE_string("results", "", "The JSON of the figures (default: <workdir>/results.json).")
+_FIGURE = flags.DEFINE_string("figure", "", "Every stage on one step axis (PNG; default: <workdir>/dsa_quality.png).")
 _BRANCH_FIGURE = flags.DEFINE_string(
-  "branch_figure", "experiments/figures/dsa_quality_branches.png", "The branches alone (PNG)."
+  "branch_figure", "", "The branches alone (PNG; default: <workdir>/dsa_quality_branches.png)."
 )
 
 
@@ -99,19 +99,20 @@ def main(argv):
     "wall_s_this_invocation": round(wall, 1),
     "stage_wall_s": stage_wall,
   }
-  os.makedirs(os.path.dirname(os.path.abspath(_RESULTS.value)), exist_ok=True)
-  with open(_RESULTS.value, "w") as f:
+  results_path = _RESULTS.value or os.path.join(_WORKDIR.value, "results.json")
+  os.makedirs(os.path.dirname(os.path.abspath(results_path)), exist_ok=True)
+  with open(results_path, "w") as f:
     json.dump(summary, f, indent=1)
   branch_dirs = {name: os.path.join(root, f"branch_{name}") for name in branches}
   stages = {"dense (from scratch)": dense_dir, "warm-up": warmup_dir}
   metrics, entropy = ["lm_loss", "eval_loss"], warm["unigram_entropy"]
   fig = plots.timeline(stages, metrics, branches=branch_dirs, smooth=3, reference=entropy, width=6.5)
-  plots.save(fig, _FIGURE.value)
+  plots.save(fig, _FIGURE.value or os.path.join(_WORKDIR.value, "dsa_quality.png"))
   # the branches alone, where their differences (a percent of the loss) show: the same step axis, held-out points
   _, offsets, _ = plots.chain(stages, branch_dirs)
   title = f"dense vs DSA after {_WARMUP_STEPS.value} warm-up steps, {_SEQ_LEN.value:,}-token rows"
   fig = plots.curves(branch_dirs, metrics, smooth=3, reference=entropy, offsets=offsets, width=6.5, title=title)
-  plots.save(fig, _BRANCH_FIGURE.value)
+  plots.save(fig, _BRANCH_FIGURE.value or os.path.join(_WORKDIR.value, "dsa_quality_branches.png"))
   print(json.dumps(summary), flush=True)
 
 

@@ -32,7 +32,7 @@ from glm_jax.train.trainer import restore_run, train_and_evaluate
 
 _WORKDIR = flags.DEFINE_string("workdir", "runs/glm_infilling", "Where the runs go.")
 _STEPS = flags.DEFINE_integer("steps", 600, "Training steps of each model.")
-_RESULTS = flags.DEFINE_string("results", "experiments/results/glm_infilling.jsonl", "JSON lines of the table.")
+_RESULTS = flags.DEFINE_string("results", "", "JSON lines of the table (default: <workdir>/results.jsonl).")
 _SEED = flags.DEFINE_integer("seed", 0, "train.seed of both models (the initialization, the data order).")
 
 
@@ -167,8 +167,9 @@ def main(argv):
   causal_rows = score_causal(causal_run, batches, glm_cfg.data.seq_len, _mask_names(glm_run.tokenizer))
   rows[0].update(summarize(glm_rows))
   rows[1].update(summarize(causal_rows))
-  os.makedirs(os.path.dirname(_RESULTS.value) or ".", exist_ok=True)
-  with open(_RESULTS.value, "w") as f:
+  results_path = _RESULTS.value or os.path.join(_WORKDIR.value, "results.jsonl")
+  os.makedirs(os.path.dirname(results_path) or ".", exist_ok=True)
+  with open(results_path, "w") as f:
     for row in rows:
       f.write(json.dumps(row) + "\n")
   print(f"{'model':8s} {'span NLL':>9s} {'exact':>7s} {'blanks':>7s} {'tokens':>7s} {'eval_loss':>9s}")

@@ -25,8 +25,8 @@ _WORKDIR = flags.DEFINE_string("workdir", "runs/glm_stability", "Where the runs 
 _LR = flags.DEFINE_float("lr", 1e-2, "AdamW's peak learning rate (after 20 warm-up steps, then constant).")
 _STEPS = flags.DEFINE_integer("steps", 300, "Training steps of each run.")
 _SEED = flags.DEFINE_integer("seed", 0, "train.seed of every run (the initialization, the data order).")
-_FIGURE = flags.DEFINE_string("figure", "experiments/figures/glm_stability.png", "The loss curves.")
-_RESULTS = flags.DEFINE_string("results", "experiments/results/glm_stability.jsonl", "JSON lines of the runs.")
+_FIGURE = flags.DEFINE_string("figure", "", "The loss curves (default: <workdir>/glm_stability.png).")
+_RESULTS = flags.DEFINE_string("results", "", "JSON lines of the runs (default: <workdir>/results.jsonl).")
 
 RUNS = {  # label -> (norm_style, embedding_grad_shrink)
   "Pre-LN": ("prenorm", 1.0),
@@ -86,9 +86,11 @@ def main(argv):
         **spikes(losses),
       }
     )
-  plots.save(plots.curves(workdirs, "loss", title=f"glm130b_tiny, AdamW lr {_LR.value:g}, no clipping"), _FIGURE.value)
-  os.makedirs(os.path.dirname(_RESULTS.value) or ".", exist_ok=True)
-  with open(_RESULTS.value, "w") as f:
+  figure = _FIGURE.value or os.path.join(_WORKDIR.value, "glm_stability.png")
+  plots.save(plots.curves(workdirs, "loss", title=f"glm130b_tiny, AdamW lr {_LR.value:g}, no clipping"), figure)
+  results_path = _RESULTS.value or os.path.join(_WORKDIR.value, "results.jsonl")
+  os.makedirs(os.path.dirname(results_path) or ".", exist_ok=True)
+  with open(results_path, "w") as f:
     for row in rows:
       f.write(json.dumps(row) + "\n")
   for row in rows:

@@ -32,7 +32,7 @@ _WORKDIR = flags.DEFINE_string("workdir", "runs/quant", "Where the runs go.")
 _SFT_STEPS = flags.DEFINE_integer("sft_steps", 200, "SFT steps (with and without QAT).")
 _BASE_STEPS = flags.DEFINE_integer("base_steps", 600, "Pretraining steps of the base (glm5_tiny's).")
 _SEED = flags.DEFINE_integer("seed", 0, "train.seed of every run (the initialization, the data order).")
-_RESULTS = flags.DEFINE_string("results", "experiments/results/quant_table.jsonl", "JSON lines of the table.")
+_RESULTS = flags.DEFINE_string("results", "", "JSON lines of the table (default: <workdir>/results.jsonl).")
 
 # (row name, scheme, group size, scope): the post-training schemes applied to the fp32 SFT model.
 PTQ = [
@@ -104,8 +104,9 @@ def main(argv):
       dict(model=f"sft QAT {name}", served=f"packed {name}", **served_loss(config, qat_dir, scheme, group, scope))
     )
   fp32 = rows[0]["eval_loss"]
-  os.makedirs(os.path.dirname(os.path.abspath(_RESULTS.value)), exist_ok=True)
-  with open(_RESULTS.value, "w") as f:
+  results_path = _RESULTS.value or os.path.join(_WORKDIR.value, "results.jsonl")
+  os.makedirs(os.path.dirname(os.path.abspath(results_path)), exist_ok=True)
+  with open(results_path, "w") as f:
     for row in rows:
       row["minus_fp32"] = row["eval_loss"] - fp32
       f.write(json.dumps(row) + "\n")
