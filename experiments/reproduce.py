@@ -805,22 +805,23 @@ def render(ctx: Ctx, measured: dict[str, dict | None]) -> str:
     f"{' (shrunk runs: not results)' if ctx.shrink else ''}. Learning results over {len(ctx.seeds)} seed(s): each "
     "number is the mean and, in parentheses, the range over the seeds; a verdict holds in every seed or says so.",
     "",
-    "| claim | command | seeds | wall time | measured | verdict | figures |",
-    "|---|---|---|---|---|---|---|",
   ]
+  rows = []
   for r in RESULTS:
     m = measured.get(r.name)
     wall = result_wall_s(ctx, r)
-    cells = [
-      r.claim,
-      f"`{r.command}`",
-      str(len(ctx.seeds)),
-      "-" if wall is None else f"{wall / 60:.1f} min",
-      m["measured"] if m else "not run",
-      f"**{m['verdict']}**" if m else "-",
-      ", ".join(f"[`{f}`](../experiments/figures/{f})" for f in r.figures) or "-",
-    ]
-    lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    rows.append(
+      [
+        r.claim,
+        f"`{r.command}`",
+        str(len(ctx.seeds)),
+        "-" if wall is None else f"{wall / 60:.1f} min",
+        m["measured"] if m else "not run",
+        f"**{m['verdict']}**" if m else "-",
+        ", ".join(f"[`{f}`](../experiments/figures/{f})" for f in r.figures) or "-",
+      ]
+    )
+  lines += table(["claim", "command", "seeds", "wall time", "measured", "verdict", "figures"], rows)
   for r in RESULTS:
     more = r.details(ctx)
     if more:
