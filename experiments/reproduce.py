@@ -631,8 +631,11 @@ def details_agent_tools(ctx: Ctx) -> list[str] | None:
   ]
 
 
-QUANT_SCOPES = (("int4_g32_experts", "routed experts"), ("int4_g32_all", "every linear layer"))
-QUANT_SCOPES += (("int4_row_all", "every linear layer per row (GLM-130B)"),)
+QUANT_SCOPES = (
+  ("int4_g32_experts", "routed experts"),
+  ("int4_g32_all", "every linear layer"),
+  ("int4_row_all", "every linear layer per row (GLM-130B)"),
+)
 
 
 def run_quant(ctx: Ctx) -> None:
