@@ -15,6 +15,8 @@ another machine; a verdict is "reproduces" only when it holds in every seed.
 
 Runs go to --runs/<name> (default runs/repro). A run that has finished is not run again (the sweeps and the trainers
 resume), so the script can be stopped and started again; a result whose runs are all done costs only its rendering.
+Each result's runs record the machine they ran on (<runs>/<name>/machine.json), which the table shows: a result can
+run on another machine (`--only=dsa_quality --runs=DIR` on a GPU, say) and its directory be copied into --runs here.
 --shrink runs every result's commands at a few steps on small batches (one seed): the same code from the command
 to the table's columns and the figures, in seconds a run; tests/test_reproduce.py runs it in CI.
 """
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import json
 import os
 import platform
@@ -74,10 +77,33 @@ class Ctx:
       walls[key] = round(time.perf_counter() - t0, 1)
       with open(path, "w") as f:
         json.dump(walls, f, indent=1)
+    path = self.run_dir(name, "machine.json")
+    machines = _read_json(path) or []
+    if this_machine() not in machines:
+      with open(path, "w") as f:
+        json.dump([*machines, this_machine()], f)
 
   def wall_s(self, name: str) -> float | None:
     walls = _read_json(self.run_dir(name, "wall_s.json"))
     return round(sum(walls.values()), 1) if walls else None
+
+  def machines(self, name: str) -> list[str]:
+    """The machines <name>'s runs ran on (<runs>/<name>/machine.json, written by run; runs from before that file
+    existed ran here)."""
+    return _read_json(self.run_dir(name, "machine.json")) or [this_machine()]
+
+
+@functools.cache
+def this_machine() -> str:
+  """What a run started here computes on, as jax there sees it (JAX_PLATFORMS and all): "2 x86_64 CPUs", or the
+  accelerators and the CPUs, "1 NVIDIA H200 (16 x86_64 CPUs)"."""
+  cpus = f"{os.cpu_count()} {platform.machine()} CPUs"
+  probe = "import jax; d = jax.devices(); print(len(d), d[0].platform, d[0].device_kind)"
+  proc = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True)
+  if proc.returncode != 0 or not proc.stdout.strip():
+    return cpus
+  count, backend, kind = proc.stdout.strip().splitlines()[-1].split(maxsplit=2)
+  return cpus if backend == "cpu" else f"{count} {kind} ({cpus})"
 
 
 def _read_json(path: str):
@@ -194,6 +220,11 @@ class Result:
   measure: Callable[[Ctx], dict | None]  # {"measured": text, "verdict": text, ...numbers}; None before it ran
   # The runs' numbers in more detail, a table under the main one (its lines, under a "###" title); None before it ran
   details: Callable[[Ctx], list[str] | None] = lambda ctx: None
+  runs_of: str = ""  # the result whose runs this one reads (its wall time and machine), if not its own
+
+  @property
+  def runs_name(self) -> str:
+    return self.runs_of or self.name
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
@@ -716,6 +747,7 @@ RESULTS = (
     ("optimizer_mtp_eval_loss.png",),
     lambda ctx: None,
     measure_mtp,
+    runs_of="optimizer_mtp",
   ),
   Result(
     "icepop",
@@ -791,11 +823,6 @@ def _git_commit() -> str:
 BEGIN, END = "<!-- reproduce.py: begin -->", "<!-- reproduce.py: end -->"
 
 
-def result_wall_s(ctx: Ctx, r: Result) -> float | None:
-  """The wall time of a result's runs (mtp's are optimizer_mtp's sweep)."""
-  return ctx.wall_s(r.name if r.name != "mtp" else "optimizer_mtp")
-
-
 def render(ctx: Ctx, measured: dict[str, dict | None]) -> str:
   """The section of docs/results.md this script owns (between BEGIN and END): the table of every result."""
   when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
@@ -804,27 +831,28 @@ def render(ctx: Ctx, measured: dict[str, dict | None]) -> str:
     "## Small-scale reproductions",
     "",
     "Written by `experiments/reproduce.py` from its runs; do not edit by hand. "
-    f"Last written {when} at commit {_git_commit()}, on {platform.machine()} with {os.cpu_count()} CPUs"
-    f"{' (shrunk runs: not results)' if ctx.shrink else ''}. Learning results over {len(ctx.seeds)} seed(s): each "
+    f"Last written {when} at commit {_git_commit()}{' (shrunk runs: not results)' if ctx.shrink else ''}. "
+    f"Learning results over {len(ctx.seeds)} seed(s): each "
     "number is the mean and, in parentheses, the range over the seeds; a verdict holds in every seed or says so.",
     "",
   ]
   rows = []
   for r in RESULTS:
     m = measured.get(r.name)
-    wall = result_wall_s(ctx, r)
+    wall = ctx.wall_s(r.runs_name)
     rows.append(
       [
         r.claim,
         f"`{r.command}`",
         str(len(ctx.seeds)),
         "-" if wall is None else f"{wall / 60:.1f} min",
+        ", ".join(ctx.machines(r.runs_name)) if m else "-",
         m["measured"] if m else "not run",
         f"**{m['verdict']}**" if m else "-",
         ", ".join(f"[`{f}`](../experiments/figures/{f})" for f in r.figures) or "-",
       ]
     )
-  lines += table(["claim", "command", "seeds", "wall time", "measured", "verdict", "figures"], rows)
+  lines += table(["claim", "command", "seeds", "wall time", "ran on", "measured", "verdict", "figures"], rows)
   for r in RESULTS:
     more = r.details(ctx)
     if more:
@@ -876,7 +904,7 @@ def main(argv):
     measured[r.name] = m
     if m is not None:
       with open(os.path.join(ctx.results, f"{r.name}.json"), "w") as f:
-        json.dump({"claim": r.claim, "seeds": list(ctx.seeds), "wall_s": result_wall_s(ctx, r), **m}, f, indent=1)
+        json.dump({"claim": r.claim, "seeds": list(ctx.seeds), "wall_s": ctx.wall_s(r.runs_name), **m}, f, indent=1)
   page = os.path.join(out, "results.md") if out else os.path.join(ROOT, "docs", "results.md")
   write_page(page, render(ctx, measured))
   print(f"[reproduce] wrote {page}", flush=True)

@@ -4,6 +4,7 @@ figure the README and docs/ cite is one it writes, its numbers over seeds are co
 
 import json
 import os
+import platform
 import re
 import subprocess
 import sys
@@ -160,3 +161,38 @@ def test_the_quantization_claim_and_table_over_seeds(tmp_path):
   _write_seed_results(tmp_path / "runs2", "quant", [seed(0.001, -0.0005), seed(0.002, 0.001)])
   ctx = reproduce.Ctx(str(tmp_path / "runs2"), "", "", (0, 1), shrink=False)
   assert reproduce.measure_quant(ctx)["verdict"].startswith("routed experts: reproduces;")
+
+
+def test_the_table_says_where_each_result_ran(tmp_path, monkeypatch):
+  runs = tmp_path / "runs"
+  ctx = _ctx(tmp_path, (0,))
+  monkeypatch.setattr(reproduce, "this_machine", lambda: "2 x86_64 CPUs")
+  # a run records the machine it ran on and its wall time (a subprocess: python -c pass)
+  ctx.run("dsa_quality", ["-c", "pass"])
+  assert json.loads((runs / "dsa_quality" / "machine.json").read_text()) == ["2 x86_64 CPUs"]
+  assert list(json.loads((runs / "dsa_quality" / "wall_s.json").read_text())) == ["-c pass"]
+  (runs / "dsa_quality" / "machine.json").write_text('["1 NVIDIA H200 (16 x86_64 CPUs)"]')  # as a GPU run writes it
+  # mtp reads the sweep's runs: their machines (two here) and wall time (60 s + 30 s)
+  (runs / "optimizer_mtp").mkdir(parents=True)
+  (runs / "optimizer_mtp" / "machine.json").write_text('["A", "B"]')
+  (runs / "optimizer_mtp" / "wall_s.json").write_text('{"x": 60, "y": 30}')
+  (runs / "grpo_tiny").mkdir()  # runs from before machine.json existed ran here
+  measured = {n: {"measured": f"m_{n}", "verdict": "v"} for n in ("dsa_quality", "mtp", "grpo_tiny")}
+  rows = {
+    line.split(" | ")[0].removeprefix("| "): line.split(" | ")
+    for line in reproduce.render(ctx, measured).splitlines()
+    if line.startswith("| ")
+  }
+  claim = {r.name: r.claim for r in reproduce.RESULTS}
+  assert rows["claim"][3:5] == ["wall time", "ran on"]
+  assert rows[claim["dsa_quality"]][4:6] == ["1 NVIDIA H200 (16 x86_64 CPUs)", "m_dsa_quality"]
+  assert rows[claim["mtp"]][3:6] == ["1.5 min", "A, B", "m_mtp"]
+  assert rows[claim["grpo_tiny"]][4] == "2 x86_64 CPUs"
+  assert rows[claim["icepop"]][4:6] == ["-", "not run"]
+
+
+@pytest.mark.skipif(os.environ.get("JAX_PLATFORMS") != "cpu", reason="the runs' jax here is not the CPU's")
+def test_this_machine_names_the_cpus_when_jax_runs_on_them():
+  # the probe is a subprocess with this environment: it sees the devices the runs would
+  reproduce.this_machine.cache_clear()
+  assert reproduce.this_machine() == f"{os.cpu_count()} {platform.machine()} CPUs"
