@@ -99,10 +99,6 @@ def main(argv):
     "wall_s_this_invocation": round(wall, 1),
     "stage_wall_s": stage_wall,
   }
-  results_path = _RESULTS.value or os.path.join(_WORKDIR.value, "results.json")
-  os.makedirs(os.path.dirname(os.path.abspath(results_path)), exist_ok=True)
-  with open(results_path, "w") as f:
-    json.dump(summary, f, indent=1)
   branch_dirs = {name: os.path.join(root, f"branch_{name}") for name in branches}
   stages = {"dense (from scratch)": dense_dir, "warm-up": warmup_dir}
   metrics, entropy = ["lm_loss", "eval_loss"], warm["unigram_entropy"]
@@ -113,6 +109,11 @@ def main(argv):
   title = f"dense vs DSA after {_WARMUP_STEPS.value} warm-up steps, {_SEQ_LEN.value:,}-token rows"
   fig = plots.curves(branch_dirs, metrics, smooth=3, reference=entropy, offsets=offsets, width=6.5, title=title)
   plots.save(fig, _BRANCH_FIGURE.value or os.path.join(_WORKDIR.value, "dsa_quality_branches.png"))
+  # the results last: reproduce.py takes a seed whose results exist for done
+  results_path = _RESULTS.value or os.path.join(_WORKDIR.value, "results.json")
+  os.makedirs(os.path.dirname(os.path.abspath(results_path)), exist_ok=True)
+  with open(results_path, "w") as f:
+    json.dump(summary, f, indent=1)
   print(json.dumps(summary), flush=True)
 
 

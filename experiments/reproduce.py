@@ -63,7 +63,8 @@ class Ctx:
 
   def run(self, name: str, argv: Sequence[str]) -> None:
     """`python argv...` from the repository root, its output shown; the wall time of its first complete invocation
-    is kept in <runs>/<name>/wall_s.json (a rerun that finds the runs done costs seconds and is not recorded)."""
+    is kept in <runs>/<name>/wall_s.json and the machine it ran on in machine.json (a rerun that finds the runs
+    done costs seconds and is not recorded)."""
     if self.render_only:
       return
     os.makedirs(self.run_dir(name), exist_ok=True)
@@ -73,10 +74,11 @@ class Ctx:
     path = self.run_dir(name, "wall_s.json")
     walls = _read_json(path) or {}
     key = " ".join(argv)
-    if key not in walls:
-      walls[key] = round(time.perf_counter() - t0, 1)
-      with open(path, "w") as f:
-        json.dump(walls, f, indent=1)
+    if key in walls:
+      return
+    walls[key] = round(time.perf_counter() - t0, 1)
+    with open(path, "w") as f:
+      json.dump(walls, f, indent=1)
     path = self.run_dir(name, "machine.json")
     machines = _read_json(path) or []
     if this_machine() not in machines:
@@ -434,6 +436,8 @@ def _per_seed_script(
   `figures` ({flag: file name}), the other seeds' beside their runs."""
   for seed in ctx.seeds:
     d = ctx.run_dir(name, f"seed_{seed}")
+    if os.path.exists(os.path.join(d, "results.json")):
+      continue  # the script writes it last: this seed is done (perhaps on another machine, without checkpoints here)
     argv = [script, f"--workdir={d}", f"--seed={seed}", f"--results={os.path.join(d, 'results.json')}", _QUIET]
     for flag, file in figures.items():
       target = os.path.join(ctx.figures, file) if seed == ctx.seeds[0] else os.path.join(d, file)
@@ -594,6 +598,8 @@ def run_agent_tools(ctx: Ctx) -> None:
   )
   for seed in ctx.seeds:
     d = ctx.run_dir("agent_tools", f"seed_{seed}")
+    if os.path.exists(os.path.join(d, "results.json")):
+      continue  # done (as _per_seed_script)
     figure = os.path.join(ctx.figures if seed == ctx.seeds[0] else d, "agent_tools.png")
     size = (
       ["--sft_steps=2", "--rl_steps=1", "--eval_tasks=2"]

@@ -171,6 +171,10 @@ def test_the_table_says_where_each_result_ran(tmp_path, monkeypatch):
   ctx.run("dsa_quality", ["-c", "pass"])
   assert json.loads((runs / "dsa_quality" / "machine.json").read_text()) == ["2 x86_64 CPUs"]
   assert list(json.loads((runs / "dsa_quality" / "wall_s.json").read_text())) == ["-c pass"]
+  monkeypatch.setattr(reproduce, "this_machine", lambda: "elsewhere")
+  ctx.run("dsa_quality", ["-c", "pass"])  # the same invocation again finds its runs done: neither is recorded
+  assert json.loads((runs / "dsa_quality" / "machine.json").read_text()) == ["2 x86_64 CPUs"]
+  monkeypatch.setattr(reproduce, "this_machine", lambda: "2 x86_64 CPUs")
   (runs / "dsa_quality" / "machine.json").write_text('["1 NVIDIA H200 (16 x86_64 CPUs)"]')  # as a GPU run writes it
   # mtp reads the sweep's runs: their machines (two here) and wall time (60 s + 30 s)
   (runs / "optimizer_mtp").mkdir(parents=True)
@@ -196,3 +200,16 @@ def test_this_machine_names_the_cpus_when_jax_runs_on_them():
   # the probe is a subprocess with this environment: it sees the devices the runs would
   reproduce.this_machine.cache_clear()
   assert reproduce.this_machine() == f"{os.cpu_count()} {platform.machine()} CPUs"
+
+
+def test_a_seed_whose_results_exist_is_not_run_again(tmp_path, monkeypatch):
+  # e.g. a result run on another machine, its results copied here without its checkpoints
+  calls = []
+  monkeypatch.setattr(reproduce.Ctx, "run", lambda self, name, argv: calls.append(argv))
+  ctx = _ctx(tmp_path, (0, 1))
+  (tmp_path / "runs" / "dsa_quality" / "seed_0").mkdir(parents=True)
+  (tmp_path / "runs" / "dsa_quality" / "seed_0" / "results.json").write_text("{}")
+  reproduce.run_dsa(ctx)
+  assert [a[:3] for a in calls] == [
+    ["experiments/dsa_quality.py", f"--workdir={tmp_path / 'runs' / 'dsa_quality' / 'seed_1'}", "--seed=1"]
+  ]
