@@ -213,3 +213,27 @@ def test_a_seed_whose_results_exist_is_not_run_again(tmp_path, monkeypatch):
   assert [a[:3] for a in calls] == [
     ["experiments/dsa_quality.py", f"--workdir={tmp_path / 'runs' / 'dsa_quality' / 'seed_1'}", "--seed=1"]
   ]
+
+
+def test_the_agentic_claim_over_seeds(tmp_path):
+  def seed(calc, verse):  # success with the tool of base, SFT, GRPO
+    rates = {"calculator": calc, "verse_lookup": verse}
+    return {
+      "eval": {
+        f"{env}/{policy}/tools": {"success_rate": rate}
+        for env, three in rates.items()
+        for policy, rate in zip(("base", "sft", "grpo"), three)
+      }
+    }
+
+  d = tmp_path / "runs" / "agent_tools"
+  for k, s in enumerate([seed((0, 1, 1), (0, 0.25, 0.125)), seed((0, 0.5, 0.75), (0, 0.125, 0.0625))]):
+    (d / f"seed_{k}").mkdir(parents=True)
+    (d / f"seed_{k}" / "results.json").write_text(json.dumps(s))
+  m = reproduce.measure_agent_tools(_ctx(tmp_path, (0, 1)))
+  # GRPO above the base everywhere; above SFT only on the calculator in seed 1 (0.75 > 0.5): mixed
+  assert m["verdict"] == "SFT then GRPO over the base: reproduces; GRPO over SFT: mixed across seeds"
+  assert m["measured"] == (
+    "calculator: success with its tool base 0.000, SFT 0.750 (0.500 to 1.000), GRPO 0.875 (0.750 to 1.000); "
+    "verse_lookup: success with its tool base 0.000, SFT 0.188 (0.125 to 0.250), GRPO 0.094 (0.062 to 0.125)"
+  )
