@@ -673,7 +673,7 @@ def details_agent_tools(ctx: Ctx) -> list[str] | None:
     "",
     *table(header, body),
     "",
-    "The agent loop on the same 16 greedy calculator episodes (experiments/agent_tools.py), "
+    "The agent loop on greedy calculator episodes (experiments/agent_tools.py's speed check), "
     f"{per_seed[0]['speed']['kv_continuation']['sampled_tokens']:,} sampled tokens: "
     f"{speed['kv_continuation'].fmt(0)} sampled tokens/s continuing on the KV cache, "
     f"{speed['reprefill'].fmt(0)} re-prefilling every turn.",
@@ -922,7 +922,8 @@ def main(argv):
     measured[r.name] = m
     if m is not None:
       with open(os.path.join(ctx.results, f"{r.name}.json"), "w") as f:
-        json.dump({"claim": r.claim, "seeds": list(ctx.seeds), "wall_s": ctx.wall_s(r.runs_name), **m}, f, indent=1)
+        numbers = {"claim": r.claim, "seeds": list(ctx.seeds), "wall_s": ctx.wall_s(r.runs_name)}
+        json.dump({**numbers, "ran_on": ctx.machines(r.runs_name), **m}, f, indent=1)
   page = os.path.join(out, "results.md") if out else os.path.join(ROOT, "docs", "results.md")
   write_page(page, render(ctx, measured))
   print(f"[reproduce] wrote {page}", flush=True)

@@ -77,6 +77,7 @@ def test_the_shrunk_reproduction_writes_every_figure_and_row(tmp_path):
     assert (
       numbers["claim"] == r.claim
       and numbers["seeds"] == [0]
+      and numbers["ran_on"] == [reproduce.this_machine()]
       and numbers["measured"] in (out / "results.md").read_text()
     )
 
