@@ -429,16 +429,21 @@ def measure_distill(ctx: Ctx) -> dict | None:
   return {"measured": text, "verdict": verdict(all(fell), not any(fell)), "teacher_kl": [first.values, last.values]}
 
 
+def _seed_results(ctx: Ctx, name: str, seed: int) -> str:
+  """A seed's results file, which its script writes last: where it exists, the seed is done."""
+  return ctx.run_dir(name, f"seed_{seed}", "results.json")
+
+
 def _per_seed_script(
   ctx: Ctx, name: str, script: str, full: Sequence[str], shrunk: Sequence[str], figures: dict
 ) -> None:
   """An experiment script once a seed: its workdir and results under <runs>/<name>/seed_<k>; seed 0's figures to
   `figures` ({flag: file name}), the other seeds' beside their runs."""
   for seed in ctx.seeds:
-    d = ctx.run_dir(name, f"seed_{seed}")
-    if os.path.exists(os.path.join(d, "results.json")):
+    d, results = ctx.run_dir(name, f"seed_{seed}"), _seed_results(ctx, name, seed)
+    if os.path.exists(results):
       continue  # the script writes it last: this seed is done (perhaps on another machine, without checkpoints here)
-    argv = [script, f"--workdir={d}", f"--seed={seed}", f"--results={os.path.join(d, 'results.json')}", _QUIET]
+    argv = [script, f"--workdir={d}", f"--seed={seed}", f"--results={results}", _QUIET]
     for flag, file in figures.items():
       target = os.path.join(ctx.figures, file) if seed == ctx.seeds[0] else os.path.join(d, file)
       argv.append(f"--{flag}={target}")
@@ -451,7 +456,7 @@ def _script_results(ctx: Ctx, name: str) -> list:
 
   out = []
   for seed in ctx.seeds:
-    path = ctx.run_dir(name, f"seed_{seed}", "results.json")
+    path = _seed_results(ctx, name, seed)
     if not os.path.exists(path):
       return []
     with open(path) as f:
@@ -597,8 +602,8 @@ def run_agent_tools(ctx: Ctx) -> None:
     ["launch/train.py", f"--workdir={base}", *(shrunk_base if ctx.shrink else ["--config=configs/glm5_tiny.py"])],
   )
   for seed in ctx.seeds:
-    d = ctx.run_dir("agent_tools", f"seed_{seed}")
-    if os.path.exists(os.path.join(d, "results.json")):
+    d, results = ctx.run_dir("agent_tools", f"seed_{seed}"), _seed_results(ctx, "agent_tools", seed)
+    if os.path.exists(results):
       continue  # done (as _per_seed_script)
     figure = os.path.join(ctx.figures if seed == ctx.seeds[0] else d, "agent_tools.png")
     size = (
@@ -614,7 +619,7 @@ def run_agent_tools(ctx: Ctx) -> None:
       f"--figure={figure}",
       _QUIET,
     ]
-    ctx.run("agent_tools", [*argv, f"--results={os.path.join(d, 'results.json')}", *size])
+    ctx.run("agent_tools", [*argv, f"--results={results}", *size])
 
 
 def measure_agent_tools(ctx: Ctx) -> dict | None:
