@@ -1,7 +1,7 @@
-r"""Issue 37's measurements: a pretrained glm5_tiny, then agentic SFT, then GRPO on the two tool environments
-(configs/agent_tiny.py: calculator, verse_lookup), each policy evaluated greedily on held-out tasks of each environment
-with its tool and without it; tool-call validity, mean turns; the agent loop's sampled tokens/s continuing on the KV
-cache against re-prefilling every turn; reward curves.
+r"""Agentic post-training with tools, measured: a pretrained glm5_tiny, then agentic SFT, then GRPO on the two tool
+environments (configs/agent_tiny.py: calculator, verse_lookup), each policy evaluated greedily on held-out tasks of each
+environment with its tool and without it; tool-call validity, mean turns; the agent loop's sampled tokens/s continuing
+on the KV cache against re-prefilling every turn; reward curves.
 
   bash scripts/with_env.sh python launch/train.py --config=configs/glm5_tiny.py \
       --workdir=runs/base  # the base (the main job)

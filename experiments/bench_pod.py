@@ -43,7 +43,7 @@ ROWS = {
 }
 
 # The levers of the 4K dense step, each turned off in turn (experiments/results/pod_levers.jsonl; not run by default),
-# at one sequence a chip as they were measured
+# at one sequence a chip, as docs/pods.md's table of levers has them
 LEVER_ROWS = {
   "4k_dense_unfilled_only": (
     "configs/glm5_744b.py",
@@ -72,7 +72,7 @@ LEVER_ROWS = {
       + " --xla_tpu_enable_async_ragged_all_to_all=true",
     ],
   ),
-  # Tokens a chip (MaxText's measured recipe runs 40,960): one sequence a chip (the config before), and four
+  # Tokens a chip (MaxText's measured recipe runs 40,960): one sequence a chip, and four
   "4k_dense_1_a_chip": ("configs/glm5_744b.py", ["--config.optimizer.name=adamw", "--config.data.batch_size=512"]),
   "4k_dense_4_a_chip": ("configs/glm5_744b.py", ["--config.optimizer.name=adamw", "--config.data.batch_size=2048"]),
 }

@@ -4,77 +4,15 @@
       [--config=configs/glm5_tiny.py] [--batch_size=N] [--seq_len=T] [--dsa_stage=dense|warmup|sparse]
       [--no_unrolled_cost] [--verbose]
 
-For glm5_tiny and "medium" (a bigger small config derived from it below, `medium_config`) it builds the real
-step (trainer.model_config_for_stage, optimizers.make_optimizer, step.make_train_step: Muon + AdamW, grad
-clipping, spike guard, expert-bias update, MTP), feeds random tokens (one segment per row: segment_ids 1,
-positions 0..T-1), and prints one JSON line per config. Timings: compile_seconds is lower + compile of the
-step; step_seconds is the median over --steps calls of the compiled step (after --warmup untimed calls), each
-ended by block_until_ready; tokens_per_s = B*T / step_seconds. The machine is shared (tests may be running),
-so the JSON carries the 1-minute load average at the start and end of the timed loop.
-
-XLA FLOPs. `xla_flops_per_step_raw` is cost_analysis()["flops"] of the step as compiled and timed. XLA's
-HloCostAnalysis counts a while-loop body ONCE, whatever its trip count, and the model scans its layer stacks
-(jax.lax.scan -> while), so the raw figure misses (L_moe - 1) MoE layers forward and backward (and
-(L_dense - 1) dense ones). `xla_flops_per_step` is therefore cost_analysis()["flops"] of the same step with the
-layer scans fully unrolled (model.scan_unroll=True for that one extra compile; the
-timed step is untouched). It counts every HLO op: matmuls and also elementwise work (softmax, norms, rope,
-masks, the optimizer's elementwise updates), one FLOP per element per op. `xla_dot_flops_per_step` counts the
-dot ops only, read from the timed step's optimized HLO: 2 * |output| * |contracted dims| per dot, a while
-body's dots multiplied by its known_trip_count; it is the figure to set against the analytic (matmul-only)
-count. `xla_dot_flops_by_phase` splits it into forward (jvp), backward (transpose(jvp)) and optimizer (vmap:
-Muon's Newton-Schulz), from each dot's op_name metadata; dots XLA created without metadata land in
-"no_op_name" (seen so far: some Muon Newton-Schulz products and the indexer's head-weighted-sum passes; in the
-dense stage optimizer + no_op_name = the Muon NS count exactly).
-
-Analytic count (all dims from the model config; N = B*T tokens; D hidden, V vocab, H heads, R_q q_lora_rank,
-R_kv kv_lora_rank, d_n qk_nope_head_dim, d_r qk_rope_head_dim, d_v v_head_dim, I intermediate_size,
-I_e moe_intermediate_size, E routed experts, k experts per token, S shared experts, H_I / d_I indexer heads /
-head dim, K_t index_topk, L = L_dense + L_moe layers, M MTP layers):
-
-  Matmul parameters a token passes through (the embedding is a lookup, not a matmul: excluded):
-    P_attn  = D R_q + R_q H (d_n + d_r) + D (R_kv + d_r) + R_kv H (d_n + d_v) + H d_v D      per MLA layer
-              (q_a, q_b, kv_a_with_mqa, kv_b = W_UK;W_UV, o; the absorbed form applies W_UK/W_UV to the
-              query/output instead of the latent, same count)
-    P_mlp   = 3 D I                                   dense SwiGLU
-    P_moe   = D E + 3 D I_e S + 3 D I_e k             router + shared experts + the k routed experts used
-    P_head  = D V
-    P_main  = L P_attn + L_dense P_mlp + L_moe P_moe + P_head
-    P_mtp   = M (2 D D + P_attn + P_moe + P_head)     eh_proj, one MoE decoder layer, the shared head again
-    P_idx   = R_q H_I d_I + D d_I + D H_I             indexer wq_b, wk, weights_proj (per layer, when it runs)
-  Attention (per layer, forward; the FULL score matrix: the reference computes all T x T scores and masks the
-  upper triangle with a select, as XLA sees it, so no causal 1/2; `attention_causal_half_flops` in the
-  breakdown is what a causal kernel would do):
-    A_dense  = 2 B H T T (d_n + d_r) + 2 B H T T d_v                 MHA-form scores + P.V
-    A_sparse = 2 B T H K_t (R_kv + d_r) + 2 B T H K_t R_kv           absorbed form over the top-k keys
-    A_idx    = 2 B T T H_I d_I + 2 B T T H_I                         indexer q.k per head + the weighted sum
-  Training = forward (2 FLOPs per parameter-token / per MAC) + backward (2x forward: input and weight grads):
-    dense  : 6 N (P_main + P_mtp) + 3 A_dense (L + M)
-    warmup : every parameter but the indexer frozen, loss = indexer KL only, so the model runs forward only:
-             2 N (P_main + P_mtp) + A_dense (L + M) + 4 N P_idx L + 3 A_idx L
-             (the indexer reads stop_gradient inputs: forward + weight grads = 4 N P_idx, no input grads;
-             its scores need both q and k grads = 3x; the MTP layer runs no indexer in this stage)
-    sparse : 6 N (P_main + P_mtp) + 3 A_sparse (L + M) + 4 N P_idx L + 3 A_idx L
-             + (2 N P_idx + A_idx) M                  the MTP layer's indexer picks its top-k, forward only
-             (the KL recomputes the selected keys' scores exactly as the sparse attention did; XLA CSEs the
-             two, so that recomputation is not counted)
-  Optimizer (reported apart, not in 6ND): Muon orthogonalizes each hidden matrix (as leaf_plan splits it:
-  stacked layers/experts and, with muon_split, heads are separate matrices) with ns_steps quintic
-  Newton-Schulz steps on X (p x q, p = min(m, n) <= q = max(m, n), optax transposes to that shape):
-    A = X X^T: 2 p^2 q;  A A: 2 p^3;  (bA + cAA) X: 2 p^2 q   =>   per step 4 p^2 q + 2 p^3 = 2 (2 p^2 q + p^3)
-  muon_ns_flops_per_step = sum over matrices of ns_steps (4 p^2 q + 2 p^3); AdamW and the rest of Muon are
-  elementwise (a few tens of FLOPs per parameter) and left out.
-
-ratio = xla_flops_per_step / analytic_flops_per_step; ratio_with_optimizer divides by analytic + Muon NS;
-dot_ratio(_with_optimizer) use xla_dot_flops_per_step. On CPU expect the dot ratio well above 1 for a known,
-structural reason recorded in `known_waste`: jax.lax.ragged_dot has no grouped kernel on CPU; JAX lowers it to
-a dense dot_general of every sorted (token, slot) row against EVERY expert with the other experts' rows masked
-to zero (in the optimized HLO: (N k, E D) x (E D, I_e) dots forward, [E, N k, .] x [E, N k, .] for the weight
-grads), and its two backward products the same way, so the routed experts cost E times the useful work:
-extra = 6 N k 3 D I_e (E - 1) per MoE layer, MTP's included (2 N k 3 D I_e (E - 1), forward only, in warmup).
-`dot_ratio_after_known_waste` = dot FLOPs / (analytic + Muon NS + that extra); near 1 means every other dot is
-accounted for (dense stage: exactly 1; warmup/sparse: 0.998-0.999, because XLA runs one of the three passes of
-the indexer's head-weighted sum, 2 B T T H_I per layer, as multiply + reduce, not as a dot). What remains
-between `ratio` and the dot ratio is elementwise work (softmax, masks, norms, rope, optimizer updates).
+For glm5_tiny and "medium" (`medium_config`, a bigger small config derived from it) it builds the real step
+(Muon + AdamW, grad clipping, spike guard, expert-bias update, MTP), feeds random tokens (one segment a row), and
+prints one JSON line a config: compile_seconds (lower + compile), step_seconds (the median over --steps calls after
+--warmup untimed ones, each ended by block_until_ready), tokens_per_s = B*T / step_seconds, the 1-minute load average
+at the start and end of the timed loop (the machine may be shared), and XLA's FLOPs against the analytic count
+(glm_jax/train/flops.py): xla_flops_per_step (the layer scans unrolled in one extra compile, as XLA counts a loop body
+once; _raw without), xla_dot_flops_per_step and _by_phase (the dots of the timed step's HLO), the ratios and
+`known_waste`. What each figure counts, the analytic formulas and what the ratios show on CPU: docs/training.md,
+"The FLOP count of a training step".
 """
 
 from __future__ import annotations

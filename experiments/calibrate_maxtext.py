@@ -2,25 +2,21 @@ r"""The cost model's realism factor: its estimate of a training step that was me
 measured time.
 
 The measured run is MaxText's DeepSeek-V3 671B recipe on v5p-1024 (AI-Hypercomputer/tpu-recipes,
-training/v5p/DeepSeek3-671B-MaxText: 90.7 s a step at 6 sequences of 8192 tokens a chip, 152.4 TFLOP/s a chip,
-33.2% MFU). experiments/maxtext/compile.sh compiles that recipe with MaxText's own train_compile for v5p:8x8x8 on
-this machine and saves the optimized HLO. On MaxText 0.2.5 (jax 0.12, libtpu 0.0.52) the recipe's batch of 6 does
-not fit at compile time (97.19 GiB of temporaries against 95.73); the same recipe at 5 sequences a chip compiles
-(experiments/maxtext/RESULTS.md), and the measured time is scaled to it by tokens (90.7 x 5 / 6: a step's work is
-linear in the batch at a fixed sequence length; the collectives of the weights are not, so this overstates the
-measured time of the smaller batch a little and the factor errs towards a larger calibrated time).
-
-This script runs our cost model (glm_jax/sharding/hlo_cost.py) on that HLO as it runs on ours: XLA's per-op
-estimates, the megablox kernels by their grids with balanced routing (every chip holds its own 40,960 tokens x 8
-routed experts: MaxText's recipe is pure FSDP, no expert parallelism), splash's kernels by their causal grids in
-MaxText's 2048-blocks with its split backward, each collective on the v5p:8x8x8 torus (every group of this
-program is all 512 chips, so the order of the partitions on the torus does not matter), and the program's schedule.
-It prints one JSON line and writes it to --out:
+training/v5p/DeepSeek3-671B-MaxText, 6 sequences of 8192 tokens a chip). experiments/maxtext/compile.sh compiles that
+recipe with MaxText's own train_compile for v5p:8x8x8 on this machine and saves the optimized HLO; where the recipe's
+batch does not fit at compile time, it is compiled at 5 sequences a chip and the measured time is scaled to it by
+tokens (a step's work is linear in the batch; the weights' collectives are not, so the factor errs towards a larger
+calibrated time). This script runs our cost model (glm_jax/sharding/hlo_cost.py) on that HLO as on ours: XLA's per-op
+estimates, the megablox kernels by their grids with balanced routing (MaxText's recipe is pure FSDP), splash's
+kernels by their causal grids (MaxText's 2048-blocks, its split backward), each collective on the v5p:8x8x8 torus
+(every group spans all 512 chips, so the partitions' order does not matter), the program's schedule. It prints one
+JSON line and writes it to --out:
 
   bash scripts/with_env.sh python experiments/calibrate_maxtext.py      # the checked-in copy of that HLO
 
-realism_factor = measured seconds / the model's scheduled seconds: a pod figure of ours times it is its
-calibrated step (hlo_cost.CALIBRATION holds the factor this script printed).
+realism_factor = measured seconds / the model's scheduled seconds: a pod figure of ours times it is its calibrated
+step (hlo_cost.CALIBRATION holds the factor this script printed). The run's figures and the factor: docs/pods.md,
+"How the pod figures are counted"; the compile: experiments/maxtext/RESULTS.md.
 """
 
 import json

@@ -1,24 +1,21 @@
-"""Runs the failure cases of issue 36 ("runs that survive a pod's life") as a user would meet them, each as a real
-subprocess against a checkout, and prints one markdown row a case: the command, its exit code, the seconds until it
-ended, the first line of its error (or its last stderr line) and what survived (the inputs and previous outputs,
-checked by snapshots, checkpoints and resumed runs).
+"""Runs the failure cases of a run's life on a pod (killed runs, a second run, a full disk, hostile files, destructive
+flags, bad values, a silent rollout client) as a user would meet them, each as a real subprocess against a checkout,
+and prints one markdown row a case: the command, its exit code, the seconds until it ended, the first line of its
+error (or its last stderr line) and what survived (inputs and previous outputs, checked by snapshots, checkpoints and
+resumed runs).
 
   bash scripts/with_env.sh python experiments/fault_probe.py --label=after               # this checkout
-  git worktree add /tmp/wt_old 57c21b9
+  git worktree add /tmp/wt_old <commit>     # another checkout to compare with, e.g. one from before a change
   bash scripts/with_env.sh python experiments/fault_probe.py --root=/tmp/wt_old --label=before
   ... --cases=7a,7b,12 re-runs some rows and merges them into the results file
 
-Every command runs with cwd=--root and PYTHONPATH=--root (so `import glm_jax` is that checkout's, not the editable
-install: the probe prints the file the child imports), JAX_PLATFORMS=cpu, its own process group, an address-space
-limit (--as_gib), a resident-memory watchdog over the whole group (--rss_gib) and a hard timeout; what a case
-writes goes under one temporary directory (a data cache and a jax compilation cache shared by its runs), removed at
-the end with any tmpfs it mounted. The Hugging Face directories the convert cases damage are written once by this
-script's own checkout (glm_jax.convert.hf.write of tests/helpers.py's TINY_MODEL), so both sides read the same
-bytes; the training run, the converted workdir and the packed model are made by the checkout under test.
-
-Rows go to stdout as a markdown table and to experiments/results/fault_probe_<label>.jsonl (with each command's
-full argv, its last stderr line and the tail of its stderr). "stderr lines" counts what a user reads besides the
-one line (tracebacks, logs). The full-disk case mounts a tmpfs: it needs root (else its row says so).
+Every command runs with cwd and PYTHONPATH at --root (that checkout's glm_jax; the probe prints the file the child
+imports), JAX_PLATFORMS=cpu, its own process group, --as_gib / --rss_gib memory limits and a hard timeout, writing
+under one temporary directory removed at the end. The damaged Hugging Face inputs are written by this script's own
+checkout (tests/helpers.py's TINY_MODEL), so both sides read the same bytes; the training run, the converted workdir
+and the packed model are made by the checkout under test. Rows go to stdout and to
+experiments/results/fault_probe_<label>.jsonl (full argv and stderr tail); "stderr lines" counts what a user reads
+besides the one line. The full-disk case mounts a tmpfs: it needs root (else its row says so).
 """
 
 from __future__ import annotations
@@ -244,7 +241,8 @@ def ckpt_tmp(workdir: str) -> list[str]:
 
 
 def train_rows(workdir: str) -> list[dict]:
-  """The training rows of metrics.jsonl (NaN allowed: the old code wrote bare NaN); a torn line is skipped."""
+  """The training rows of metrics.jsonl (NaN allowed: a checkout under test may write bare NaN); a torn line is
+  skipped."""
   path = os.path.join(workdir, "metrics.jsonl")
   rows = []
   if os.path.exists(path):

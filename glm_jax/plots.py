@@ -7,26 +7,15 @@
   fig = plots.sweep_plot("runs/lr_mtp", "eval_loss", against="optimizer.lr")      # a line per MTP depth
   fig = plots.curves(plots.sweep_runs("runs/lr_mtp"), "loss")                    # every run of the sweep
 
-`curves` draws any column of the runs' metrics.jsonl over steps (one line a run; a per-layer column such as
-expert_load_entropy is named with its layer, `expert_load_entropy[2]`). A held-out column shares the panel of its
-training column when both are asked (eval_loss with lm_loss, else loss; eval_X with X): the training line solid, the
-held-out one dashed with markers, one colour a run. `smooth=K` draws each training column raw and faint under its
-trailing mean over K logged points (held-out columns, logged rarely, are not smoothed). `timeline` puts consecutive
-stages (dense -> warm-up -> sparse, each a run started from the last one's checkpoint, so each counting its steps
-from 0) on one step axis, each offset by the steps before it, the boundaries marked and named. `sweep_plot` draws a
-sweep's final metric (a key of each run's final JSON line in results.jsonl) against one override: numbers on a
-numeric axis (logarithmic for a learning rate, or positive values spanning more than LOG_SPAN), a line for each
-combination of the other overrides; other values as categories, drawn as points (or bars), never joined by a line.
-
-Every figure has a title (the metrics' names unless `title` says), axes labelled with units (losses and KLs in
-nats/token, throughput in tokens/s, steps), and a legend outside the axes. On the panels of a per-token LM cross-
-entropy (LM_LOSSES: lm_loss, mtp_loss, eval_loss) a dashed horizontal line marks the data's unigram entropy, what a
-model that ignores context reaches (a note at the axes' edge instead when it lies so far off the data that a line
-would squash it): `reference` is a number, None (no line) or "auto", the unigram_entropy of the
-runs' final JSON lines where their directories keep it (a sweep's run: result.json; sweep_plot: results.jsonl).
-launch/train.py prints it in its last line; give it as reference for a run outside a sweep.
-A column that no run logged, or an override that is not an axis of the sweep, is a ValueError naming it and what
-there is. launch/plot.py is the command line.
+`curves` draws metrics.jsonl columns over steps (a per-layer column named with its layer, `expert_load_entropy[2]`;
+a held-out column on its training column's panel, dashed); `smooth=K` adds a trailing mean over K logged points over
+the faint raw training curve. `timeline` puts consecutive stages, each counting from step 0, on one step axis.
+`sweep_plot` draws a sweep's final metric (results.jsonl) against one override: numbers on a numeric axis
+(logarithmic for a learning rate or positive values spanning more than LOG_SPAN), a line for each combination of the
+others; other values as points (or bars). `reference` (a number, None or "auto": the runs' recorded
+unigram_entropy) draws the data's unigram entropy on the LM_LOSSES panels. A column no run logged, or an override
+that is not an axis of the sweep, is a ValueError naming it and what there is. launch/plot.py is the command line;
+what each figure shows: docs/training.md, "Plots".
 """
 
 from __future__ import annotations

@@ -5,25 +5,16 @@
   params = restore.served_params(run.config, run.params)  # as its trainer evaluates them (packed under QAT)
   model = restore.load_packed_model("workdirs/tiny_w4a8")  # launch/quantize.py's output, with its config
 
-What it reads: every run this codebase writes keeps <workdir>/checkpoints/<step>/ with the state, the config as JSON
-and the tokenizer's record (glm_jax/train/checkpoint.py): pretraining and SFT runs (glm_jax/train/trainer.py), GRPO
-and distillation runs (glm_jax/rl/trainer.py: the policy's TrainState, a CharVocab's record or, agentic, the model's
-tokenizer), converted checkpoints (glm_jax/convert/stream.py: weights only, with the config they were laid out for or
-just their model section), a distillation's teachers (<workdir>/teachers/<name>) and an RL run's warm start
-(<workdir>/init). Only the weights are read (params and rest, never the optimizer state), onto one device, from the
-newest step that restores (Checkpointer.restore_latest_weights).
-
-The model sampled: a config with train and data sections (pretraining, SFT, a checkpoint converted for such a config)
-gives its DSA stage's model (glm_jax/train/config.py model_config_for_stage: DSA in the sparse stage only); any
-other (the RL trainers', a teacher's, a bare model section) its model section as it is. A config with a quant section
-of a weight-only scheme trained with QAT: served_params packs the weights by it, which computes the QAT forward's
-logits (the RL rollouts sample the same way).
-
-Without a config of one's own, the recorded one is used; with one, it must describe the same model: its model section
-compared field by field and, but for a converted checkpoint, train.dsa_stage (restore_run's comparison less the
-optimizer, as only the weights are read); fields that do not change the parameters, such as model.attention_impl or
-model.index_topk, may differ. `--config.x=v` overrides of the recorded config: config_file_argv rewrites a launch
-script's command line to load it as a config file (launch/recorded_config.py).
+It reads <workdir>/checkpoints/<step>/ of every run this codebase writes (glm_jax/train/checkpoint.py): pretraining
+and SFT, GRPO and distillation (a CharVocab's record or, agentic, the model's tokenizer), converted checkpoints, a
+distillation's teachers (<workdir>/teachers/<name>) and an RL run's warm start (<workdir>/init); only the weights
+(params and rest), onto one device, from the newest step that restores. The model sampled: a config with train and
+data sections gives its DSA stage's model (model_config_for_stage: DSA in the sparse stage only), any other its model
+section as it is; under a weight-only quant section trained with QAT, served_params packs the weights, which computes
+the QAT forward's logits. A config of one's own must describe the same model: its model section compared field by
+field and, but for a converted checkpoint, train.dsa_stage; fields that do not change the parameters
+(model.attention_impl, model.index_topk) may differ. `--config.x=v` overrides of the recorded config:
+config_file_argv rewrites a launch script's command line to load it as a config file (launch/recorded_config.py).
 """
 
 from __future__ import annotations

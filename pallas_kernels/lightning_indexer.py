@@ -3,54 +3,12 @@
 score[t, s] = sum_h w[t, h] * relu(q[t, h] . k[s])                                     (DS32 Eq. 1)
 Same interface and the same output, bit for bit in the indices, as lightning_indexer_reference.py: the `topk`
 best visible keys per query in descending score order, ties to the lower key index, index -1 / score -inf where
-fewer than topk keys are visible. Scores are ordered by the IEEE total order, as lax.top_k orders them
-(-0.0 below +0.0; a NaN score would rank above +inf), with a score of exactly zero always +0.0: the sign of a
-zero sum (all terms +-0.0, e.g. every relu zero) depends on the accumulation order and on XLA's simplifications
-(XLA:CPU's dot returns -0.0 at some elements of some shapes), so both this kernel and the reference canonicalise
-it, and the order among zero scores is by key index alone.
-
-Visibility: the rule of pallas_kernels/visibility.py (causal from q_offset, segments, GLM's prefix ends), as in the
-reference. The mask reads the ends as a [1, Tb] lane
-block like the query segment ids; the wrapper reduces them to each (batch, query block)'s reach,
-max(t0 + Tb - 1 + q_offset, max over the block of q_prefix_end - 1), scalar-prefetched into SMEM after q_offset
-([1 + B * ceil(T / Tb)] int32 in all), and the tile skip and the key blocks' index maps use that reach in place
-of the causal diagonal.
-
-Algorithm. Mosaic has no lowering for lax.top_k, sort or a general gather, so the top-k is a bitonic sorting
-network built from loads/stores at static or 8-aligned offsets, sublane rolls, comparisons and selects.
-Grid (batch, query block, key block), the key axis sequential. Inside one query block queries lie on the 128
-lanes and keys on sublanes, so every comparison of the network is an elementwise vreg operation and each lane
-(query) sorts independently. Per (query block, key block):
-  1. score tile [Sb, Tb] fp32: for each head, k_blk [Sb, D] @ q_h^T [D, Tb] on the MXU (fp32 accumulation),
-     acc += w_h * relu(.) on the VPU; then mask (causal / prefix / padding / segments) and map each fp32 score to an
-     int32 key whose signed order is the float total order. (key, key index) pairs are compared
-     lexicographically: higher key first, then lower index, a strict total order, hence determinism.
-  2. skip the rest when no lane has a tile key >= its current k-th best (and skip the whole tile when the
-     causal mask, widened by any prefix, hides it from every query of the block; its key block is then not
-     even DMA'd).
-  3. bitonic-sort the tile worst-first; elementwise "better of" the running top-Kp's worst m = min(Sb, Kp)
-     (sorted best-first) and the tile's best m gives the top m of their union as a bitonic sequence (Batcher's
-     half-cleaner); one or two bitonic merges make the running buffer [Kp, Tb] sorted best-first again.
-  4. after the last key block: keys back to fp32, transposed to [Tb, Kp] and written out.
-Kp = topk rounded up to a power of two (>= 8); the extra rows are dropped by the wrapper.
-
-Cost per query, S keys, Sb = key block (a power of two), m = min(Sb, Kp):
-  MXU 2*H*D*S flops; VPU ~3*H ops per score (relu, scale, add);
-  sorting network, compare-exchanges per query and key block:
-    Sb*log2(Sb)*(log2(Sb)+1)/4 (sort the tile) + m (better-of) + [m*log2(m)/2 if m < Kp] + Kp*log2(Kp)/2 (merges)
-  e.g. Sb = Kp = 2048 (GLM-5's topk): 80,896 per 2048 keys, ~40 per score. A pass with d >= C costs ~10 VPU ops
-  per pair (key and index compared, 4 selects) plus 4 loads and 4 stores of a vreg; a fused d < C pass ~2x that
-  (both partners compute) plus 4 sublane rolls per vreg, but no memory traffic. So ~0.4k-0.9k VPU ops per score
-  against ~0.1k for the score itself: the top-k, not the MXU, bounds the runtime, except for the tiles that
-  step 2 or the causal mask skip. No data-dependent addressing anywhere.
-Memory: VMEM O(Tb*(Sb + Kp) + H*D*(Tb + Sb)) words per core: score / tile / running-top-k scratch
-[Sb, Tb] x 3 and [Kp, Tb] x 2 plus the double-buffered q, k, w and output blocks (about 13 MiB at GLM-5's
-H_I=32, D_I=128, topk=2048 with Tb=128, Sb=2048). HBM: the outputs [B, T, Kp] x 2 and a transposed copy of q
-(which XLA may fuse into the kernel's input); never a [T, S] array.
-
-The network's passes with a pair distance d >= C rows (C = `_chunk_rows`) load the two partner chunks;
-the d < C passes of a stage run fused on one chunk held in vregs, with partners from sublane rolls.
-Unmeasured on TPU hardware so far: the block sizes and C are first guesses, proven to compile, not tuned.
+fewer than topk keys are visible. Scores are ordered by the IEEE total order, as lax.top_k orders them (-0.0 below
++0.0; a NaN score would rank above +inf), with a score of exactly zero always +0.0 (in the reference too), so the
+order among zero scores is by key index alone. Visibility: the rule of pallas_kernels/visibility.py (causal from
+q_offset, segments, GLM's prefix ends), as in the reference. Grid (batch, query block, key block), the key axis
+sequential; the top-k is a bitonic sorting network, never a [T, S] array. Kp = topk rounded up to a power of two
+(>= 8); the wrapper drops the extra rows. The algorithm, its cost and memory: docs/kernels.md, "The indexer kernel".
 """
 
 from __future__ import annotations

@@ -6,39 +6,10 @@ indices [B, T, K] (-1 = skip):
   o[t, h] = sum_{s in idx[t]} softmax_s(sm_scale * q[t, h] . kv[s]) kv[s, :v_dim],   lse[t, h] = log sum_s exp(.)
 An index outside [0, S) counts as -1; a query with no valid index gives o = 0 and lse = -inf. The indices of one
 query must be distinct (a top-k's are): a key listed twice would be counted twice in the softmax, and its two
-backward updates race.
-
-Nothing of size [T, S] exists anywhere, and kv is never gathered into a [T, K, D] array in HBM: the kernels gather
-the selected rows straight into VMEM. Mosaic has no general gather, so the indices ride in SMEM (one block of
-block_t * K per grid step) and drive one DMA per selected kv row, block_kv rows per batch, double-buffered: the rows
-of the next block are in flight while the current one is on the MXU.
-
-Forward, grid (B, T / block_t); per query t (all H heads at once) and per block of block_kv selected keys:
-  s = sm_scale * q_t [H, D] kv_blk^T [D, bkv] (MXU, fp32 accumulation), online softmax (running max and sum per
-  head), acc [H, v_dim] += p kv_blk[:, :v_dim]. Emits o and lse.
-Backward (custom_vjp), same grid and gathers, p recomputed from lse; with delta = sum(o * do, -1) - dlse:
-  dp = do kv_blk[:, :v]^T, ds = p (dp - delta), dq += sm_scale ds kv_blk (VMEM accumulator, written per query),
-  dkv_blk = sm_scale ds^T q + [p^T do, 0]   [bkv, D]
-and dkv_blk is added in place into an fp32 dkv accumulator [B, S, D] in HBM: DMA the rows in, add, DMA them back,
-waiting for the writes before the next block's reads, so a key picked by many queries accumulates every update.
-dkv therefore costs O(S * D) memory, never O(T * K * D); the batch axis is "parallel" (each batch element owns
-its rows of the accumulator) and the query axis "arbitrary" (sequential, which is what makes the read-modify-write
-safe without atomics). On a megacore chip (v4, v5p) with B = 1 the backward runs on one of its two TensorCores.
-
-bf16: a DMA of one bf16 row into VMEM is not tile-aligned (bf16 packs two rows a sublane), so bf16 kv travels as
-int32 words, each holding two bf16 values from two column halves, lo and hi, chosen so the value columns split
-evenly: lo = [0, v/2) + [v, v + r/2), hi = [v/2, v) + [v + r/2, D), r = D - v. In VMEM a shift or a mask turns the
-words back into the two bf16 halves (exactly), and q is split the same way, so s = q_lo kv_lo^T + q_hi kv_hi^T and
-the value's halves are kv_lo[:, :v/2] and kv_hi[:, :v/2], 128-lane aligned at GLM-5's v = 512. Other dtypes, or odd
-v or D, run in fp32.
-
-Traffic per query: K rows of D numbers (bf16: 2 bytes each) read once forward; backward, the kv gather plus an
-fp32 dkv row read and written per selected key. Matmul FLOPs per query: 2*H*K*(D + v) forward, 2*H*K*(3D + 2v)
-backward (scores recomputed, dp, dq, dkv's key and value parts); experiments/bench_kernels_sparse_attention.py
-prints them with the compiled programs' per-chip memory. Unmeasured on TPU hardware so far: the block sizes are
-first guesses, proven to compile, not tuned; one DMA per row may be issue-bound at GLM-5's 1152-byte rows, and
-the backward's dkv reads of a block wait for the previous block's writes (reads within one query could overlap,
-its indices being distinct).
+backward updates race. Nothing of size [T, S] or [T, K, D] exists: the indices ride in SMEM and drive one DMA per
+selected kv row into VMEM; the backward (custom_vjp) adds dkv in place into an fp32 [B, S, D] accumulator in HBM.
+bf16 kv travels as int32 words of two bf16 values; other dtypes, or odd v or D, run in fp32. The forward and
+backward, the bf16 layout, traffic and FLOPs: docs/kernels.md, "The sparse attention kernel".
 """
 
 from __future__ import annotations

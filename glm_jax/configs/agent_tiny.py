@@ -30,8 +30,8 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   config.trainer = "grpo"
   config.model = base.model
   # Episodes are 600-1000 tokens, most of them the tools' block. With index_topk at cache_len every query keeps all its
-  # keys: DSA's top-k selection at these lengths costs a CPU more than the rest of the step (the sparse stage's SFT
-  # ran over 6 s a step at 256), and the agentic recipe, not the indexer, is what this config is for.
+  # keys: DSA's top-k selection at these lengths costs a CPU more than the rest of the step (docs/post_training.md),
+  # and the agentic recipe, not the indexer, is what this config is for.
   config.model.index_topk = 1024
   config.data = base.data  # the trained BPE (its cache key: the corpus and bpe_vocab_size), as glm5_tiny's runs use
 

@@ -30,17 +30,17 @@ def get_config() -> ml_collections.ConfigDict:
     source="arrayrecord",
     bpe_vocab_size=154880,
     seq_len=4096,
-    # 4M tokens a step, two sequences a chip on v5p-1024: 340 tokens a second a chip
-    # calibrated against 306 at one (the weights' all-gathers are shared by twice the
-    # tokens); 364 since the expert exchange moves blocks of 8 rows, 86.8 GiB of 95.7
+    # 4M tokens a step, two sequences a chip on v5p-1024: the weights' all-gathers are
+    # shared by twice the tokens, and it still fits the chip's HBM (docs/pods.md's
+    # table of levers has the figures)
     batch_size=1024,
     eval_fraction=0.0,
   )
   config.train = common.train(steps=100_000, eval_every=1000, checkpoint_every=1000)
-  # XLA:TPU's async collective fusion: some of the partitioner's FSDP all-gathers overlap compute (the 4K dense
-  # step compiled for v5p-1024: 16.49 -> 16.16 s scheduled, 73.7 -> 67.7 GiB a chip; experiments/bench_pod.py).
-  # Not --xla_tpu_enable_async_ragged_all_to_all=true: it hides part of the expert exchange (20.23 -> 18.78 s
-  # scheduled) but keeps its buffers live longer, 86.8 -> 110.9 GiB a chip (bench_pod.py's 4k_dense_async_ragged).
+  # XLA:TPU's async collective fusion: some of the partitioner's FSDP all-gathers overlap compute, and the step
+  # takes less memory. Not --xla_tpu_enable_async_ragged_all_to_all=true: it hides part of the expert exchange but
+  # keeps its buffers live longer, past the chip's HBM (bench_pod.py's 4k_dense_async_ragged; the figures of both
+  # are in docs/pods.md's table of levers).
   config.train.xla_flags = " ".join(
     [
       "--xla_tpu_enable_async_collective_fusion=true",
@@ -51,8 +51,8 @@ def get_config() -> ml_collections.ConfigDict:
     ]
   )
 
-  # The mesh for v5p-1024 (512 chips, `python launch/compile.py --config=configs/glm5_744b.py --topology=v5p:8x8x8`:
-  # 86.8 GiB a chip of the 95.7 usable with AdamW, XLA's live peak 67.8 GiB). On other slices fsdp = -1 takes the rest.
+  # The mesh for v5p-1024 (512 chips; `python launch/compile.py --config=configs/glm5_744b.py --topology=v5p:8x8x8`
+  # prints its memory a chip, docs/pods.md has the figures). On other slices fsdp = -1 takes the rest.
   # - fsdp 64 x expert 8 shards every parameter 512 ways (the routed experts' experts dimension over expert, the
   #   rest over fsdp x expert) together with its gradient and Muon momentum. data = 1 because a data axis
   #   replicates it.

@@ -3,27 +3,17 @@
   cfg, model = hf.load(path)        # single file or sharded with model.safetensors.index.json
   hf.save(cfg, model, path)         # the same format back, loadable by transformers
 
-`write` is the one export (config.json, safetensors shards through safetensors_io's writer, the index, the fp32
-score-correction bias, the temporary directory renamed when complete): `save` feeds it a model in memory,
-glm_jax/convert/stream.py's `orbax_to_hf` a checkpoint's arrays slice by slice.
-
-Reading is tensor by tensor. Routed experts are read in either layout: per expert
-(`mlp.experts.{e}.gate_proj.weight`, the released format and what transformers' save_pretrained writes) or
-fused (`mlp.experts.gate_up_proj` [E, 2I, D], `mlp.experts.down_proj` [E, D, I], transformers' in-memory
-layout); `save` writes per expert. MTP layers live at `model.layers.{num_hidden_layers + k}` in the
-DeepSeek-V3 layout (enorm, hnorm, eh_proj, shared_head.norm, plus that layer's attention and MoE);
-transformers ignores them. A checkpoint without them (anything transformers saved) loads with freshly
-initialized MTP layers and a warning. An FP8 checkpoint (block-wise e4m3 with `weight_scale_inv`, DeepSeek-V3's
-and GLM-5's FP8 release format; glm_jax/convert/fp8.py) is dequantized as it is read.
-
-A HF directory is untrusted input. `open_checkpoint` (which `load` and the streaming conversion read through) checks
-config.json's field types, then its counts (layers, MTP layers, routed experts) against the safetensors headers
-before anything is built from them, so memory is bounded by the files, not by the config's claims; the index's
-entries must be plain names of regular files in the directory, and safetensors_io validates every header. Errors
-name the file, the field and the value.
-
-`load` builds the whole model in host memory: for the tests and small models. The release goes through
-glm_jax/convert/stream.py (launch/convert.py), which never holds more than a tensor at a time.
+`write` is the one export (config.json, safetensors shards, the index, the fp32 score-correction bias, in a temporary
+directory renamed when complete): `save` feeds it a model in memory, glm_jax/convert/stream.py's `orbax_to_hf` a
+checkpoint's arrays slice by slice. Reading is tensor by tensor: routed experts per expert
+(`mlp.experts.{e}.gate_proj.weight`, the release's and save_pretrained's layout, which `save` writes) or fused
+(`mlp.experts.gate_up_proj` [E, 2I, D], `mlp.experts.down_proj` [E, D, I]); MTP layers at
+`model.layers.{num_hidden_layers + k}` in DeepSeek-V3's layout (transformers ignores them; a checkpoint without them
+loads with fresh MTP layers and a warning); FP8 (block-wise e4m3 with `weight_scale_inv`, glm_jax/convert/fp8.py)
+dequantized as read. A HF directory is untrusted: `open_checkpoint` checks config.json's field types and counts
+against the safetensors headers before anything is built, the index's entries must be plain names of regular files
+in the directory, and safetensors_io validates every header; errors name the file, the field and the value. `load`
+holds the whole model in host memory (tests, small models); the release goes through glm_jax/convert/stream.py.
 """
 
 from __future__ import annotations

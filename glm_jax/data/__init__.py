@@ -7,22 +7,14 @@
   eval_batches = make_eval_batches(cfg.data, tok)   # the same keys and shapes
   baseline = unigram_entropy(cfg.data, tok)   # nats/token; the held-out loss must beat it
 
-data.format picks what a batch holds. "lm" (the default): documents packed end to end (concat-then-split),
-loss_mask = (segment_ids > 0). "sft": prompt/response examples (data.source "jsonl" or "embedded"), each
-encode(prompt) + encode(response) + [eos], packed whole (grain's first-fit packer, padding at row ends),
-loss_mask 1 on the response tokens and the eos, 0 on the prompt and the padding. "chat": conversations in GLM-5's
-chat format (jsonl {"messages", "tools"} lines), packed as "sft", loss_mask 1 on what the model writes in its
-assistant turns (glm_jax/data/conversations.py). In all three, the prediction at
-position t of token t + 1 counts when segment_ids[t + 1] == segment_ids[t] != 0 and loss_mask[t + 1] == 1
-(glm_jax/data/pipeline.py has the layout). data.objective "glm" (format "lm") is GLM's blank infilling
-(glm_jax/data/blank_infilling.py): the batch adds "targets", "block_positions" and "prefix_end", and the prediction
-at t of targets[t] counts where loss_mask[t] == 1.
-
-The iterator is saved in the same Orbax step as the model, with grain's handler:
+data.format picks what a batch holds: "lm" (the default) documents packed end to end, "sft" prompt/response
+examples, "chat" conversations in GLM-5's chat format (glm_jax/data/conversations.py); data.objective "glm" is GLM's
+blank infilling (glm_jax/data/blank_infilling.py), whose batch adds "targets", "block_positions" and "prefix_end". The
+batch's layout and which predictions count: glm_jax/data/pipeline.py. The iterator is saved in the same Orbax step as
+the model, with grain's handler (one JSON file per process, process_{i}-of-{n}.json; `it` is restored in place):
   mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                           data=grain.checkpoint.CheckpointSave(it)))
   mngr.restore(step, args=ocp.args.Composite(state=..., data=grain.checkpoint.CheckpointRestore(it)))
-(one JSON file per process, process_{i}-of-{n}.json; `it` is restored in place).
 """
 
 from glm_jax.data.config import default_data_config, validate_data_config

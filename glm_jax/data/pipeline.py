@@ -1,59 +1,20 @@
 """The Grain pipeline: documents, examples or conversations -> shuffle (seeded, new order each epoch) -> repeat
 -> pack -> batch -> shard.
 
-  MapDataset.source(documents' tokens, each ended by eos | examples' (conversations') tokens and loss masks, cut
-                    to seq_len)
-    .shuffle(shuffle_seed).repeat()               index-level shuffle, reseeded every epoch
-    .to_iter_dataset()
-    ConcatThenSplitIterDataset(seq_len)           "lm": grain's concat-then-split packer (no padding in training)
-    | FirstFitPackIterDataset(seq_len, B bins)    "sft", "chat": grain's first-fit packer (whole examples, padding)
-                                                  objective "glm": each document piece corrupted first
-                                                  (.random_map, blank_infilling.py), then packed whole the same way
-    .batch(global batch).map(to model batch)      rows -> {"input_ids", "segment_ids", "positions", "loss_mask"}
-    .map(this process's rows)                     process p keeps rows [p*B/P, (p+1)*B/P) of every batch
-
-The batch, in every format: four [rows, seq_len] int32 arrays. input_ids (pad_id on padding); segment_ids
-numbering the documents / examples of a row 1, 2, ... (0 on padding); positions restarting at 0 at each
-segment start (0 on padding); loss_mask, 1 on the tokens whose prediction counts. The loss convention: the
-prediction at position t of token t + 1 counts when segment_ids[t + 1] == segment_ids[t] != 0 and
-loss_mask[t + 1] == 1 (glm_jax/train/losses.py's shifted_targets).
-
-Format "lm": documents are laid end to end; a row is cut every seq_len tokens. A document cut by a row
-boundary (and a document longer than seq_len, cut into several pieces) continues in the next row as a new
-segment whose positions restart at 0. loss_mask = (segment_ids > 0): every real token counts. Padding appears
-only in the last held-out batch.
-
-Format "sft": an example is encode(prompt) + encode(response) + [eos], with loss_mask 0 on its prompt tokens and
-1 on its response tokens and eos. Examples are packed whole, never split across rows: an example longer than
-seq_len is cut to its first seq_len tokens (how many were, is logged once per iterator). grain's first-fit
-packer fills B = data.batch_size bins: each example, in the shuffled order, goes into the first row with room
-for it; when one fits in none, the B rows are emitted in order (one global batch, the rest of each row padded)
-and the example opens the next batch. A row's segments are therefore in stream order but its examples need not
-be consecutive in the stream.
-
-Format "chat": an example is a conversation in GLM-5's chat format (data.source "jsonl"; glm_jax/data/sources.py
-has the line schema), its ids and loss mask those of glm_jax/data/conversations.py tokenize_conversation: 1 on what
-the model writes in its assistant turns (reasoning, </think>, content, tool calls, and the stop token that ends the
-turn: <|observation|>, <|user|> or the eos after a final turn), 0 on the head, system, user and tool messages and
-the role tokens. Packed, truncated and logged exactly as format "sft".
-
-Objective "glm" (data.objective; format "lm"): each document (its eos dropped) is cut into near-equal pieces short
-enough that a corrupted piece always fits a row (blank_infilling.max_piece_len; documents shorter than the draws
-need are left out), each piece is corrupted by a generator grain seeds from data.shuffle_seed and the piece's index
-in the shuffled, repeated stream (so every epoch draws new blanks, deterministically, and the iterator's state
-resumes them), and the samples are packed whole with the first-fit packer. The batch adds three [rows, seq_len]
-int32 arrays: targets (the token each position predicts, 0 where loss_mask is 0), block_positions (GLM's second
-position id) and prefix_end (the row index where the token's sample's part A ends: attention is bidirectional
-before it; 0 on padding); positions is GLM's first position id. Here the prediction at t of targets[t] counts where
-loss_mask[t] is 1 (no shift). The held-out batches are corrupted with a fixed seed (EVAL_SEED), the same in every
-run, so their infilling loss compares across runs.
-
-Sharding: every process packs the same global stream and keeps its own rows, so the global batch does not
-depend on the number of processes (resume on a different host count sees the same data), at the cost of each
-host packing the whole global batch: cheap next to a training step for the in-memory corpora here.
-
-The iterator's state is a small JSON-able dict; it goes into the checkpoint with the model through grain's
-Orbax handler (see glm_jax/data/__init__.py).
+  MapDataset.source(documents' tokens + eos | examples' or conversations' tokens and loss masks, cut to seq_len)
+    .shuffle(shuffle_seed).repeat().to_iter_dataset()   index-level shuffle, reseeded every epoch
+    ConcatThenSplitIterDataset(seq_len)                "lm": documents end to end, a row cut every seq_len tokens
+    | FirstFitPackIterDataset(seq_len, B bins)         "sft", "chat", objective "glm" (each piece corrupted first,
+                                                       blank_infilling.py): whole examples, the rows padded
+    .batch(global batch).map(to model batch).map(rows [p*B/P, (p+1)*B/P) of process p)
+The batch: four [rows, seq_len] int32 arrays, input_ids (pad_id on padding), segment_ids (1, 2, ... for the
+documents / examples of a row, 0 on padding), positions (0 at each segment start and on padding) and loss_mask. The
+prediction at t of token t + 1 counts when segment_ids[t + 1] == segment_ids[t] != 0 and loss_mask[t + 1] == 1
+(glm_jax/train/losses.py's shifted_targets). Objective "glm" adds targets, block_positions and prefix_end, and the
+prediction at t of targets[t] counts where loss_mask[t] is 1 (no shift). Every process packs the same global stream
+and keeps its own rows, so the batches do not depend on the process count. The iterator's state is a small JSON-able
+dict, checkpointed with the model (glm_jax/data/__init__.py). Each format's packing and masks: docs/training.md,
+"The data pipeline".
 """
 
 from __future__ import annotations
@@ -252,10 +213,10 @@ class _DocTokens:
 def packed_examples_dataset(
   examples, *, seq_len: int, batch_size: int, pad_id: int, shuffle_seed: int | None, repeat: bool
 ) -> grain.IterDataset:
-  """Global batches [batch_size, seq_len] of whole examples, first-fit packed into batch_size bins (see the module
-  docstring). `examples`: a sequence of {"input_ids", "loss_mask"} 1-D int32 arrays of equal length; one longer
-  than seq_len is cut to its first seq_len tokens. Without repeat, the last batch is completed with all-padding
-  rows."""
+  """Global batches [batch_size, seq_len] of whole examples, first-fit packed into batch_size bins (docs/training.md,
+  "The data pipeline"). `examples`: a sequence of {"input_ids", "loss_mask"} 1-D int32 arrays of equal length; one
+  longer than seq_len is cut to its first seq_len tokens. Without repeat, the last batch is completed with
+  all-padding rows."""
   ds = grain.MapDataset.source(examples)
   if shuffle_seed is not None:
     ds = ds.shuffle(seed=shuffle_seed)

@@ -5,31 +5,16 @@
   out.tokens[b, :out.lengths[b]]      prompt b followed by its response
   out.logp[b, s], out.response_mask   per-token log-probabilities of the response tokens
 
-Prompts may have different lengths. Each row keeps its tokens at their positions: prompt b fills slots
-0..len_b-1 of its row (right-padded to the longest prompt), its response continues at len_b, and the decode
-step takes every row's own position (glm_jax/model/kv_cache.py). The whole generation is one jax.jit: the
-prefill, then a lax.while_loop over the decode step that stops when every row has emitted a stop token or
-max_new_tokens are out; nothing is recompiled per token, and a new prompt width or batch size compiles once.
-
-GLM's blank infilling (glm_jax/inference/infill.py builds such prompts): a prompt may carry its own rope positions
-(and, with model.rope_2d, block positions) and a bidirectional prefix of prefix_len tokens, prefilled with
-attention both ways over it. A generated token's position continues the prompt's last one: inside a blank (last
-block position > 0) the position stays and the block position counts up, GLM's rule; otherwise the position
-counts up (plain prompts: position = slot).
-
-Under a mesh (`Sampler(..., mesh=mesh)`, glm_jax/sharding/mesh.py) the same program runs sharded: the parameters laid
-out by their logical axes as in training (except that the dense weights are not split over expert:
-DECODE_AXIS_RULES), the prompts' rows and the cache's rows split over the batch axes (data, fsdp, expert), the
-absorbed-MQA decode's heads over tensor, the MoE through expert parallelism and the DSA kernels in their shard_maps
-(glm_jax/model/moe.py, dsa.py); every output is the one-device output. A batch the batch axes do not divide, or
-heads the tensor axis does not, is refused by name.
-
-Log-probabilities are those of the distribution the token was drawn from before top-p truncation:
-log_softmax(logits / temperature) (temperature 1 for greedy decoding), computed by `tempered_log_softmax`, which
-stays finite for any temperature > 0 (a tiny one gives the greedy token with log-probability 0). A trainer that
-recomputes them must use the same function (glm_jax/rl/step.py's token_logprobs does). A non-finite
-log-probability of a generated token (NaN or infinite logits: broken weights) raises FloatingPointError instead
-of returning the tokens drawn from it.
+Prompts may have different lengths: prompt b fills slots 0..len_b-1 of its row and its response continues at len_b
+(glm_jax/model/kv_cache.py). The whole generation is one jax.jit (the prefill, then a lax.while_loop of decode steps
+until every row has stopped or max_new_tokens are out), compiled once a prompt width and batch size. GLM's blank
+infilling (glm_jax/inference/infill.py): a prompt may carry its own rope (and block) positions and a bidirectional
+prefix; a generated token inside a blank (last block position > 0) keeps the position and counts the block position
+up, GLM's rule, else the position counts up. Under a mesh (`Sampler(..., mesh=mesh)`) the same program runs sharded,
+with the one-device output (docs/serving.md, "The sampler, the engine, the server, the router"); a batch or heads the
+mesh does not divide are refused by name. Log-probabilities are those of the distribution drawn from before top-p:
+`tempered_log_softmax`, which a trainer that recomputes them must use too (glm_jax/rl/step.py's token_logprobs does).
+A non-finite log-probability of a generated token raises FloatingPointError.
 """
 
 from __future__ import annotations

@@ -4,34 +4,15 @@
   out = sampler(params, rest, prompts, key)
   acceptance_length(out)          tokens a verification round produced, on average (1 to k + 1)
 
-A round, for a row whose next token x_n is drawn (slot n) and whose main cache holds slots 0..n-1:
-  1. Draft. The first MTP layer runs k times, recurrently: at slot n-1 it reads the main model's hidden state
-     h_{n-1} and x_n's embedding, and its logits give q_1, the draft's distribution for slot n+1, from which d_1 is
-     drawn; at slot n it reads its own output and d_1, giving q_2 and d_2; and so on. One MTP module drafting
-     several steps is how DeepSeek-V3's MTP serves speculation (GLM-5 ships one MTP layer).
-  2. Verify. The main model feeds [x_n, d_1, ..., d_k] at slots n..n+k in one forward (GlmMoeDsa.decode_tokens):
-     p_j, its distribution for slot n+j+1, for j = 0..k, each query seeing the slots up to its own (DSA selecting
-     among them as in plain decoding).
-  3. Accept (Leviathan et al. 2023; Chen et al. 2023). d_j is kept with probability min(1, p_{j-1}(d_j) / q_j(d_j))
-     while every draft before it was; at the first rejected j the token at its slot is drawn from
-     norm(max(p_{j-1} - q_j, 0)) (`residual`); with all k kept, the token after them from p_k. Every token's
-     distribution is then exactly the main model's, p and q both taken after temperature and top_p, so the output is
-     plain decoding's in distribution. Greedy decoding (temperature 0) keeps d_j while it equals argmax p_{j-1} and
-     then takes the argmax: plain greedy output, token for token.
-  4. The row moves on by a + 1 tokens (a drafts kept, one drawn); the drawn token is the next round's x_n. The
-     log-probability returned for every token is the main model's, tempered_log_softmax(p) as in plain decoding (the
-     RL trainers' importance ratios need it); stop tokens and max_new_tokens end a row inside a round.
-
-Caches. The main cache's slots past a row's position hold the entries of rejected drafts: no query sees them and
-the next round overwrites them (glm_jax/model/kv_cache.py), so nothing is rolled back. The MTP cache (KVCache.mtp)
-holds at slot s the MTP layer's entry for (h_s, x_{s+1}): the prefill writes the prompt's, the first draft step
-writes slot n-1, the later steps write slots n..n+k-2 from their own outputs (stand-ins for h), and after the
-verification the main model's hidden states rewrite slots n..n+k-1, so every kept token's entry is what the MTP
-layer saw in training. A round costs k MTP-layer steps of one token, a main forward of k + 1 tokens and an MTP
-forward of k tokens; plain decoding spends a main forward of one token on each token.
-
-The whole generation is one jit (prefill, then a lax.while_loop of rounds), as in glm_jax/inference/sampler.py; the
-cache has k slots more than the output, for the drafts of a row's last round.
+A round, for a row whose next token x_n is drawn: the first MTP layer drafts d_1..d_k recurrently (q_j, the draft's
+distribution for slot n+j); the main model feeds [x_n, d_1, ..., d_k] in one forward (p_j for slot n+j+1); d_j is
+kept with probability min(1, p_{j-1}(d_j) / q_j(d_j)) while every draft before it was, the first rejected slot drawn
+from norm(max(p_{j-1} - q_j, 0)) (`residual`), or, all kept, the next token from p_k (Leviathan et al. 2023; Chen
+et al. 2023). p and q are taken after temperature and top_p, so every token follows the main model's distribution;
+greedy (temperature 0) keeps d_j while it equals argmax p_{j-1}: plain greedy output, token for token. The returned
+log-probabilities are the main model's (tempered_log_softmax, as in plain decoding). The whole generation is one jit,
+as in glm_jax/inference/sampler.py, with a cache k slots longer than the output. The round step by step and the two
+caches: docs/serving.md, "MTP speculative decoding".
 """
 
 from __future__ import annotations

@@ -3,30 +3,16 @@
   y[r] = x[r] @ w[g(r)],   g(r) = the group whose range [start_g, start_g + size_g) holds r; rows past the last
                            group give 0                          (jax.lax.ragged_dot's contract)
 `grouped_matmul` picks the implementation for the backend being traced for (glm_jax/model/platform.py):
-  tpu:    `megablox_grouped_matmul`: jax's Pallas grouped matmul for TPU (jax.experimental.pallas.ops.tpu.megablox,
-          gmm forward and for dx, tgmm for dw). Its grid's row dimension is traced: only the row tiles that hold
-          real rows run (at most ceil(real rows / 256) + groups - 1 of them), however large the static buffer.
-          Chosen over the tokamax package's ragged dot by compiling both for v5p: tokamax's TPU kernel is a fork
-          of the same megablox code with the same compiled size, and megablox ships with jax.
-  cpu:    `tiled_grouped_matmul`. XLA:CPU lowers ragged_dot by multiplying every row by every group's weight and
-          masking (E times the work). Here the rows are cut into tiles of `tile` rows and each (tile, group) pair
-          that overlaps is one [tile, in] @ [in, out] matmul, the rows of other groups zeroed: at most
-          ceil(rows / tile) + E - 1 tile products, i.e. the real rows' work plus at most one partial tile per
-          group boundary. A custom_vjp gives the backward the same shape: dx is the grouped matmul of dy with the
-          transposed weights, dw accumulates x_tile^T dy_tile into its group's slice. (The routed experts on the
-          CPU go further: tiled_swiglu.py takes a tile through all three SwiGLU projections in one loop step.)
-          The tile follows the rows the call has (a static shape), `cpu_tile`: ceil(rows / E), the mean group
-          size, rounded up to a power of two within [4, 128]. A group's last tile is partly padding, so tiles much
-          larger than the groups multiply the work (a decode step of 8 rows x top-4 over 16 experts, ~2 rows a
-          group, did 64 times its real work in 128-row tiles), and tiles much smaller pay the loop's per-step cost
-          more often; training's rows (bench_vs_transformers: 8192 over 16 experts) keep 128. tiled_swiglu's
-          forward on 2 cores, D = I = 256, E = 16 (ms, tile 128 -> the rule's; the best other tile): 4 rows (batch-1
-          decode) 1.86 -> 0.34 (tile 4; 2: 0.34); 32 rows 6.0 -> 0.91 (4; 2: 1.0); 256 rows 8.0 -> 2.7 (16; 8: 3.0);
-          2048 rows 14.1 at 128 (64: 13.9), forward and backward 40.6 (64: 45.2). Gathering each row's expert
-          weights for a batched matvec (no padding, no loop) took 0.28 ms at 4 rows but 2.4 at 32: not kept.
+  tpu:    `megablox_grouped_matmul`, jax's Pallas grouped matmul (megablox: gmm forward and for dx, tgmm for dw); only
+          the row tiles that hold real rows run (at most ceil(real rows / 256) + groups - 1), however large the buffer.
+  cpu:    `tiled_grouped_matmul`: rows cut into tiles of `cpu_tile(rows, E)` rows (the mean group size as a power of
+          two in [4, 128]); each (tile, group) pair that overlaps is one [tile, in] @ [in, out] matmul with the other
+          groups' rows zeroed, at most ceil(rows / tile) + E - 1 of them (XLA:CPU's own ragged_dot multiplies every
+          row by every group's weight); a custom_vjp gives dx and dw the same shape. tiled_swiglu.py goes further.
   other:  jax.lax.ragged_dot (GPU lowers it to grouped kernels).
 All take operands in any float dtype (megablox: bfloat16 or float32) and accumulate in fp32
 (preferred_element_type); the TPU and CPU backwards multiply the cotangent in the operands' dtype.
+Why these kernels and tiles, with their measurements: docs/kernels.md, "The routed experts' grouped matmuls".
 """
 
 from __future__ import annotations
@@ -47,16 +33,15 @@ TPU_MAX_TILE = 1024  # megablox's in / out tiles: whole dims up to this (fewer r
 
 def tpu_tiling(k: int, n: int) -> tuple[int, int, int]:
   """megablox's (rows, in, out) tiles for a [rows, k] x [k, n] grouped matmul, the same for its dx ([rows, n] x
-  [n, k]) and dw calls: in and out tiles of min(1024, max(k, n) rounded up to 128). With 128^3 tiles (megablox's
-  default) the glm5_744b expert matmuls re-read their operand tiles so often that they are HBM-bound (0.043 s a
-  MoE layer in the v5p roofline against 0.016 s of FLOPs)."""
+  [n, k]) and dw calls: in and out tiles of min(1024, max(k, n) rounded up to 128). megablox's default 128^3 tiles
+  re-read each operand tile so often that glm5_744b's expert matmuls are HBM-bound (docs/kernels.md)."""
   t = min(TPU_MAX_TILE, -(-max(k, n) // 128) * 128)
   return TPU_ROW_TILE, t, t
 
 
 def cpu_tile(rows: int, groups: int) -> int:
   """The CPU row tile for `rows` rows over `groups` groups: ceil(rows / groups) rounded up to a power of two, within
-  [CPU_MIN_TILE, CPU_TILE] (module docstring)."""
+  [CPU_MIN_TILE, CPU_TILE] (docs/kernels.md, "The routed experts' grouped matmuls", says why)."""
   mean = -(-rows // max(groups, 1))
   return min(CPU_TILE, max(CPU_MIN_TILE, 1 << (mean - 1).bit_length()))
 

@@ -1,58 +1,21 @@
 """Expert parallelism for the MoE: experts split over the mesh's `expert` axis, tokens exchanged with
-`jax.shard_map` + ragged all-to-all; computes exactly `grouped_ffn.grouped_ffn` (docs/design.md, "Core decisions").
+`jax.shard_map` + ragged all-to-all; computes exactly `grouped_ffn.grouped_ffn`.
 
-Inside the shard_map every device holds n local tokens (the token axes, `expert` among them, split N) and
-E_l = E / P experts (P = size of the expert axis). The P devices along `expert` form a dispatch group. Per device:
-  1. sort its n*K (token, slot) pairs by expert (token order within an expert); expert e lives on shard e // E_l;
-  2. all-gather the per-expert pair counts over `expert` ([P, E], a few KB), so every device knows how many rows
-     each sender sends each expert, and with a capacity how many of them each expert takes;
-  3. dispatch with one ragged all-to-all, one slice per expert: the rows of expert e go to its shard, into
-     expert e's run after the rows of the senders before this one, so each receiver gets its rows already
-     expert-major and packed (no reorder); the SwiGLU experts run as grouped matmuls over the E_l local groups
-     (grouped_matmul.py: only the real rows' tiles);
-  4. combine: the reverse ragged all-to-all returns every row to where it sat in its sender's send buffer; each
-     token's K rows are gathered ([n, K, D], in `dtype`) and summed with the gate weights in fp32, as grouped_ffn
-     does.
-
-Blocks. Rows travel in blocks of BLOCK = 8: the exchanged buffers are [blocks, 8, D], and each sender's run of an
-expert's rows is padded to whole blocks with rows of zeros (a zero row gives a zero output and no weight
-gradient; the padding rows come back but no token reads them). A [rows, D] buffer exchanged row by row is laid
-out by XLA:TPU a row at a time ([rows, 2, 3072] in (2, 128) tiles for D = 6144), so every exchange was followed
-(and preceded) by a copy into the grouped matmul's (8, 128) tiles; [blocks, 8, D] is already in them
-(experiments/bench_moe_exchange.py: at glm5_744b's sizes the exchange's forward and backward lose 12.9 ms of
-copies). The padding is at most 7 rows a (sender, expert) run: for glm5_744b under random routing about 1.4% more
-rows in the grouped matmuls.
-
-The collective is ragged_all_to_all.py's: `jax.lax.ragged_all_to_all` on TPU (only the real rows travel), an
-exact emulation with the dense all-to-all elsewhere (XLA:CPU cannot run the ragged one), so the CPU tests run
-the same index arithmetic the TPU program does.
-
-Buffers (static shapes, whole blocks). Send: the n*K pairs, each expert's run padded (at most n*K + 7 E rows).
-Receive: R rows, the most the shard can be sent:
-  dropless (capacity_factor 0, the default, as GLM-5 trains): R = P*n*K (+ 7 E_l a sender), all pairs of the group
-    to one shard. Only the real rows are computed (the grouped matmul skips the tiles past them), but the receive
-    buffer, the expert outputs and their gradients are R x D in `dtype`, plus the fp32 expert intermediates
-    R x 2 I_local, i.e. P times what balanced routing needs. For glm5_744b on v5p-1024 (P = 8, n = 8192, K = 8,
-    D = 6144) one R x D bf16 buffer is 6 GiB.
-  capacity factor c: each expert takes at most cap = ceil(c * P*n*K / E) pairs of the group, the first senders'
-    first (token order within a sender), so R = E_l * cap = c * n*K rows (+ 7 P a local expert). The pairs past
-    it are dropped (they are not sent, and read 0 on the way back) and counted. With c = 1.25 the buffer is
-    1.25 / P of the dropless one.
-  fast path (buffer_factor f, model.moe_buffer_factor): the buffer is sized for the load routing usually has,
-    f x n*K rows, and a step takes it when every shard of the mesh receives no more (the counts are all-gathered
-    before the dispatch anyway; one scalar pmax makes the choice the same everywhere); a step whose routing is
-    more skewed takes the worst-case buffer. Dropless either way: the same rows and results, and only the
-    buffer-sized work (relayouts, elementwise ops) shrinks, by P / f. Its backward recomputes the branch it took.
-On the CPU emulation the wire carries a [P, C, D] buffer each way (C = the rows one device may send one other).
-Neither the receive buffer nor its gradient is filled (ragged_all_to_all.exchange_rows, `unwritten`): only their
-real rows are ever read, which tests/model/test_moe_parallel.py proves by filling them with NaN instead.
-
-Numerics: rows travel in `dtype` both ways. For dtype float32 the result equals grouped_ffn up to the order of
-the fp32 additions. For bf16 one difference: each expert output row is rounded to bf16 for the return trip
-before the fp32 weighted sum (grouped_ffn keeps it fp32), and, with a tensor axis, each tensor shard's partial
-row is rounded too; both are at the level of bf16 rounding. With a capacity factor and a mesh with token axes
-besides `expert`, each expert group drops on its own (the groups are smaller than grouped_ffn's one group of N
-tokens), so the drops differ from grouped_ffn's unless the mesh's only token axis is `expert`.
+Inside the shard_map each device holds n local tokens and E_l = E / P experts (P = the expert axis's size; its P
+devices form a dispatch group). A device sorts its n*K (token, slot) pairs by expert, all-gathers the per-expert
+counts over `expert`, sends each expert's rows to its shard with one ragged all-to-all (ragged_all_to_all.py; they
+arrive expert-major and packed), runs its experts as grouped matmuls, and gets every row back by the reverse
+exchange; each token's K rows are summed with the gate weights in fp32. Blocks: rows travel in blocks of BLOCK = 8,
+each sender's run of an expert padded with zero rows (no output, no weight gradient). The receive buffer:
+  dropless (capacity_factor 0, the default)  P*n*K rows (+ 7 E_l a sender), never filled: only its real rows are read
+  capacity factor c                          each expert takes at most ceil(c * P*n*K / E) pairs of the group, the
+                                             first senders' first; c*n*K rows (+ 7 P a local expert); the rest dropped
+                                             (not sent, 0 on the way back) and counted
+  buffer_factor f (model.moe_buffer_factor)  a fast path of f*n*K rows, taken when every shard's rows fit it
+Numerics: rows travel in `dtype`. In fp32 the result equals grouped_ffn up to the order of the additions; in bf16
+each expert output row (and, with a tensor axis, each partial row) is rounded to bf16 once more. With a capacity
+factor and token axes besides `expert`, each dispatch group drops on its own, unlike grouped_ffn's one group.
+The steps, the buffers' sizes and why blocks: docs/design.md, "Expert parallelism, as built".
 """
 
 from __future__ import annotations

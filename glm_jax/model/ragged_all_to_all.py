@@ -4,20 +4,12 @@ The contract is jax's (see its docstring): every caller sends slice i of its `op
 operand[input_offsets[i] : input_offsets[i] + send_sizes[i]], to device i // S of `axis_name` (S = the slices per
 device, len(input_offsets) / axis size), which writes it at rows output_offsets[i] of its `output`; recv_sizes[i]
 is the size of the slice i it receives from device i // S. Rows of `output` no slice writes keep their value.
-
-On TPU only the real rows travel. XLA:CPU cannot run the collective (jax 0.10.2: "UNIMPLEMENTED: HLO opcode
-`ragged-all-to-all` is not supported by XLA:CPU ThunkEmitter"), so elsewhere `dense_ragged_all_to_all` computes the
-same result with the dense `jax.lax.all_to_all`: each caller packs the slices for device q into slot q of a
-[P, C, ...] buffer (C = the rows one device can send to one other: min(operand rows, output rows)), exchanges it,
-and scatters what it received to the offsets the senders chose. Same values, same gradients (the dense version by
-autodiff of its gathers and scatters, the TPU one by jax's transpose rule, itself a ragged_all_to_all), P times the
-bytes on the wire. The MoE's dispatch (moe_parallel.py) is written once against this contract, so the CPU tests of
-expert parallelism also test the index arithmetic the TPU program runs.
-
-`exchange_rows` is the collective into a buffer of its own, with a backward of its own: the MoE's receive buffers
-hold the worst case (P x n x K rows, 3 GiB a buffer for glm5_744b) and only their real rows are ever read, so
-neither the buffer nor its gradient need a fill when the caller says so (`unwritten`: jax.lax.empty, XLA's
-AllocateBuffer on TPU; a fill of zeros costs a pass over the buffer, three a MoE layer with full remat).
+On TPU only the real rows travel. XLA:CPU cannot run the collective, so elsewhere `dense_ragged_all_to_all` gives the
+same values and gradients with the dense `jax.lax.all_to_all` (P times the bytes on the wire), and the CPU tests of
+expert parallelism (moe_parallel.py) run the TPU program's index arithmetic. `exchange_rows` is the collective into
+a buffer of its own, with a backward of its own; with `unwritten` neither the buffer nor its gradient is filled (its
+caller reads only the real rows: jax.lax.empty, XLA's AllocateBuffer on TPU). How the emulation packs its buffer,
+and what a fill would cost: docs/design.md, "Expert parallelism, as built".
 """
 
 from __future__ import annotations

@@ -40,8 +40,8 @@ def block_size(seq_len: int) -> int:
 
 
 def _kernel(heads: int, seq_len: int, interpret: bool):
-  """A splash kernel for this trace (splash caches the host-side block map of a mask itself: 0.45 s the first
-  time for 64 heads at 4096 tokens, milliseconds after)."""
+  """A splash kernel for this trace (splash itself caches the host-side block map of a mask, slow to build only the
+  first time: docs/kernels.md, "Splash attention for the dense stage")."""
   b = block_size(seq_len)
   sizes = splash.BlockSizes(
     block_q=b,

@@ -2,22 +2,16 @@
 
   y[r] = (silu(x[r] W_gate_g) * (x[r] W_up_g)) W_down_g,   g = the group of row r (rows sorted by group; rows past
                                                             the last group give 0)
-grouped_ffn.expert_swiglu's result computed without three separate grouped matmuls. Each group's rows are cut into
-tiles of `tile` rows starting at the group's first row (at most ceil(rows / tile) + G tiles, only the real ones
-visited: the loop's trip count is traced); one loop step takes a tile through all three projections with its
-group's weights, and the backward one step through all six products (dx and the three weight gradients): two
-loops a MoE layer where three grouped matmuls take nine, each of whose steps slices, masks and adds into its
-output (experiments/bench_vs_transformers.py's MoE step on 2 cores: 1.10 s -> 0.85 s). grouped_ffn picks the tile
-by the rows the call has (grouped_matmul.cpu_tile: the mean group size as a power of two in [4, 128]), so that a
-decode step's ~1-2 rows an expert are not padded to 128-row tiles and training keeps its 128.
-
-A tile's last rows may belong to the next group. The forward writes whole tiles in row order, so the next group's
-tile, which starts at exactly that row, overwrites them; the backward zeroes them in x, dy and the kept
-projections (they add nothing to this group's weight gradients, even when they are rows past the last group that
-hold NaN) and its dx rows are overwritten the same way. The gate and up projections are kept
-from the forward (fp32, [rows, I] each) for the backward, as autodiff of the three grouped matmuls keeps them.
-Precision as grouped_matmul's CPU path: products of `dtype` operands accumulated in fp32, the cotangents cast to
-the operand dtype before each product, weight gradients summed in fp32.
+grouped_ffn.expert_swiglu's result without three separate grouped matmuls: each group's rows are cut into tiles of
+`tile` rows from the group's first row (only the real tiles visited: the loop's trip count is traced); a forward step
+takes a tile through all three projections, a backward step through all six products (dx and the three weight
+gradients), so a MoE layer runs two loops where three grouped matmuls run nine. grouped_ffn picks the tile by the
+call's rows (grouped_matmul.cpu_tile). A tile's rows past its group are overwritten by the next group's tile (y,
+dx) and zeroed in x, dy and the kept projections (no weight gradient, even from NaN rows past the last group); the
+gate and up projections are kept (fp32, [rows, I]) for the backward, as autodiff of the grouped matmuls keeps them.
+Precision as grouped_matmul's CPU path: `dtype` operands, fp32 accumulation, cotangents cast to the operand dtype
+before each product, weight gradients summed in fp32.
+Measurements: docs/kernels.md, "The routed experts' grouped matmuls".
 """
 
 from __future__ import annotations

@@ -4,28 +4,19 @@
   result = loop.run(params, rest, trajectories, envs, key)      # trajectories: rl/trajectory.py, one per episode
   result.trajectories[b].tokens / .loss_mask / .logprobs; result.rewards, result.turns, result.finish
 
-One episode a row. The prompts are prefilled once; then, turn after turn:
-1. decode: every live row samples until it emits a stop token of the chat format (`<|observation|>`, `<|user|>`,
-   `<|endoftext|>`), or max_turn_tokens, or its cache is full; each sampled token is fed as it is drawn, so the
-   cache holds the whole turn (one jit-compiled lax.while_loop over model.decode, as the Sampler's);
-2. on the host: the turn joins the row's Trajectory (ids and sampler log-probs kept), is parsed, and goes to the
-   row's environment (`env.step(turn)`, the turn being chat.parse_assistant's dict plus "stop", the stop string
-   or None; the environments of a batch run side by side in threads, their tools bounded by the tool runner),
-   which returns the observation messages (tool results after `<|observation|>`, a user's reply after `<|user|>`),
-   whether the episode is done and the reward so far. An episode ends when its environment says so, when the
-   model wrote `<|endoftext|>` or ran out of tokens, or after max_turns;
-3. extend: the observations' ids (tool results and the next generation prompt, Trajectory.add_observation) are
-   fed to the rows' caches in one forward (model.decode_tokens: each token attends to its row's whole history,
-   the full forward's causal view), and decoding goes on from them. Nothing of the history is prefilled again.
-Up to max_turns model turns an episode. `reprefill=True` instead prefills each live row's whole sequence at every
-turn (what an engine without cache continuation does): the same tokens when greedy, for measuring what the cache
-saves (experiments/agent_tools.py). A malformed tool call is the environment's to answer (an observation); the
-loop counts it (`tool_errors`).
-
-Shapes are bucketed so compiles stay few: observations are padded to a power of two (stale slots past a row's
-position are never attended: glm_jax/model/kv_cache.py), decode turns have one shape. `script` (tests) forces a
-row's turn to given ids, drawn from the model's logits' log-probs all the same (a scripted policy through the
-same loop). One device; the Sampler holds the sharded decode.
+One episode a row. The prompts are prefilled once; then, turn after turn: (1) every live row samples until a stop
+token of the chat format (`<|observation|>`, `<|user|>`, `<|endoftext|>`), max_turn_tokens or a full cache, each
+token fed as it is drawn (one jit-compiled lax.while_loop, as the Sampler's); (2) on the host the turn joins the
+row's Trajectory (ids and sampler log-probs kept), is parsed, and goes to the row's environment (`env.step(turn)`,
+chat.parse_assistant's dict plus "stop"; a batch's environments run side by side in threads), which returns the
+observation messages, whether the episode is done and the reward so far; (3) the observations' ids and the next
+generation prompt are fed to the rows' caches in one forward (model.decode_tokens), and decoding goes on: nothing is
+prefilled again. An episode ends when its environment says so, when the model wrote `<|endoftext|>` or ran out of
+tokens, or after max_turns. `reprefill=True` prefills each live row's whole sequence every turn instead (the same
+tokens greedy; experiments/agent_tools.py measures the difference). A malformed tool call is the environment's to
+answer; the loop counts it (`tool_errors`). Observations are padded to a power of two and decode turns have one
+shape, so compiles stay few. `script` (tests) forces a row's turn to given ids, scored by the model's log-probs.
+One device; the Sampler holds the sharded decode.
 """
 
 from __future__ import annotations

@@ -2,41 +2,20 @@
 
   rl.async_rollouts=True, rl.rollout_process=True     (configs/grpo_tiny.py; glm_jax/rl/trainer.py)
 
-The trainer (ProcessRolloutWorker, the thread RolloutWorker's interface: push_weights, start, get, stop) starts
-`python -m glm_jax.rl.rollout_engine <config.json>`, which builds the run's sampler, tasks and reward function
-from the config (an agentic run's, rl.tokenizer="model": its agent loop, environments, tool workers and rollout
-function, with the tokenizer the trainer writes beside the config), listens on a loopback port it prints, and
-serves one connection (multiprocessing.connection: pickled messages, after its challenge-response on a random key
-the trainer passes in the environment):
-
+The trainer's ProcessRolloutWorker (the thread RolloutWorker's interface: push_weights, start, get, stop) starts
+`python -m glm_jax.rl.rollout_engine <config.json>`, which builds the run's sampler, tasks and reward function (or an
+agentic run's agent loop, environments and tools) from the config, listens on a loopback port it prints, and serves
+one connection (multiprocessing.connection, after a challenge-response on a random key passed in the environment):
   trainer -> worker   ("weights", version, params, rest)   host arrays, tagged with their policy version
-                      ("generate", index)                 make rollout `index` (rollout.step_rollout: its prompts
-                                                          and key are a function of (rl.seed, index))
+                      ("generate", index)                 make rollout `index` (rollout.step_rollout)
                       ("stop",)
   worker -> trainer   ("heartbeat", version)              every rl.heartbeat_every seconds, from its own thread
                       ("rollout", index, Rollout)         made with the newest weights the worker holds
                       ("error", message)                  the worker failed (its traceback)
-
-Weights go by version, as a transfer of host arrays over the connection (the worker's devices are not the
-trainer's; where the two share a slice the thread worker needs no copy: the same jax arrays). A version older than
-the one the worker holds is refused by name (push_weights). The staleness bound is the thread worker's: each
-rollout carries the version that made it and the trainer drops those more than rl.tau behind (rollout.is_stale).
-The trainer keeps rl.max_pending requests outstanding and never waits on the worker except for a rollout to train
-on: weights are queued to a sender thread and `get` returns the next rollout that arrives.
-
-The handshake has deadlines on both sides, so that no other local process can stall a run by connecting first and
-staying silent, or end it by answering with another key. The worker authenticates each connection in a thread of its
-own, within rl.handshake_timeout seconds: one that stays silent or fails the challenge is logged (its log, below) and
-closed while the worker goes on listening; the first that authenticates is the trainer, and the worker then stops
-listening. A worker that no trainer has reached in twice that time exits (its trainer is gone). The trainer connects
-and authenticates within rl.handshake_timeout of reading the port; a worker it cannot reach in that time is killed and
-replaced like one that did not start (a peer that stays silent is cut off at the deadline: its socket shut down).
-
-A worker that stops answering is replaced: its process has exited (the connection closes), or no heartbeat came
-within rl.heartbeat_timeout seconds (a hung process: killed). A new worker is started, given the newest weights and
-sent again every request that had no answer; a rollout index is delivered to the trainer at most once, so nothing is
-trained twice. The trainer gives up (RuntimeError naming the log) after rl.max_worker_restarts replacements. Each
-worker's stderr goes to <workdir>/rollout/worker-<n>.log and its pid to worker-<n>.pid.
+Both sides authenticate within rl.handshake_timeout; a worker that exits or misses rl.heartbeat_timeout is replaced
+and its unanswered requests sent again (a rollout index reaches the trainer at most once), up to
+rl.max_worker_restarts. Logs: <workdir>/rollout/worker-<n>.log (pid in worker-<n>.pid). The handshake's deadlines,
+staleness and restarts in full: docs/post_training.md, "GRPO, distillation and asynchronous rollouts".
 """
 
 from __future__ import annotations

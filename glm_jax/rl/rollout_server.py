@@ -5,32 +5,14 @@ rl.tokenizer="model", the agent loop's multi-turn episodes.
 
   rl.rollout_server=True     (glm_jax/rl/trainer.py)
 
-`ServerRolloutWorker` has the RolloutWorker interface (push_weights, start, get, stop), and `rollout_at` for the
-synchronous loops:
-  - start: writes the first weights (glm_jax/serving/weights.py: a directory the engines load) and starts the fleet
-    (glm_jax/serving/fleet.py): rl.rollout_engines processes `python -m glm_jax.rl.rollout_server <spec.json>`, each
-    an Engine of the policy (in rl.rollout_dtype when set) behind glm_jax/serving/server.py's app, and the router
-    in front of them. Asynchronous, a thread then makes rollouts ahead of the trainer (at most rl.max_pending queued).
-  - rollout_at(index, version, params, rest): the weights to every engine (waiting for each to take them), then
-    rollout `index` from them.
-  - push_weights(version, params, rest): writes the weights as served (quantization-aware runs pack them) to
-    <workdir>/rollout/weights/<version> and has every engine load them (POST /update_weights with weights_path and
-    weight_version) from a sender thread: the trainer does not wait. An engine that dies is restarted by the fleet
-    with the newest weights written.
-  - a rollout is rollout.step_rollout's through the API: step `index`'s problems (a function of (rl.seed, index)),
-    group_size samples of each as one batched POST /generate a problem (input_ids, the run's temperature, top_p,
-    max_new_tokens and eos as the stop id, a sampling_seed s from (rl.seed, index): sample j draws with s + j), with
-    their token ids
-    and log-probabilities; laid out as the Sampler lays a batch out and scored by the run's reward function. Its
-    version is the oldest weight version among its samples' (each sample's is the version its engine admitted it
-    under), so the trainer's staleness check (rollout.is_stale, rl.tau) sees every token's weights at their oldest.
-  - an agentic rollout is agentic.step_rollout's with `ApiAgentLoop` for the agent loop: each episode a thread, each
-    turn a POST /generate of the episode's whole sequence so far (the engine's prefix cache maps the pages of the
-    turns before: only the new tokens are prefilled), stopped at the chat format's stop ids, its tokens and
-    log-probabilities into the trajectory as the engine sampled them, the turn's end and the observation by the
-    agent loop's rule (agent_loop.after_turn). The engines decode with the run's tokenizer (the weights record it).
-A request that fails (the router retries one whose engine died; 503 while no engine is up) is sent again, up to 5
-times with a growing wait; then the rollout fails and `get` raises.
+`ServerRolloutWorker` has the RolloutWorker interface (push_weights, start, get, stop) and `rollout_at` for the
+synchronous loops. `start` writes the first weights (glm_jax/serving/weights.py) and starts the fleet
+(glm_jax/serving/fleet.py: engine processes `python -m glm_jax.rl.rollout_server <spec.json>` behind the router);
+`push_weights` writes each version under <workdir>/rollout/weights/<version> and has every engine load it from a
+sender thread. A rollout is rollout.step_rollout's (or, agentic, agentic.step_rollout's with `ApiAgentLoop`) through
+POST /generate, its version the oldest weight version among its samples'. A failed request is sent again, up to 5
+times with a growing wait; then the rollout fails and `get` raises. Each step in full: docs/post_training.md,
+"RL rollouts through the API".
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Tools for agentic rollouts: a `Tool` (its JSON-schema function definition and the function that runs it, named
 by import path), a bounded `ToolRunner` that runs the calls `chat.parse_assistant` yields in worker processes, and
-two offline tools with verifiable answers, `calculator` and `lookup_verse` (issue 37, items 3 and 6).
+two offline tools with verifiable answers, `calculator` and `lookup_verse` (CALCULATOR, LOOKUP_VERSE; OFFLINE_TOOLS
+both: their definitions go to `chat.render(tools=...)`, the tools themselves to `ToolRunner`).
 
 A call becomes one observation string, whatever the tool does: its result, or an "error: ..." text the model reads
 (the episode goes on). Each call has exactly one kind, counted in `ToolRunner.counts`:
@@ -11,18 +12,7 @@ A call becomes one observation string, whatever the tool does: its result, or an
   timeout    it ran past `timeout` seconds: its worker (and anything the worker started) is killed and replaced
   invalid    the call never ran: not an offered tool, arguments not an object, a required argument missing, an
              unknown one, or a value of the wrong JSON type (string, integer, number, boolean, array, object, null)
-
-Workers are processes from the "forkserver" context (or "spawn"), never "fork": the parent holds JAX's threads. A
-worker imports every tool's function and runs its `setup` once, when the runner starts (`with ToolRunner(...)`),
-so a call pays only a pipe round trip; the runner keeps `num_workers` of them and `run_many` spreads a batch of
-calls over them. A hung call is stopped by SIGKILL to its worker's process group (the tool's own subprocesses go
-too) and a new worker starts in the background; the next call on that slot waits for it. A worker does not import
-the parent's __main__ (a launch script's JAX), its stdout and stderr go to /dev/null, and a terminal's Ctrl-C
-reaches the parent only. Costs on this repository's 2-core CPU machine: a worker starts in about 0.15 s (2 s with
-lookup_verse, whose setup imports glm_jax.data and indexes 31,102 verses), a call's round trip is about 0.2 ms.
-
-CALCULATOR and LOOKUP_VERSE are the two offline tools' `Tool`s (OFFLINE_TOOLS both): their definitions go to
-`chat.render(tools=...)`, the tools themselves to `ToolRunner`.
+`ToolRunner` says how its worker processes run the calls; what they cost: docs/post_training.md, "Tool workers".
 """
 
 from __future__ import annotations
@@ -326,6 +316,13 @@ class ToolRunner:
   bare {"name", "arguments"}; arguments may be a dict or a JSON string of one. `memory_limit_mb` caps each
   worker's address space (RLIMIT_AS, set after the tools are loaded; a tool past it gets a MemoryError).
   `run`, `run_many` and their `outcome(s)` forms may be called from several threads at once.
+
+  Workers are processes from the "forkserver" context (or "spawn"), never "fork": the parent holds JAX's threads. A
+  worker imports every tool's function and runs its `setup` once, when the runner starts, so a call pays only a pipe
+  round trip; `run_many` spreads a batch of calls over the workers. A hung call is stopped by SIGKILL to its worker's
+  process group (the tool's own subprocesses go too) and a new worker starts in the background; the next call on that
+  slot waits for it. A worker does not import the parent's __main__ (a launch script's JAX), its stdout and stderr go
+  to /dev/null, and a terminal's Ctrl-C reaches the parent only.
   """
 
   def __init__(

@@ -1,25 +1,17 @@
 """The post-training loops: GRPO on verifiable tasks (sync or with an asynchronous rollout worker) and on-policy
 distillation from one or several teachers. `run(config, workdir)` is what launch/train.py calls when
-config.trainer is "grpo" or "distill".
+config.trainer is "grpo" or "distill"; the config's sections and their checks: glm_jax/rl/config.py.
 
-GRPO step (config.rl):
-  prompts_per_step prompts (mixed from config.tasks by weight) x group_size answers each, sampled with the KV-cache
-  sampler -> exact-match rewards (a failing reward function gives 0 and a logged sample id) -> group-normalized
-  advantages -> one jit update (glm_jax/rl/step.py). rl.async_rollouts: a RolloutWorker generates with tagged
-  weights while the trainer updates (a thread, or with rl.rollout_process a worker process over a socket,
-  glm_jax/rl/rollout_engine.py); batches older than rl.tau versions are dropped, and rl.objective="async"
-  masks tokens whose ratio to the rollout policy leaves (1-eps_low, 1+eps_high) (GLM-5 Eq. 3-5).
-Distillation step (config.teachers):
-  prompts mixed from the teachers' tasks by weight, one answer each (group size 1), every row scored by the
-  teacher its task belongs to; advantage = sg(log p_teacher - log p_student) per token (Eq. 2). With
-  rl.tokenizer="model" a teacher's task is an environment: one episode a task through the agent loop, the teacher
-  scoring the whole token sequence and the advantage taken on the student's own turns (the loss mask).
-Before the first step (glm_jax/rl/warm_start.py): the policy is warm-started from rl.init_from (a workdir with a
-checkpoint of the same model), else by config.sft.steps of supervised fine-tuning on the tasks' demonstrations
-with the pretraining step; a teacher likewise loads its init_from or is fine-tuned for its sft_steps, then
-cached in <workdir>/teachers/<name>. The config's sections and their checks: glm_jax/rl/config.py.
-The workdir gets metrics.jsonl / tensorboard (reward mean and std, accuracy, IcePop's dropped fraction, KL,
-lengths, ...) and checkpoints; step 0 is the warm-started policy, and a rerun resumes from the latest one.
+GRPO step (config.rl): prompts_per_step prompts (mixed from config.tasks by weight) x group_size answers, sampled with
+the KV-cache sampler -> rewards -> group-normalized advantages -> one jit update (glm_jax/rl/step.py); with
+rl.async_rollouts a RolloutWorker generates with tagged weights while the trainer updates (a thread, a worker process
+with rl.rollout_process, engines behind a router with rl.rollout_server), batches older than rl.tau versions dropped.
+Distillation step (config.teachers): one answer a prompt, scored by its task's teacher; advantage = sg(log p_teacher -
+log p_student) per token (GLM-5 Eq. 2); with rl.tokenizer="model" a task is an environment and the advantage is taken
+on the student's own turns. Before the first step (glm_jax/rl/warm_start.py) the policy loads rl.init_from or is
+fine-tuned for config.sft.steps on the tasks' demonstrations; a teacher likewise, cached in <workdir>/teachers/<name>.
+The workdir gets metrics.jsonl / tensorboard and checkpoints; step 0 is the warm-started policy, and a rerun resumes
+from the latest one. Each objective and metric: docs/post_training.md.
 """
 
 from __future__ import annotations

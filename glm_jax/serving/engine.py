@@ -7,43 +7,14 @@
       ...
   engine.abort(rid)                 # between steps: the request ends ("abort") and its pages go back
 
-Continuous batching: the engine has `max_running` rows. Every step it retires the requests that ended and admits
-waiting ones (first come, first served) into the free rows while the page pool has room for them; a request that
-does not fit waits, it is not refused. A step then runs two programs, each compiled once whatever the requests: the
-decode program, decode_steps steps of [max_running, 1] tokens in one call, feeds every decoding request its last
-token and then each token it draws (a host round trip for several tokens a request: on a small model the round trip
-costs as much as the step); the prefill step, [prefill_rows, prefill_chunk] tokens, feeds up to prefill_rows
-requests still prefilling their prompts the next chunk of it (chunked prefill beside decoding, which a new arrival
-does not stall: the decoding rows never run a chunk's width).
-
-The cache is paged (glm_jax/serving/paged_cache.py): a request holds the pages its prompt and max_new_tokens can
-fill (reserved when it is admitted, so it never runs out mid-way), pages shared with earlier requests through the
-prefix cache included. A request whose prompt starts with whole pages another request has written (a multi-turn
-session's history, a GRPO group's shared prompt) maps those pages instead of prefilling them; a request whose next
-page is being prefilled by a running request waits a step or more for it rather than prefilling it a second time.
-
-Each row is its own request: the step is the model's decode over the row's own pages (`GlmMoeDsa.decode_tokens`:
-the absorbed MLA, DSA's exact top-k of the indexer over the request's own tokens, the MoE), and the token is drawn
-with the request's own temperature, top_p and key (`sample_rows`; the key is the request's seed folded with the
-token's position, so a request's draws do not depend on what it is batched with; speculating, a shared prefix page's
-MTP entries can change which drafts are proposed, so a sampled request's draws may). Greedy output is the Sampler's for
-the prompt alone (tests/serving/test_engine.py), the log-probabilities those of the distribution drawn from
-(glm_jax/inference/sampling.py). `update_weights` swaps in new weights between steps and drops the prefix cache.
-
-Under a mesh (`Engine(..., mesh=mesh)`) the step runs sharded as the Sampler's decoding does (weights by their logical
-axes, heads over tensor, experts by all-to-all) and the requests' rows and the pool's pages are split alike over the
-batch axes: each shard has its own page pool and prefix cache (paged_cache.py), a request is admitted to the shard
-with a free row that has the longest prefix of it cached, and its pages never leave that shard.
-
-MTP speculative decoding (`EngineConfig(speculate=k)`): decoding requests run speculative.py's round instead of the
-decode step, [max_running, k + 1] tokens: the MTP layer drafts k tokens over its own paged cache (on the same pages as
-the main one), the main model checks them in one forward, and each request keeps the accepted drafts and one drawn
-token (accept_rows: the acceptance rule with each request's temperature, top_p and key). Greedy output is plain
-greedy decoding's; a prefill step writes the MTP layer's entries for the prompt. A page shared through the prefix
-cache may hold an MTP entry at its last slot made for another next token: that only makes a draft less likely to be
-kept, never changes what the main model emits.
-
-Not here yet: GLM's blank-infilling layouts.
+Continuous batching over `max_running` rows: each step retires finished requests and admits waiting ones (first
+come, first served) while the page pool has room (glm_jax/serving/paged_cache.py: a request reserves its pages on
+admission, whole pages of a cached prefix shared), then runs a decode program ([max_running, 1] tokens, decode_steps
+steps a call) and a chunked-prefill step ([prefill_rows, prefill_chunk] tokens), each compiled once. Each row draws
+with its own temperature, top_p and key (its seed folded with the token's position), so greedy output is the
+Sampler's for the prompt alone; `update_weights` swaps weights between steps and drops the prefix cache. Under a
+mesh rows and pages split over the batch axes; `EngineConfig(speculate=k)` decodes with MTP drafts. Not here yet:
+GLM's blank-infilling layouts. How each part works: docs/serving.md, "Inside the engine".
 """
 
 from __future__ import annotations

@@ -5,26 +5,15 @@
   page_table    [R, P] int32                                           request r's slot s lives in page
                                                                        page_table[r, s // page_size] at s % page_size
 Memory is the pool's N pages, whatever the number of requests or their lengths. Page 0 is scratch: a page-table entry
-of 0 is "no page", and writes to slots with no page (a chunk's padding past a request's end, an idle row) land there.
-No query ever reads it: a request's queries see only its own slots up to their own position, all of which have pages.
-
-Under a mesh (the engine compiled for a slice, glm_jax/serving/aot.py) the pool's pages and the requests' rows are split
-alike over the batch axes (data, fsdp, expert): each shard holds its rows' pages, a page table's entries index its own
-shard's pages (each shard with its own scratch page 0), and the gather and scatter run inside a shard_map, so no
-page crosses a chip (DP attention over the latent cache, as the MLA servers do).
-
+of 0 is "no page", writes to slots with no page land there, and no query ever reads it. Under a mesh each shard of the
+batch axes holds its rows' pages, its own page 0, and page tables indexing its own pages (no page crosses a chip).
 `PagedLayerCache` gives MLA.decode (glm_jax/model/mla.py) the LayerCache interface over a pool: `write` scatters the
-new entries into their pages, and `kv` / `index_k` gather a request's pages into the contiguous [R, P * page_size, W]
-view the decode attends over, so the engine's step is the model's own decode step: the same exact top-k of the
-indexer over the request's tokens (DSA), the same absorbed attention. (On a TPU a ragged paged-attention kernel would
-read the pages in place; the gathered view is the portable variant.)
-
-`PagePool` is the host side: which pages are free, which request holds which, and the prefix cache. A page whose
-slots are all written is registered under a hash of every token up to its end (a chain: the hash of the page before
-and the page's own tokens), so a request whose prompt starts with the same tokens maps those pages into its table
-instead of prefilling them again. Shared pages are read-only: a request writes only at slots past its matched prefix,
-and only whole pages are shared. A page no running request holds stays cached until its room is needed (least
-recently used first); new weights make every cached page stale (`clear_prefix_cache`).
+new entries into their pages, `kv` / `index_k` gather a request's pages into the contiguous [R, P * page_size, W] view
+the decode attends over (a ragged paged-attention kernel would read them in place on TPU). `PagePool` is the host side:
+free pages, which request holds which, and the prefix cache: a full page is registered under a hash chain of every
+token up to its end, so a request whose prompt starts with the same tokens maps it instead of prefilling; shared pages
+are read-only (a request writes only past its matched prefix), unheld cached pages are evicted least recently used
+first, and new weights make every cached page stale (`clear_prefix_cache`). The engine: docs/serving.md.
 """
 
 from __future__ import annotations

@@ -1,34 +1,19 @@
 """The engine over HTTP: a FastAPI app (served by uvicorn, launch/serve.py) with SGLang's native endpoints and
 OpenAI's.
 
-  POST /generate              token ids (or text) in; token ids, text and log-probabilities out (SGLang's format:
-                              what RL rollouts need, no re-tokenization); "stream": true for server-sent events; a
-                              list of input_ids (with one sampling_params each, or one for all: item i then draws
-                              with seed + i) is a batch; it stops at EOS unless sampling_params.ignore_eos, and the
-                              text leaves the stop token out (SGLang's ways); a sample whose engine step failed gives
-                              503, which a router retries on another engine
-  POST /v1/completions        OpenAI completions: a prompt (text or ids), n, max_tokens, temperature, top_p, seed,
-                              stop, logprobs, stream
-  POST /v1/chat/completions   OpenAI chat: messages and tools rendered in GLM-5's chat format (glm_jax/chat.py); the
-                              reply parsed into content, reasoning_content and tool_calls; enable_thinking and
-                              clear_thinking as request fields or in chat_template_kwargs; stream
-  GET  /v1/models, /health (the server is up), /health_generate (a one-token generation went through the engine),
-       /get_model_info, /get_server_info, /get_load (what SGLang's router reads of a worker)
-  POST /abort_request         {"rid": ...}: ends a request (its pages go back)
-  POST /update_weights        new weights between engine steps, with a version (glm_jax/serving/weights.py's source)
-
-Every response of a generation carries the weight version its samples were admitted under (meta_info.weight_version, or
-`weight_version` in the OpenAI objects; a list when the samples of one response differ). Bad requests get OpenAI's error
-object ({"error": {"message", "type", "param", "code"}}) with a 4xx status: malformed JSON or a field of the wrong type
-(400), an unknown model (404), a prompt too long for the engine, a token id outside the vocabulary, bad sampling
-parameters (400), a missing or wrong API key (401); the server goes on serving. A client that disconnects from a stream
-aborts its request.
-
-With an API key (`api_key`), every request but /health and /health_generate (a router's probes, open on SGLang's
-servers too) must carry `Authorization: Bearer <key>`; launch/serve.py refuses a non-loopback host without one.
-
-The engine runs in a thread of its own (`EngineThread`): it steps while any request is running and sleeps when none
-is; the HTTP handlers add requests under its lock and read each request's events from an asyncio queue.
+  POST /generate              SGLang's: token ids (or text) in; token ids, text and log-probabilities out (what RL
+                              rollouts need); "stream", batches of input_ids, stop at EOS unless ignore_eos
+  POST /v1/completions        OpenAI completions: prompt (text or ids), n, max_tokens, temperature, top_p, seed, stop,
+                              logprobs, stream
+  POST /v1/chat/completions   OpenAI chat in GLM-5's chat format (glm_jax/chat.py): tools, content,
+                              reasoning_content and tool_calls, enable_thinking / clear_thinking, stream
+  GET  /v1/models, /health, /health_generate, /get_model_info, /get_server_info, /get_load
+  POST /abort_request, /update_weights (new weights between engine steps, with a version)
+Every generation's response carries the weight version its samples were admitted under. Bad requests get OpenAI's
+error object with a 4xx status and the server goes on serving; a client that disconnects from a stream aborts its
+request. With `api_key` every request but /health and /health_generate must send `Authorization: Bearer <key>`. The
+engine steps in a thread of its own (`EngineThread`); handlers add requests under its lock and read their events
+from an asyncio queue. Each endpoint's fields and errors: docs/serving.md, "The server's endpoints".
 """
 
 from __future__ import annotations
@@ -84,7 +69,7 @@ class _ApiKey:
   """ASGI middleware: with state.api_key set, a request without `Authorization: Bearer <key>` gets a 401. /health and
   /health_generate answer without the key, as SGLang's servers do: a router probes them unauthenticated. (A plain
   ASGI wrapper: starlette's @app.middleware("http") runs each streamed response through a task and a memory stream
-  of its own: experiments/bench_serving.py's streams went from 2.4k to 3.0k output tokens/s without it.)"""
+  of its own, which slows streaming; docs/serving.md, "Serving benchmarks".)"""
 
   def __init__(self, app, state: ServerState):
     self.app, self.state = app, state

@@ -1,38 +1,20 @@
 """The cost of a compiled XLA program op by op, read from its optimized HLO text, and its time on a TPU slice.
 
-XLA's `cost_analysis()` gives totals only (and counts a loop body once, and a Pallas kernel as the cost it declares);
-its TPU `optimal_seconds` comes out negative for large programs (some fusions carry the 2^63 - 1 "no estimate"
-sentinel as `estimated_cycles` and the sum overflows). So each instruction the program runs (a fusion, a Pallas
-kernel, a collective, a copy, ...) becomes one `Op`, counted as many times as it runs (a while loop's body times its
-trip count):
-  flops    matmul FLOPs: 2 x result elements x contracted size for every dot and convolution it holds. A Pallas
-           kernel (tpu_custom_call) has no HLO inside: its `cost_estimate` as its pallas_call declared it, unless
-           a kernel model passed to `program_ops` replaces it (grouped_matmul.megablox_grid_cost: the tiles its
-           grid really visits for a stated routing, where megablox declares the whole static buffer).
-  bytes    HBM traffic: the bytes of its operands and results (what a fusion computes inside stays on chip), except
-           where only a slice moves: an operand a dynamic-slice reads (a scanned layer's weights out of their
-           stack, at top level or inside a fusion) counts the slice, and a buffer a dynamic-update-slice writes in
-           place (the KV cache, a scan's stacked outputs) counts the update, read and written.
-  compute_seconds   XLA:TPU's own estimate of the op (`estimated_cycles` at CLOCK_HZ) where it gives one; else
-           max(flops / peak, bytes / HBM bandwidth) divided by the efficiency of its class (EFFICIENCY: what XLA's
-           estimates give for large matmuls and for memory-bound ops, experiments/xla_op_efficiency.py).
-  wire     for a collective, the bytes one chip sends or receives: (g - 1) / g of the gathered, scattered or
-           exchanged array for a group of g chips, twice that for an all-reduce; for a ragged all-to-all only the
-           real rows (the `real_rows` model: the static buffer is sized for the worst case).
-  wire_seconds   the collective's time on the slice's torus (glm_jax/sharding/ici.py: the links the replica groups
-           span, ring and all-to-all routing, a latency a step, DCN across slices).
-A collective is one logical transfer however XLA splits it: a `*-start` / `*-done` pair, or an async collective
-fusion whose start, continuation and done fusions each hold the same channel; its wire counts once, at its first op.
-Collectives XLA:TPU fuses with the reduction of a reduce-scatter (`all-reduce-scatter` fusions) count as
-reduce-scatters. Every replica-group syntax XLA prints is read (explicit `{{0,1},...}`, iota `[g,s]<=[dims]T(perm)`,
-and `mesh[...] {axes}` with sub-axes and device lists); any other is an error naming the op.
-
-Two step times (`summarize`, `schedule`): serial, every op and every collective one after another; and scheduled,
-the program's own instruction order played out with one compute stream and one interconnect queue: a collective
-whose start and done enclose other ops overlaps with them, a synchronous one waits for the interconnect and blocks
-compute, and async copies run beside compute. A multislice program (one slice's program: XLA:TPU hands its
-cross-slice collectives to the DCN runtime as send / recv pairs) gets their DCN time (ici.dcn_seconds) on a queue of
-their own. Peaks per TPU generation are in PEAKS.
+Each instruction the program runs (a fusion, a Pallas kernel, a collective, a copy, ...) becomes one `Op`, counted
+as many times as it runs (a while loop's body times its trip count):
+  flops    matmul FLOPs of the dots and convolutions it holds; a Pallas kernel's `cost_estimate` as declared, unless
+           a kernel model passed to `program_ops` replaces it (grouped_matmul.megablox_grid_cost: the tiles its grid
+           visits for a stated routing)
+  bytes    HBM traffic: its operands and results, only the slice where a dynamic-slice reads or a
+           dynamic-update-slice writes in place
+  compute_seconds   XLA:TPU's own estimate (`estimated_cycles` at CLOCK_HZ) where it gives one; else the roofline
+           over the efficiency of its class (EFFICIENCY, experiments/xla_op_efficiency.py)
+  wire, wire_seconds   for a collective (counted once per logical transfer), the bytes one chip sends or receives
+           (a ragged all-to-all's real rows only) and their time on the slice's torus (glm_jax/sharding/ici.py)
+An unknown replica-group syntax is an error naming the op. `summarize` and `schedule` give two step times: serial
+(every op one after another) and scheduled (the program's own order on one compute stream, one interconnect queue
+and, for multislice, one DCN queue). Peaks per TPU generation: PEAKS. Why not XLA's cost_analysis, and each rule in
+full: docs/pods.md, "How the pod figures are counted".
 """
 
 from __future__ import annotations
@@ -75,12 +57,12 @@ CLOCK_HZ: dict[str, float] = {
 }
 UNKNOWN_CYCLES = (1 << 63) - 1  # XLA's "no estimate"
 
-# The model against a measured run (experiments/calibrate_maxtext.py): a pod figure's calibrated step is its
-# scheduled estimate times realism_factor. The run: MaxText's DeepSeek-V3 671B recipe on v5p-1024
-# (AI-Hypercomputer/tpu-recipes, training/v5p/DeepSeek3-671B-MaxText: 90.7 s a step at 6 x 8192 tokens a chip),
-# compiled with MaxText 0.2.5 at 5 sequences a chip (6 no longer fits at compile time), its measured time scaled
-# by 5/6 to 75.58 s; the model's scheduled step of that program is 67.97 s (serial 77.67 s), its grouped matmuls
-# costed by their grids as ours are (its kernels carry no op names: kernel_model knows them by instruction name).
+# The model against a measured run (experiments/calibrate_maxtext.py; docs/pods.md, "How the pod figures are
+# counted"): a pod figure's calibrated step is its scheduled estimate times realism_factor. The run: MaxText's
+# DeepSeek-V3 671B recipe on v5p-1024 (AI-Hypercomputer/tpu-recipes, training/v5p/DeepSeek3-671B-MaxText: 6 x 8192
+# tokens a chip), compiled with MaxText 0.2.5 at 5 sequences a chip (6 do not fit at compile time), its measured time
+# scaled by 5/6; its grouped matmuls are costed by their grids as ours are (its kernels carry no op names:
+# kernel_model knows them by instruction name).
 CALIBRATION: dict | None = {
   "realism_factor": 1.112,
   "measured_seconds": 75.583,
@@ -868,7 +850,7 @@ def _add_collective(
 
 def op_seconds(op: Op, peaks: Peaks | None = None) -> float:
   """An op's serial time: its compute and its collective's wire time (both all runs). Ops costed without a chip
-  (program_ops(chip=None)) get the roofline at full peak and wire over all links, as this module used to."""
+  (program_ops(chip=None)) get the roofline at full peak and wire over all links."""
   if op.costed or peaks is None:
     return op.compute_seconds + op.wire_seconds
   return max(op.flops / peaks.bf16_flops, op.bytes / peaks.hbm_bytes_per_s) + op.wire / peaks.ici_bytes_per_s

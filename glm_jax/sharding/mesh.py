@@ -29,8 +29,8 @@ from glm_jax.mesh_axes import BATCH_AXES, CONTEXT, MESH_AXES
 # The model dimension is split over context as well as fsdp: a context axis holds whole sequences' worth of
 # devices that would otherwise each keep a full replica of the fsdp shard (the 128K config's context=32 would
 # multiply parameter and optimizer memory by 32), and over expert: the dense weights (attention, shared expert,
-# embeddings) are otherwise whole on each expert shard (glm5_744b's fsdp 64 x expert 8 kept them 64-way split:
-# 19.5 GiB a chip of fp32 AdamW state, 16.5 with expert). A routed expert's own weights take expert for their
+# embeddings) would otherwise be whole on each expert shard (under glm5_744b's fsdp 64 x expert 8, split 64 ways
+# rather than 512; docs/pods.md has the memory this saves). A routed expert's own weights take expert for their
 # experts dimension first, so their model dimension stays on fsdp x context.
 LOGICAL_AXIS_RULES: dict[str, str | tuple[str, ...] | None] = {
   "layers": None,

@@ -1,7 +1,6 @@
 """Compile-only TPU devices: ahead-of-time compilation for TPU topologies on a machine without a TPU.
 
-With libtpu installed (`pip install -r requirements-tpu.txt`: libtpu==0.0.42.1, the version jax[tpu]==0.10.2 pins;
-a ~203 MiB wheel, ~684 MiB installed) the TPU compiler runs on any x86-64 Linux host:
+With libtpu installed (`pip install -r requirements-tpu.txt`) the TPU compiler runs on any x86-64 Linux host:
 
   devices = tpu_topology_devices("v5p:8x8x8")          # 512 compile-only TPU v5 devices, one per chip
   mesh = jax.make_mesh((64, 8), ("fsdp", "tensor"), devices=devices, axis_types=(AxisType.Auto,) * 2)
@@ -10,23 +9,12 @@ a ~203 MiB wheel, ~684 MiB installed) the TPU compiler runs on any x86-64 Linux 
   compiled_memory(compiled), compiled_flops(compiled)      # per chip
 
 The devices can only compile (no arrays can be put on them); jax's default backend stays CPU. A program that does
-not fit fails in compile() with RESOURCE_EXHAUSTED ("... exceeds available HBM (95.74G)"), which is how
-HBM_USABLE_BYTES below was read.
-
-Topology names: "<generation>:<chips per axis>" ("v5p:8x8x8", "v4:2x2x1", "v5e:16x16", "v6e:16x16"), or a Cloud
+not fit fails in compile() with RESOURCE_EXHAUSTED, naming the usable HBM (HBM_USABLE_BYTES). Topology names:
+"<generation>:<chips per axis>" ("v5p:8x8x8", "v4:2x2x1", "v5e:16x16", "v6e:16x16"; what libtpu parses), or a Cloud
 accelerator type from KNOWN_TOPOLOGIES ("v5p-1024", "v4-8": TensorCores; "v5litepod-256", "v5e-256", "v6e-256":
-chips). libtpu itself parses only the first form.
-
-Process-wide details (libtpu 0.0.42.1):
-- libtpu holds /tmp/libtpu_lockfile for the life of every process that initialises it, and a second process
-  then fails with "ABORTED: Internal error when accessing libtpu multi-process lockfile". With libtpu installed,
-  every jax process with default JAX_PLATFORMS tries the TPU backend at start-up (it fails, no TPU, and falls back
-  to CPU) and so takes the lock too. On a host with no TPU chips tpu_topology_devices sets
-  ALLOW_MULTIPLE_LIBTPU_LOAD=1 (unless already set) before initialising libtpu, which skips the lock; on a real
-  TPU host it leaves the lock alone.
-- Initialising libtpu without a TPU prints a few harmless lines to stderr ("could not determine TPU accelerator
-  type", "unexpected worker hostname"). JAX_PLATFORMS=cpu stops plain jax processes from loading libtpu at all;
-  tpu_topology_devices works either way.
+chips). On a host with no TPU chips tpu_topology_devices sets ALLOW_MULTIPLE_LIBTPU_LOAD=1 (unless set), so that
+several processes can load libtpu; why, and libtpu's other process-wide effects: docs/pods.md, "Compile-only TPU
+devices".
 """
 
 from __future__ import annotations
@@ -243,7 +231,7 @@ def tpu_topology_devices(name: str, *, num_slices: int = 1, wrap: tuple[bool, ..
   topo = parse_topology(name)
   _check_libtpu(name)
   if _no_tpu_attached():
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # see the module docstring: the libtpu lockfile
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # the libtpu lockfile (docs/pods.md)
   import jax
   from jax.experimental import topologies
 

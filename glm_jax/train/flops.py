@@ -1,6 +1,6 @@
 """FLOP counts of a training step: analytic (from the model config) and read from XLA's optimized HLO.
 
-The formulas are written out in experiments/bench_train_step.py's docstring; in short, training costs
+The formulas are written out in docs/training.md, "The FLOP count of a training step"; in short, training costs
 6 N P (N tokens, P matmul parameters a token passes through) plus the attention scores, with the DSA stages
 (warmup: forward-only main model + indexer; sparse: attention over index_topk keys + the indexer) and Muon's
 Newton-Schulz reported apart. That count follows the reference implementation (attention over the full T x T
@@ -29,7 +29,8 @@ from glm_jax.tree_paths import path_names
 
 
 def matmul_params(cfg: ModelConfig) -> dict[str, int]:
-  """Matmul parameters one token passes through, per component (see the module docstring)."""
+  """Matmul parameters one token passes through, per component (docs/training.md, "The FLOP count of a training
+  step")."""
   d, h = cfg.hidden_size, cfg.num_attention_heads
   p_attn = (
     d * cfg.q_lora_rank
@@ -85,7 +86,8 @@ def topk_pairs(t: int, k: int) -> int:
 
 
 def analytic_flops(cfg: ModelConfig, b: int, t: int, stage: str) -> dict[str, float]:
-  """Training FLOPs of one step by the formulas of the module docstring, with their parts."""
+  """Training FLOPs of one step by the formulas of docs/training.md ("The FLOP count of a training step"), with their
+  parts."""
   p = matmul_params(cfg)
   pair = pair_flops(cfg)
   n = b * t

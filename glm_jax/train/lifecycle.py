@@ -1,25 +1,19 @@
 """How a run ends and what it holds while it runs: stop signals (a preemption, Ctrl-C) and the workdir lock.
 
-Stop signals (StopSignals, used by the training loops): SIGTERM, which is how Cloud TPU, Kubernetes and Slurm
-announce a preemption, and SIGINT (Ctrl-C) do not kill a run. It finishes the step in flight, saves a checkpoint of
-that step, waits for it to be written and raises Stopped, which launch scripts turn into one line and the exit code
-128 + the signal's number (143 for SIGTERM, 130 for SIGINT), the codes a shell and a scheduler expect of a process
-ended by that signal. Running the same command again resumes from that checkpoint. A second Ctrl-C interrupts at
-once (KeyboardInterrupt: nothing more is saved).
-  - One process: both signals set a flag that the loop reads at each step boundary.
-  - Several processes (jax.distributed): every process must stop at the same step, or the checkpoint's collective
-    writes would wait forever. SIGTERM is left to jax's preemption sync manager (started by
-    jax.distributed.initialize), which tells every process of a notice to any of them; the loop asks
-    multihost_utils.reached_preemption_sync_point(step) at each step, which is true at one step on all of them.
-    SIGINT is passed on as a SIGTERM to this process, so Ctrl-C goes through the same agreement.
+Stop signals (StopSignals, used by the training loops): SIGTERM (how Cloud TPU, Kubernetes and Slurm announce a
+preemption) and SIGINT (Ctrl-C) finish the step in flight, save and wait for its checkpoint, and raise Stopped, which
+launch scripts turn into one line and exit code 128 + the signal's number (143, 130); the same command resumes. A
+second Ctrl-C interrupts at once (KeyboardInterrupt, nothing more saved). One process reads a flag at each step
+boundary. Several processes must stop at the same step, or the checkpoint's collective writes would wait forever:
+SIGTERM is left to jax's preemption sync manager (multihost_utils.reached_preemption_sync_point(step), true at one
+step on all of them), and SIGINT is passed on as a SIGTERM to this process.
 
-The workdir lock (workdir_lock): one run at a time writes a workdir. `<workdir>/workdir.lock` is created with
-O_EXCL and records the holder (host, pid, the process's start time, when, the command); the holder refreshes its
-modification time every HEARTBEAT_SECONDS. A second run refuses in one line naming the holder. A lock whose holder
-is gone (on this host: no process with that pid and start time; on another host: no heartbeat for STALE_SECONDS)
-is taken over, with a log line naming the process that left it. In a multi-process run, process 0 holds the lock
-for the job and tells the others whether it got it, so they all start or all refuse. The lock is re-entrant
-within a process (a trainer that runs another loop into the same workdir holds it once).
+The workdir lock (workdir_lock): one run at a time writes a workdir. `<workdir>/workdir.lock` is created with O_EXCL
+and records the holder (host, pid, the process's start time, when, the command), its modification time refreshed
+every HEARTBEAT_SECONDS. A second run refuses in one line naming the holder; a lock whose holder is gone (on this
+host: no process with that pid and start time; elsewhere: no heartbeat for STALE_SECONDS) is taken over with a log
+line. In a multi-process run process 0 holds it for the job, so all start or all refuse; it is re-entrant within a
+process.
 """
 
 from __future__ import annotations

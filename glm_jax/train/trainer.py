@@ -107,8 +107,8 @@ class AbstractTrainState:
 
 
 # The state is made once, so on CPU its program is compiled at LLVM's O1: XLA's default level (3) spends over half
-# the compile on the initializers' rolled threefry loops (glm5_tiny's init: 8.7 s -> 3.8 s on 2 cores) and makes the
-# same bits (tests/train/test_trainer.py checks this; O0 does not: it leaves multiplies and adds unfused).
+# the compile on the initializers' rolled threefry loops (docs/training.md, "Compile times"), and O1 makes the same
+# bits (tests/train/test_trainer.py checks this; O0 does not: it leaves multiplies and adds unfused).
 INIT_CPU_COMPILER_OPTIONS = {"xla_backend_optimization_level": 1}
 
 
