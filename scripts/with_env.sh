@@ -1,21 +1,23 @@
 #!/usr/bin/env bash
 # Runs a command inside the project's virtual environment, creating or refreshing it first.
-#   bash scripts/with_env.sh python launch/model_info.py --config=configs/glm5_tiny.py
+#   bash scripts/with_env.sh python launch/train.py --config=configs/glm5_tiny.py
 #   bash scripts/with_env.sh pytest -n 2 --dist loadfile tests
-# The venv lives in .venv (override with GLM_JAX_VENV); it is rebuilt only when requirements*.txt or
-# setup.cfg change. Python: $PYTHON, else python3 (3.11 and 3.12 are supported).
+# The venv lives in .venv (override with GLM_JAX_VENV) and holds exactly requirements-lock.txt (the package's
+# dependencies and its test extra, hashes checked; scripts/lock.sh refreshes it) and glm-jax itself, editable. It is
+# rebuilt only when pyproject.toml or the lock change. Python: $PYTHON, else python3.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${GLM_JAX_VENV:-$root/.venv}"
 stamp="$venv/.glm-jax-installed"
-want="$(cat "$root"/requirements*.txt "$root/setup.cfg" | sha256sum | cut -d' ' -f1)"
+want="$(cat "$root/pyproject.toml" "$root/requirements-lock.txt" | sha256sum | cut -d' ' -f1)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-  echo "[with_env] setting up $venv (first run or requirements changed; a few minutes)" >&2
+  echo "[with_env] setting up $venv (first run, or pyproject.toml or the lock changed; a few minutes)" >&2
+  rm -rf "$venv"
   "${PYTHON:-python3}" -m venv "$venv"
-  "$venv/bin/python" -m pip install -q --disable-pip-version-check -r "$root/requirements-test.txt" \
-    > "$venv/pip-install.log" 2>&1 || { cat "$venv/pip-install.log" >&2; exit 1; }
-  "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps -e "$root" \
-    >> "$venv/pip-install.log" 2>&1 || { cat "$venv/pip-install.log" >&2; exit 1; }
+  log="$venv/pip-install.log"
+  pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
+  { "${pip[@]}" --require-hashes --no-deps -r "$root/requirements-lock.txt" \
+      && "${pip[@]}" --no-deps -e "$root"; } > "$log" 2>&1 || { cat "$log" >&2; exit 1; }
   echo "$want" > "$stamp"
 fi
 cd "$root"

@@ -6,6 +6,7 @@ import importlib.metadata
 import os
 import re
 import sys
+import tomllib
 
 import pytest
 
@@ -219,17 +220,91 @@ def third_party_imports(files: dict[str, str], root: str = ROOT) -> dict[str, st
   return out
 
 
-def test_every_third_party_import_of_the_package_is_a_runtime_requirement():
-  """What a `pip install` of glm-jax installs (requirements.txt, setup.py's install_requires) holds every module
-  the package imports: httpx, imported by the rollout server, was only a test requirement, so a Colab-style install
-  failed at launch/train.py's imports while the notebook test, which reuses this venv, passed."""
-  with open(os.path.join(ROOT, "requirements.txt")) as f:
-    required = {re.split(r"[<>=!~\[; ]", line.strip())[0].lower().replace("_", "-") for line in f}
-  distributions = importlib.metadata.packages_distributions()
+def _declared() -> tuple[set[str], dict[str, set[str]]]:
+  """pyproject.toml's dependencies and its extras (but `test`), as normalized distribution names."""
+  with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+    project = tomllib.load(f)["project"]
+  name = lambda req: re.split(r"[<>=!~\[; ]", req.strip())[0].lower().replace("_", "-")  # noqa: E731
+  extras = {k: {name(r) for r in v} for k, v in project["optional-dependencies"].items() if k != "test"}
+  return {name(r) for r in project["dependencies"]}, extras
+
+
+def _distributions(module: str) -> set[str]:
+  return {d.lower().replace("_", "-") for d in importlib.metadata.packages_distributions().get(module, [module])}
+
+
+def test_every_third_party_import_of_the_package_is_declared():
+  """What a `pip install` of glm-jax with all its extras installs holds every module the package imports, lazy
+  imports included: a module only a test requirement held (httpx, once) fails a user's install while the suite,
+  which has the test extra, passes."""
+  core, extras = _declared()
+  declared = core.union(*extras.values())
   package = {m: rel for m, rel in module_files().items() if m.startswith(("glm_jax", "pallas_kernels"))}
-  missing = {
-    module: rel
-    for module, rel in third_party_imports(package).items()
-    if not {d.lower().replace("_", "-") for d in distributions.get(module, [module])} & required
-  }
-  assert not missing, f"imported but not in requirements.txt (module: a file importing it): {missing}"
+  missing = {m: rel for m, rel in third_party_imports(package).items() if not _distributions(m) & declared}
+  assert not missing, (
+    f"imported but in no dependency or extra of pyproject.toml (module: a file importing it): {missing}"
+  )
+
+
+def eager_imports(module: str, files: dict[str, str]) -> set[str]:
+  """The modules `module` imports when it is imported: its module-level imports (class bodies too, function bodies
+  not), their packages' __init__s, and theirs in turn; third-party ones as top-level names."""
+  seen, todo, third_party = set(), [module], set()
+  while todo:
+    m = todo.pop()
+    parts = m.split(".")
+    for i in range(1, len(parts) + 1):  # importing a.b.c runs a, a.b and a.b.c
+      name = ".".join(parts[:i])
+      if name in seen or name not in files:
+        continue
+      seen.add(name)
+      tree = ast.parse(open(os.path.join(ROOT, files[name])).read())
+      is_package = files[name].endswith("__init__.py")
+      for node in _module_level(tree):
+        if isinstance(node, ast.Import):
+          targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+          base = node.module or ""
+          if node.level:
+            package = name.split(".")[: len(name.split(".")) - node.level + (1 if is_package else 0)]
+            base = ".".join(package + ([base] if base else []))
+          targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names]
+        else:
+          continue
+        for t in targets:
+          if t.split(".")[0] in ("glm_jax", "pallas_kernels"):
+            todo.append(t)
+          elif t.split(".")[0] not in sys.stdlib_module_names:
+            third_party.add(t.split(".")[0])
+  return third_party
+
+
+def _module_level(tree):
+  """The nodes of `tree` that run when the module is imported: all but those inside function bodies."""
+  todo = list(tree.body)
+  while todo:
+    node = todo.pop()
+    yield node
+    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+      todo.extend(ast.iter_child_nodes(node))
+
+
+def test_training_and_sampling_import_only_the_core_dependencies():
+  """`pip install glm-jax` without extras runs the entry points of training, sampling, conversion and AOT compiles:
+  what they import at start-up is in pyproject.toml's dependencies; an extra's module (the HTTP server, plots) is
+  imported where its feature is used."""
+  core, extras = _declared()
+  files = module_files()
+  for entry in (
+    "glm_jax.launch.train",
+    "glm_jax.launch.sample",
+    "glm_jax.launch.quantize",
+    "glm_jax.launch.convert",
+    "glm_jax.launch.compile",
+    "glm_jax.launch.model_info",
+  ):
+    outside = {m for m in eager_imports(entry, files) if not _distributions(m) & core}
+    assert not outside, f"{entry} imports {outside} at start-up; they are not core dependencies"
+  # and the check sees an extra's import where there is one
+  assert "fastapi" in eager_imports("glm_jax.serving.server", files)
+  assert "matplotlib" in eager_imports("glm_jax.plots", files) and "matplotlib" in extras["plots"]

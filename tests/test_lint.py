@@ -1,5 +1,6 @@
-"""The code is lint-clean and formatted as ruff.toml says: `ruff check` and `ruff format --check` over the
-repository (ruff is pinned in requirements-test.txt). To fix what this finds: `ruff check --fix .`, `ruff format .`."""
+"""The code is lint-clean and formatted as pyproject.toml's [tool.ruff] says: `ruff check` and `ruff format --check`
+over the repository (ruff is pinned in the test extra). To fix what this finds: `ruff check --fix .`, then
+`ruff format .`."""
 
 import os
 import subprocess

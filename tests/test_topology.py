@@ -1,6 +1,6 @@
 """Ahead-of-time compilation for TPU topologies on a CPU-only machine (glm_jax/sharding/topology.py).
 
-The compile tests need libtpu (pip install -r requirements-tpu.txt) and are skipped, with that hint, without it.
+The compile tests need libtpu (the tpu extra: pip install "glm-jax[tpu]") and are skipped, with that hint, without it.
 Every number asserted is hand-computed from the shapes and shardings."""
 
 import jax
@@ -52,8 +52,8 @@ def test_missing_libtpu_says_what_to_install(monkeypatch):
   monkeypatch.setattr(topology, "libtpu_installed", lambda: False)
   with pytest.raises(
     ModuleNotFoundError,
-    match=r"TPU topology 'v5p:2x2x1' needs libtpu.*pip install -r "
-    r"requirements-tpu\.txt.*pip install 'libtpu==0\.0\.42",
+    match=r"TPU topology 'v5p:2x2x1' needs libtpu.*pip install \"glm-jax\[tpu\]\".*pip install "
+    r"'libtpu==0\.0\.42",
   ):
     tpu_topology_devices("v5p:2x2x1")
 

@@ -1,6 +1,6 @@
 r"""Compiles the real pretraining step for a TPU slice ahead of time, on any machine, and says whether it fits.
 
-  pip install -r requirements-tpu.txt        # libtpu, the TPU compiler (CPU work does not need it)
+  pip install "glm-jax[tpu]"                # libtpu, the TPU compiler (CPU work does not need it)
   bash scripts/with_env.sh python launch/compile.py --config=configs/glm5_744b.py --topology=v5p:8x8x8
   bash scripts/with_env.sh python launch/compile.py --config=configs/glm5_744b.py --topology=v5p-1024 \
       --config.data.seq_len=8192 \

@@ -20,6 +20,8 @@ rl.reward is a name of glm_jax/rl/rewards.py's REWARD_FNS or the import path of 
 
 from __future__ import annotations
 
+import importlib.util
+
 import ml_collections
 import numpy as np
 
@@ -215,6 +217,11 @@ def _validate_rl_section(rl: ml_collections.ConfigDict) -> None:
     if not isinstance(rl.max_worker_restarts, int) or rl.max_worker_restarts < 0:
       invalid("rl.max_worker_restarts", rl.max_worker_restarts, "must be an integer >= 0")
   if rl.rollout_server:
+    missing = [m for m in ("httpx", "uvicorn", "fastapi", "sglang_router") if importlib.util.find_spec(m) is None]
+    if missing:
+      invalid(
+        "rl.rollout_server", rl.rollout_server, f'needs the serve extra (pip install "glm-jax[serve]"): {missing}'
+      )
     why = {
       "rl.rollout_process": (rl.rollout_process, "one rollout engine at a time: rl.rollout_server or this"),
       "rl.speculate": (bool(rl.speculate), "the rollouts through the engines decode without MTP drafts: 0"),

@@ -34,13 +34,20 @@ from glm_jax.rl.config import environment_mix, task_mix, validate_rl_config
 from glm_jax.rl.context import RunContext, RunSetup
 from glm_jax.rl.rollout import RolloutWorker, greedy_accuracy, is_stale, make_sampler, step_rollout
 from glm_jax.rl.rollout_engine import ProcessRolloutWorker
-from glm_jax.rl.rollout_server import ServerRolloutWorker
 from glm_jax.rl.warm_start import load_teacher, make_policy, reference_policy, warm_start
 from glm_jax.train.checkpoint import Checkpointer, check_writable
 from glm_jax.train.guards import ConsecutiveSkips
 from glm_jax.train.lifecycle import StopSignals, Stopped, stopped_message, workdir_lock
 from glm_jax.train.metrics import MetricsWriter, last_logged
 from glm_jax.train.progress import Progress
+
+
+def _server_worker(ctx, group_size: int):
+  """The rollout client of the serving engines (rl.rollout_server), imported here: its HTTP client is the serve
+  extra's, which training without it does not need."""
+  from glm_jax.rl.rollout_server import ServerRolloutWorker
+
+  return ServerRolloutWorker(ctx, group_size)
 
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
@@ -253,7 +260,7 @@ def _grpo_loop(ctx: RunContext, state, start: int):
 
   worker = None
   if rl.rollout_server:  # through the serving engines' API (glm_jax/rl/rollout_server.py)
-    worker = ServerRolloutWorker(ctx, rl.group_size)
+    worker = _server_worker(ctx, rl.group_size)
     worker.push_weights(start, state.params, state.rest)
     worker.start(first_index=start, produce=rl.async_rollouts)
     if not rl.async_rollouts:  # a rollout a step, from the step's weights
@@ -341,7 +348,7 @@ def _distill_loop(ctx: RunContext, state, start: int):
   step_fn = rl_step.make_distill_step(ctx.graphdef, ctx.optimizer, ctx.schedule, rl, ctx.quant_plan)
   worker = None
   if rl.rollout_server:  # the student's rollouts through the serving engines' API, a rollout a step
-    worker = ServerRolloutWorker(ctx, 1)
+    worker = _server_worker(ctx, 1)
     worker.push_weights(start, state.params, state.rest)
     worker.start(first_index=start, produce=False)
   try:

@@ -1,6 +1,6 @@
 """Compile-only TPU devices: ahead-of-time compilation for TPU topologies on a machine without a TPU.
 
-With libtpu installed (`pip install -r requirements-tpu.txt`) the TPU compiler runs on any x86-64 Linux host:
+With libtpu installed (`pip install "glm-jax[tpu]"`) the TPU compiler runs on any x86-64 Linux host:
 
   devices = tpu_topology_devices("v5p:8x8x8")          # 512 compile-only TPU v5 devices, one per chip
   mesh = jax.make_mesh((64, 8), ("fsdp", "tensor"), devices=devices, axis_types=(AxisType.Auto,) * 2)
@@ -172,7 +172,7 @@ def libtpu_installed() -> bool:
 
 def install_hint() -> str:
   return (
-    f"pip install -r requirements-tpu.txt   (i.e. pip install '{_libtpu_pin()}', the TPU compiler that "
+    f"pip install \"glm-jax[tpu]\"   (i.e. pip install '{_libtpu_pin()}', the TPU compiler that "
     f"jax[tpu]=={_jax_version()} pins; a ~203 MiB wheel, CPU work does not need it)"
   )
 

@@ -1,6 +1,6 @@
 """Ahead-of-time compilation of the real train step for TPU topologies (glm_jax/train/aot.py, launch/compile.py).
 
-Needs libtpu (requirements-tpu.txt; CI installs it); skipped with that hint without it. Each compile is of
+Needs libtpu (the tpu extra; CI installs it); skipped with that hint without it. Each compile is of
 glm5_tiny-sized models on a 4-chip v5p slice, a few seconds each."""
 
 import json
