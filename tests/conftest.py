@@ -2,6 +2,7 @@
 own fixtures: tests/data/conftest.py)."""
 
 import gc
+import json
 import os
 
 # On CPU the suite compiles without LLVM's optimizations (XLA's backend optimization level 0; its default is 3), set
@@ -24,6 +25,7 @@ if os.environ.get("JAX_PLATFORMS") == "cpu" and "xla_backend_optimization_level"
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+from tests import shared_runs
 from tests.helpers import persistent_compilation_cache
 
 # The tests compare float32 computations with numpy, torch or a second formula at float32 tolerances. On a GPU, XLA
@@ -53,6 +55,32 @@ def shared_compilation_cache(tmp_path_factory):
   os.makedirs(path, exist_ok=True)
   with persistent_compilation_cache(path):
     yield path
+
+
+@pytest.fixture(scope="session")
+def glm5_tiny_run(tmp_path_factory, data_cache_dir):
+  """(workdir, summary) of the session's shared glm5_tiny run (tests/shared_runs.py; copy it before writing into
+  it): launch/train.py as a user runs it, 9 steps of 4 x 64 tokens (tests/train/runs.py), every step logged,
+  checkpoints at 1, 3, 6 and 9 all kept, its stdout in stdout.txt."""
+  from tests.train import runs
+
+  def make(workdir):
+    proc = runs.run_train(workdir, data_cache_dir, **runs.KEEP_ALL)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(os.path.join(workdir, "stdout.txt"), "w") as f:
+      f.write(proc.stdout)
+
+  workdir = shared_runs.shared_run(tmp_path_factory, "glm5_tiny_9_steps", make)
+  with open(os.path.join(workdir, "stdout.txt")) as f:
+    return workdir, json.loads(f.read().strip().splitlines()[-1])
+
+
+@pytest.fixture(autouse=True, scope="session")
+def verify_shared_runs():
+  """At the end of the session: the shared runs (tests/shared_runs.py) this process handed out are as they were made."""
+  yield
+  problems = shared_runs.changed_runs()
+  assert not problems, "\n".join(problems)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -87,12 +115,25 @@ LONG_FILES = (
 )
 
 
+def pytest_addoption(parser):
+  parser.addoption(
+    "--maintainer",
+    action="store_true",
+    help="also run the tests marked maintainer (every notebook end to end), which CI leaves out",
+  )
+
+
 def pytest_configure(config):
   if hasattr(config.option, "loadscopereorder"):  # pytest-xdist's --dist loadfile: keep the collection's order
     config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(session, config, items):
+  if not config.getoption("--maintainer"):
+    skip = pytest.mark.skip(reason="a maintainer's test: run with --maintainer")
+    for item in items:
+      if "maintainer" in item.keywords:
+        item.add_marker(skip)
   root = os.path.dirname(os.path.dirname(__file__))
   files = [os.path.relpath(str(item.path), root) for item in items]
   count = {f: files.count(f) for f in set(files)}

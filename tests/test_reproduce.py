@@ -1,6 +1,8 @@
 """experiments/reproduce.py, the script that writes docs/results.md and the committed figures from the runs: every
-figure the README and docs/ cite is one it writes, its numbers over seeds are computed as hand computation says, and
-(slow) its whole code path, shrunk to a few steps a run, writes every figure, every result's numbers and the table."""
+figure the README and docs/ cite is one it writes, its numbers over seeds are computed as hand computation says, its
+page, figures and numbers are rendered from the runs of a shrunk reproduction (checked in as tests/fixtures/
+reproduce_runs) with one result run end to end, and (with --maintainer) every result's commands, shrunk to a few
+steps a run, write every figure, every result's numbers and the table."""
 
 import json
 import os
@@ -52,20 +54,44 @@ def test_window_means(tmp_path):
   assert reproduce.window_means(str(tmp_path), "teacher_kl", 3) is None
 
 
-@pytest.mark.slow
-def test_the_shrunk_reproduction_writes_every_figure_and_row(tmp_path):
-  """Every result's commands at a few steps (one seed): the figures the README cites, each result's numbers, and a
-  table with a measured row for each claim."""
-  out = tmp_path / "out"
+FIXTURE_RUNS = os.path.join(ROOT, "tests", "fixtures", "reproduce_runs")
+# The figures the script draws from the runs themselves (the sweeps'); the others are drawn by the per-seed scripts
+# as they run (experiments/dsa_quality.py, agent_tools.py, glm_stability.py), which the maintainer test covers.
+RENDERED_FIGURES = [
+  "distill_tiny.png",
+  "grpo_tiny.png",
+  "icepop.png",
+  "optimizer_mtp_curves.png",
+  "optimizer_mtp_eval_loss.png",
+]
+
+
+def fixture_runs(target, skip=()):
+  """tests/fixtures/reproduce_runs copied to `target`/runs (but the results in `skip`), with `target` as the
+  temporary folder the runs name."""
+  for folder, _, files in os.walk(FIXTURE_RUNS):
+    rel = os.path.relpath(folder, FIXTURE_RUNS)
+    if rel.split(os.sep)[0] in skip:
+      continue
+    for name in files:
+      dst = target / "runs" / rel / name
+      dst.parent.mkdir(parents=True, exist_ok=True)
+      with open(os.path.join(folder, name)) as f:
+        dst.write_text(f.read().replace("{TMP}", str(target)))
+
+
+def reproduce_py(*args):
   proc = subprocess.run(
-    [sys.executable, "experiments/reproduce.py", "--shrink", f"--runs={tmp_path / 'runs'}", f"--out={out}"],
-    cwd=ROOT,
-    capture_output=True,
-    text=True,
-    timeout=3000,
+    [sys.executable, "experiments/reproduce.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=1200
   )
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-  assert sorted(os.listdir(out / "figures")) == sorted(reproduce.FIGURES)
+
+
+def check_page_and_numbers(out, figures):
+  """The figures drawn, a table with a measured row for each claim, its detail sections, each result's numbers."""
+  assert sorted(os.listdir(out / "figures")) == sorted(figures)
+  for name in figures:
+    assert (out / "figures" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
   page = (out / "results.md").read_text()
   table = [line for line in page.split("\n\n###")[0].splitlines() if line.startswith("| ")][1:]  # the main table
   assert [line.split(" | ")[0].removeprefix("| ") for line in table] == [r.claim for r in reproduce.RESULTS]
@@ -78,8 +104,35 @@ def test_the_shrunk_reproduction_writes_every_figure_and_row(tmp_path):
       numbers["claim"] == r.claim
       and numbers["seeds"] == [0]
       and numbers["ran_on"] == [reproduce.this_machine()]
-      and numbers["measured"] in (out / "results.md").read_text()
+      and numbers["measured"] in page
     )
+
+
+@pytest.mark.slow
+def test_one_result_end_to_end_and_the_rest_rendered_from_runs(tmp_path):
+  """grpo_tiny's commands shrunk (a sweep of one seed) run here; every other result's runs are the fixture's. Then a
+  render of all of them: the sweeps' figures, the table, the numbers."""
+  fixture_runs(tmp_path, skip=("grpo_tiny",))
+  out, runs = tmp_path / "out", f"--runs={tmp_path / 'runs'}"
+  reproduce_py("--shrink", "--only=grpo_tiny", runs, f"--out={out}")
+  assert sorted(os.listdir(out / "figures")) == ["grpo_tiny.png"]
+  wall = json.loads((tmp_path / "runs" / "grpo_tiny" / "wall_s.json").read_text())
+  assert list(wall) == [
+    f"launch/sweep.py --config=configs/grpo_tiny.py:smoke --workdir={tmp_path}/runs/grpo_tiny/sweep --sweep=rl.seed=0"
+  ]
+  reproduce_py("--shrink", "--render_only", runs, f"--out={out}")
+  check_page_and_numbers(out, RENDERED_FIGURES)
+  assert json.loads((tmp_path / "runs" / "grpo_tiny" / "wall_s.json").read_text()) == wall  # rendering ran nothing
+
+
+@pytest.mark.slow
+@pytest.mark.maintainer
+def test_the_shrunk_reproduction_writes_every_figure_and_row(tmp_path):
+  """Every result's commands at a few steps (one seed): the figures the README cites, each result's numbers, and a
+  table with a measured row for each claim. (tests/fixtures/make_reproduce_runs.py makes the fixture from such runs.)"""
+  out = tmp_path / "out"
+  reproduce_py("--shrink", f"--runs={tmp_path / 'runs'}", f"--out={out}")
+  check_page_and_numbers(out, reproduce.FIGURES)
 
 
 def test_the_script_replaces_only_its_section(tmp_path):

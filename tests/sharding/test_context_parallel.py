@@ -122,16 +122,18 @@ def one_device():
 
 
 MESHES = [{"fsdp": 2, "context": 4}, {"fsdp": 2, "expert": 2, "context": 2}]
-# (stage, mesh): every stage on the mesh with every axis but tensor (the batch over fsdp x expert, the MoE's
-# all-to-all with the tokens split over context too, c = 2: a device's 16-token chunks are two blocks of
+# (stage, mesh): the warm-up and sparse stages on the mesh with every axis but tensor (the batch over fsdp x expert,
+# the MoE's all-to-all with the tokens split over context too, c = 2: a device's 16-token chunks are two blocks of
 # attention_chunk = 8 queries each), and the dense stage at c = 4 (8 zig-zag chunks, one block a chunk, the batch over
-# fsdp alone, the keys' all-gather and its reduce-scatter over 4 devices). Each case compiles a whole train step
-# (20-40 s here), so the other two of the 3 x 2 product are left out, their code paths run by these:
-# warmup at c = 4 by warmup at c = 2 (the same blockwise attention and KL under the context axis; c is a number in
-# it) and dense at c = 4 (the c = 4 layout); sparse at c = 4 by sparse at c = 2 (the same branch of
-# context_parallel.attention: the top-k a chunk, the sparse kernels, head_probs and the KL, forward and backward)
-# and, forward at c = 4, by test_selected_keys_equal_one_device and test_index_share_selection_equals_one_device.
-STEP_CASES = [("dense", MESHES[0]), ("dense", MESHES[1]), ("warmup", MESHES[1]), ("sparse", MESHES[1])]
+# fsdp alone, the keys' all-gather and its reduce-scatter over 4 devices). Each case compiles a whole train step, so
+# the other three of the 3 x 2 product are left out, their code paths run by these: dense at c = 2 by warmup at c = 2
+# (the same blockwise attention under the context axis, with the KL besides) and by test_mesh.py's
+# test_train_and_evaluate_on_a_mesh_matches_one_device (the dense stage's loop on this very mesh); warmup at c = 4 by
+# warmup at c = 2 (c is a number in it) and dense at c = 4 (the c = 4 layout); sparse at c = 4 by sparse at c = 2
+# (the same branch of context_parallel.attention: the top-k a chunk, the sparse kernels, head_probs and the KL,
+# forward and backward) and, forward at c = 4, by test_selected_keys_equal_one_device and
+# test_index_share_selection_equals_one_device.
+STEP_CASES = [("dense", MESHES[0]), ("warmup", MESHES[1]), ("sparse", MESHES[1])]
 
 
 @multi_device

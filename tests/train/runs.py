@@ -23,6 +23,8 @@ OVERRIDES = {
   "optimizer.decay_steps": 7,
 }
 
+KEEP_ALL = {"train.keep_checkpoints": 4}  # every checkpoint of a 9-step run (1, 3, 6, 9) stays
+
 
 def make_config(data_cache_dir, **changes):
   config = glm5_tiny.get_config()

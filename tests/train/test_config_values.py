@@ -89,26 +89,36 @@ def test_the_walk_finds_every_section_with_floats_and_every_seed():
   assert {n for n, _ in FLOAT_CASES} == set(CONFIG_NAMES)  # each shipped config: its trainer's check is exercised
 
 
-@pytest.mark.parametrize("name,path", FLOAT_CASES, ids=[f"{n}:{p}" for n, p in FLOAT_CASES])
-def test_a_nan_or_an_inf_in_any_float_field_is_refused_by_name(name, path):
-  default = dict(leaves(shipped(name)))[path]
-  for bad in (math.nan, math.inf, -math.inf):
-    if isinstance(default, tuple):  # a list field: its first float entry made non-finite
-      i = next(i for i, x in enumerate(default) if isinstance(x, float))
-      value = default[:i] + (bad,) + default[i + 1 :]
-      want = f"{path}={value!r} is invalid; every entry must be a finite number (entry {i} is {bad!r})"
-    else:
-      value = bad
-      want = f"{path}={bad!r} is invalid; must be a finite number"
-    assert refusal(with_value(shipped(name), path, value)) == want
+def test_a_nan_or_an_inf_in_any_float_field_is_refused_by_name():
+  """Every float field of every shipped config (FLOAT_CASES), each non-finite value; the cases that fail are named."""
+  wrong = []
+  for name, path in FLOAT_CASES:
+    default = dict(leaves(shipped(name)))[path]
+    for bad in (math.nan, math.inf, -math.inf):
+      if isinstance(default, tuple):  # a list field: its first float entry made non-finite
+        i = next(i for i, x in enumerate(default) if isinstance(x, float))
+        value = default[:i] + (bad,) + default[i + 1 :]
+        want = f"{path}={value!r} is invalid; every entry must be a finite number (entry {i} is {bad!r})"
+      else:
+        value = bad
+        want = f"{path}={bad!r} is invalid; must be a finite number"
+      got = refusal(with_value(shipped(name), path, value))
+      if got != want:
+        wrong.append(f"{name}:{path}={bad!r}: {got!r}, expected {want!r}")
+  assert not wrong, "\n".join(wrong)
 
 
-@pytest.mark.parametrize("name,path", SEED_CASES, ids=[f"{n}:{p}" for n, p in SEED_CASES])
-def test_a_seed_out_of_range_is_refused_by_name(name, path):
-  for bad in (-1, 2**32, 2**64, 1.5, True):
-    want = f"{path}={bad!r} is invalid; must be an integer in [0, 2**32) (the PRNG keys are 32-bit: jax keeps a "
-    assert refusal(with_value(shipped(name), path, bad)).startswith(want)
-  sweep.check_config(with_value(shipped(name), path, 2**32 - 1))  # the largest seed passes every check
+def test_a_seed_out_of_range_is_refused_by_name():
+  """Every seed field of every shipped config (SEED_CASES): each out-of-range value refused, the largest accepted."""
+  wrong = []
+  for name, path in SEED_CASES:
+    for bad in (-1, 2**32, 2**64, 1.5, True):
+      want = f"{path}={bad!r} is invalid; must be an integer in [0, 2**32) (the PRNG keys are 32-bit: jax keeps a "
+      got = refusal(with_value(shipped(name), path, bad))
+      if not got.startswith(want):
+        wrong.append(f"{name}:{path}={bad!r}: {got!r}, expected it to start {want!r}")
+    sweep.check_config(with_value(shipped(name), path, 2**32 - 1))  # the largest seed passes every check
+  assert not wrong, "\n".join(wrong)
 
 
 def test_the_seed_range_is_where_jax_keys_are_distinct_and_built():

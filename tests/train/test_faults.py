@@ -30,12 +30,10 @@ from tests.train.runs import make_config, metric_rows, run_script, run_train, sn
 SHORT = {"train.steps": 6, "train.keep_checkpoints": 3}
 
 
-@pytest.fixture(scope="module")
-def straight(tmp_path_factory, data_cache_dir):
-  """9 uninterrupted steps: the rows every recovered run must reproduce."""
-  workdir = str(tmp_path_factory.mktemp("straight"))
-  summary = train_and_evaluate(make_config(data_cache_dir, **{"train.keep_checkpoints": 3}), workdir)
-  return workdir, summary
+@pytest.fixture
+def straight(glm5_tiny_run):
+  """9 uninterrupted steps, the session's shared run (read only): the rows every recovered run must reproduce."""
+  return glm5_tiny_run
 
 
 @pytest.fixture(scope="module")

@@ -27,17 +27,16 @@ from glm_jax.train.checkpoint import Checkpointer, CheckpointWriteError
 from glm_jax.train.progress import TIMING_KEYS
 from glm_jax.train.trainer import train_and_evaluate
 from tests.helpers import ROOT
-from tests.train.runs import flag_args, make_config, run_script, run_train, snapshot, strict_loads, train_rows
+from tests.train.runs import KEEP_ALL, flag_args, make_config, run_script, run_train, snapshot, strict_loads, train_rows
 
-KEEP = {"train.keep_checkpoints": 4}  # every checkpoint of a 9-step run (3, 6, 9) stays
+KEEP = KEEP_ALL  # every checkpoint of a 9-step run (1, 3, 6, 9) stays
 
 
-@pytest.fixture(scope="module")
-def straight(tmp_path_factory, data_cache_dir):
-  """9 uninterrupted steps (checkpoints at 3, 6 and 9): the rows every stopped and resumed run must reproduce."""
-  workdir = str(tmp_path_factory.mktemp("straight"))
-  summary = train_and_evaluate(make_config(data_cache_dir, **KEEP), workdir)
-  return workdir, summary
+@pytest.fixture
+def straight(glm5_tiny_run):
+  """9 uninterrupted steps (checkpoints at 1, 3, 6 and 9), the session's shared run (read only): the rows every
+  stopped and resumed run must reproduce."""
+  return glm5_tiny_run
 
 
 def without_speed(rows):

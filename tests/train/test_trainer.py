@@ -25,15 +25,10 @@ from tests.train.runs import OVERRIDES, make_config, metric_rows, run_train, sna
 # training runs end to end, several of them in subprocesses
 
 
-@pytest.fixture(scope="module")
-def straight_run(tmp_path_factory, data_cache_dir):
-  """9 uninterrupted steps through launch/train.py, as a user runs it."""
-  workdir = str(tmp_path_factory.mktemp("straight"))
-  proc = run_train(workdir, data_cache_dir)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  with open(os.path.join(workdir, "stdout.txt"), "w") as f:
-    f.write(proc.stdout)
-  return workdir, json.loads(proc.stdout.strip().splitlines()[-1])
+@pytest.fixture
+def straight_run(glm5_tiny_run):
+  """9 uninterrupted steps through launch/train.py, as a user runs it: the session's shared run (read only)."""
+  return glm5_tiny_run
 
 
 @pytest.mark.slow
@@ -45,14 +40,14 @@ def test_train_py_end_to_end(straight_run, data_cache_dir):
   assert rows[-1]["lm_loss"] < rows[0]["lm_loss"]
   assert summary["step"] == 9
   # The last step is always checkpointed, whatever checkpoint_every says.
-  with Checkpointer(workdir, save_every=3, keep=2) as ckpt:
+  with Checkpointer(workdir, read_only=True) as ckpt:
     assert ckpt.latest_step() == 9
   # The reported held-out loss equals a numpy cross-entropy of the checkpointed model on the held-out
   # batches: targets are the next token within the same (non-padding) document.
   config = make_config(data_cache_dir)
   model_cfg = model_config_for_stage(config)
   graphdef, state, _, _ = create_train_state(config, model_cfg)
-  with Checkpointer(workdir, save_every=3, keep=2) as ckpt:
+  with Checkpointer(workdir, read_only=True) as ckpt:
     state = ckpt.restore(9, state)
   from flax import nnx
 
@@ -185,7 +180,7 @@ def test_kill_during_async_save_resumes_from_last_complete_checkpoint(straight_r
   assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
   ckpt_dir = os.path.join(workdir, "checkpoints")
   # Step 6 was being written when the process died: it is not a complete checkpoint.
-  with Checkpointer(workdir, save_every=3, keep=2) as ckpt:
+  with Checkpointer(workdir, read_only=True) as ckpt:
     assert ckpt.latest_step() == 3, os.listdir(ckpt_dir)
   assert train_and_evaluate(make_config(data_cache_dir), workdir)["step"] == 9
 
