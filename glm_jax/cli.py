@@ -16,6 +16,7 @@ from the working directory is the installed package's config of that name (glm_j
 
 from __future__ import annotations
 
+import importlib.util
 import logging as pylogging
 import os
 import re
@@ -28,6 +29,18 @@ from absl import app, flags, logging
 
 from glm_jax.train.guards import Diverged
 from glm_jax.train.lifecycle import Stopped
+
+
+def require_extra(extra: str, *modules: str) -> None:
+  """Ends the script in one line, naming the extra to install, when a module of that optional extra of the package
+  (pyproject.toml) is missing. A script calls it before the imports that need the extra."""
+  missing = [m for m in modules if importlib.util.find_spec(m) is None]
+  if missing:
+    sys.stderr.write(
+      f'error: this needs the {extra} extra, which installs {", ".join(missing)}: pip install "glm-jax[{extra}]"\n'
+    )
+    sys.exit(1)
+
 
 # What a user's input can cause; anything else is a bug and shows its traceback.
 USER_ERRORS = (ValueError, OSError, Diverged, app.UsageError)

@@ -53,3 +53,14 @@ def test_an_unknown_config_name_is_refused_listing_the_configs(tmp_path, monkeyp
   err = capsys.readouterr().err.strip()
   assert err.startswith("error: --config=configs/glm5_small.py: configs/glm5_small.py is neither here nor in the")
   assert "glm5_tiny.py" in err and "common.py" not in err and len(err.splitlines()) == 1
+
+
+def test_a_missing_extra_ends_the_script_in_one_line_naming_it(capsys):
+  cli.require_extra("serve", "json", "os")  # installed: nothing happens
+  with pytest.raises(SystemExit) as e:
+    cli.require_extra("serve", "json", "no_such_module_here", "neither_this_one")
+  assert e.value.code == 1
+  assert capsys.readouterr().err == (
+    "error: this needs the serve extra, which installs no_such_module_here, neither_this_one: "
+    'pip install "glm-jax[serve]"\n'
+  )

@@ -2,6 +2,7 @@
 included, read with `ast`; no cycle, and no edge up or sideways between packages. A failure names both files."""
 
 import ast
+import functools
 import importlib.metadata
 import os
 import re
@@ -72,22 +73,26 @@ def imports_of(module: str, source: str, known: set[str], is_package: bool = Fal
   found = set()
   tree = ast.parse(source)
   for node in ast.walk(tree):
-    if isinstance(node, ast.Import):
-      targets = [a.name for a in node.names]
-    elif isinstance(node, ast.ImportFrom):
-      base = node.module or ""
-      if node.level:  # relative: resolved against this module's package
-        package = module.split(".")[: len(module.split(".")) - node.level + (1 if is_package else 0)]
-        base = ".".join(package + ([base] if base else []))
-      targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
-    else:
-      continue
-    for target in targets:
+    for target in import_targets(node, module, known, is_package):
       while target and target not in known:  # `import glm_jax.model.mla as m` -> the module itself
         target = target.rpartition(".")[0]
       if target and target != module:
         found.add(target)
   return found
+
+
+def import_targets(node, module: str, known, is_package: bool) -> list[str]:
+  """The modules an import statement `node` of `module` names ([] for any other node): `from pkg import name` names
+  pkg.name when that is in `known`, else pkg; a relative import is resolved against the module's package."""
+  if isinstance(node, ast.Import):
+    return [a.name for a in node.names]
+  if not isinstance(node, ast.ImportFrom):
+    return []
+  base = node.module or ""
+  if node.level:
+    package = module.split(".")[: len(module.split(".")) - node.level + (1 if is_package else 0)]
+    base = ".".join(package + ([base] if base else []))
+  return [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
 
 
 def group_of(module: str) -> str:
@@ -229,8 +234,13 @@ def _declared() -> tuple[set[str], dict[str, set[str]]]:
   return {name(r) for r in project["dependencies"]}, extras
 
 
+@functools.cache
+def _installed() -> dict[str, list[str]]:
+  return importlib.metadata.packages_distributions()
+
+
 def _distributions(module: str) -> set[str]:
-  return {d.lower().replace("_", "-") for d in importlib.metadata.packages_distributions().get(module, [module])}
+  return {d.lower().replace("_", "-") for d in _installed().get(module, [module])}
 
 
 def test_every_third_party_import_of_the_package_is_declared():
@@ -261,17 +271,7 @@ def eager_imports(module: str, files: dict[str, str]) -> set[str]:
       tree = ast.parse(open(os.path.join(ROOT, files[name])).read())
       is_package = files[name].endswith("__init__.py")
       for node in _module_level(tree):
-        if isinstance(node, ast.Import):
-          targets = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-          base = node.module or ""
-          if node.level:
-            package = name.split(".")[: len(name.split(".")) - node.level + (1 if is_package else 0)]
-            base = ".".join(package + ([base] if base else []))
-          targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names]
-        else:
-          continue
-        for t in targets:
+        for t in import_targets(node, name, files, is_package):
           if t.split(".")[0] in ("glm_jax", "pallas_kernels"):
             todo.append(t)
           elif t.split(".")[0] not in sys.stdlib_module_names:

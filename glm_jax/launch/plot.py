@@ -27,7 +27,11 @@ and what there is; nothing is written.
 
 from absl import app, flags
 
-from glm_jax import cli, plots
+from glm_jax import cli
+
+cli.require_extra("plots", "matplotlib")
+
+from glm_jax import plots  # noqa: E402
 
 _WORKDIRS = flags.DEFINE_list("workdirs", [], "Run directories (each with a metrics.jsonl).")
 _LABELS = flags.DEFINE_list("labels", [], "Legend labels for --workdirs (default: the directory names).")

@@ -38,10 +38,13 @@ from absl import flags, logging
 from ml_collections import config_flags
 
 from glm_jax import cli
-from glm_jax.serving.fleet import API_KEY_ENV, Fleet, RouterOptions
-from glm_jax.serving.server import is_loopback
-from glm_jax.train.config import invalid
-from glm_jax.train.lifecycle import Stopped
+
+cli.require_extra("serve", "fastapi", "uvicorn", "httpx", "sglang_router")
+
+from glm_jax.serving.fleet import API_KEY_ENV, Fleet, RouterOptions  # noqa: E402
+from glm_jax.serving.server import is_loopback  # noqa: E402
+from glm_jax.train.config import invalid  # noqa: E402
+from glm_jax.train.lifecycle import Stopped  # noqa: E402
 
 # Parsed here too, so that a bad --config.* override fails before any engine starts.
 _CONFIG = config_flags.DEFINE_config_file("config", None, "The run's configs/*.py file.", lock_config=True)

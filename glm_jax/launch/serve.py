@@ -20,16 +20,20 @@ GLM_JAX_API_KEY environment variable, which every request must then send as `Aut
 
 import os
 
-import uvicorn
 from absl import flags, logging
 from ml_collections import config_flags
 
 from glm_jax import cli
-from glm_jax.serving import Engine, EngineConfig, engine_flags
-from glm_jax.serving.server import EngineThread, ServerState, is_loopback, make_app
-from glm_jax.train.config import check_values, invalid, model_config_for_stage
-from glm_jax.train.packed_checkpoint import load_packed
-from glm_jax.train.trainer import restore_run
+
+cli.require_extra("serve", "fastapi", "uvicorn")
+
+import uvicorn  # noqa: E402
+
+from glm_jax.serving import Engine, EngineConfig, engine_flags  # noqa: E402
+from glm_jax.serving.server import EngineThread, ServerState, is_loopback, make_app  # noqa: E402
+from glm_jax.train.config import check_values, invalid, model_config_for_stage  # noqa: E402
+from glm_jax.train.packed_checkpoint import load_packed  # noqa: E402
+from glm_jax.train.trainer import restore_run  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "The run's configs/*.py file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "The run's directory (default: workdirs/<config name>).")
