@@ -7,18 +7,10 @@ import os
 
 # On CPU the suite compiles without LLVM's optimizations (XLA's backend optimization level 0; its default is 3), set
 # here before jax starts and inherited by the subprocesses and notebook kernels the tests start: most of the suite's
-# time is compiling programs that then run a few steps, and at level 0 the whole suite (833 tests, at baef41a) took
-# 18:28 on this 2-core machine against 21:50 at level 1 (tests/rl/test_trainer.py alone: 148 s at 0, 153 s at 1,
-# 197 s at 3; the suite has since grown to 1,600 tests and about 29 minutes, the fast tier 6:38 at 34b5cff). The
-# programs compute the same functions; their float32 results differ from the default's by rounding only
-# (multiplies and adds left unfused, sums in another order), which the tolerances are derived for. A test that needs
-# the default compilation asks for it (tests/train/test_trainer.py); to run the suite at the default, set
-# XLA_FLAGS=--xla_backend_optimization_level=3 (the step tests that compile with FAST_COMPILE stay at level 0).
-# Not used, though it compiles faster: XLA:CPU's fusion emitters off (--xla_cpu_use_fusion_emitters=false) compile
-# glm5_tiny's train step on one core in 7.8 s against 19.1 s (its sparse stage 20.5 s against 36.3 s), but the suite
-# with it failed tests whose tolerances are not to be loosened for speed: Newton-Schulz against its plain quintic
-# (tests/train/test_optimizers.py; two meshes of tests/sharding/test_mesh.py's Muon test, 7e-6 off at atol 2e-6) and
-# EGS's exact halving of the embedding gradient (tests/model/test_glm130b.py).
+# time is compiling programs that then run a few steps. The programs compute the same functions; their float32
+# results differ from the default's by rounding only, which the tolerances are derived for. A test that needs the
+# default compilation asks for it (tests/train/test_trainer.py). Why this level and not faster flags, with the
+# measurements: docs/testing.md, "Compiling on a CPU".
 if os.environ.get("JAX_PLATFORMS") == "cpu" and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
 
