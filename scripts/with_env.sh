@@ -11,6 +11,13 @@ venv="${GLM_JAX_VENV:-$root/.venv}"
 stamp="$venv/.glm-jax-installed"
 want="$(cat "$root/pyproject.toml" "$root/requirements-lock.txt" | sha256sum | cut -d' ' -f1)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  # A venv this script made (it has the stamp) is rebuilt from scratch, so nothing outside the lock lingers in it;
+  # any other non-empty directory there is not ours to delete.
+  if [ ! -f "$stamp" ] && [ -n "$(ls -A "$venv" 2>/dev/null)" ]; then
+    echo "error: $venv is not empty and was not made by scripts/with_env.sh (no $stamp); move it, or set" \
+      "GLM_JAX_VENV to another path" >&2
+    exit 2
+  fi
   echo "[with_env] setting up $venv (first run, or pyproject.toml or the lock changed; a few minutes)" >&2
   rm -rf "$venv"
   "${PYTHON:-python3}" -m venv "$venv"
