@@ -5,6 +5,7 @@ module rerun as a script on simulated CPU devices."""
 import contextlib
 import json
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -201,6 +202,12 @@ def fifo_errors(fifo, calls) -> list[str]:
 # XLA's lowest backend optimization level, for the step tests' explicit compiles: the same computation, about half
 # the compile time on CPU, whatever XLA_FLAGS says (tests/conftest.py sets level 0 for the rest of the suite).
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
+
+
+def requirement_name(req: str) -> str:
+  """The normalized distribution name of a requirement ("tensorboardX>=2.6,<3" -> "tensorboardx"), as pip compares
+  them (case and "_" / "-" aside)."""
+  return re.split(r"[<>=!~\[; ]", req.strip())[0].lower().replace("_", "-")
 
 
 def edit_json(path, edit):

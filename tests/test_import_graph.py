@@ -5,13 +5,12 @@ import ast
 import functools
 import importlib.metadata
 import os
-import re
 import sys
 import tomllib
 
 import pytest
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, requirement_name
 
 SCANNED = ("pallas_kernels", "glm_jax", "experiments")  # configs/ and launch/ link into glm_jax
 
@@ -229,9 +228,8 @@ def _declared() -> tuple[set[str], dict[str, set[str]]]:
   """pyproject.toml's dependencies and its extras (but `test`), as normalized distribution names."""
   with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
     project = tomllib.load(f)["project"]
-  name = lambda req: re.split(r"[<>=!~\[; ]", req.strip())[0].lower().replace("_", "-")  # noqa: E731
-  extras = {k: {name(r) for r in v} for k, v in project["optional-dependencies"].items() if k != "test"}
-  return {name(r) for r in project["dependencies"]}, extras
+  extras = {k: {requirement_name(r) for r in v} for k, v in project["optional-dependencies"].items() if k != "test"}
+  return {requirement_name(r) for r in project["dependencies"]}, extras
 
 
 @functools.cache

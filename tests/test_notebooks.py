@@ -23,7 +23,7 @@ import zipfile
 import nbformat
 import pytest
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, requirement_name
 
 NOTEBOOKS = os.path.join(ROOT, "notebooks")
 NAMES = sorted(n for n in os.listdir(NOTEBOOKS) if n.endswith(".ipynb"))
@@ -127,9 +127,8 @@ def test_the_wheel_holds_the_package_and_declares_its_extras(built_wheel):
   modules = {p for p in tracked.stdout.split() if p.endswith(".py")}
   assert {n for n in names if n.endswith(".py")} == modules
   assert {"glm_jax/launch/train.py", "glm_jax/configs/glm5_tiny.py", "pallas_kernels/sparse_mla_attention.py"} <= names
-  name = lambda req: re.split(r"[<>=!~\[; ]", req)[0].lower().replace("_", "-")  # noqa: E731
-  core = {name(r) for r in re.findall(r"^Requires-Dist: (.+)$", metadata, re.M) if "extra ==" not in r}
-  assert core == {name(r) for r in project["dependencies"]}
+  core = {requirement_name(r) for r in re.findall(r"^Requires-Dist: (.+)$", metadata, re.M) if "extra ==" not in r}
+  assert core == {requirement_name(r) for r in project["dependencies"]}
   assert not core & {"torch", "transformers", "fastapi", "uvicorn", "matplotlib", "httpx", "libtpu", "pytest"}
   extras = set(re.findall(r"^Provides-Extra: (\S+)$", metadata, re.M))
   assert extras == set(project["optional-dependencies"]) == {"serve", "plots", "tensorboard", "tpu", "gpu", "test"}

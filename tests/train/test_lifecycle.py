@@ -27,6 +27,7 @@ from glm_jax.train.checkpoint import Checkpointer, CheckpointWriteError
 from glm_jax.train.progress import TIMING_KEYS
 from glm_jax.train.trainer import train_and_evaluate
 from tests.helpers import ROOT
+from tests.shared_runs import copy_run
 from tests.train.runs import KEEP_ALL, flag_args, make_config, run_script, run_train, snapshot, strict_loads, train_rows
 
 KEEP = KEEP_ALL  # every checkpoint of a 9-step run (1, 3, 6, 9) stays
@@ -58,7 +59,7 @@ def lock_path(workdir):
 @pytest.mark.slow
 def test_a_rerun_of_a_finished_run_prints_its_line_and_exits_0(straight, data_cache_dir, tmp_path):
   workdir = str(tmp_path / "run")
-  shutil.copytree(straight[0], workdir)
+  copy_run(straight[0], workdir)
   before = snapshot(workdir)
   proc = run_train(workdir, data_cache_dir, **KEEP)
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -74,7 +75,7 @@ def test_a_rerun_of_a_finished_run_prints_its_line_and_exits_0(straight, data_ca
 @pytest.mark.slow
 def test_a_rerun_with_more_steps_goes_on(straight, data_cache_dir, tmp_path):
   workdir = str(tmp_path / "run")
-  shutil.copytree(straight[0], workdir)
+  copy_run(straight[0], workdir)
   summary = train_and_evaluate(make_config(data_cache_dir, **KEEP, **{"train.steps": 11}), workdir)
   assert summary["step"] == 11
   rows = train_rows(workdir)
