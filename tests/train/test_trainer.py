@@ -19,7 +19,7 @@ from glm_jax.train.config import model_config_for_stage
 from glm_jax.train.progress import TIMING_KEYS
 from glm_jax.train import trainer as trainer_lib
 from glm_jax.train.trainer import create_train_state, train_and_evaluate
-from tests.helpers import ROOT
+from tests.helpers import DEFAULT_COMPILE, ROOT
 from tests.train.runs import OVERRIDES, make_config, metric_rows, run_train, snapshot, train_rows
 
 # training runs end to end, several of them in subprocesses
@@ -138,10 +138,10 @@ def test_a_restored_state_is_laid_out_as_a_fresh_one(tmp_path, data_cache_dir):
 def test_the_initial_state_is_the_default_compilers_bit_for_bit(data_cache_dir):
   """The trainer compiles the initialization at LLVM O1 on CPU (trainer.INIT_CPU_COMPILER_OPTIONS): the state is
   the one the default compilation makes, bit for bit (a run's numbers do not depend on it). The reference asks for
-  XLA's default level (3) itself: the suite compiles at level 0 (tests/conftest.py)."""
+  XLA:CPU's default compilation itself: the suite compiles faster (tests/conftest.py)."""
   config = make_config(data_cache_dir)
   target = trainer_lib.abstract_train_state(config, model_config_for_stage(config))
-  want = jax.jit(target.make_state, compiler_options={"xla_backend_optimization_level": 3})()
+  want = jax.jit(target.make_state, compiler_options=DEFAULT_COMPILE)()
   got = target.fresh()
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
