@@ -327,6 +327,7 @@ def test_chat_wraps_each_prompt_as_a_user_turn(sft_run, grpo_run):
 # ------------------------------------------------------------------------------------------------------ bad input
 
 
+@pytest.mark.slow  # starts the launch scripts
 def test_bad_input_is_one_line_naming_the_flag(tmp_path):
   """Each refused before any run is read or anything written (several processes at once: each starts jax)."""
   nothing = tmp_path / "nothing"  # a directory without checkpoints

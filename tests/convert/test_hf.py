@@ -93,6 +93,7 @@ def loaded(saved):
   return hf.load(path)
 
 
+@pytest.mark.slow  # two models forward, ours and transformers'
 def test_logits_match_with_sparse_attention(saved, loaded):
   model, _ = saved
   cfg, ours = loaded

@@ -79,6 +79,7 @@ def converted(bf16, tmp_path_factory):
   return config, out, report
 
 
+@pytest.mark.slow  # converts and samples a model
 def test_bf16_sharded_checkpoint_converts_and_samples_as_transformers(bf16, converted):
   reference, path = bf16
   config, out, report = converted

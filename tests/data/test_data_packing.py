@@ -4,6 +4,7 @@ epoch (counts and whole documents) against an independent tokenization of the tr
 import collections
 
 import numpy as np
+import pytest
 
 from glm_jax.data import load_tokenizer, make_train_iterator, sources
 from glm_jax.data.pipeline import packed_dataset
@@ -89,6 +90,7 @@ def _reference_segments(ids_RT: np.ndarray, eos_id: int) -> tuple[np.ndarray, np
   return seg, pos
 
 
+@pytest.mark.slow  # a whole epoch of the corpus
 def test_every_training_token_once_per_epoch_on_embedded_corpus(kjv):
   cfg, tok = kjv
   cfg = cfg.copy_and_resolve_references()

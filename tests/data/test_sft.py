@@ -259,6 +259,7 @@ def kjv_sft(kjv):
   return cfg, tok
 
 
+@pytest.mark.slow  # tokenizes the embedded SFT set
 def test_embedded_sft_batches_hold_whole_verses_with_their_masks(kjv_sft):
   cfg, tok = kjv_sft
   # The trained BPE is the pretraining one (the chapters), so SFT can start from a pretraining checkpoint.

@@ -255,6 +255,7 @@ def test_expert_parallel_equals_grouped_ffn(name):
     assert got["y_error"] <= TOL * max(1.0, got["scale"]), (name, routing, got)
 
 
+@pytest.mark.slow  # compiles the expert-parallel layer
 def test_errors_name_the_sizes():
   mesh = jax.make_mesh((1,), ("expert",), axis_types=(AxisType.Auto,), devices=jax.devices()[:1])
   x, w, gate, up, down, _, idxs = inputs()

@@ -95,6 +95,7 @@ def sse(lines) -> list[dict]:
   return [json.loads(x[6:]) for x in lines if x.startswith("data: ") and x != "data: [DONE]"]
 
 
+@pytest.mark.slow  # compiles the engine and the samplers
 def test_completions_and_generate_are_the_samplers(setup, served):
   tok = setup[0]
   prompt = "In the beginning God created"

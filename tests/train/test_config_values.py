@@ -232,6 +232,7 @@ def test_launch_train_refuses_a_nan_before_any_work(tmp_path):
   assert time.perf_counter() - t0 < 60
 
 
+@pytest.mark.slow  # starts launch/sample.py
 def test_launch_sample_refuses_its_flags_before_the_workdir(tmp_path):
   """The flags first, then the config's values, then the (here missing) workdir: each fails in one line."""
   base = ["--config=configs/glm5_tiny.py", f"--workdir={tmp_path}/missing"]

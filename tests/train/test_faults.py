@@ -398,6 +398,7 @@ def test_a_bad_config_value_fails_before_any_work(tmp_path, data_cache_dir):
   assert time.perf_counter() - t0 < 60
 
 
+@pytest.mark.slow  # starts launch/sample.py
 def test_sample_py_checks_its_flags_and_workdir_first(tmp_path):
   base = ["--config=configs/glm5_tiny.py", f"--workdir={tmp_path}/missing"]
   proc = run_script("launch/sample.py", *base, "--temperature=1e-31")
