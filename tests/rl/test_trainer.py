@@ -4,7 +4,6 @@ configs fail before any work."""
 
 import json
 import os
-import shutil
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +21,6 @@ from glm_jax.rl import trainer as rl_trainer
 from glm_jax.rl import warm_start
 from glm_jax.rl.rollout import make_sampler
 from glm_jax.train.checkpoint import Checkpointer
-from tests import shared_runs
 
 # the GRPO and distillation loops end to end; the notebooks run the same programs (tests/test_notebooks.py)
 
@@ -66,21 +64,9 @@ def policy_weights(workdir, config, which):
   return state.params, state.rest
 
 
-@pytest.fixture(scope="session")
-def grpo_tiny_warm_start(tmp_path_factory):
-  """<workdir>/init of a shared grpo_tiny run (its 60-step SFT, then one GRPO step): a test that copies it into its
-  own workdir starts from that warm start without fine-tuning again (glm_jax/rl/warm_start.py), as a run restarted
-  before its first checkpoint does."""
-
-  def make(workdir):
-    rl_trainer.run(quiet(glm_jax.configs.grpo_tiny.get_config(), steps=1, eval_every=1000), workdir)
-
-  return os.path.join(shared_runs.shared_run(tmp_path_factory, "grpo_tiny_warm_start", make), "init")
-
-
 @pytest.mark.parametrize("engine", ["in_process", "rollout_process", "rollout_server"])
 @pytest.mark.slow
-def test_grpo_raises_expected_reward(tmp_path, engine, grpo_tiny_warm_start):
+def test_grpo_raises_expected_reward(tmp_path, engine):
   """grpo_tiny as shipped (1-digit addition, DSA selecting 4 keys, frozen indexer, IcePop), 30 GRPO steps after
   its 60-step SFT. The measure is exact, not sampled: the probability of answering each of the 100 problems
   correctly, p(answer, eos | prompt) at temperature 1, averaged. Measured over seeds 0, 1, 2: 0.106 -> 0.171,
@@ -90,15 +76,13 @@ def test_grpo_raises_expected_reward(tmp_path, engine, grpo_tiny_warm_start):
   much; "rollout_server": its rollouts through the serving engines' HTTP API behind SGLang's router
   (glm_jax/rl/rollout_server.py; two engines, the step's weights pushed through /update_weights before each rollout)
   too. (Asynchronous through the engines, which rollouts are dropped as stale depends on the machine's timing: one
-  fresh-clone run gained 0.034, so the learning test runs them synchronously.) The SFT is the session's shared one."""
+  fresh-clone run gained 0.034, so the learning test runs them synchronously.)"""
   config = quiet(glm_jax.configs.grpo_tiny.get_config(), steps=30, eval_every=1000, checkpoint_every=1000)
   if engine == "rollout_process":
     config.rl.update(async_rollouts=True, rollout_process=True, tau=1)
   if engine == "rollout_server":
     config.rl.update(rollout_server=True, rollout_engines=2)
-  shutil.copytree(grpo_tiny_warm_start, tmp_path / "init")
   summary = rl_trainer.run(config, str(tmp_path))
-  assert "sft_loss" not in summary  # the shared warm start, not a fine-tune of its own
   assert summary["step"] == 30
   cfg = ModelConfig.from_dict(config.model)
   tokens, mask = demonstrations(ALL_SUMS, tasks_lib.AdditionTask(digits=1))
@@ -262,13 +246,12 @@ def test_quantization_aware_grpo_samples_from_the_packed_weights(tmp_path):
 
 
 @pytest.mark.slow  # two engine processes behind the router, 10 GRPO steps
-def test_async_grpo_through_the_engines_trains_on_rollouts_within_tau(tmp_path, grpo_tiny_warm_start):
+def test_async_grpo_through_the_engines_trains_on_rollouts_within_tau(tmp_path):
   """Asynchronous GRPO through the serving engines (rollouts made ahead by the worker's thread while new weights are
   pushed to the engines): every step trains on a rollout at most rl.tau versions behind the weights it updates, in
   the order the worker made them, and the rollouts dropped as stale are counted."""
   config = quiet(glm_jax.configs.grpo_tiny.get_config(), steps=10, eval_every=1000, checkpoint_every=1000)
   config.rl.update(async_rollouts=True, rollout_server=True, rollout_engines=2, tau=1)
-  shutil.copytree(grpo_tiny_warm_start, tmp_path / "init")
   summary = rl_trainer.run(config, str(tmp_path))
   rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
   trained = [r for r in rows if "reward_mean" in r]
