@@ -20,6 +20,7 @@ if os.environ.get("JAX_PLATFORMS") == "cpu":
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+from jax.experimental.compilation_cache import compilation_cache  # noqa: E402
 
 from tests import shared_runs
 from tests.helpers import persistent_compilation_cache
@@ -51,6 +52,30 @@ def shared_compilation_cache(tmp_path_factory):
   os.makedirs(path, exist_ok=True)
   with persistent_compilation_cache(path):
     yield path
+
+
+@pytest.fixture(autouse=True)
+def no_persistent_cache_for_tpu_compiles(request, shared_compilation_cache):
+  """A test marked tpu_compile compiles without the persistent cache, here and in the processes it starts: a TPU
+  executable compiled through a topology description cannot be loaded back (the compile-only client cannot
+  deserialize it), so writing it costs the key's hash and the serialization for nothing, and a second compile of
+  the program warns that it could not read the entry."""
+  if request.node.get_closest_marker("tpu_compile") is None:
+    yield
+    return
+  saved, enabled = os.environ.get("JAX_ENABLE_COMPILATION_CACHE"), jax.config.jax_enable_compilation_cache
+  os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"
+  jax.config.update("jax_enable_compilation_cache", False)
+  compilation_cache.reset_cache()  # is_cache_used() keeps its first answer until reset
+  try:
+    yield
+  finally:
+    jax.config.update("jax_enable_compilation_cache", enabled)
+    compilation_cache.reset_cache()
+    if saved is None:
+      os.environ.pop("JAX_ENABLE_COMPILATION_CACHE")
+    else:
+      os.environ["JAX_ENABLE_COMPILATION_CACHE"] = saved
 
 
 @pytest.fixture(scope="session")
