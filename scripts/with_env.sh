@@ -4,12 +4,14 @@
 #   bash scripts/with_env.sh pytest -n 2 --dist loadfile tests
 # The venv lives in .venv (override with GLM_JAX_VENV) and holds exactly requirements-lock.txt (the package's
 # dependencies and its test extra, hashes checked; scripts/lock.sh refreshes it) and glm-jax itself, editable. It is
-# rebuilt only when pyproject.toml or the lock change. Python: $PYTHON, else python3.
+# rebuilt only when pyproject.toml, the lock or the Python change. Python 3.12: $PYTHON, else the one
+# scripts/find_python.sh finds on PATH or in pyenv.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${GLM_JAX_VENV:-$root/.venv}"
 stamp="$venv/.glm-jax-installed"
-want="$(cat "$root/pyproject.toml" "$root/requirements-lock.txt" | sha256sum | cut -d' ' -f1)"
+python="$(bash "$root/scripts/find_python.sh")"
+want="$({ cat "$root/pyproject.toml" "$root/requirements-lock.txt"; echo "$python"; } | sha256sum | cut -d' ' -f1)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   # A venv this script made (it has the stamp) is rebuilt from scratch, so nothing outside the lock lingers in it;
   # any other non-empty directory there is not ours to delete.
@@ -20,7 +22,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   fi
   echo "[with_env] setting up $venv (first run, or pyproject.toml or the lock changed; a few minutes)" >&2
   rm -rf "$venv"
-  "${PYTHON:-python3}" -m venv "$venv"
+  "$python" -m venv "$venv"
   log="$venv/pip-install.log"
   pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
   { "${pip[@]}" --require-hashes --no-deps -r "$root/requirements-lock.txt" \

@@ -5,18 +5,15 @@ import gc
 import json
 import os
 
-# On CPU the suite compiles fast: LLVM without optimizations (XLA's backend optimization level 0; its default is 3)
-# and XLA:CPU's fusion emitters off (its older loop emitters), set here before jax starts and inherited by the
-# subprocesses and notebook kernels the tests start: most of the suite's time is compiling programs that then run a
-# few steps. The programs compute the same functions, rounded otherwise; a test whose tolerance is derived for the
-# default compilation asks for it (tests/helpers.py: DEFAULT_COMPILE). Measurements: docs/testing.md, "Compiling on
-# a CPU".
-if os.environ.get("JAX_PLATFORMS") == "cpu":
-  flags = os.environ.get("XLA_FLAGS", "")
-  for flag in ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false"):
-    if flag.split("=")[0] not in flags:
-      flags = f"{flags} {flag}"
-  os.environ["XLA_FLAGS"] = flags.strip()
+# On CPU the suite compiles fast: LLVM without optimizations (XLA's backend optimization level 0; its default is 3),
+# set here before jax starts and inherited by the subprocesses and notebook kernels the tests start: most of the
+# suite's time is compiling programs that then run a few steps. The programs compute the same functions, rounded
+# otherwise; a test whose tolerance is derived for the default compilation asks for it (tests/helpers.py:
+# DEFAULT_COMPILE). Measurements: docs/testing.md, "Compiling on a CPU".
+if os.environ.get("JAX_PLATFORMS") == "cpu" and "--xla_backend_optimization_level" not in os.environ.get(
+  "XLA_FLAGS", ""
+):
+  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

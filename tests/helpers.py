@@ -199,13 +199,13 @@ def fifo_errors(fifo, calls) -> list[str]:
   return got
 
 
-# XLA:CPU's fastest compilation (LLVM at level 0, the fusion emitters off: tests/conftest.py sets both for the rest of
-# the suite), for the step tests' explicit compiles whatever XLA_FLAGS says: the same computation, rounded otherwise.
-FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
+# XLA:CPU's fastest compilation (LLVM at level 0: tests/conftest.py sets it for the rest of the suite), for the step
+# tests' explicit compiles whatever XLA_FLAGS says: the same computation, rounded otherwise.
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
 # XLA:CPU's default compilation, for a test whose tolerance is derived for it: a float32 comparison of two programs
 # that another valid compilation moves past the tolerance by rounding alone (Newton-Schulz's five steps amplify it),
 # and the bit-for-bit comparisons of two programs.
-DEFAULT_COMPILE = {"xla_backend_optimization_level": 3, "xla_cpu_use_fusion_emitters": True}
+DEFAULT_COMPILE = {"xla_backend_optimization_level": 3}
 
 
 def requirement_name(req: str) -> str:

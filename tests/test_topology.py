@@ -3,6 +3,10 @@
 The compile tests need libtpu (the tpu extra: pip install "glm-jax[tpu]") and are skipped, with that hint, without it.
 Every number asserted is hand-computed from the shapes and shardings."""
 
+import os
+import re
+import tomllib
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -17,7 +21,7 @@ from glm_jax.sharding.topology import (
   parse_topology,
   tpu_topology_devices,
 )
-from tests.helpers import needs_libtpu
+from tests.helpers import ROOT, needs_libtpu
 
 MiB = 1 << 20
 
@@ -49,11 +53,16 @@ def test_unknown_topology_names_the_known_ones(name, message):
 
 
 def test_missing_libtpu_says_what_to_install(monkeypatch):
+  """The hint names the tpu extra and the libtpu release it pins (pyproject.toml's, which jax's own extra names too:
+  jax pins 0.0.N.*, we pin 0.0.N.M)."""
+  with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+    (pin,) = tomllib.load(f)["project"]["optional-dependencies"]["tpu"]
+  release = ".".join(pin.split("==")[1].split(".")[:3])
   monkeypatch.setattr(topology, "libtpu_installed", lambda: False)
   with pytest.raises(
     ModuleNotFoundError,
     match=r"TPU topology 'v5p:2x2x1' needs libtpu.*pip install \"glm-jax\[tpu\]\".*pip install "
-    r"'libtpu==0\.0\.42",
+    + re.escape(f"'libtpu=={release}"),
   ):
     tpu_topology_devices("v5p:2x2x1")
 

@@ -34,8 +34,8 @@ from glm_jax.sharding import ici
 
 GiB = 1 << 30
 
-# The pin jax 0.10.2 declares for its "tpu" extra (importlib.metadata.requires("jax")); _libtpu_pin() re-reads it.
-LIBTPU_PIN = "libtpu==0.0.42.1"
+# The pin jax 0.12.0.1 declares for its "tpu" extra (importlib.metadata.requires("jax")); _libtpu_pin() re-reads it.
+LIBTPU_PIN = "libtpu==0.0.50.1"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,15 +61,15 @@ _ALIASES = {"v5": "v5p", "v5litepod": "v5e", "v5lite": "v5e"}
 # 32 for v5e / v6e / v4), read as GiB.
 HBM_BYTES: dict[str, int] = {"v4": 32 * GiB, "v5e": 16 * GiB, "v5p": 95 * GiB, "v6e": 32 * GiB}
 
-# What XLA:TPU (libtpu 0.0.42.1) lets one program use per chip: the largest output that still compiled, found by
-# bisection, rounded down to a MiB; the compiler's own message says "available HBM (95.74G / 15.75G / 31.25G /
+# What XLA:TPU (libtpu 0.0.50.1) lets one program use per chip: the largest output that still compiled, found by
+# bisection, rounded down to a MiB; the compiler's own message says "available HBM (95.73G / 15.75G / 31.24G /
 # 30.75G)". v5p's 95.74 GiB usable means its physical HBM is 96 GiB; "95GB" above is the published figure.
 # A program fits a chip when compiled_memory(...)["total"] and ["peak"] are both at most this.
 HBM_USABLE_BYTES: dict[str, int] = {
-  "v4": 31485 << 20,
+  "v4": 31484 << 20,
   "v5e": 16125 << 20,
-  "v5p": 98041 << 20,
-  "v6e": 31996 << 20,
+  "v5p": 98024 << 20,
+  "v6e": 31991 << 20,
 }
 
 # Standard slice shapes, keyed by Cloud accelerator type (cloud.google.com/tpu/docs/v5p etc.; MaxText's
@@ -156,7 +156,7 @@ def parse_topology(name: str) -> Topology:
 
 
 def _libtpu_pin() -> str:
-  """The libtpu requirement of the installed jax's "tpu" extra ("libtpu==0.0.42.*"), else LIBTPU_PIN."""
+  """The libtpu requirement of the installed jax's "tpu" extra ("libtpu==0.0.50.*"), else LIBTPU_PIN."""
   try:
     for req in importlib.metadata.requires("jax") or ():
       if req.startswith("libtpu") and 'extra == "tpu"' in req:
@@ -173,7 +173,7 @@ def libtpu_installed() -> bool:
 def install_hint() -> str:
   return (
     f"pip install \"glm-jax[tpu]\"   (i.e. pip install '{_libtpu_pin()}', the TPU compiler that "
-    f"jax[tpu]=={_jax_version()} pins; a ~203 MiB wheel, CPU work does not need it)"
+    f"jax[tpu]=={_jax_version()} pins; a ~204 MiB wheel, CPU work does not need it)"
   )
 
 

@@ -107,8 +107,9 @@ class AbstractTrainState:
 
 
 # The state is made once, so on CPU its program is compiled at LLVM's O1: XLA's default level (3) spends over half
-# the compile on the initializers' rolled threefry loops (docs/training.md, "Compile times"), and O1 makes the same
-# bits (tests/train/test_trainer.py checks this; O0 does not: it leaves multiplies and adds unfused).
+# the compile on the initializers' rolled threefry loops (docs/training.md, "Compile times"). O1 makes the same
+# values to within a few float32 ulps (its loops' remainders contract other multiplies and adds into FMAs than O3's;
+# tests/train/test_trainer.py bounds it); O0 leaves thousands of elements unfused.
 INIT_CPU_COMPILER_OPTIONS = {"xla_backend_optimization_level": 1}
 
 

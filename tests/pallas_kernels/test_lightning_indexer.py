@@ -255,9 +255,11 @@ def test_compiles_for_tpu(topology, t_len, s_len, block_q, dtype, segments):
   assert "tpu_custom_call" in compiled.as_text()  # the Mosaic kernel itself, not an interpreted emulation
   out = compiled.out_info
   assert out[0].shape == out[1].shape == (b, t_len, topk) and out[0].dtype == jnp.int32
-  # HBM: the two outputs (+ XLA's tuple table) and at most a transposed copy of q (v5p keeps one, v6e none) and
-  # small change as temporaries; no [T, S] score array (that alone would be T*S*4 = 32 or 64 MiB here)
+  # HBM: the two outputs (+ XLA's tuple table) and as temporaries at most a transposed copy of q (v5p keeps one, v6e
+  # none), the kv segment ids in the kernel's [S, 1] layout (int32, padded to 128 lanes: S * 512 bytes; libtpu
+  # 0.0.50 materializes it) and small change; no [T, S] score array (that alone would be T*S*4 = 16 to 64 MiB here)
   mem = compiled_memory(compiled)
   out_bytes, q_bytes = 2 * b * t_len * topk * 4, b * t_len * heads * dim * jnp.dtype(dtype).itemsize
+  kv_segment_bytes = b * s_len * 128 * 4 if segments else 0
   assert out_bytes <= mem["outputs"] <= out_bytes + 1024
-  assert mem["temporaries"] <= q_bytes + (1 << 20)
+  assert mem["temporaries"] <= q_bytes + kv_segment_bytes + (1 << 20)

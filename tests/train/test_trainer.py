@@ -135,16 +135,27 @@ def test_a_restored_state_is_laid_out_as_a_fresh_one(tmp_path, data_cache_dir):
 
 
 @pytest.mark.slow  # two compiles of the initialization
-def test_the_initial_state_is_the_default_compilers_bit_for_bit(data_cache_dir):
+def test_the_initial_state_is_the_default_compilers_to_a_few_ulps(data_cache_dir):
   """The trainer compiles the initialization at LLVM O1 on CPU (trainer.INIT_CPU_COMPILER_OPTIONS): the state is
-  the one the default compilation makes, bit for bit (a run's numbers do not depend on it). The reference asks for
-  XLA:CPU's default compilation itself: the suite compiles faster (tests/conftest.py)."""
+  the one the default compilation makes, its integers and almost all its floats bit for bit, no float more than
+  4 float32 ulps off (docs/training.md, "Compile times", has the count). The reference asks for XLA:CPU's default
+  compilation itself: the suite compiles faster (tests/conftest.py)."""
   config = make_config(data_cache_dir)
   target = trainer_lib.abstract_train_state(config, model_config_for_stage(config))
   want = jax.jit(target.make_state, compiler_options=DEFAULT_COMPILE)()
   got = target.fresh()
+  differing = total = 0
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.dtype == b.dtype and a.shape == b.shape
+    total += a.size
+    if a.dtype != np.float32:
+      np.testing.assert_array_equal(a, b)
+      continue
+    ulps = np.abs(a.view(np.int32).astype(np.int64) - b.view(np.int32))  # same sign: adjacent floats are 1 apart
+    assert np.all(np.sign(a) == np.sign(b)) and ulps.max() <= 4, ulps.max()
+    differing += int(np.count_nonzero(ulps))
+  assert differing <= total // 1000, (differing, total)
 
 
 # A training process that SIGKILLs itself from a step hook (train_and_evaluate's public `hooks`) right after the

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Prints the path of a Python 3.12 interpreter, the version the project's venv and lock are made for (jax 0.12 needs
+# 3.12 or newer). Looks at $PYTHON, then python3.12 and python3 on PATH, then pyenv's installed 3.12 releases; a
+# pyenv shim whose version is not selected does not count. Sourced by with_env.sh and lock.sh; also runnable alone.
+set -euo pipefail
+want="3.12"
+is_want() { [ "$("$1" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null)" = "$want" ]; }
+if [ -n "${PYTHON:-}" ]; then
+  if is_want "$PYTHON"; then echo "$PYTHON"; exit 0; fi
+  echo "error: PYTHON=$PYTHON is not a Python $want interpreter (jax 0.12 and this project's lock need $want);" \
+    "set PYTHON to one, or unset it to search PATH and pyenv" >&2
+  exit 2
+fi
+for cand in python3.12 python3; do
+  if command -v "$cand" >/dev/null && is_want "$cand"; then command -v "$cand"; exit 0; fi
+done
+if command -v pyenv >/dev/null; then
+  for dir in $(ls -d "$(pyenv root)/versions/$want".* 2>/dev/null | sort -t. -k3 -n -r); do
+    if is_want "$dir/bin/python$want"; then echo "$dir/bin/python$want"; exit 0; fi
+  done
+fi
+echo "error: no Python $want found (looked at python3.12 and python3 on PATH, and pyenv's versions); install it" \
+  "(e.g. \`pyenv install $want\`, or your system's python$want package) or set PYTHON=/path/to/python$want" >&2
+exit 2
