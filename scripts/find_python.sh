@@ -15,8 +15,9 @@ for cand in python3.12 python3; do
   if command -v "$cand" >/dev/null && is_want "$cand"; then command -v "$cand"; exit 0; fi
 done
 if command -v pyenv >/dev/null; then
-  for dir in $(ls -d "$(pyenv root)/versions/$want".* 2>/dev/null | sort -t. -k3 -n -r); do
-    if is_want "$dir/bin/python$want"; then echo "$dir/bin/python$want"; exit 0; fi
+  for version in $(pyenv versions --bare 2>/dev/null | grep -E "^${want/./\\.}\.[0-9]+$" | sort -V -r); do
+    py="$(pyenv root)/versions/$version/bin/python$want"
+    if is_want "$py"; then echo "$py"; exit 0; fi
   done
 fi
 echo "error: no Python $want found (looked at python3.12 and python3 on PATH, and pyenv's versions); install it" \
