@@ -10,10 +10,10 @@ import os
 # suite's time is compiling programs that then run a few steps. The programs compute the same functions, rounded
 # otherwise; a test whose tolerance is derived for the default compilation asks for it (tests/helpers.py:
 # DEFAULT_COMPILE). Measurements: docs/testing.md, "Compiling on a CPU".
-if os.environ.get("JAX_PLATFORMS") == "cpu" and "--xla_backend_optimization_level" not in os.environ.get(
-  "XLA_FLAGS", ""
-):
-  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
+if os.environ.get("JAX_PLATFORMS") == "cpu":
+  flags = os.environ.get("XLA_FLAGS", "")
+  if "--xla_backend_optimization_level" not in flags:
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_backend_optimization_level=0".strip()
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

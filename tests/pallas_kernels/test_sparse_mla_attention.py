@@ -15,7 +15,6 @@ The TPU tests compile forward and backward with Mosaic for v5p and v6e through l
 """
 
 import math
-import re
 import time
 
 import jax
@@ -25,6 +24,7 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import SingleDeviceSharding
 
+from glm_jax.sharding import hlo_cost
 from glm_jax.sharding.topology import compiled_memory, tpu_topology_devices
 from pallas_kernels.visibility import Visibility
 from pallas_kernels import lightning_indexer_reference as indexer_reference
@@ -69,7 +69,6 @@ def _value_and_grads(attend, q, kv, idx, sm_scale, v_dim):
 
 
 NAMES = ("out", "lse", "dq", "dkv")
-ARRAY_DIMS = re.compile(r"\b(?:pred|[su](?:8|16|32|64)|bf16|f(?:16|32|64))\[([\d,]*)\]")  # an HLO array's dims
 
 
 @pytest.mark.parametrize(
@@ -255,7 +254,7 @@ def test_compiles_for_tpu(topology, dtype):
   # VMEM views) and by where XLA:TPU places its prefetches, far less than the gathered rows would add (T * 1024 * D *
   # itemsize bytes): at most an eighth of it (libtpu 0.0.50.1: 18.8 MB against 302 MB).
   for topk, c in compiled.items():
-    elements = [math.prod(map(int, filter(None, dims.split(",")))) for dims in ARRAY_DIMS.findall(c.as_text())]
+    elements = [math.prod(dims) for _, dims in hlo_cost.array_shapes(c.as_text())]
     assert max(elements) < t_len * topk * 576 // 4
   temps = {k: compiled_memory(c)["temporaries"] + compiled_memory(c)["arguments"] for k, c in compiled.items()}
   growth = temps[2048] - temps[1024]
