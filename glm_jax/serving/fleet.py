@@ -22,6 +22,7 @@ import ctypes
 import dataclasses
 import json
 import os
+import random
 import shlex
 import signal
 import socket
@@ -45,15 +46,41 @@ ROUTER_MAIN = (
 )
 
 
-def free_port_run(n: int) -> int:
-  """A loopback port p with p .. p + n - 1 free (a router, its engines and its metrics take a run of ports)."""
+EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+LINUX_EPHEMERAL_PORTS = (32768, 60999)  # Linux's default range
+
+
+def ephemeral_ports(path: str = EPHEMERAL_RANGE_FILE) -> tuple[int, int]:
+  """The first and last port the kernel gives an outgoing connection or a bind to port 0: Linux's setting where it
+  can be read, else Linux's default."""
+  try:
+    with open(path) as f:
+      first, last = (int(x) for x in f.read().split())
+    return first, last
+  except (OSError, ValueError):
+    return LINUX_EPHEMERAL_PORTS
+
+
+def free_port_run(n: int, rng: random.Random | None = None) -> int:
+  """A loopback port p with p .. p + n - 1 free and outside the kernel's ephemeral range (a router, its engines and
+  its metrics take a run of ports).
+
+  The ports are bound later, the router's metrics port many seconds later (after the engines start); until then the
+  kernel may give a free port of its ephemeral range to any process's outgoing connection, while a port outside it
+  goes only to whoever binds it by number. The run is chosen at random (a fresh generator, so processes choosing at
+  the same time seldom meet), each port checked free."""
+  rng = rng or random.Random()
+  first, last = ephemeral_ports()
+  # where the run's first port may lie: below the ephemeral range (and above the privileged ports), or above it
+  spans = [(lo, hi) for lo, hi in ((1024, first - n), (last + 1, 65536 - n)) if lo <= hi]
+  if not spans:
+    raise RuntimeError(f"the kernel's ephemeral ports {first}-{last} ({EPHEMERAL_RANGE_FILE}) leave no run of {n}")
   for _ in range(100):
-    with socket.socket() as s:
-      s.bind(("127.0.0.1", 0))
-      base = s.getsockname()[1]
-    if base + n < 65536 and all(_is_free(base + i) for i in range(n)):
+    lo, hi = rng.choices(spans, weights=[hi - lo + 1 for lo, hi in spans])[0]
+    base = rng.randint(lo, hi)
+    if all(_is_free(base + i) for i in range(n)):
       return base
-  raise RuntimeError(f"no run of {n} free loopback ports")
+  raise RuntimeError(f"no run of {n} free loopback ports outside the ephemeral range {first}-{last}")
 
 
 def _is_free(port: int) -> bool:

@@ -12,6 +12,7 @@ the router and the engines: exit code 143, every port closed.
 
 import concurrent.futures
 import os
+import random
 import re
 import signal
 import socket
@@ -27,6 +28,7 @@ from glm_jax.data import load_tokenizer
 from glm_jax.train.checkpoint import Checkpointer
 from glm_jax.train.config import model_config_for_stage
 from glm_jax.train.trainer import create_train_state
+from glm_jax.serving import fleet as fleet_lib
 from glm_jax.serving.fleet import free_port_run
 from tests.helpers import ROOT
 
@@ -114,6 +116,61 @@ def finished(engine_url: str) -> int:
   """Requests the engine finished (its /get_server_info stats)."""
   stats = httpx.get(f"{engine_url}/get_server_info", timeout=10).json()["stats"]
   return sum(v for k, v in stats.items() if k.startswith("finished_"))
+
+
+class ScriptedBases(random.Random):
+  """A generator that picks the given first ports in turn (the span that holds each, then the port)."""
+
+  def __init__(self, bases):
+    super().__init__(0)
+    self.bases = list(bases)
+
+  def choices(self, population, weights=None, *, cum_weights=None, k=1):
+    return [next(span for span in population if span[0] <= self.bases[0] <= span[1])]
+
+  def randint(self, a, b):
+    base = self.bases.pop(0)
+    assert a <= base <= b, (a, base, b)
+    return base
+
+
+def test_free_port_run_lies_outside_the_ephemeral_range_and_passes_over_a_busy_port(tmp_path, monkeypatch):
+  """The ports free_port_run picks (bound later, some many seconds later) lie outside the kernel's ephemeral range, from
+  which any process's outgoing connection may be given one meanwhile: the range as /proc says (Linux's default where
+  it cannot be read), each port of the run free, a run holding a port in use passed over, none when the range leaves
+  no room."""
+  ranges = tmp_path / "ip_local_port_range"
+  ranges.write_text("20000\t50000\n")
+  assert fleet_lib.ephemeral_ports(str(ranges)) == (20000, 50000)
+  assert fleet_lib.ephemeral_ports(str(tmp_path / "absent")) == (32768, 60999)
+  ranges.write_text("garbled\n")
+  assert fleet_lib.ephemeral_ports(str(ranges)) == (32768, 60999)
+
+  def check(n, first, last, seeds):
+    for seed in seeds:
+      port = free_port_run(n, random.Random(seed))
+      run = range(port, port + n)
+      assert run[0] >= 1024 and run[-1] <= 65535 and (run[-1] < first or run[0] > last), (port, first, last)
+      for p in run:  # each free: it binds
+        with socket.socket() as s:
+          s.bind(("127.0.0.1", p))
+
+  check(4, *fleet_lib.ephemeral_ports(), range(30))  # this machine's range
+  busy, spare = free_port_run(4), free_port_run(4)
+  while abs(spare - busy) < 4:
+    spare = free_port_run(4)
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", busy + 2))
+    assert free_port_run(4, ScriptedBases([busy, spare])) == spare  # busy .. busy + 3 holds a port in use
+
+  monkeypatch.setattr(fleet_lib, "ephemeral_ports", lambda: (1024, 40000))  # room only above
+  check(4, 1024, 40000, range(10))
+  monkeypatch.setattr(fleet_lib, "ephemeral_ports", lambda: (30000, 65535))  # room only below
+  check(4, 30000, 65535, range(10))
+
+  monkeypatch.setattr(fleet_lib, "ephemeral_ports", lambda: (1024, 65533))
+  with pytest.raises(RuntimeError, match="leave no run of 4"):
+    free_port_run(4)
 
 
 @pytest.mark.slow  # two engine processes start, one twice; about 2 minutes on 2 CPU cores
