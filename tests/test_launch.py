@@ -1,19 +1,16 @@
 """launch/model_info.py, run as a user would: its counts are the public reference's figures."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from tests.helpers import ROOT
+from tests import forked
 
 
 def run_info(*args):
-  out = subprocess.run(
-    [sys.executable, "launch/model_info.py", *args], cwd=ROOT, check=True, capture_output=True, text=True, timeout=300
-  ).stdout
-  return json.loads(out.strip().splitlines()[-1])
+  done = forked.run("launch/model_info.py", *args, timeout=300)
+  assert done.returncode == 0 and not done.killed, done.stderr[-3000:]
+  return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def test_glm5_744b_counts_match_the_reference():

@@ -8,8 +8,6 @@ The runs are the shipped configs at one step, on a model of two layers without t
 
 import json
 import os
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -30,7 +28,7 @@ from glm_jax.train.checkpoint import Checkpointer
 from glm_jax.train.config import model_config_for_stage
 from glm_jax.train.packed_checkpoint import load_packed
 from glm_jax.train.trainer import restore_run, train_and_evaluate
-from tests.helpers import ROOT
+from tests.train import runs
 
 SMALL = {"num_hidden_layers": 2, "num_nextn_predict_layers": 0}
 VERSES = [
@@ -42,16 +40,9 @@ VERSES = [
 
 
 def run_scripts(*commands):
-  """Runs each [script, args...] from the repository root, all at once; their CompletedProcesses."""
-  procs = [
-    subprocess.Popen([sys.executable, *c], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    for c in commands
-  ]
-  done = []
-  for proc, command in zip(procs, commands):
-    out, err = proc.communicate(timeout=600)
-    done.append(subprocess.CompletedProcess(command, proc.returncode, out, err))
-  return done
+  """Runs each [script, args...] from the repository root as a user runs it, one after another (tests/train/runs.py:
+  run_script); their CompletedProcesses."""
+  return [runs.run_script(*command) for command in commands]
 
 
 def ok(proc) -> list[str]:
@@ -329,7 +320,7 @@ def test_chat_wraps_each_prompt_as_a_user_turn(sft_run, grpo_run):
 
 @pytest.mark.slow  # starts the launch scripts
 def test_bad_input_is_one_line_naming_the_flag(tmp_path):
-  """Each refused before any run is read or anything written (several processes at once: each starts jax)."""
+  """Each refused before any run is read or anything written."""
   nothing = tmp_path / "nothing"  # a directory without checkpoints
   nothing.mkdir()
   unsaved = tmp_path / "unsaved"  # a checkpoints directory without a complete step (Orbax's temporary one only)

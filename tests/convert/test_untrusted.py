@@ -2,10 +2,11 @@
 that names the file, the field and the value, costs memory bounded by the files (not by what config.json claims),
 and destroys nothing; an output that is, contains or is inside its input is refused before anything is written.
 
-Each command-line case runs launch/convert.py as a user does and asserts the exit code, the one line on stderr
-(glm_jax/cli.py's `error: ...`), the process's peak resident memory (os.wait4's rusage) and that the input's files,
-byte for byte, and the output's absence are as before. The library's checks (safetensors headers, the index, path
-relations, `.partial` markers) are tested beside them, in process.
+Each command-line case runs launch/convert.py as a user does (in a process forked for it from one that has made
+the script's imports: tests/forked.py) and asserts the exit code, the one line on stderr (glm_jax/cli.py's
+`error: ...`), the process's peak resident memory (os.wait4's rusage) and that the input's files, byte for byte, and
+the output's absence are as before. The library's checks (safetensors headers, the index, path relations, `.partial`
+markers) are tested beside them, in process.
 """
 
 import collections
@@ -26,54 +27,26 @@ from flax import nnx
 from glm_jax import paths
 from glm_jax.convert import hf, safetensors_io, stream
 from glm_jax.model import GlmMoeDsa
+from tests import forked
 from tests.helpers import ROOT, TINY_MODEL, edit_json, fifo_errors, read_header, write_header
 
-# A refusal costs the interpreter and its imports (jax, flax, tensorstore: about 210 MiB here); before the checks,
-# launch/convert.py passed 3 GiB within 30 s on a 1 KB config.json claiming 10^6 layers or 10^7 experts (on its way
-# to 15-17 GB). The watchdog stops a process past WATCHDOG_MIB, so a regression fails the test, not the machine.
+# A refusal costs the interpreter and its imports (jax, flax, tensorstore: about 130 MiB resident in a child forked
+# as run_cli forks one); before the checks, launch/convert.py passed 3 GiB within 30 s on a 1 KB config.json claiming
+# 10^6 layers or 10^7 experts (on its way to 15-17 GB). The watchdog stops a process past WATCHDOG_MIB, so a
+# regression fails the test, not the machine.
 PEAK_BOUND_MIB = 512
 WATCHDOG_MIB = 1536
 
 Result = collections.namedtuple("Result", "rc stderr stdout peak_mib killed")
 
 
-# Runs a command (argv[3:]) and prints its exit code, peak resident KiB and whether it was stopped past argv[1] KiB
-# or argv[2] seconds. A process started from pytest itself would not do: its ru_maxrss counts the forked pytest's
-# pages from before its exec, so this small interpreter starts the command and measures it.
-_MEASURE = """
-import json, os, subprocess, sys, time
-limit_kib, timeout, argv = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3:]
-proc, t0, killed = subprocess.Popen(argv), time.monotonic(), False
-while True:
-  pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-  if pid:
-    break
-  try:
-    with open(f"/proc/{proc.pid}/status") as f:
-      rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))
-  except (OSError, StopIteration):
-    rss = 0
-  if rss > limit_kib or time.monotonic() - t0 > timeout:
-    killed = True
-    proc.kill()
-  time.sleep(0.02)
-print(json.dumps([os.waitstatus_to_exitcode(status), usage.ru_maxrss, killed]), file=sys.__stderr__)
-"""
-
-
 def run_cli(script, *args, timeout=120):
-  """launch/<script> as a user runs it: (exit code, stderr lines, stdout, peak resident MiB, whether the watchdog
-  stopped it past WATCHDOG_MIB or `timeout` seconds)."""
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+  """launch/<script> as a user runs it (in a process forked for it: tests/forked.py): (exit code, stderr lines,
+  stdout, peak resident MiB, whether the watchdog stopped it past WATCHDOG_MIB or `timeout` seconds)."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
   env.pop("GLM_JAX_TRACEBACK", None)
-  command = [sys.executable, f"launch/{script}", *args]
-  limits = [str(WATCHDOG_MIB * 1024), str(timeout)]
-  proc = subprocess.run(
-    [sys.executable, "-c", _MEASURE, *limits, *command], cwd=ROOT, env=env, capture_output=True, text=True
-  )
-  *stderr, measured = proc.stderr.splitlines()
-  rc, peak_kib, killed = json.loads(measured)
-  return Result(rc, stderr, proc.stdout, peak_kib / 1024, killed)
+  done = forked.run(f"launch/{script}", *args, timeout=timeout, env=env, limit_kib=WATCHDOG_MIB * 1024)
+  return Result(done.returncode, done.stderr.splitlines(), done.stdout, done.peak_kib / 1024, done.killed)
 
 
 def snapshot(*roots):

@@ -33,10 +33,11 @@ def test_infill_prompt_layout_by_hand():
   "context, filled",
   [
     ([7, 8, 9, 10, 11, 12, 13, 14, 3], []),  # continue after [gMASK]
-    pytest.param([7, 2, 9, 10, 11, 2, 13, 14], [[15, 16, 17]], marks=pytest.mark.slow),  # the second [MASK]
+    ([7, 2, 9, 10, 11, 2, 13, 14], [[15, 16, 17]]),  # the second [MASK]
   ],
   ids=["gmask", "mask"],
 )
+@pytest.mark.slow  # a generation and the full forward compiled (about 5 s each)
 def test_cached_infilling_equals_the_full_forward(context, filled):
   cfg = tiny(index_topk=6, rope_2d=True, num_nextn_predict_layers=0)  # DSA selects past 6 keys
   model = GlmMoeDsa(cfg, nnx.Rngs(0))

@@ -143,7 +143,8 @@ def logits_and_grads(cfg, ids, probe):
   return logits, grads
 
 
-@pytest.mark.parametrize("policy", [pytest.param("full", marks=pytest.mark.slow), "dots"])
+@pytest.mark.slow  # the model with gradients compiled with and without remat
+@pytest.mark.parametrize("policy", ["full", "dots"])
 def test_remat_policies_give_the_same_logits_and_gradients(policy):
   # One scanned stack of two MoE layers; dense attention (index_topk = T) keeps the compiles shorter.
   cfg = CFG.replace(num_hidden_layers=2, first_k_dense_replace=0, num_nextn_predict_layers=0, index_topk=T)

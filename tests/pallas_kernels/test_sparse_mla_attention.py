@@ -88,8 +88,19 @@ NAMES = ("out", "lse", "dq", "dkv")
       jnp.float32,  # T == S: the first 15 queries see fewer than topk
       marks=pytest.mark.slow,
     ),  #                          keys (interpret mode: slow tier)
-    (1, 9, 64, 2, 20, 14, 24, 16, 16, jnp.bfloat16),  # bf16 (kv packed two to a word), decode-like: few queries
-    #                                                   at the end of a longer cache, T padded to block_t
+    pytest.param(
+      1,
+      9,
+      64,
+      2,
+      20,
+      14,
+      24,
+      16,
+      16,
+      jnp.bfloat16,  # bf16 (kv packed two to a word), decode-like: few queries at the end of a longer cache, T
+      marks=pytest.mark.slow,  # padded to block_t
+    ),
     pytest.param(
       1,
       16,
@@ -133,6 +144,7 @@ def test_matches_reference(b, t_len, s_len, heads, dim, v_dim, topk, block_t, bl
     assert reference_err > bound / 32, f"{name}: the bf16 reference is far more accurate ({reference_err})"
 
 
+@pytest.mark.slow  # interpret mode, about 4 s
 def test_empty_rows_and_out_of_range_indices():
   q, kv, idx = _inputs(1, 1, 16, 16, 2, 24, 8, jnp.float32)
   idx = np.array(idx)

@@ -4,25 +4,20 @@ mesh, the pool is written in place (XLA aliases it), and sizes the mesh does not
 compile."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
 from glm_jax.configs import glm5_tiny
 from glm_jax.model import ModelConfig, param_counts
-from tests.helpers import ROOT, TPU_COMPILE
+from tests.helpers import TPU_COMPILE
+from tests.train.runs import run_script
 
 pytestmark = TPU_COMPILE
 
 
 def compile_serve(*args: str, timeout: int = 600) -> tuple[int, dict | None, str]:
-  proc = subprocess.run(
-    [sys.executable, "launch/compile.py", "--serve", "--config=configs/glm5_tiny.py", "--topology=v5p:2x2x1", *args],
-    cwd=ROOT,
-    capture_output=True,
-    text=True,
-    timeout=timeout,
+  proc = run_script(
+    "launch/compile.py", "--serve", "--config=configs/glm5_tiny.py", "--topology=v5p:2x2x1", *args, timeout=timeout
   )
   lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
   return proc.returncode, json.loads(lines[-1]) if lines else None, proc.stderr

@@ -4,10 +4,9 @@ config, the launch/train.py command, and what a run leaves in its workdir."""
 import json
 import os
 import subprocess
-import sys
 
 from glm_jax.configs import glm5_tiny
-from tests.helpers import ROOT
+from tests import forked
 
 # A short run: 9 steps of 4 x 64 tokens, a checkpoint every 3 steps, every step logged.
 OVERRIDES = {
@@ -39,11 +38,13 @@ def flag_args(data_cache_dir, **changes):
   return [f"--config.{k}={v}" for k, v in items.items()]
 
 
-def run_script(script, *args, timeout=600, env=None):
-  """`python <script> args...` from the repository root, as a user runs it."""
-  return subprocess.run(
-    [sys.executable, script, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env
-  )
+def run_script(script, *args, timeout=600, env=None) -> subprocess.CompletedProcess:
+  """`python <script> args...` from the repository root, as a user runs it (in a process forked for it:
+  tests/forked.py)."""
+  done = forked.run(script, *args, timeout=timeout, env=env)
+  if done.killed:
+    raise subprocess.TimeoutExpired([script, *args], timeout, done.stdout, done.stderr)
+  return subprocess.CompletedProcess([script, *args], done.returncode, done.stdout, done.stderr)
 
 
 def run_train(workdir, data_cache_dir, **changes):

@@ -25,6 +25,8 @@ from glm_jax.train import step as step_lib
 from glm_jax.tree_paths import path_names
 from tests.helpers import FAST_COMPILE
 
+pytestmark = pytest.mark.slow  # every test here compiles whole train steps of the tiny model (about 35 s in all)
+
 B, T = 4, 16
 LR = 0.5
 BIAS_RATE = 1e-3
@@ -371,7 +373,6 @@ def test_warmup_trains_the_mtp_indexer(run_warmup):
 # ---- the sparse stage -----------------------------------------------------------------------------------------
 
 
-@pytest.mark.slow  # compiles the sparse stage with gradients
 def test_sparse_stage_gradients():
   cfg = model_config(use_dsa=True, index_topk=INDEX_TOPK)
   graphdef, params, rest = build(cfg)

@@ -116,6 +116,7 @@ def test_resume_is_bitwise(straight_run, data_cache_dir, tmp_path):
     assert (a["loss"], a["grad_norm"], a["lm_loss"]) == (b["loss"], b["grad_norm"], b["lm_loss"]), a["step"]
 
 
+@pytest.mark.slow  # two initializations of glm5_tiny's state compiled
 def test_a_restored_state_is_laid_out_as_a_fresh_one(tmp_path, data_cache_dir):
   """A resumed run's state reaches the step with the fresh state's layout (each array on the same device, committed
   to it), so the step program a resumed run compiles is the fresh run's, which jax's persistent compilation cache
