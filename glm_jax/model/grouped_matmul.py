@@ -232,6 +232,21 @@ def summed_like(ct: jax.Array, primal: jax.Array) -> jax.Array:
 tiled_grouped_matmul.defvjp(_fwd, _bwd)
 
 
+@functools.lru_cache(maxsize=256)
+def _grid_tiles(group_sizes: tuple[int, ...], m: int, tm: int, visit_empty_groups: bool) -> int:
+  """The row tiles megablox's grid visits (make_group_metadata, run eagerly: a cost report asks again for the same
+  groups in every layer of every program it reads)."""
+  _, tiles = make_group_metadata(
+    group_sizes=jnp.asarray(group_sizes, jnp.int32),
+    m=m,
+    tm=tm,
+    start_group=0,
+    num_nonzero_groups=len(group_sizes),
+    visit_empty_groups=visit_empty_groups,
+  )
+  return int(tiles)
+
+
 def megablox_grid_cost(
   kernel: str,
   m: int,
@@ -254,15 +269,7 @@ def megablox_grid_cost(
   output tile is written once per visit."""
   tm, tk, tn = tiling or tpu_tiling(k, n)
   group_sizes = jnp.asarray(group_sizes, jnp.int32)
-  _, tiles = make_group_metadata(
-    group_sizes=group_sizes,
-    m=-(-m // tm) * tm,
-    tm=tm,
-    start_group=0,
-    num_nonzero_groups=group_sizes.shape[0],
-    visit_empty_groups=kernel == "tgmm",
-  )
-  tiles = int(tiles)
+  tiles = _grid_tiles(tuple(int(g) for g in group_sizes), -(-m // tm) * tm, tm, kernel == "tgmm")
   tiles_k, tiles_n = -(-k // tk), -(-n // tn)
   steps = tiles * tiles_k * tiles_n
   flops = 2.0 * steps * tm * tk * tn

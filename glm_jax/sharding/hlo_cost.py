@@ -20,6 +20,7 @@ full: docs/pods.md, "How the pod figures are counted".
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from collections.abc import Callable
@@ -170,8 +171,11 @@ def _split_operands(rest: str) -> tuple[list[str], str]:
   return re.findall(r"%([\w.\-]+)", rest[: i - 1]), rest[i:]
 
 
+@functools.lru_cache(maxsize=1)
 def parse_module(text: str) -> tuple[dict[str, list[_Instr]], str, dict[str, _Instr]]:
-  """(computations by name, the entry's name, every instruction by name)."""
+  """(computations by name, the entry's name, every instruction by name). The last text's is kept (a cost report
+  reads each program several times in a row: its ops, then its schedule; one kept, as a 744B program's parse is
+  large); callers do not modify it."""
   comps: dict[str, list[_Instr]] = {}
   entry, current, by_name = "", None, {}
   for line in text.splitlines():

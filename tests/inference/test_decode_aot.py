@@ -6,28 +6,24 @@ compile. The slow test compiles glm5_744b's decode step for a v5p slice and chec
 """
 
 import json
-import subprocess
-import sys
 
 import pytest
 
 from glm_jax.configs import glm5_tiny
 from glm_jax.model import ModelConfig, param_counts
-from tests.helpers import ROOT
 from tests.helpers import TPU_COMPILE
+from tests.train.runs import run_script
 
 pytestmark = TPU_COMPILE
 
 
 def compile_decode(*args: str, timeout: int = 600) -> tuple[int, dict | None, str]:
-  proc = subprocess.run(
-    [sys.executable, "launch/compile.py", "--decode", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
-  )
+  proc = run_script("launch/compile.py", "--decode", *args, timeout=timeout)
   lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
   return proc.returncode, json.loads(lines[-1]) if lines else None, proc.stderr
 
 
-@pytest.mark.slow  # a launch/compile.py process: two TPU compiles
+@pytest.mark.slow  # a launch/compile.py process: five TPU compiles (decode, prefill, a speculative round's three)
 def test_tiny_decode_on_a_v5p_slice_holds_its_hand_counted_bytes():
   """glm5_tiny (fp32 weights) on 4 v5p chips with expert=4: the routed experts are split 4 ways, every other weight is
   whole on each chip; the cache's 8 rows 2 a chip, for the 3 decoder layers and, speculating, the MTP layer."""

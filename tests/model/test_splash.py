@@ -103,7 +103,8 @@ def test_mla_dense_stage_with_pallas_equals_reference():
 @pytest.mark.slow  # a TPU compile of the train step
 def test_dense_stage_compiles_splash_kernels_for_tpu():
   """The dense-stage train step with attention_impl="pallas", compiled for v5p: splash's kernels (forward and the
-  fused backward) run the attention, and no [B, H, T, S] fp32 scores are left."""
+  fused backward) run the attention at each attention site (one MoE layer, as every layer attends alike, and the
+  MTP layer), and no [B, H, T, S] fp32 scores are left."""
   from glm_jax.configs import glm5_tiny
   from glm_jax.sharding.topology import tpu_topology_devices
   from glm_jax.train import aot
@@ -113,13 +114,17 @@ def test_dense_stage_compiles_splash_kernels_for_tpu():
   config.model.attention_impl = "pallas"
   config.train.dsa_stage = "dense"
   config.mesh.fsdp = 4
+  # AdamW (the optimizer does not touch attention) and one MoE layer: the step compiles in half the time.
+  config.optimizer.name = "adamw"
+  config.model.num_hidden_layers, config.model.first_k_dense_replace = 1, 0
   text = aot.compile_train_step(config, tpu_topology_devices("v5p:2x2x1")).compiled.as_text()
-  kernels = {
+  calls = [
     m.group(1)
     for line in text.splitlines()
     if 'custom_call_target="tpu_custom_call"' in line
     for m in [re.match(r"\s*(?:ROOT )?%(splash_mha_[a-z]+)_", line)]
     if m
-  }  # named after the kernel
-  assert kernels == {"splash_mha_fwd", "splash_mha_dkv"}, kernels  # the fused backward computes dq with dkv
+  ]  # named after the kernel
+  assert set(calls) == {"splash_mha_fwd", "splash_mha_dkv"}, calls  # the fused backward computes dq with dkv
+  assert len(calls) == 2 * 2, calls  # at the 2 sites
   assert not re.search(r"f32\[\d+,\d+,256,256\]", text)  # [B, H, T, S] scores

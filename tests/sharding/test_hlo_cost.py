@@ -173,21 +173,26 @@ def test_an_fsdp_step_where_the_partitioner_inserts_the_collectives():
 
 
 @needs_libtpu
-@pytest.mark.slow  # compiles glm5_tiny's train step (40 s)
+@pytest.mark.slow  # a TPU compile of a one-layer glm5_tiny train step
 def test_a_reduce_scatter_fusion_is_a_reduce_scatter():
   """XLA:TPU writes the gradient reduce-scatters of glm5_tiny's FSDP step as all-reduce-scatter fusions (an
   all-reduce whose result is only sliced): each is counted as a reduce-scatter of its operand, (g - 1) / g on the
-  wire, not as an all-reduce (twice that) nor as HBM traffic alone."""
-  from glm_jax.configs import glm5_tiny
+  wire, not as an all-reduce (twice that) nor as HBM traffic alone. The step is compiled with glm5_744b's XLA
+  flags (train.xla_flags, the pod's compile; tests/train/test_aot.py has the flags' other cases): they compile on
+  v5p, and its all-gathers stay synchronous."""
+  from glm_jax.configs import glm5_744b, glm5_tiny
 
   from glm_jax.train import aot
 
   config = glm5_tiny.get_config()
   config.data.batch_size, config.data.seq_len = 8, 64
   config.optimizer.name = "adamw"
-  config.model.num_nextn_predict_layers = 0  # the layers' gradients are enough; without MTP the step compiles faster
+  # One MoE layer and no MTP layer: a layer's gradients are enough, and the step compiles in about half the time.
+  config.model.num_hidden_layers, config.model.first_k_dense_replace, config.model.num_nextn_predict_layers = 1, 0, 0
+  config.train.xla_flags = glm5_744b.get_config().train.xla_flags
   devices = tpu_topology_devices("v5p:2x2x1")
   result = aot.compile_train_step(config, devices)
+  assert result.error is None, result.error[-2000:]
   text = result.compiled.as_text()
   comps, _, by_name = hlo_cost.parse_module(text)
   chip = hlo_cost.Chip.of("v5p", torus_of(list(result.mesh.devices.flat), "v5p:2x2x1"))
@@ -201,6 +206,7 @@ def test_a_reduce_scatter_fusion_is_a_reduce_scatter():
   # Every collective of the program is read (no group of 1 on a 4-chip step): 94 all-gathers and 8 all-reduces
   # were wire-free before the mesh syntax was parsed.
   assert all(o.wire > 0 for o in ops if o.collective and o.role in ("sync", "start") and o.kind != "collective-permute")
+  assert {o.role for o in ops if o.kind == "all-gather"} == {"sync"}
 
 
 def test_megablox_grid_cost_by_hand():

@@ -24,7 +24,7 @@ from glm_jax.sharding.state import abstract_sharded, param_specs
 from glm_jax.train import step as step_lib
 from glm_jax.train.checkpoint import Checkpointer
 from glm_jax.train.config import model_config_for_stage
-from glm_jax.train.trainer import create_sharded_train_state, create_train_state, train_state_factory
+from glm_jax.train.trainer import abstract_train_state, create_train_state, train_state_factory
 from pallas_kernels.visibility import Visibility
 from tests import helpers
 from tests.helpers import DEFAULT_COMPILE, FAST_COMPILE, NS_COEFFS, newton_schulz
@@ -81,6 +81,18 @@ def tiny_config():
   return config
 
 
+def step_config():
+  """tiny_config without the MTP layer, for the tests whose subject is the layout of a step on a mesh: its step
+  compiles in about two thirds of the time. The MTP layer in a whole step on a mesh is the training loop's
+  (test_train_and_evaluate_on_a_mesh_matches_one_device runs tiny_config itself) and the context-parallel warm-up
+  step's (tests/sharding/test_context_parallel.py). (AdamW, cheaper still, would divide every matrix's gradient
+  entries by their own size in the first step, which turns rounding in near-zero entries into more than
+  STEP_TOLERANCE of a step; Muon's matrices do not.)"""
+  config = tiny_config()
+  config.model.num_nextn_predict_layers = 0
+  return config
+
+
 @multi_device
 def test_indivisible_heads_are_named():
   config = tiny_config()
@@ -94,10 +106,10 @@ def test_indivisible_heads_are_named():
 
 @pytest.fixture(scope="module")
 def single_device_step():
-  """The tiny model's initial train state and one train step of it on one device: a namespace of config,
-  graphdef, optimizer, schedule, batch, init (the initial state, on the host), loss and params (after the step,
-  on the host)."""
-  config = tiny_config()
+  """step_config's initial train state and one train step of it on one device: a namespace of config, graphdef,
+  optimizer, schedule, batch, init (the initial state, on the host), loss and params (after the step, on the
+  host)."""
+  config = step_config()
   rng = np.random.default_rng(0)
   batch = {
     "input_ids": jnp.asarray(rng.integers(0, 512, (8, 32)), jnp.int32),
@@ -137,7 +149,7 @@ def sharded_step(ref, mesh):
 
 
 # Every axis: data x fsdp x tensor, and expert parallelism together with fsdp and tensor. (An axis alone or at 4
-# adds a compile of the whole step, ~40 s here, and no layout the two do not already exercise.)
+# adds a compile of the whole step and no layout the two do not already exercise.)
 MESHES = [{"data": 2, "fsdp": 2, "tensor": 2}, {"fsdp": 2, "tensor": 2, "expert": 2}]
 # Updated parameters agree to this fraction of the learning rate (see test_sharded_step_equals_one_device).
 STEP_TOLERANCE = 1e-2
@@ -148,8 +160,8 @@ STEP_TOLERANCE = 1e-2
 def test_sharded_step_equals_one_device(single_device_step, mesh_cfg):
   """From the same initial state, one train step sharded over the mesh (its parameters laid out by their logical
   axes) gives the loss and the updated parameters of the step on one device. (That AbstractTrainState.fresh builds
-  this initial state in place is checked in test_checkpoint_restores_onto_another_mesh and, through the trainer,
-  test_train_and_evaluate_on_a_mesh_matches_one_device.)"""
+  an initial state in place on a mesh is checked in test_checkpoint_restores_onto_another_mesh and, through the
+  trainer, test_train_and_evaluate_on_a_mesh_matches_one_device.)"""
   ref = single_device_step
   mesh = make_mesh(mesh_cfg)
   state, step = sharded_step(ref, mesh)
@@ -172,21 +184,30 @@ def test_sharded_step_equals_one_device(single_device_step, mesh_cfg):
   assert float(metrics["loss"]) == pytest.approx(ref.loss, rel=1e-6)
   for a, b in zip(jax.tree.leaves(jax.device_get(new.params)), jax.tree.leaves(ref.params)):
     # To 1% of one step (lr 3e-3): the first Adam step divides each gradient entry by its own size, which turns
-    # reduction-order rounding in a near-zero entry into up to ~0.4% of the step (one entry in 32,768 here).
+    # reduction-order rounding in a near-zero entry into up to ~0.13% of the step here.
     np.testing.assert_allclose(a, b, atol=STEP_TOLERANCE * ref.config.optimizer.lr, rtol=1e-5)
 
 
+# The training loop's mesh (test_train_and_evaluate_on_a_mesh_matches_one_device), on which
+# test_checkpoint_restores_onto_another_mesh creates the same state with the same programs.
+LOOP_MESH = {"data": 1, "fsdp": 2, "expert": 2, "context": 2}
+
+
 @multi_device
-def test_checkpoint_restores_onto_another_mesh(single_device_step, tmp_path):
+def test_checkpoint_restores_onto_another_mesh(tmp_path):
   """AbstractTrainState.fresh builds the initial state directly in its layout on a mesh that shards over fsdp, expert
-  and tensor (it equals the one-device initial state); a checkpoint of it restores onto another mesh, array for array.
-  (Mesh A is test_train_and_evaluate_on_a_mesh_matches_one_device's, whose state creation is the same program.)"""
-  config = single_device_step.config
-  _, state_a, _, _, _ = create_sharded_train_state(
-    config, model_config_for_stage(config), make_mesh({"fsdp": 2, "expert": 2, "tensor": 2})
-  )
-  for a, b in zip(jax.tree.leaves(jax.device_get(state_a)), jax.tree.leaves(single_device_step.init)):
-    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)  # one jitted init vs op by op: rounding apart
+  and context (it equals the state fresh() makes on one device); a checkpoint of it restores onto a mesh that
+  shards over data and tensor instead, array for array. (tiny_config on the training loop's mesh: both creations are
+  test_train_and_evaluate_on_a_mesh_matches_one_device's programs, compiled once.)"""
+  config = tiny_config()
+  model_cfg = model_config_for_stage(config)
+  state_a = abstract_train_state(config, model_cfg, make_mesh(LOOP_MESH)).fresh()
+  one = abstract_train_state(config, model_cfg).fresh()
+  assert len(one.params["moe_layers"]["mlp"]["gate_proj"][...].sharding.device_set) == 1
+  for a, b in zip(jax.tree.leaves(jax.device_get(state_a)), jax.tree.leaves(jax.device_get(one))):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)  # one program sharded or not: rounding apart
+  gate_a = state_a.params["moe_layers"]["mlp"]["gate_proj"][...]
+  assert gate_a.sharding.spec == P(None, "expert", ("fsdp", "context"), "tensor")  # made in place, in its layout
   with Checkpointer(str(tmp_path), save_every=1, keep=1, async_save=False) as ckpt:
     ckpt.manager.save(0, args=ocp.args.Composite(state=ocp.args.StandardSave(state_a)))
   mesh_b = make_mesh({"data": 2, "tensor": 4})
@@ -236,7 +257,7 @@ def test_train_and_evaluate_on_a_mesh_matches_one_device(tmp_path, data_cache_di
   eval, checkpoint) on an fsdp x expert x context mesh logs the losses of the single-device loop. (Tensor
   parallelism changes no part of the loop: its steps are test_sharded_step_equals_one_device's.)"""
   single, losses_1 = one_device_loop(data_cache_dir)
-  meshed, losses_8 = tiny_loop(tmp_path, data_cache_dir, {"data": 1, "fsdp": 2, "expert": 2, "context": 2})
+  meshed, losses_8 = tiny_loop(tmp_path, data_cache_dir, LOOP_MESH)
   np.testing.assert_allclose(losses_8, losses_1, rtol=1e-5)
   assert meshed["eval_loss"] == pytest.approx(single["eval_loss"], rel=1e-5)
 
