@@ -13,6 +13,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from glm_jax import sweep
@@ -179,7 +180,11 @@ def test_final_metrics_are_the_runs_headline_numbers():
 # The table of unused fields, checked against what the trainer compiles: for each pretraining row of sweep.UNUSED,
 # each field at two values gives the same programs (the train state's initialization, the train step, the eval step)
 # in the row's stage, and different ones (or a refused config) in the stage of MATTERS. glm5_tiny at 2 x 16 tokens,
-# DSA selecting 4 keys; every program is lowered (traced to StableHLO), not compiled.
+# DSA selecting 4 keys; every program is traced, not compiled. Two programs are the same when their traces are: the
+# jaxpr (its equations, their parameters and literals), its constants' values and which arguments are donated; the
+# jit around it is the same code for both values, and lowering a trace is deterministic, so the same trace lowers to
+# the same StableHLO, and compiles to the same program. A difference found in the traces is confirmed in the StableHLO
+# it lowers to (a trace that differs only in what it prints would not lower differently).
 TWO_VALUES = {
   "model.index_topk": (4, 8),
   "model.use_dsa": (True, False),
@@ -202,13 +207,14 @@ MATTERS = {  # a stage where the field changes the programs
   "train.balance_loss_weight": "dense",
   "train.expert_bias_rate": "dense",
 }
+PROGRAMS = ("eval", "init", "train")  # the cheapest first: a difference is looked for in that order
 
 
-def pretrain_programs(stage: str, field: str, value) -> tuple[str, ...]:
-  """The StableHLO of the state's initialization, the train step and the eval step that glm_jax/train/trainer.py
-  builds for glm5_tiny at (stage, field=value)."""
+def pretrain_program(stage: str, field: str, value, program: str):
+  """The trace (jax.stages.Traced) of one program that glm_jax/train/trainer.py builds for glm5_tiny at
+  (stage, field=value): "init" (the state's initialization), "train" (the train step) or "eval" (the eval step)."""
   from glm_jax.configs import glm5_tiny
-  from glm_jax.train import trainer
+  from glm_jax.train import step as step_lib, trainer
 
   config = glm5_tiny.get_config()
   config.data.seq_len, config.data.batch_size, config.model.index_topk = 16, 2, 4
@@ -216,27 +222,36 @@ def pretrain_programs(stage: str, field: str, value) -> tuple[str, ...]:
   section, name = field.split(".")
   config[section][name] = value
   model_cfg = trainer.check_config(config)
-  key = config.to_json_best_effort(sort_keys=True)
-  if key not in _LOWERED:  # many (stage, field, value) are one config: a field at its default in the same stage
-    _LOWERED[key] = _lowered(config, model_cfg)
-  return _LOWERED[key]
+  key = (config.to_json_best_effort(sort_keys=True), program)
+  if key not in _TRACED:  # many (stage, field, value) are one config: a field at its default in the same stage
+    target = trainer.abstract_train_state(config, model_cfg)
+    batch = {k: jax.ShapeDtypeStruct((2, 16), jnp.int32) for k in ("input_ids", "segment_ids", "positions")}
+    if program == "init":
+      _TRACED[key] = jax.jit(target.make_state).trace()
+    elif program == "train":
+      train_step = step_lib.make_train_step(target.graphdef, target.optimizer, target.schedule, config.train)
+      _TRACED[key] = train_step.trace(target.state, batch)
+    else:
+      eval_step = step_lib.make_eval_step(target.graphdef, {}, loss_chunk=config.train.loss_chunk)
+      _TRACED[key] = eval_step.trace(target.state.params, target.state.rest, batch)
+  return _TRACED[key]
 
 
-_LOWERED: dict[str, tuple[str, ...]] = {}  # a config (as JSON) -> its programs, lowered once a module
+_TRACED: dict[tuple[str, str], jax.stages.Traced] = {}  # (a config as JSON, program) -> its trace, once a module
 
 
-def _lowered(config, model_cfg) -> tuple[str, ...]:
-  from glm_jax.train import step as step_lib, trainer
+@pytest.fixture(autouse=True, scope="module")
+def drop_traces():
+  """The traces go when the module ends, with its compiled programs (tests/conftest.py: release_compiled_programs)."""
+  yield
+  _TRACED.clear()
 
-  target = trainer.abstract_train_state(config, model_cfg)
-  train_step = step_lib.make_train_step(target.graphdef, target.optimizer, target.schedule, config.train)
-  eval_step = step_lib.make_eval_step(target.graphdef, {}, loss_chunk=config.train.loss_chunk)
-  batch = {k: jax.ShapeDtypeStruct((2, 16), jnp.int32) for k in ("input_ids", "segment_ids", "positions")}
-  return (
-    jax.jit(target.make_state).lower().as_text(),
-    train_step.lower(target.state, batch).as_text(),
-    eval_step.lower(target.state.params, target.state.rest, batch).as_text(),
-  )
+
+def fingerprint(traced) -> tuple:
+  """What a trace lowers from: the jaxpr's text, its constants' values and the donated arguments."""
+  consts = [(c.dtype.str, c.shape, c.tobytes()) for c in map(np.asarray, traced.jaxpr.consts)]
+  donated = [a.donated for a in jax.tree.leaves(traced.args_info, is_leaf=lambda x: hasattr(x, "donated"))]
+  return str(traced.jaxpr), consts, donated
 
 
 def pretrain_rows():
@@ -258,23 +273,33 @@ def pretrain_rows():
 def assert_unused_then_used(stage, field):
   """The programs are the same for both values in `stage`, and differ (or a value is refused) in MATTERS[field]."""
   a, b = TWO_VALUES[field]
-  assert pretrain_programs(stage, field, a) == pretrain_programs(stage, field, b), (stage, field)
+  for program in PROGRAMS:
+    same = fingerprint(pretrain_program(stage, field, a, program)) == fingerprint(
+      pretrain_program(stage, field, b, program)
+    )
+    assert same, (stage, field, program)
   try:
-    assert pretrain_programs(MATTERS[field], field, a) != pretrain_programs(MATTERS[field], field, b), field
+    for program in PROGRAMS:  # the first program whose traces differ, then its StableHLO
+      x, y = pretrain_program(MATTERS[field], field, a, program), pretrain_program(MATTERS[field], field, b, program)
+      if fingerprint(x) != fingerprint(y):
+        assert x.lower().as_text() != y.lower().as_text(), (field, program)
+        break
+    else:
+      pytest.fail(f"{field}: the same programs in train.dsa_stage={MATTERS[field]!r}")
   except ValueError as e:  # a value the stage refuses: it matters there too
     assert field in str(e), e
 
 
-@pytest.mark.slow  # 12 (stage, field) pairs, 4 x 3 programs each (the same config's lowered once)
+@pytest.mark.slow  # 12 (stage, field) pairs, 4 x 3 programs each (the same config's traced once)
 @pytest.mark.parametrize("stage, field", pretrain_rows())
 def test_each_unused_pretraining_field_compiles_the_same_programs(stage, field):
   assert_unused_then_used(stage, field)
 
 
-@pytest.mark.slow  # five GRPO steps lowered
+@pytest.mark.slow  # six GRPO steps traced, two lowered
 def test_tis_cap_changes_the_grpo_step_only_under_truncated_is():
   """rl.tis_cap's rows: the GRPO step's program for tis_cap 1.5 and 3 is the same under IcePop and under the
-  asynchronous objective, and differs under truncated IS."""
+  asynchronous objective (the same trace: fingerprint above), and differs under truncated IS."""
   import ml_collections
   import optax
   from flax import nnx
@@ -304,16 +329,16 @@ def test_tis_cap_changes_the_grpo_step_only_under_truncated_is():
     field_used = sweep.unused_in(config, "rl.tis_cap") is None
     rl_cfg = ml_collections.FrozenConfigDict(config.rl)
     step = rl_step.make_grpo_step(graphdef, optimizer, lambda step: 0.1, rl_cfg)
-    return field_used, step.lower(state, batch).as_text()
+    return field_used, step.trace(state, batch)
 
   for setting in (dict(is_correction="icepop"), dict(objective="async", async_rollouts=True)):
     (used_a, a), (used_b, b) = program(tis_cap=1.5, **setting), program(tis_cap=3.0, **setting)
-    assert a == b and not used_a and not used_b, setting
+    assert fingerprint(a) == fingerprint(b) and not used_a and not used_b, setting
   (used_a, a), (used_b, b) = (
     program(tis_cap=1.5, is_correction="truncated"),
     program(tis_cap=3.0, is_correction="truncated"),
   )
-  assert a != b and used_a and used_b
+  assert fingerprint(a) != fingerprint(b) and a.lower().as_text() != b.lower().as_text() and used_a and used_b
 
 
 def test_a_failed_run_is_reported_and_retried(tmp_path):
@@ -349,24 +374,22 @@ def test_a_failed_run_is_reported_and_retried(tmp_path):
 
 @pytest.mark.slow
 def test_a_killed_sweep_finishes_only_its_missing_runs(tmp_path, data_cache_dir):
-  """A sweep of two 4-step launch/train.py runs over train.seed. It is killed (the whole process group, SIGKILL) once
+  """A sweep of two 2-step launch/train.py runs over train.seed. It is killed (the whole process group, SIGKILL) once
   its first run has finished; the rerun skips that run and trains the other. Each row carries its override, and each
   run's metrics show it: the two seeds' losses differ. (The product of several axes and its order:
   test_spec_is_the_product_of_its_axes_in_order and test_a_failed_run_is_reported_and_retried, in-process; a field's
   value reaching its run: test_values_mean_what_they_mean_to_launch_train.)"""
   workdir = str(tmp_path / "sweep")
-  shared = [*runs.flag_args(data_cache_dir, **{"train.steps": 4, "train.checkpoint_every": 4})]
+  shared = [*runs.flag_args(data_cache_dir, **{"train.steps": 2, "train.checkpoint_every": 2})]
   shared = [a for a in shared if not a.startswith("--config.train.seed")]
-  args = [
-    sys.executable,
-    "launch/sweep.py",
-    f"--config={CONFIG}",
-    f"--workdir={workdir}",
-    "--sweep=train.seed=1,2",
-    *shared,
-  ]
+  args = ["launch/sweep.py", f"--config={CONFIG}", f"--workdir={workdir}", "--sweep=train.seed=1,2", *shared]
   proc = subprocess.Popen(
-    args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    [sys.executable, *args],
+    cwd=ROOT,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.STDOUT,
+    text=True,
+    start_new_session=True,
   )
   first = os.path.join(workdir, "train.seed=1", sweep.RESULT_FILE)
   deadline = time.time() + 400
@@ -380,7 +403,7 @@ def test_a_killed_sweep_finishes_only_its_missing_runs(tmp_path, data_cache_dir)
   done_before = [n for n in os.listdir(workdir) if os.path.exists(os.path.join(workdir, n, sweep.RESULT_FILE))]
   assert done_before == ["train.seed=1"], done_before  # the second run takes far longer than the kill
 
-  again = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600)
+  again = runs.run_script(*args)
   assert again.returncode == 0, again.stderr[-3000:]
   started = [line for line in again.stdout.splitlines() if line.endswith(")") and ": started (" in line]
   skipped = [line for line in again.stdout.splitlines() if "finished earlier, skipped" in line]
@@ -393,9 +416,9 @@ def test_a_killed_sweep_finishes_only_its_missing_runs(tmp_path, data_cache_dir)
   assert [r["overrides"] for r in rows] == [{"train.seed": "1"}, {"train.seed": "2"}]
   losses = []
   for row in rows:
-    assert row["result"]["step"] == 4 and row["result"]["workdir"] == os.path.join(workdir, row["run"])
+    assert row["result"]["step"] == 2 and row["result"]["workdir"] == os.path.join(workdir, row["run"])
     logged = runs.train_rows(row["result"]["workdir"])
-    assert [r["step"] for r in logged] == [1, 2, 3, 4]
+    assert [r["step"] for r in logged] == [1, 2]
     losses.append([r["loss"] for r in logged])
   assert losses[0] != losses[1]  # the seed reached each run
 

@@ -21,6 +21,7 @@ from glm_jax.rl import trainer as rl_trainer
 from glm_jax.rl import warm_start
 from glm_jax.rl.rollout import make_sampler
 from glm_jax.train.checkpoint import Checkpointer
+from tests.shared_runs import shared_run
 
 # the GRPO and distillation loops end to end; the notebooks run the same programs (tests/test_notebooks.py)
 
@@ -53,6 +54,20 @@ def answer_logprobs(cfg, params, rest, tokens):
   return jnp.pad(logp[rows, prev, tokens[:, 1:]], [(0, 0), (1, 0)]), logp
 
 
+@pytest.fixture(scope="module")
+def grpo_warm_start(tmp_path_factory):
+  """grpo_tiny's warm start, its config.sft.steps of fine-tuning as a run makes it (<run>/init), made once for the
+  session: the GRPO runs below start from it (rl.init_from) instead of each fine-tuning again, the same weights
+  (the same steps on the same batches, from the same seed)."""
+
+  def make(directory):
+    setup, state = rl_trainer._setup(quiet(glm_jax.configs.grpo_tiny.get_config()), directory)
+    warm_start.warm_start(setup, state)
+    setup.checkpointer.close()
+
+  return os.path.join(shared_run(tmp_path_factory, "grpo_tiny_sft", make), "init")
+
+
 def policy_weights(workdir, config, which):
   """(params, rest) of the warm start ("init") or the latest RL checkpoint ("final")."""
   cfg = ModelConfig.from_dict(config.model)
@@ -66,11 +81,11 @@ def policy_weights(workdir, config, which):
 
 @pytest.mark.parametrize("engine", ["in_process", "rollout_process", "rollout_server"])
 @pytest.mark.slow
-def test_grpo_raises_expected_reward(tmp_path, engine):
+def test_grpo_raises_expected_reward(tmp_path, engine, grpo_warm_start):
   """grpo_tiny as shipped (1-digit addition, DSA selecting 4 keys, frozen indexer, IcePop), 30 GRPO steps after
-  its 60-step SFT. The measure is exact, not sampled: the probability of answering each of the 100 problems
-  correctly, p(answer, eos | prompt) at temperature 1, averaged. Measured over seeds 0, 1, 2: 0.106 -> 0.171,
-  0.119 -> 0.186, 0.100 -> 0.161, gains of 0.061 to 0.068; the 0.04 asserted
+  its 60-step SFT (the session's one: grpo_warm_start). The measure is exact, not sampled: the probability of
+  answering each of the 100 problems correctly, p(answer, eos | prompt) at temperature 1, averaged. Measured over
+  seeds 0, 1, 2: 0.106 -> 0.171, 0.119 -> 0.186, 0.100 -> 0.161, gains of 0.061 to 0.068; the 0.04 asserted
   here is ten times the spread of the gains over seeds below their smallest. "rollout_process": the same run with
   its rollouts from a worker process over localhost (glm_jax/rl/rollout_engine.py; asynchronous, tau 1) gains as
   much; "rollout_server": its rollouts through the serving engines' HTTP API behind SGLang's router
@@ -78,6 +93,7 @@ def test_grpo_raises_expected_reward(tmp_path, engine):
   too. (Asynchronous through the engines, which rollouts are dropped as stale depends on the machine's timing: one
   fresh-clone run gained 0.034, so the learning test runs them synchronously.)"""
   config = quiet(glm_jax.configs.grpo_tiny.get_config(), steps=30, eval_every=1000, checkpoint_every=1000)
+  config.rl.init_from = grpo_warm_start
   if engine == "rollout_process":
     config.rl.update(async_rollouts=True, rollout_process=True, tau=1)
   if engine == "rollout_server":
@@ -90,6 +106,7 @@ def test_grpo_raises_expected_reward(tmp_path, engine):
   for which in ("init", "final"):
     logp, _ = answer_logprobs(cfg, *policy_weights(str(tmp_path), config, which), tokens)
     expected[which] = float(jnp.mean(jnp.exp(jnp.sum(jnp.where(mask, logp, 0.0), axis=1))))
+  print("p(correct answer)", expected)
   assert expected["final"] > expected["init"] + 0.04, expected
   rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
   rewards = [r["reward_mean"] for r in rows if "reward_mean" in r]
@@ -246,12 +263,12 @@ def test_quantization_aware_grpo_samples_from_the_packed_weights(tmp_path):
 
 
 @pytest.mark.slow  # two engine processes behind the router, 10 GRPO steps
-def test_async_grpo_through_the_engines_trains_on_rollouts_within_tau(tmp_path):
+def test_async_grpo_through_the_engines_trains_on_rollouts_within_tau(tmp_path, grpo_warm_start):
   """Asynchronous GRPO through the serving engines (rollouts made ahead by the worker's thread while new weights are
   pushed to the engines): every step trains on a rollout at most rl.tau versions behind the weights it updates, in
   the order the worker made them, and the rollouts dropped as stale are counted."""
   config = quiet(glm_jax.configs.grpo_tiny.get_config(), steps=10, eval_every=1000, checkpoint_every=1000)
-  config.rl.update(async_rollouts=True, rollout_server=True, rollout_engines=2, tau=1)
+  config.rl.update(async_rollouts=True, rollout_server=True, rollout_engines=2, tau=1, init_from=grpo_warm_start)
   summary = rl_trainer.run(config, str(tmp_path))
   rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
   trained = [r for r in rows if "reward_mean" in r]

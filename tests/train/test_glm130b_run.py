@@ -11,9 +11,9 @@ from glm_jax.train.trainer import check_config, restore_run, train_and_evaluate
 
 
 @pytest.mark.slow  # a 20-step run and a restore
-def test_glm130b_tiny_reports_infilling_loss_and_exact_match(tmp_path):
+def test_glm130b_tiny_reports_infilling_loss_and_exact_match(tmp_path, data_cache_dir):
   config = glm130b_tiny.get_config("smoke")
-  config.data.cache_dir = str(tmp_path / "cache")
+  config.data.cache_dir = data_cache_dir
   config.data.seq_len, config.data.batch_size = 128, 8
   config.train.steps = config.train.eval_every = config.train.checkpoint_every = 12
   summary = train_and_evaluate(config, str(tmp_path / "run"))

@@ -48,8 +48,21 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
+def job_config(overrides: dict):
+  """glm5_tiny with `overrides`, as launch/train.py builds it from the flags."""
+  config = glm5_tiny.get_config()
+  for key, value in overrides.items():
+    section, field = key.split(".")
+    config[section][field] = value
+  return config
+
+
 def start_two_processes(workdir: str, overrides: dict) -> list[subprocess.Popen]:
-  """launch/train.py as processes 0 and 1 of one job on localhost, 2 simulated CPU devices each."""
+  """launch/train.py as processes 0 and 1 of one job on localhost, 2 simulated CPU devices each. The tokenizer and
+  the tokenized corpus are made here first, in data.cache_dir, so the processes read them instead of each making
+  them."""
+  config = job_config(overrides)
+  data_lib.make_train_iterator(config.data, data_lib.load_tokenizer(config.data))
   port = free_port()
   flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2"
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags)
@@ -71,9 +84,10 @@ def start_two_processes(workdir: str, overrides: dict) -> list[subprocess.Popen]
 
 
 @pytest.mark.slow  # two processes start jax and compile the step: ~1 minute
-def test_two_processes_train_as_one(tmp_path):
+def test_two_processes_train_as_one(tmp_path, data_cache_dir):
   workdir = str(tmp_path / "run")
-  procs = start_two_processes(workdir, OVERRIDES)
+  overrides = {**OVERRIDES, "data.cache_dir": data_cache_dir}
+  procs = start_two_processes(workdir, overrides)
   try:
     outs = [p.communicate(timeout=600) for p in procs]
   finally:
@@ -88,10 +102,7 @@ def test_two_processes_train_as_one(tmp_path):
   assert len(losses) == 2  # one writer
 
   # The same two steps in this process, on one device, from both processes' data shards.
-  config = glm5_tiny.get_config()
-  for key, value in OVERRIDES.items():
-    section, field = key.split(".")
-    config[section][field] = value
+  config = job_config(overrides)
   model_cfg = model_config_for_stage(config)
   tokenizer = data_lib.load_tokenizer(config.data)
   shards = [data_lib.make_train_iterator(config.data, tokenizer, process_index=i, process_count=2) for i in range(2)]
@@ -143,11 +154,12 @@ def test_auto_detection_reads_only_the_environment():
 
 
 @pytest.mark.slow  # two processes start jax and compile the step
-def test_a_preemption_notice_to_one_process_stops_both_at_the_same_step_with_a_checkpoint(tmp_path):
+def test_a_preemption_notice_to_one_process_stops_both_at_the_same_step_with_a_checkpoint(tmp_path, data_cache_dir):
   """SIGTERM to process 1 only: jax's preemption sync manager tells process 0, both stop after the same step, the
   checkpoint of that step is written by both, and each exits 143 naming it."""
   workdir = str(tmp_path / "run")
   overrides = {**OVERRIDES, "train.steps": 1000, "train.checkpoint_every": 500, "train.eval_every": 1000}
+  overrides["data.cache_dir"] = data_cache_dir
   procs = start_two_processes(workdir, overrides)
   metrics = os.path.join(workdir, "metrics.jsonl")
   try:
