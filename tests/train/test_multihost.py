@@ -9,7 +9,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ import pytest
 from glm_jax.configs import glm5_tiny
 from glm_jax import data as data_lib
 from glm_jax.train import distributed, step as step_lib, trainer
+from glm_jax.serving.fleet import free_port_run
 from glm_jax.train.checkpoint import Checkpointer
 from glm_jax.train.config import model_config_for_stage
 from tests.helpers import ROOT
@@ -43,9 +43,9 @@ OVERRIDES = {
 
 
 def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("localhost", 0))
-    return s.getsockname()[1]
+  """A free loopback port outside the kernel's ephemeral range, so no outgoing connection takes it before the
+  coordinator binds it (glm_jax/serving/fleet.py)."""
+  return free_port_run(1)
 
 
 def job_config(overrides: dict):
