@@ -31,6 +31,6 @@ def test_the_files_with_multi_device_tests_are_found():
   } <= set(FILES)
 
 
-@pytest.mark.slow  # about 6 minutes on 2 cores, beside the other worker
+@pytest.mark.slow  # about 5.5 minutes on 2 cores, beside the other worker
 def test_multi_device_tests_on_8_simulated_devices(tmp_path):
   simulated_devices_session(FILES, str(tmp_path / "session"))

@@ -109,6 +109,7 @@ def test_logits_match_with_sparse_attention(saved, loaded):
   assert diff <= TOL
 
 
+@pytest.mark.slow  # transformers' indexer and ours on every layer, about 4.5 s
 def test_selected_keys_match_reference_indexer(saved, loaded):
   model, _ = saved
   _, ours = loaded

@@ -193,6 +193,7 @@ class OneToolEnv(ToolEnvironment):
     self.tools = (tool,)
 
 
+@pytest.mark.slow  # waits out a sleeping tool's timeout, about 4 s
 def test_raising_sleeping_and_flooding_tools_are_bounded_and_reported_through_the_loop(setup, scripted):
   from tests.rl.test_tools import TEST_TOOLS
 

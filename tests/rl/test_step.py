@@ -166,6 +166,7 @@ def test_async_step_masks_tokens_outside_the_ratio_band(setup):
   assert float(m["async_masked_frac"]) == pytest.approx(2 / int(mask.sum()))
 
 
+@pytest.mark.slow  # compiles the GRPO step (test_grpo_step_is_icepop_weighted_reinforce's, cached in a full run)
 def test_non_finite_loss_skips_the_update(setup):
   cfg, graphdef, params, rest, tokens, mask = setup
   logp0 = logp_of(graphdef, params, rest, tokens)

@@ -109,6 +109,7 @@ def test_shared_prefix_is_prefilled_once(tiny):
   assert eng.stats["prefill_tokens"] - before == 42 - 32
 
 
+@pytest.mark.slow  # six requests one at a time, about 4 s
 def test_a_full_pool_queues_requests(tiny):
   """A pool of 9 usable pages and requests of 30 + 10 tokens (39 slots written: 5 pages each) run one at a time:
   six added at once all finish, each the Sampler's response."""

@@ -163,6 +163,7 @@ def test_completions_and_generate_are_the_samplers(setup, served):
   assert len({c.text for c in many.choices}) > 1
 
 
+@pytest.mark.slow  # a streamed and a whole chat completion, about 4 s
 def test_chat_streaming_reassembles_to_the_message(setup, served):
   messages = [{"role": "user", "content": "Who created the heaven?"}]
   full = served.client().chat.completions.create(model=NAME, messages=messages, max_tokens=24, temperature=0)
