@@ -69,7 +69,7 @@ for line in sys.stdin:
     if killed:
       os.kill(pid, 9)
     time.sleep(0.02)
-  print(json.dumps([os.waitstatus_to_exitcode(status), usage.ru_maxrss, killed]), flush=True)
+  print(json.dumps([out_path, os.waitstatus_to_exitcode(status), usage.ru_maxrss, killed]), flush=True)
 """
 
 
@@ -100,7 +100,10 @@ class _Zygote:
       self.proc.stdin.flush()
       answer = self.proc.stdout.readline()
       assert answer, f"the zygote exited with code {self.proc.wait()}"
-      rc, peak_kib, killed = json.loads(answer)
+      request, rc, peak_kib, killed = json.loads(answer)
+      if request != out:  # an answer to an earlier call that was interrupted: this zygote is out of step
+        self.proc.kill()
+        raise RuntimeError(f"the zygote answered another call ({request}); it is stopped, the next call starts one")
       with open(out) as f_out, open(err) as f_err:
         return Run(rc, f_out.read(), f_err.read(), peak_kib, killed)
 
