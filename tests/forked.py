@@ -23,7 +23,7 @@ import sys
 import tempfile
 import threading
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import ROOT
 
 _ZYGOTE = """
 import json, os, runpy, sys, time

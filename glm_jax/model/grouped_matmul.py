@@ -21,6 +21,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental.pallas.ops.tpu.megablox.gmm import gmm as megablox_gmm, make_group_metadata, tgmm as megablox_tgmm
 
 from glm_jax.model.platform import current_platform
@@ -268,12 +269,12 @@ def megablox_grid_cost(
   once per run of one group when k is a single tile, as Pallas skips re-fetching an unchanged block), and each
   output tile is written once per visit."""
   tm, tk, tn = tiling or tpu_tiling(k, n)
-  group_sizes = jnp.asarray(group_sizes, jnp.int32)
-  tiles = _grid_tiles(tuple(int(g) for g in group_sizes), -(-m // tm) * tm, tm, kernel == "tgmm")
+  sizes = tuple(int(g) for g in np.asarray(group_sizes))  # on the host: a count, not a computation to compile
+  tiles = _grid_tiles(sizes, -(-m // tm) * tm, tm, kernel == "tgmm")
   tiles_k, tiles_n = -(-k // tk), -(-n // tn)
   steps = tiles * tiles_k * tiles_n
   flops = 2.0 * steps * tm * tk * tn
-  groups_visited = int(jnp.sum(group_sizes > 0)) if kernel == "gmm" else group_sizes.shape[0]
+  groups_visited = sum(g > 0 for g in sizes) if kernel == "gmm" else len(sizes)
   if kernel == "gmm":
     rhs_reads = steps if tiles_k > 1 else tiles_n * groups_visited
     moved = steps * tm * tk * in_bytes + rhs_reads * tk * tn * in_bytes + tiles * tiles_n * tm * tn * out_bytes
