@@ -23,11 +23,13 @@ def compile_serve(*args: str, timeout: int = 600) -> tuple[int, dict | None, str
   return proc.returncode, json.loads(lines[-1]) if lines else None, proc.stderr
 
 
-@pytest.mark.slow  # a launch/compile.py process: three TPU compiles
+@pytest.mark.slow  # a launch/compile.py process: two TPU compiles (the speculative round, the prefill step)
 def test_tiny_engine_on_a_v5p_slice_holds_its_hand_counted_bytes():
-  """glm5_tiny (fp32 weights) on 4 v5p chips with expert=4, speculating 2 tokens a round: the routed experts split 4
-  ways, every other weight whole on each chip; the 64 pages of 8 tokens split 4 ways with the 8 rows, for the 3 decoder
-  layers and the MTP layer; the decode program is the speculative round."""
+  """glm5_tiny (fp32 weights) with one decoder layer, a dense one, beside its MTP layer (an MoE layer), on 4 v5p chips
+  with expert=4, speculating 2 tokens a round: the routed experts split 4 ways, every other weight whole on each
+  chip; the 64 pages of 8 tokens split 4 ways with the 8 rows, for the decoder layer and the MTP layer; the decode
+  program is the speculative round. One decoder layer: the counts are the same at any depth, and the MTP layer
+  brings the routed experts."""
   rc, report, err = compile_serve(
     "--pages=64",
     "--page_size=8",
@@ -38,9 +40,12 @@ def test_tiny_engine_on_a_v5p_slice_holds_its_hand_counted_bytes():
     "--speculate=2",
     "--config.mesh.expert=4",
     "--config.mesh.fsdp=1",
+    "--config.model.num_hidden_layers=1",
+    "--config.model.first_k_dense_replace=1",
   )
   assert rc == 0 and report is not None, err[-3000:]
-  cfg = ModelConfig.from_dict(glm5_tiny.get_config().model)
+  cfg = ModelConfig.from_dict(glm5_tiny.get_config().model).replace(num_hidden_layers=1, first_k_dense_replace=1)
+  assert cfg.num_moe_layers == 0 and cfg.num_nextn_predict_layers == 1
   assert report["mesh"]["expert"] == 4 and report["batch_shards"] == 4 and report["fits"]
   counts = param_counts(cfg)
   moe_layers = cfg.num_moe_layers + cfg.num_nextn_predict_layers  # the MTP layer is an MoE layer here

@@ -9,6 +9,7 @@ import os
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -46,6 +47,13 @@ def one_layer(config):
   """One MoE layer and no dense one, for a property every layer shows alike (its parameters' collectives, its
   expert exchange, the step's bytes): a stack of layers less to compile."""
   config.model.num_hidden_layers, config.model.first_k_dense_replace = 1, 0
+  return config
+
+
+def one_dense_layer(config):
+  """One dense layer and no MoE one, for a property a dense layer shows as an MoE layer does (its weights'
+  collectives, its attention): the step compiles in about half the time of one_layer's."""
+  config.model.num_hidden_layers, config.model.first_k_dense_replace = 1, 1
   return config
 
 
@@ -156,7 +164,7 @@ def test_bad_input_is_named_before_compiling(overrides, message):
 
 
 @needs_libtpu
-@pytest.mark.slow  # three TPU compiles of a one-layer step
+@pytest.mark.slow  # three TPU compiles of a one-dense-layer step
 def test_xla_flags_reach_the_compiler():
   """train.xla_flags are the step's compiler options on TPU: with XLA:TPU's all-gather fusion some of the
   partitioner's all-gathers become asynchronous (a start, then continuations) on v5e, where libtpu supports it
@@ -165,7 +173,7 @@ def test_xla_flags_reach_the_compiler():
   tests/sharding/test_hlo_cost.py's reduce-scatter test compiles its step with them.)"""
 
   def compile_step(flags, topology):
-    config = one_layer(lean(tiny({"fsdp": 4})))
+    config = one_dense_layer(lean(tiny({"fsdp": 4})))  # its weights' all-gathers are the property
     config.train.xla_flags = flags
     return aot.compile_train_step(config, tpu_topology_devices(topology))
 
@@ -236,38 +244,70 @@ def test_expert_parallel_step_sends_real_rows_to_grouped_matmul_kernels():
   assert not copies, copies[:3]
 
 
+def _reference_sparse_attention_hlo(config) -> str:
+  """The sparse stage's attention site on the reference path, as the step runs it on a device: one MLA layer of
+  config's model (attention_impl "reference"), its output and indexer KL differentiated (the stage's indexer_loss),
+  over a device's rows (a quarter of the batch, which the step's 4 chips split), compiled for one v5p chip."""
+  from flax import nnx
+
+  from glm_jax.model.layers import dtype_of, rope_angles
+  from glm_jax.model.mla import MLA, AttentionInputs
+  from glm_jax.model.platform import target_platform
+  from pallas_kernels.visibility import Visibility
+
+  cfg = model_config_for_stage(config)
+  b, t = config.data.batch_size // 4, config.data.seq_len
+  on_chip = jax.sharding.SingleDeviceSharding(tpu_topology_devices("v5p:2x2x1")[0])
+  graphdef, params = nnx.split(nnx.eval_shape(lambda: MLA(cfg, nnx.Rngs(0))))
+  params = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=on_chip), params)
+
+  def loss(params, x_BTD, segments_BT):
+    cos, sin = rope_angles(jnp.broadcast_to(jnp.arange(t), (b, t)), cfg.qk_rope_head_dim, cfg.rope_theta)
+    visibility = Visibility.self_attention(segments_BT)
+    inp = AttentionInputs(cos=cos, sin=sin, visibility=visibility, mask=visibility.mask(t, t))
+    out, aux = nnx.merge(graphdef, params)(x_BTD, inp, indexer_loss=True)
+    return jnp.sum(jnp.square(out.astype(jnp.float32))) + aux["indexer_kl"]
+
+  x = jax.ShapeDtypeStruct((b, t, cfg.hidden_size), dtype_of(cfg.dtype), sharding=on_chip)
+  segments = jax.ShapeDtypeStruct((b, t), jnp.int32, sharding=on_chip)
+  with target_platform("tpu"):
+    return jax.jit(jax.grad(loss)).lower(params, x, segments).compile().as_text()
+
+
 @needs_libtpu
 @pytest.mark.slow  # a TPU compile of the sparse stage
 def test_pallas_sparse_stage_compiles_the_kernels_for_tpu():
   """attention_impl="pallas" in the sparse stage, lowered on this CPU host for TPU devices: the DSA kernels go
   into the step as Mosaic kernels (indexer top-k, attention forward and backward, the KL target's head
-  probabilities, at each attention call site: the MoE stack and the MTP layer), not as interpret-mode
-  emulations; and the index scores are never [B, T, S], as they are on the reference path (compiled without the
-  MTP layer: one attention site shows the scores the pattern finds, and none of the kernels)."""
+  probabilities, at each attention call site: the decoder's stack and the MTP layer), not as interpret-mode
+  emulations; and the index scores are never [B, T, S], as they are on the reference path. The reference path is
+  compiled as the attention site alone (_reference_sparse_attention_hlo: the layer, its indexer KL and their
+  gradient for a device's rows, not the rest of a step): the pattern finds its scores there, and no kernel."""
   scores = re.compile(r"f32\[\d+,96,96\]")  # a device's [B, T, S] fp32 scores at seq_len 96
-  for impl in ("reference", "pallas"):
-    config = tiny({"fsdp": 4}, dsa_stage="sparse")
-    config.optimizer.name = "adamw"  # the optimizer does not touch attention; AdamW's step compiles faster
-    config.data.seq_len = 96  # > index_topk 32, and no other dimension of glm5_tiny
-    config.model.attention_impl = impl
-    one_layer(config)  # one MoE layer and the MTP layer: 2 attention sites, shorter compiles
-    if impl == "reference":
-      config.model.num_nextn_predict_layers = 0
-    result = aot.compile_train_step(config, tpu_topology_devices("v5p:2x2x1"))
-    assert result.error is None, result.error[-2000:]
-    text = result.compiled.as_text()
-    kernels = len(
+
+  def dsa_kernels(text):
+    return len(
       [
         name
         for name in re.findall(r'custom_call_target="tpu_custom_call".*op_name="([^"]*pallas_call)"', text)
         if not GROUPED_MATMUL.search(name)
       ]
-    )  # the DSA kernels
-    if impl == "reference":
-      assert kernels == 0 and scores.search(text)
-    else:  # indexer, attention forward, backward, head probs at each of the 2 sites
-      assert kernels == 2 * 4, kernels
-      assert not scores.search(text)
+    )
+
+  config = tiny({"fsdp": 4}, dsa_stage="sparse")
+  config.optimizer.name = "adamw"  # the optimizer does not touch attention; AdamW's step compiles faster
+  config.data.seq_len = 96  # > index_topk 32, and no other dimension of glm5_tiny
+  one_dense_layer(config)  # one dense layer and the MTP layer: 2 attention sites, every layer's attention alike
+  config.model.attention_impl = "reference"
+  text = _reference_sparse_attention_hlo(config)
+  assert dsa_kernels(text) == 0 and scores.search(text)
+  config.model.attention_impl = "pallas"
+  result = aot.compile_train_step(config, tpu_topology_devices("v5p:2x2x1"))
+  assert result.error is None, result.error[-2000:]
+  text = result.compiled.as_text()
+  kernels = dsa_kernels(text)
+  assert kernels == 2 * 4, kernels  # indexer, attention forward, backward, head probs at each of the 2 sites
+  assert not scores.search(text)
 
 
 def test_step_figures_and_bounds_by_hand():
