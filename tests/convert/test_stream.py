@@ -221,7 +221,7 @@ def test_fp8_checkpoint_converts_to_its_dequantized_weights(fp8_dir, tmp_path):
 def test_under_a_mesh_every_device_reads_exactly_its_slices(tmp_path, monkeypatch):
   from glm_jax.sharding.mesh import make_mesh
   from glm_jax.train.config import model_config_for_stage
-  from glm_jax.train.trainer import create_sharded_train_state
+  from glm_jax.train.trainer import abstract_train_state
 
   config = run_config(hf.ModelConfig.from_dict(glm5_tiny.get_config().model), fsdp=4, expert=2)
   cfg = model_config_for_stage(config)
@@ -229,7 +229,7 @@ def test_under_a_mesh_every_device_reads_exactly_its_slices(tmp_path, monkeypatc
   hf.save(cfg, model, str(tmp_path / "hf"), max_shard_bytes=100_000)
   stream.hf_to_orbax(str(tmp_path / "hf"), str(tmp_path / "orbax"), config)
   mesh = make_mesh(config.mesh)
-  _, state, _, _, _ = create_sharded_train_state(config, cfg, mesh)
+  state = abstract_train_state(config, cfg, mesh).state  # train.init_from's target: shapes, shardings, no arrays
   reads = []
   real = checkpoint_arrays.read_slice
 
@@ -243,8 +243,8 @@ def test_under_a_mesh_every_device_reads_exactly_its_slices(tmp_path, monkeypatc
     params, rest = ckpt.restore_weights(0, state.params, state.rest)
   _, want_params, want_rest = nnx.split(model, nnx.Param, ...)
   stacks = 0
-  for want, got, before in ((want_params, params, state.params), (want_rest, rest, state.rest)):
-    for (p, a), (_, b), (_, c) in zip(nnx.to_flat_state(want), nnx.to_flat_state(got), nnx.to_flat_state(before)):
+  for want, got, target in ((want_params, params, state.params), (want_rest, rest, state.rest)):
+    for (p, a), (_, b), (_, c) in zip(nnx.to_flat_state(want), nnx.to_flat_state(got), nnx.to_flat_state(target)):
       full, arr = np.asarray(a.get_value()), b.get_value()
       assert arr.sharding == c.get_value().sharding, p
       for shard in arr.addressable_shards:

@@ -4,6 +4,8 @@ a device, empty slices, gaps in the operand, rows of the output no slice writes;
 transposed. (The TPU program's
 use of the real collective is checked by tests/train/test_aot.py.)"""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -72,19 +74,32 @@ def numpy_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_o
   return result, transpose
 
 
-def check(seed: int, per_device: int) -> dict:
+@functools.cache
+def exchange():
+  """Jitted (operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, cotangent) -> (result, its
+  gradient of the operand and of the output) of dense_ragged_all_to_all in a shard_map over DEVICES devices, each
+  argument stacked on the device axis: one compile for each number of slices a device."""
   mesh = jax.make_mesh((DEVICES,), ("x",), axis_types=(AxisType.Auto,), devices=jax.devices()[:DEVICES])
-  operand, output, in_off, sizes, out_off, recv = case(seed, per_device)
 
   def local(operand, output, in_off, sizes, out_off, recv):  # one device's view: drop the stacked axis
     r = dense_ragged_all_to_all(operand[0], output[0], in_off[0], sizes[0], out_off[0], recv[0], axis_name="x")
     return r[None]
 
   fn = jax.shard_map(local, mesh=mesh, in_specs=(P("x"),) * 6, out_specs=P("x"))
-  args = tuple(jnp.asarray(a) for a in (operand, output, in_off, sizes, out_off, recv))
-  result, pull = jax.vjp(lambda a, b: fn(a, b, *args[2:]), *args[:2])
-  ct = np.random.default_rng(seed + 1).standard_normal(result.shape).astype(np.float32)
-  d_operand, d_output = pull(jnp.asarray(ct))
+
+  @jax.jit
+  def run(operand, output, in_off, sizes, out_off, recv, ct):
+    result, pull = jax.vjp(lambda a, b: fn(a, b, in_off, sizes, out_off, recv), operand, output)
+    return result, *pull(ct)
+
+  return run
+
+
+def check(seed: int, per_device: int) -> dict:
+  operand, output, in_off, sizes, out_off, recv = case(seed, per_device)
+  ct = np.random.default_rng(seed + 1).standard_normal(output.shape).astype(np.float32)  # the result's shape
+  args = (operand, output, in_off, sizes, out_off, recv, ct)
+  result, d_operand, d_output = exchange()(*(jnp.asarray(a) for a in args))
   want, transpose = numpy_ragged_all_to_all(operand, output, in_off, sizes, out_off, per_device)
   want_d_operand, want_d_output = transpose(ct)
   return {

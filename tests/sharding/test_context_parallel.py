@@ -1,10 +1,11 @@
 """Context parallelism (glm_jax/model/context_parallel.py): the zig-zag layout, the size checks, and, on 8 simulated
-CPU devices, one train step with the sequence split over the context axis equal to one device in the dense, warm-up
-and sparse stages (loss, updated parameters, the indexer's selected keys). (The training loop on a mesh with a
-context axis is tests/sharding/test_mesh.py's.)
+CPU devices, the train step's loss and gradient with the sequence split over the context axis equal to one device in
+the dense, warm-up and sparse stages (loss, indexer KL, every parameter's gradient, the indexer's selected keys).
+(The training loop on a mesh with a context axis, its optimizer included, is tests/sharding/test_mesh.py's.)
 
 The multi-device tests run in tests/test_multi_device.py's 8-device session."""
 
+import contextlib
 import re
 import types
 
@@ -18,13 +19,13 @@ from flax import nnx
 from glm_jax.configs import glm5_tiny
 from glm_jax.model import GlmMoeDsa, context_parallel
 from glm_jax.sharding.mesh import batch_sharding, make_mesh
+from glm_jax.sharding.state import param_specs, tree_shardings
 from glm_jax.sharding.topology import tpu_topology_devices
 from glm_jax.train import step as step_lib
 from glm_jax.train.config import model_config_for_stage
-from glm_jax.train.trainer import check_config, create_train_state
+from glm_jax.train.trainer import check_config
 from tests import helpers
-from tests.sharding.test_mesh import FAST_COMPILE, STEP_TOLERANCE, sharded_step
-from tests.helpers import needs_libtpu
+from tests.helpers import FAST_COMPILE, needs_libtpu
 
 multi_device = helpers.multi_device(8)  # runs in tests/test_multi_device.py's session
 
@@ -73,7 +74,8 @@ def test_the_trainer_names_context_sizes_before_any_work():
     check_config(config)
 
 
-def stage_config(stage: str):
+def stage_config(stage: str, *, moe_only: bool = False):
+  """glm5_tiny at 64 tokens in `stage`; moe_only: one stack of two MoE layers, no dense layer."""
   config = glm5_tiny.get_config()
   config.data.seq_len = 64
   config.train.dsa_stage = stage
@@ -81,12 +83,13 @@ def stage_config(stage: str):
   # dense attention always runs that way; the sparse stage through the DSA kernels (interpret mode), as on TPU.
   config.model.attention_chunk = 8
   config.model.attention_impl = "pallas" if stage == "sparse" else "reference"
-  config.optimizer.warmup_steps = 0  # the first step at the full learning rate: the update is not zero
   if stage != "warmup":
-    # No MTP layer: the dense and sparse steps compile in about two thirds of the time. The warm-up step keeps it
+    # No MTP layer: the dense and sparse gradients compile in about three quarters of the time. The warm-up keeps it
     # (one more attention site under the context axis, with its own indexer KL), as does test_mesh.py's training
     # loop on a context mesh.
     config.model.num_nextn_predict_layers = 0
+  if moe_only:
+    config.model.num_hidden_layers, config.model.first_k_dense_replace = 2, 0
   return config
 
 
@@ -101,27 +104,46 @@ def two_documents(b: int, t: int) -> dict:
   }
 
 
+def loss_and_grads(config, graphdef, params, rest, batch, mesh=None):
+  """The train step's loss function of config's stage (step._forward_losses: LM, MTP, balance and indexer KL as the
+  stage weighs them) and its gradient of every parameter, compiled for the arrays given (on `mesh` when one is
+  given, its MoE exchanging over the mesh's expert axis): (compiled, ((loss, (metrics, expert counts)), gradients))."""
+
+  def fn(params, rest, batch):
+    return jax.value_and_grad(step_lib._forward_losses, argnums=1, has_aux=True)(
+      graphdef, params, rest, batch, config.train.dsa_stage, config.train
+    )
+
+  with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+    compiled = jax.jit(fn).lower(params, rest, batch).compile(compiler_options=FAST_COMPILE)
+    return compiled, compiled(params, rest, batch)
+
+
 @pytest.fixture(scope="module")
 def one_device():
-  """{stage: namespace of one train step on one device} (test_mesh's single_device_step for each stage)."""
+  """{stage: namespace of config, graphdef, params and rest (on the host), batch, and the loss, metrics and
+  gradients (on the host) of the stage's loss on one device}. The dense stage's model is glm5_tiny's three layers
+  (a dense one, then two MoE); the warm-up's and the sparse stage's are two MoE layers (moe_only): a MoE layer
+  attends as a dense one does, a dense layer's MLP under the context axis is the dense case's, and one stack of
+  layers compiles the attention (the sparse stage's DSA kernels, in interpret mode, above all) once where two
+  stacks compile it twice."""
   out = {}
   for stage in ("dense", "warmup", "sparse"):
-    config = stage_config(stage)
+    config = stage_config(stage, moe_only=stage != "dense")
+    cfg = model_config_for_stage(config)
+    graphdef, params, rest = nnx.split(GlmMoeDsa(cfg, nnx.Rngs(config.train.seed)), nnx.Param, ...)
+    params, rest = jax.device_get((params, rest))
     batch = two_documents(4, config.data.seq_len)
-    graphdef, state, optimizer, schedule = create_train_state(config, model_config_for_stage(config))
-    init = jax.device_get(state)
-    step = step_lib.make_train_step(graphdef, optimizer, schedule, config.train)
-    new, metrics = step.lower(state, batch).compile(compiler_options=FAST_COMPILE)(state, batch)
+    _, ((loss, (metrics, _)), grads) = loss_and_grads(config, graphdef, params, rest, batch)
     out[stage] = types.SimpleNamespace(
       config=config,
       graphdef=graphdef,
-      optimizer=optimizer,
-      schedule=schedule,
+      params=params,
+      rest=rest,
       batch=batch,
-      init=init,
-      loss=float(metrics["loss"]),
+      loss=float(loss),
       metrics=jax.device_get(metrics),
-      params=jax.device_get(new.params),
+      grads=jax.device_get(grads),
     )
   return out
 
@@ -130,39 +152,51 @@ MESHES = [{"fsdp": 2, "context": 4}, {"fsdp": 2, "expert": 2, "context": 2}]
 # (stage, mesh): the warm-up and sparse stages on the mesh with every axis but tensor (the batch over fsdp x expert,
 # the MoE's all-to-all with the tokens split over context too, c = 2: a device's 16-token chunks are two blocks of
 # attention_chunk = 8 queries each), and the dense stage at c = 4 (8 zig-zag chunks, one block a chunk, the batch over
-# fsdp alone, the keys' all-gather and its reduce-scatter over 4 devices). Each case compiles a whole train step, so
-# the other three of the 3 x 2 product are left out, their code paths run by these: dense at c = 2 by warmup at c = 2
-# (the same blockwise attention under the context axis, with the KL besides) and by test_mesh.py's
+# fsdp alone, the keys' all-gather and its reduce-scatter over 4 devices). Each case compiles the model's forward and
+# backward, so the other three of the 3 x 2 product are left out, their code paths run by these: dense at c = 2 by
+# warmup at c = 2 (the same blockwise attention under the context axis, with the KL besides) and by test_mesh.py's
 # test_train_and_evaluate_on_a_mesh_matches_one_device (the dense stage's loop on this very mesh); warmup at c = 4 by
 # warmup at c = 2 (c is a number in it) and dense at c = 4 (the c = 4 layout); sparse at c = 4 by sparse at c = 2
 # (the same branch of context_parallel.attention: the top-k a chunk, the sparse kernels, head_probs and the KL,
 # forward and backward) and, forward at c = 4, by test_selected_keys_equal_one_device_with_index_share.
-STEP_CASES = [("dense", MESHES[0]), ("warmup", MESHES[1]), ("sparse", MESHES[1])]
+CASES = [("dense", MESHES[0]), ("warmup", MESHES[1]), ("sparse", MESHES[1])]
+# A gradient agrees with the one-device one to a fraction of its leaf's largest entry: the two sum in other orders
+# (the tokens' contributions over the context and batch axes, the gathered keys' over their chunks). Measured: the
+# model's gradients to about 8e-7 of their leaf's largest entry; the indexer's, gradients of the KL, whose O(1) terms
+# cancel to its ~1e-5 size (as the warm-up's loss below), to about 9e-6. Each bound is about ten times its measure;
+# a missing or misplaced chunk moves a gradient by a part of its size.
+GRAD_TOLERANCE = {"model": 1e-5, "indexer": 1e-4}
 
 
 @multi_device
 @pytest.mark.parametrize(
-  "stage, mesh_cfg", STEP_CASES, ids=[f"{s}-" + "x".join(f"{k}{v}" for k, v in m.items()) for s, m in STEP_CASES]
+  "stage, mesh_cfg", CASES, ids=[f"{s}-" + "x".join(f"{k}{v}" for k, v in m.items()) for s, m in CASES]
 )
-def test_context_parallel_step_equals_one_device(one_device, stage, mesh_cfg):
-  """One train step from the same state with each sequence split over the context axis (zig-zag chunks, keys
-  gathered, kernels on each device's queries) gives the one-device loss, indexer KL and updated parameters (to 1% of
-  one step, as in test_mesh.py: the first Adam step divides each gradient entry by its own size)."""
+def test_context_parallel_gradient_equals_one_device(one_device, stage, mesh_cfg):
+  """The train step's loss with each sequence split over the context axis (zig-zag chunks, keys gathered, kernels on
+  each device's queries), its parameters in their training layout, gives the one-device loss, indexer KL and
+  gradient of every parameter. (What the optimizer makes of the gradient on a mesh is test_mesh.py's: one sharded
+  step in test_sharded_step_equals_one_device, Muon's whole matrices on a context mesh in
+  test_muon_orthogonalizes_whole_matrices_on_any_mesh, and whole steps on an fsdp x expert x context mesh in
+  test_train_and_evaluate_on_a_mesh_matches_one_device; the warm-up's frozen parameters, a label per leaf that no
+  mesh changes, tests/train/test_optimizers.py's.)"""
   ref = one_device[stage]
   mesh = make_mesh(mesh_cfg)
-  state, step = sharded_step(ref, mesh)
+  weights = (ref.params, ref.rest)
+  params, rest = jax.device_put(weights, tree_shardings(weights, param_specs(ref.params, mesh), mesh))  # the state's
   batch = jax.device_put(ref.batch, batch_sharding(mesh))
   assert batch["input_ids"].sharding.spec[1] == "context"
-  with jax.set_mesh(mesh):
-    compiled = step.lower(state, batch).compile(compiler_options=FAST_COMPILE)
-    new, metrics = compiled(state, batch)
+  compiled, ((loss, (metrics, _)), grads) = loss_and_grads(ref.config, ref.graphdef, params, rest, batch, mesh)
   assert "all-gather" in compiled.as_text()  # the keys, gathered over the context axis
   # (The warm-up's loss is the indexer KL alone, ~6e-5 here: a sum of O(1) terms that cancel, so to 1e-8 absolute.)
-  assert float(metrics["loss"]) == pytest.approx(ref.loss, rel=2e-6, abs=1e-8)
+  assert float(loss) == pytest.approx(ref.loss, rel=2e-6, abs=1e-8)
   if stage != "dense":
     assert float(metrics["indexer_kl"]) == pytest.approx(float(ref.metrics["indexer_kl"]), rel=2e-6, abs=1e-8)
-  for a, b in zip(jax.tree.leaves(jax.device_get(new.params)), jax.tree.leaves(ref.params)):
-    np.testing.assert_allclose(a, b, atol=STEP_TOLERANCE * ref.config.optimizer.lr, rtol=1e-5)
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(jax.device_get(grads)), jax.tree.leaves(ref.grads)):
+    scale = float(np.max(np.abs(b)))  # 0 for the leaves the stage gives no gradient: then exactly 0 on the mesh too
+    name = jax.tree_util.keystr(path)
+    tolerance = GRAD_TOLERANCE["indexer" if "indexer" in name else "model"]
+    np.testing.assert_allclose(a, b, rtol=0, atol=tolerance * scale, err_msg=name)
 
 
 @multi_device
@@ -170,10 +204,12 @@ def test_selected_keys_equal_one_device_with_index_share(one_device):
   """The sparse stage's forward under the context axis (c = 4), with IndexShare: layer 1 of 3 reusing layer 0's
   selection (indexer_types FSF). Every layer's top-k keys (natural-order positions; layers 0 and 2 select their own)
   and the logits on the context-parallel mesh are the one-device ones. (One model for both checks: a layer that
-  selects is the same code with or without a sharing layer after it.)"""
-  ref = one_device["sparse"]
-  cfg = model_config_for_stage(ref.config).replace(indexer_types="FSF")
-  model = nnx.merge(nnx.graphdef(nnx.eval_shape(lambda: GlmMoeDsa(cfg, nnx.Rngs(0)))), ref.init.params, ref.init.rest)
+  selects is the same code with or without a sharing layer after it.) The model is the dense stage's, glm5_tiny's
+  three layers: the stage changes how the model attends, not its parameters."""
+  ref = one_device["dense"]
+  config = stage_config("sparse")
+  cfg = model_config_for_stage(config).replace(indexer_types="FSF")
+  model = nnx.merge(nnx.graphdef(nnx.eval_shape(lambda: GlmMoeDsa(cfg, nnx.Rngs(0)))), ref.params, ref.rest)
 
   @jax.jit
   def forward(batch):
@@ -181,7 +217,7 @@ def test_selected_keys_equal_one_device_with_index_share(one_device):
     return out.logits, out.aux["topk_indices"]
 
   logits, idx = forward(ref.batch)
-  assert idx.shape[-1] == ref.config.model.index_topk and bool(jnp.any(idx[..., -1] >= 0))  # top-k did select
+  assert idx.shape[-1] == config.model.index_topk and bool(jnp.any(idx[..., -1] >= 0))  # top-k did select
   np.testing.assert_array_equal(np.asarray(idx[1]), np.asarray(idx[0]))  # layer 1 attends over layer 0's keys
   assert not np.array_equal(np.asarray(idx[2]), np.asarray(idx[0]))
   mesh = make_mesh(MESHES[0])
