@@ -212,7 +212,8 @@ PROGRAMS = ("eval", "init", "train")  # the cheapest first: a difference is look
 
 def pretrain_program(stage: str, field: str, value, program: str):
   """The trace (jax.stages.Traced) of one program that glm_jax/train/trainer.py builds for glm5_tiny at
-  (stage, field=value): "init" (the state's initialization), "train" (the train step) or "eval" (the eval step)."""
+  (stage, field=value) and its fingerprint: "init" (the state's initialization), "train" (the train step) or
+  "eval" (the eval step)."""
   from glm_jax.configs import glm5_tiny
   from glm_jax.train import step as step_lib, trainer
 
@@ -222,22 +223,28 @@ def pretrain_program(stage: str, field: str, value, program: str):
   section, name = field.split(".")
   config[section][name] = value
   model_cfg = trainer.check_config(config)
-  key = (config.to_json_best_effort(sort_keys=True), program)
+  text = config.to_json_best_effort(sort_keys=True)
+  key = (text, program)
   if key not in _TRACED:  # many (stage, field, value) are one config: a field at its default in the same stage
-    target = trainer.abstract_train_state(config, model_cfg)
+    if text not in _TARGETS:  # the state's shapes, which the three programs of a config share
+      _TARGETS[text] = trainer.abstract_train_state(config, model_cfg)
+    target = _TARGETS[text]
     batch = {k: jax.ShapeDtypeStruct((2, 16), jnp.int32) for k in ("input_ids", "segment_ids", "positions")}
     if program == "init":
-      _TRACED[key] = jax.jit(target.make_state).trace()
+      traced = jax.jit(target.make_state).trace()
     elif program == "train":
       train_step = step_lib.make_train_step(target.graphdef, target.optimizer, target.schedule, config.train)
-      _TRACED[key] = train_step.trace(target.state, batch)
+      traced = train_step.trace(target.state, batch)
     else:
       eval_step = step_lib.make_eval_step(target.graphdef, {}, loss_chunk=config.train.loss_chunk)
-      _TRACED[key] = eval_step.trace(target.state.params, target.state.rest, batch)
+      traced = eval_step.trace(target.state.params, target.state.rest, batch)
+    _TRACED[key] = traced, fingerprint(traced)
   return _TRACED[key]
 
 
-_TRACED: dict[tuple[str, str], jax.stages.Traced] = {}  # (a config as JSON, program) -> its trace, once a module
+# Once a module: (a config as JSON, program) -> its trace and fingerprint; a config as JSON -> its abstract state.
+_TRACED: dict[tuple[str, str], tuple[jax.stages.Traced, tuple]] = {}
+_TARGETS: dict[str, object] = {}
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -245,6 +252,7 @@ def drop_traces():
   """The traces go when the module ends, with its compiled programs (tests/conftest.py: release_compiled_programs)."""
   yield
   _TRACED.clear()
+  _TARGETS.clear()
 
 
 def fingerprint(traced) -> tuple:
@@ -274,14 +282,12 @@ def assert_unused_then_used(stage, field):
   """The programs are the same for both values in `stage`, and differ (or a value is refused) in MATTERS[field]."""
   a, b = TWO_VALUES[field]
   for program in PROGRAMS:
-    same = fingerprint(pretrain_program(stage, field, a, program)) == fingerprint(
-      pretrain_program(stage, field, b, program)
-    )
+    same = pretrain_program(stage, field, a, program)[1] == pretrain_program(stage, field, b, program)[1]
     assert same, (stage, field, program)
   try:
     for program in PROGRAMS:  # the first program whose traces differ, then its StableHLO
-      x, y = pretrain_program(MATTERS[field], field, a, program), pretrain_program(MATTERS[field], field, b, program)
-      if fingerprint(x) != fingerprint(y):
+      (x, x_print), (y, y_print) = (pretrain_program(MATTERS[field], field, v, program) for v in (a, b))
+      if x_print != y_print:
         assert x.lower().as_text() != y.lower().as_text(), (field, program)
         break
     else:
@@ -374,15 +380,16 @@ def test_a_failed_run_is_reported_and_retried(tmp_path):
 
 @pytest.mark.slow
 def test_a_killed_sweep_finishes_only_its_missing_runs(tmp_path, data_cache_dir):
-  """A sweep of two 2-step launch/train.py runs over train.seed. It is killed (the whole process group, SIGKILL) once
-  its first run has finished; the rerun skips that run and trains the other. Each row carries its override, and each
-  run's metrics show it: the two seeds' losses differ. (The product of several axes and its order:
-  test_spec_is_the_product_of_its_axes_in_order and test_a_failed_run_is_reported_and_retried, in-process; a field's
-  value reaching its run: test_values_mean_what_they_mean_to_launch_train.)"""
+  """A sweep of two 2-step launch/train.py runs over data.shuffle_seed. It is killed (the whole process group,
+  SIGKILL) once its first run has finished; the rerun skips that run and trains the other. Each row carries its
+  override, and each run's metrics show it: the two data orders' losses differ. (An axis the compiled programs do
+  not depend on: the two runs share their programs, with each other and with the session's other glm5_tiny runs of
+  these shapes. The product of several axes and its order: test_spec_is_the_product_of_its_axes_in_order and
+  test_a_failed_run_is_reported_and_retried, in-process; a field's value reaching its run:
+  test_values_mean_what_they_mean_to_launch_train.)"""
   workdir = str(tmp_path / "sweep")
   shared = [*runs.flag_args(data_cache_dir, **{"train.steps": 2, "train.checkpoint_every": 2})]
-  shared = [a for a in shared if not a.startswith("--config.train.seed")]
-  args = ["launch/sweep.py", f"--config={CONFIG}", f"--workdir={workdir}", "--sweep=train.seed=1,2", *shared]
+  args = ["launch/sweep.py", f"--config={CONFIG}", f"--workdir={workdir}", "--sweep=data.shuffle_seed=1,2", *shared]
   proc = subprocess.Popen(
     [sys.executable, *args],
     cwd=ROOT,
@@ -391,17 +398,17 @@ def test_a_killed_sweep_finishes_only_its_missing_runs(tmp_path, data_cache_dir)
     text=True,
     start_new_session=True,
   )
-  first = os.path.join(workdir, "train.seed=1", sweep.RESULT_FILE)
+  first = os.path.join(workdir, "data.shuffle_seed=1", sweep.RESULT_FILE)
   deadline = time.time() + 400
   while not os.path.exists(first) and proc.poll() is None and time.time() < deadline:
-    time.sleep(0.5)
+    time.sleep(0.05)
   assert os.path.exists(first), proc.communicate()[0] if proc.poll() is not None else "the first run did not finish"
   os.killpg(proc.pid, signal.SIGKILL)
   proc.wait()
   with open(first) as f:
     first_result = f.read()
   done_before = [n for n in os.listdir(workdir) if os.path.exists(os.path.join(workdir, n, sweep.RESULT_FILE))]
-  assert done_before == ["train.seed=1"], done_before  # the second run takes far longer than the kill
+  assert done_before == ["data.shuffle_seed=1"], done_before  # the second run takes far longer than the kill
 
   again = runs.run_script(*args)
   assert again.returncode == 0, again.stderr[-3000:]
@@ -413,14 +420,14 @@ def test_a_killed_sweep_finishes_only_its_missing_runs(tmp_path, data_cache_dir)
 
   with open(os.path.join(workdir, sweep.RESULTS_FILE)) as f:
     rows = [runs.strict_loads(line) for line in f]
-  assert [r["overrides"] for r in rows] == [{"train.seed": "1"}, {"train.seed": "2"}]
+  assert [r["overrides"] for r in rows] == [{"data.shuffle_seed": "1"}, {"data.shuffle_seed": "2"}]
   losses = []
   for row in rows:
     assert row["result"]["step"] == 2 and row["result"]["workdir"] == os.path.join(workdir, row["run"])
     logged = runs.train_rows(row["result"]["workdir"])
     assert [r["step"] for r in logged] == [1, 2]
     losses.append([r["loss"] for r in logged])
-  assert losses[0] != losses[1]  # the seed reached each run
+  assert losses[0] != losses[1]  # the data order reached each run
 
 
 @pytest.mark.slow  # four launch/sweep.py processes; the in-process tests above check the same errors

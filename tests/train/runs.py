@@ -3,10 +3,12 @@ config, the launch/train.py command, and what a run leaves in its workdir."""
 
 import json
 import os
+import shutil
 import subprocess
 
 from glm_jax.configs import glm5_tiny
 from tests import forked
+from tests.shared_runs import copy_run
 
 # A short run: 9 steps of 4 x 64 tokens, a checkpoint every 3 steps, every step logged.
 OVERRIDES = {
@@ -83,3 +85,17 @@ def snapshot(directory):
     for d, _, files in os.walk(directory)
     for f in files
   )
+
+
+def stopped_after(run, step, target):
+  """A copy at `target` of `run` as it stood after `step` (a run stopped there): its checkpoints up to `step`,
+  its metrics rows up to `step`."""
+  workdir = copy_run(run, target)
+  os.remove(os.path.join(workdir, "stdout.txt"))  # the shared run's record of its output, not the run's
+  for name in os.listdir(os.path.join(workdir, "checkpoints")):
+    if int(name) > step:
+      shutil.rmtree(os.path.join(workdir, "checkpoints", name))
+  rows = [r for r in metric_rows(workdir) if r["step"] <= step]
+  with open(os.path.join(workdir, "metrics.jsonl"), "w") as f:
+    f.writelines(json.dumps(r) + "\n" for r in rows)
+  return workdir

@@ -21,13 +21,19 @@ from glm_jax.train.checkpoint import Checkpointer
 from glm_jax.train.config import model_config_for_stage
 from glm_jax.train.guards import Diverged, first_nonfinite
 from glm_jax.train.progress import TIMING_KEYS
-from glm_jax.train.trainer import BATCH_KEYS, create_train_state, train_and_evaluate
-from tests.train.runs import make_config, metric_rows, run_script, run_train, snapshot, strict_loads, train_rows
+from glm_jax.train.trainer import BATCH_KEYS, abstract_train_state, train_and_evaluate
+from tests.train.runs import (
+  make_config,
+  metric_rows,
+  run_script,
+  run_train,
+  snapshot,
+  stopped_after,
+  strict_loads,
+  train_rows,
+)
 
 # training runs, a few of them through launch/train.py
-
-# 6 steps with checkpoints at 3 and 6 (both kept), resumed to 9.
-SHORT = {"train.steps": 6, "train.keep_checkpoints": 3}
 
 
 @pytest.fixture
@@ -37,11 +43,10 @@ def straight(glm5_tiny_run):
 
 
 @pytest.fixture(scope="module")
-def six_steps(tmp_path_factory, data_cache_dir):
-  """The first 6 of those steps, checkpointed at 3 and 6; tests corrupt copies of it."""
-  workdir = str(tmp_path_factory.mktemp("six"))
-  train_and_evaluate(make_config(data_cache_dir, **SHORT), workdir)
-  return workdir
+def six_steps(glm5_tiny_run, tmp_path_factory):
+  """The first 6 of those steps: the shared run as it stood after step 6, checkpointed at 1, 3 and 6 (its
+  train.steps=9 recorded); tests corrupt copies of it."""
+  return stopped_after(glm5_tiny_run[0], 6, tmp_path_factory.mktemp("six") / "run")
 
 
 def copy_of(workdir, tmp_path):
@@ -106,7 +111,7 @@ def test_when_no_step_restores_the_error_names_each_and_moves_nothing(six_steps,
   workdir = copy_of(six_steps, tmp_path)
   with Checkpointer(workdir, read_only=True) as ckpt:
     steps = ckpt.steps()
-  assert steps == [6, 3, 1]  # Orbax also keeps the first step
+  assert steps == [6, 3, 1]  # every checkpoint the run wrote (it keeps 4)
   for step in steps:
     truncate(largest_array_file(os.path.join(workdir, "checkpoints", str(step))))
   before = snapshot(workdir)
@@ -189,13 +194,12 @@ def test_allow_data_change_resumes_the_state_on_fresh_data(six_steps, data_cache
   config = make_config(data_cache_dir, **changes)
   tok = data_lib.load_tokenizer(config.data)
   first = next(data_lib.make_train_iterator(config.data, tok))
-  model_cfg = model_config_for_stage(config)
-  graphdef, state, optimizer, schedule = create_train_state(config, model_cfg)
+  target = abstract_train_state(config, model_config_for_stage(config))  # the state the run restored onto
   with Checkpointer(six_steps, read_only=True) as ckpt:
-    state = ckpt.restore(6, state)
+    state = ckpt.restore(6, target.state)
   from glm_jax.train import step as step_lib
 
-  step = step_lib.make_train_step(graphdef, optimizer, schedule, config.train)
+  step = step_lib.make_train_step(target.graphdef, target.optimizer, target.schedule, config.train)
   # The batch as the trainer passes it (the same keys): the same program, so the run's compiled step is reused.
   _, m = step(state, {k: np.asarray(v) for k, v in first.items() if k in BATCH_KEYS})
   assert train_rows(workdir)[-1]["step"] == 7
@@ -225,9 +229,10 @@ def test_an_unwritable_checkpoints_directory_fails_at_once_and_creates_nothing(t
 
 
 @pytest.mark.slow
-def test_a_diverging_run_stops_non_zero_and_checkpoints_only_finite_weights(tmp_path, data_cache_dir):
-  """AdamW at lr 1e12 without clipping: the first update makes the weights huge, every later loss is NaN and
-  every later step is skipped; after 3 in a row the run stops with exit code 1."""
+def test_a_diverging_run_stops_non_zero_and_checkpoints_only_finite_weights(straight, tmp_path, data_cache_dir):
+  """AdamW at lr 1e12 without clipping, from the shared run's weights (train.init_from: no random initialization to
+  compile): the first update makes the weights huge, every later loss is NaN and every later step is skipped; after
+  3 in a row the run stops with exit code 1."""
   workdir = str(tmp_path / "run")
   proc = run_train(
     workdir,
@@ -240,6 +245,7 @@ def test_a_diverging_run_stops_non_zero_and_checkpoints_only_finite_weights(tmp_
       "train.max_consecutive_skips": 3,
       "train.checkpoint_every": 1,
       "train.keep_checkpoints": 10,
+      "train.init_from": straight[0],
     },
   )
   assert proc.returncode == 1, proc.stderr[-3000:]
@@ -263,6 +269,7 @@ def test_a_diverging_run_stops_non_zero_and_checkpoints_only_finite_weights(tmp_
       "train.max_consecutive_skips": 0,
       "train.checkpoint_every": 1,
       "train.keep_checkpoints": 10,
+      "train.init_from": straight[0],
       "train.steps": 6,
     },
   )
@@ -276,7 +283,7 @@ def test_a_diverging_run_stops_non_zero_and_checkpoints_only_finite_weights(tmp_
     f"skipped in all); see {workdir}/metrics.jsonl"
   )
   config = make_config(data_cache_dir)
-  _, state, _, _ = create_train_state(config, model_config_for_stage(config))
+  state = abstract_train_state(config, model_config_for_stage(config)).state  # shapes to read the weights onto
   with Checkpointer(workdir, read_only=True) as ckpt:
     assert ckpt.steps() == [6, 5, 4, 3, 2, 1]
     for step in ckpt.steps():
@@ -286,7 +293,7 @@ def test_a_diverging_run_stops_non_zero_and_checkpoints_only_finite_weights(tmp_
 @pytest.mark.slow
 def test_non_finite_weights_are_never_saved(tmp_path, data_cache_dir):
   config = make_config(data_cache_dir)
-  _, state, _, _ = create_train_state(config, model_config_for_stage(config))
+  state = abstract_train_state(config, model_config_for_stage(config)).fresh()  # the trainer's initialization
   from flax import nnx
 
   flat = list(nnx.to_flat_state(state.params))

@@ -14,8 +14,11 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
+import jax
+import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
@@ -24,11 +27,20 @@ from glm_jax.configs import sft_tiny
 from glm_jax import data as data_lib, paths
 from glm_jax.train import lifecycle
 from glm_jax.train.checkpoint import Checkpointer, CheckpointWriteError
+from glm_jax.train.config import model_config_for_stage
 from glm_jax.train.progress import TIMING_KEYS
-from glm_jax.train.trainer import train_and_evaluate
-from tests.helpers import ROOT
+from glm_jax.train.trainer import abstract_train_state, train_and_evaluate
 from tests.shared_runs import copy_run
-from tests.train.runs import KEEP_ALL, flag_args, make_config, run_script, run_train, snapshot, strict_loads, train_rows
+from tests.train.runs import (
+  KEEP_ALL,
+  make_config,
+  run_script,
+  run_train,
+  snapshot,
+  stopped_after,
+  strict_loads,
+  train_rows,
+)
 
 KEEP = KEEP_ALL  # every checkpoint of a 9-step run (1, 3, 6, 9) stays
 
@@ -86,15 +98,24 @@ def test_a_rerun_with_more_steps_goes_on(straight, data_cache_dir, tmp_path):
 # SIGTERM (a preemption) and SIGINT (Ctrl-C)
 
 
-def wait_for_lock(proc, workdir, timeout=300):
-  """Waits until `proc` holds workdir's lock (its signal handlers are set by then)."""
+def start_train(workdir, data_cache_dir, **changes):
+  """run_train in a thread, so the test can signal the run while it trains: (thread, a list that receives its
+  CompletedProcess)."""
+  done = []
+  thread = threading.Thread(target=lambda: done.append(run_train(workdir, data_cache_dir, **changes)), daemon=True)
+  thread.start()
+  return thread, done
+
+
+def wait_for_lock(thread, workdir, timeout=300):
+  """The pid of the run that holds workdir's lock (its signal handlers are set by then), once it does: a fresh
+  workdir, so the holder is the run `thread` started."""
   deadline = time.monotonic() + timeout
   while time.monotonic() < deadline:
-    assert proc.poll() is None, proc.communicate()
+    assert thread.is_alive(), "the run ended before it took the lock"
     try:
       with open(lock_path(workdir)) as f:
-        if json.load(f)["pid"] == proc.pid:
-          return
+        return json.load(f)["pid"]
     except (OSError, ValueError, KeyError):
       pass
     time.sleep(0.02)
@@ -104,14 +125,16 @@ def wait_for_lock(proc, workdir, timeout=300):
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_signal_saves_the_next_step_and_the_resumed_run_is_bit_identical(straight, data_cache_dir, tmp_path, sig):
+  """launch/train.py gets the signal while it trains: it stops at a step boundary with that step's checkpoint, and
+  the same command resumes to the uninterrupted run's rows. Which signal stopped a run makes no difference to its
+  checkpoint or to the resume, so the SIGINT case checks the stop and the SIGTERM case also the resume."""
   workdir = str(tmp_path / "run")
-  cmd = [sys.executable, "launch/train.py", "--config=configs/glm5_tiny.py", f"--workdir={workdir}"]
-  proc = subprocess.Popen(
-    cmd + flag_args(data_cache_dir, **KEEP), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-  )
-  wait_for_lock(proc, workdir)
-  proc.send_signal(sig)
-  out, err = proc.communicate(timeout=600)
+  thread, done = start_train(workdir, data_cache_dir, **KEEP)
+  os.kill(wait_for_lock(thread, workdir), sig)
+  thread.join(600)
+  assert done, "the run did not end (or run_train raised: its traceback is the thread's)"
+  (proc,) = done
+  out, err = proc.stdout, proc.stderr
   assert proc.returncode == 128 + sig, err[-3000:]
   # no summary line, the run did not finish: its stdout is progress lines only (glm_jax/train/progress.py)
   assert all(line.startswith("[glm5_tiny] ") for line in out.splitlines()), out
@@ -129,6 +152,8 @@ def test_a_signal_saves_the_next_step_and_the_resumed_run_is_bit_identical(strai
     assert ckpt.steps()[0] == step
   assert [r["step"] for r in train_rows(workdir)] == list(range(1, step + 1))
   assert not os.path.exists(lock_path(workdir))
+  if sig != signal.SIGTERM:
+    return
   # The same command again: every row and the final held-out loss as the uninterrupted run's.
   summary = train_and_evaluate(make_config(data_cache_dir, **KEEP), workdir)
   assert without_speed(train_rows(workdir)) == without_speed(train_rows(straight[0]))
@@ -319,6 +344,11 @@ def full_disk_writer(monkeypatch):
 def test_a_full_disk_stops_the_run_at_that_step_and_keeps_the_one_before(
   disk, async_save, straight, data_cache_dir, tmp_path, monkeypatch, request
 ):
+  """The run starts from the uninterrupted run as it stood after step 3 (a run resumed there), so step 6's is the
+  first checkpoint it writes. After the failure step 3 restores as the uninterrupted run saved it; the asynchronous
+  case, whose run went on past step 6 before it stopped, also resumes it to the uninterrupted run's rows. (A
+  synchronous failure leaves step 3 and the rows through step 6: resuming that step 3 to the uninterrupted rows is
+  test_faults.py's test_a_corrupt_latest_checkpoint_falls_back_to_the_step_before.)"""
   hooks = []
   if disk == "tmpfs":
     workdir = os.path.join(request.getfixturevalue("small_disk"), "run")
@@ -326,6 +356,7 @@ def test_a_full_disk_stops_the_run_at_that_step_and_keeps_the_one_before(
   else:
     full_disk_writer(monkeypatch)
     workdir = str(tmp_path / "run")
+  stopped_after(straight[0], 3, workdir)
   config = make_config(data_cache_dir, **KEEP, **{"train.async_checkpoints": async_save})
   with pytest.raises(CheckpointWriteError) as raised:
     train_and_evaluate(config, workdir, hooks=hooks)
@@ -341,11 +372,17 @@ def test_a_full_disk_stops_the_run_at_that_step_and_keeps_the_one_before(
   assert steps[-1] == 6 if not async_save else 6 <= steps[-1] <= 9, steps
   assert not os.path.exists(lock_path(workdir))
   monkeypatch.undo()
-  # Nothing was lost: step 3 restores, and the run goes on from it to the uninterrupted run's rows.
+  # Nothing was lost: step 3 restores as the uninterrupted run saved it, and the run goes on from it to the
+  # uninterrupted run's rows.
   moved = str(tmp_path / "moved")
   shutil.copytree(workdir, moved, ignore=shutil.ignore_patterns("*.orbax-checkpoint-tmp*"))
-  with Checkpointer(moved, read_only=True) as ckpt:
-    assert ckpt.steps()[0] == 3
+  target = abstract_train_state(config, model_config_for_stage(config)).state
+  with Checkpointer(moved, read_only=True) as got, Checkpointer(straight[0], read_only=True) as want:
+    assert got.steps()[0] == 3
+    pairs = zip(jax.tree.leaves(got.restore(3, target)), jax.tree.leaves(want.restore(3, target)), strict=True)
+  assert all(np.array_equal(a, b) for a, b in pairs)
+  if not async_save:
+    return
   summary = train_and_evaluate(make_config(data_cache_dir, **KEEP), moved)
   assert without_speed(train_rows(moved)) == without_speed(train_rows(straight[0]))
   assert summary["eval_loss"] == straight[1]["eval_loss"]

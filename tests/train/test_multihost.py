@@ -8,6 +8,7 @@ device; then the checkpoint both processes wrote is restored in this single proc
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -83,9 +84,11 @@ def start_two_processes(workdir: str, overrides: dict) -> list[subprocess.Popen]
   ]
 
 
-@pytest.mark.slow  # two processes start jax and compile the step: ~1 minute
-def test_two_processes_train_as_one(tmp_path, data_cache_dir):
-  workdir = str(tmp_path / "run")
+@pytest.fixture(scope="module")
+def two_process_run(tmp_path_factory, data_cache_dir):
+  """(workdir, overrides, [(exit code, stdout, stderr)] of processes 0 and 1) of the job of OVERRIDES: 2 steps,
+  evaluated and checkpointed at step 2."""
+  workdir = str(tmp_path_factory.mktemp("two_processes") / "run")
   overrides = {**OVERRIDES, "data.cache_dir": data_cache_dir}
   procs = start_two_processes(workdir, overrides)
   try:
@@ -93,10 +96,16 @@ def test_two_processes_train_as_one(tmp_path, data_cache_dir):
   finally:
     for p in procs:
       p.kill()
-  for p, (_, err) in zip(procs, outs):
-    assert p.returncode == 0, err[-4000:]
-  assert json.loads(outs[0][0].strip().splitlines()[-1])["step"] == 2
-  assert not any(line.startswith("{") for line in outs[1][0].splitlines())  # only process 0 prints the summary
+  return workdir, overrides, [(p.returncode, out, err) for p, (out, err) in zip(procs, outs)]
+
+
+@pytest.mark.slow  # two processes start jax and compile the step: ~1 minute
+def test_two_processes_train_as_one(two_process_run):
+  workdir, overrides, outs = two_process_run
+  for code, _, err in outs:
+    assert code == 0, err[-4000:]
+  assert json.loads(outs[0][1].strip().splitlines()[-1])["step"] == 2
+  assert not any(line.startswith("{") for line in outs[1][1].splitlines())  # only process 0 prints the summary
   rows = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
   losses = [r["loss"] for r in rows if "loss" in r]
   assert len(losses) == 2  # one writer
@@ -154,17 +163,28 @@ def test_auto_detection_reads_only_the_environment():
 
 
 @pytest.mark.slow  # two processes start jax and compile the step
-def test_a_preemption_notice_to_one_process_stops_both_at_the_same_step_with_a_checkpoint(tmp_path, data_cache_dir):
+def test_a_preemption_notice_to_one_process_stops_both_at_the_same_step_with_a_checkpoint(two_process_run, tmp_path):
   """SIGTERM to process 1 only: jax's preemption sync manager tells process 0, both stop after the same step, the
-  checkpoint of that step is written by both, and each exits 143 naming it."""
+  checkpoint of that step is written by both, and each exits 143 naming it. The job resumes a copy of
+  two_process_run's (its checkpoint of step 2) to train on, so neither process initializes a state."""
+  finished, overrides, outs = two_process_run
+  assert [code for code, _, _ in outs] == [0, 0], "two_process_run failed: test_two_processes_train_as_one says why"
   workdir = str(tmp_path / "run")
-  overrides = {**OVERRIDES, "train.steps": 1000, "train.checkpoint_every": 500, "train.eval_every": 1000}
-  overrides["data.cache_dir"] = data_cache_dir
+  shutil.copytree(finished, workdir)
+  overrides = {**overrides, "train.steps": 1000, "train.checkpoint_every": 500, "train.eval_every": 1000}
   procs = start_two_processes(workdir, overrides)
   metrics = os.path.join(workdir, "metrics.jsonl")
+
+  def resumed():  # a step after the copy's last one is logged (a whole line): both processes are training
+    try:
+      with open(metrics) as f:
+        return any(json.loads(line)["step"] > 2 for line in f if line.endswith("\n"))
+    except OSError:
+      return False
+
   try:
     deadline = time.monotonic() + 300
-    while not (os.path.exists(metrics) and os.path.getsize(metrics)):  # both are training
+    while not resumed():
       assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
       time.sleep(0.05)
     procs[1].send_signal(signal.SIGTERM)
@@ -183,7 +203,7 @@ def test_a_preemption_notice_to_one_process_stops_both_at_the_same_step_with_a_c
     )
     assert match, line
     steps.append(int(match[1]))
-  assert steps[0] == steps[1] < 1000
+  assert 2 < steps[0] == steps[1] < 1000
   with Checkpointer(workdir, read_only=True) as ckpt:
     assert ckpt.steps()[0] == steps[0]
   rows = [json.loads(line) for line in open(metrics)]
