@@ -43,17 +43,11 @@ def lean(config):
   return config
 
 
-def one_layer(config):
-  """One MoE layer and no dense one, for a property every layer shows alike (its parameters' collectives, its
-  expert exchange, the step's bytes): a stack of layers less to compile."""
-  config.model.num_hidden_layers, config.model.first_k_dense_replace = 1, 0
-  return config
-
-
-def one_dense_layer(config):
-  """One dense layer and no MoE one, for a property a dense layer shows as an MoE layer does (its weights'
-  collectives, its attention): the step compiles in about half the time of one_layer's."""
-  config.model.num_hidden_layers, config.model.first_k_dense_replace = 1, 1
+def one_layer(config, *, dense: bool = False):
+  """One layer, for a property every layer shows alike (its parameters' collectives, its expert exchange, its
+  attention, the step's bytes): a stack of layers less to compile. A MoE layer, or (dense) a dense one where the
+  experts are not the subject: its step compiles in less time still."""
+  config.model.num_hidden_layers, config.model.first_k_dense_replace = 1, int(dense)
   return config
 
 
@@ -173,7 +167,7 @@ def test_xla_flags_reach_the_compiler():
   tests/sharding/test_hlo_cost.py's reduce-scatter test compiles its step with them.)"""
 
   def compile_step(flags, topology):
-    config = one_dense_layer(lean(tiny({"fsdp": 4})))  # its weights' all-gathers are the property
+    config = one_layer(lean(tiny({"fsdp": 4})), dense=True)  # its weights' all-gathers are the property
     config.train.xla_flags = flags
     return aot.compile_train_step(config, tpu_topology_devices(topology))
 
@@ -297,7 +291,7 @@ def test_pallas_sparse_stage_compiles_the_kernels_for_tpu():
   config = tiny({"fsdp": 4}, dsa_stage="sparse")
   config.optimizer.name = "adamw"  # the optimizer does not touch attention; AdamW's step compiles faster
   config.data.seq_len = 96  # > index_topk 32, and no other dimension of glm5_tiny
-  one_dense_layer(config)  # one dense layer and the MTP layer: 2 attention sites, every layer's attention alike
+  one_layer(config, dense=True)  # one dense layer and the MTP layer: 2 attention sites, every layer's attention alike
   config.model.attention_impl = "reference"
   text = _reference_sparse_attention_hlo(config)
   assert dsa_kernels(text) == 0 and scores.search(text)
