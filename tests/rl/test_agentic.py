@@ -32,9 +32,9 @@ def test_advantages_by_group_id_by_hand():
   )
 
 
-def test_samples_lay_out_as_the_trajectories(tmp_path):
+def test_samples_lay_out_as_the_trajectories(data_cache_dir):
   cfg = default_data_config()
-  cfg.cache_dir = str(tmp_path / "cache")
+  cfg.cache_dir = data_cache_dir
   tok = load_tokenizer(cfg)
   samples = []
   for i, text in enumerate(["a</think>b<|endoftext|>", "longer answer</think>here<|endoftext|>"]):
@@ -95,14 +95,14 @@ from glm_jax.rl import agentic
 
 
 def fan_out(ctx, prompts, key):
-  """default_rollout, then (a verifier's branch) one more episode for each prompt whose answers all scored 0, in
-  that prompt's group; every sample's (group, reward) recorded in $RECORD."""
+  """default_rollout, then (a verifier's branch) group_size more episodes of the prompt whose answers scored lowest
+  (the first of equals), in that prompt's group: the groups differ in size; every sample's (group, reward) recorded
+  in $RECORD."""
   samples = agentic.default_rollout(ctx, prompts, key)
-  failed = [g for g in range(len(prompts)) if all(s.reward == 0 for s in samples if s.group == g)]
-  if failed:
-    result = ctx.run_episodes([prompts[g] for g in failed], key)
-    for g, traj, reward, finish in zip(failed, result.trajectories, result.rewards, result.finish):
-      samples.append(agentic.Sample(traj, reward, g, prompts[g][0], prompts[g][1], finish, {"branch": True}))
+  g = min(range(len(prompts)), key=lambda g: sum(s.reward for s in samples if s.group == g))
+  result = ctx.run_episodes([prompts[g]] * ctx.group_size, key)
+  for traj, reward, finish in zip(result.trajectories, result.rewards, result.finish):
+    samples.append(agentic.Sample(traj, reward, g, prompts[g][0], prompts[g][1], finish, {"branch": True}))
   with open(os.environ["RECORD"], "a") as f:
     f.write(json.dumps([[s.group, s.reward] for s in samples]) + "\\n")
   return samples
@@ -144,8 +144,8 @@ def plugin_config(cache_dir):
   return config
 
 
-def test_plugins_by_module_path_are_checked_before_any_rollout(plugin):
-  config = plugin_config(str(plugin / "cache"))
+def test_plugins_by_module_path_are_checked_before_any_rollout(plugin, data_cache_dir):
+  config = plugin_config(data_cache_dir)
   validate_rl_config(config)
   for field, value, match in [
     ("rl.rollout_fn", "my_agents.rollouts:missing", r"rl\.rollout_fn='my_agents\.rollouts:missing'.*no attribute"),
@@ -154,7 +154,7 @@ def test_plugins_by_module_path_are_checked_before_any_rollout(plugin):
     ("rl.tool_timeout", 0.0, r"rl\.tool_timeout=0\.0 is invalid; must be a finite number of seconds > 0"),
     ("rl.speculate", 1, r"rl\.speculate=1.*not with rl\.tokenizer='model'"),
   ]:
-    bad = plugin_config(str(plugin / "cache"))
+    bad = plugin_config(data_cache_dir)
     section, _, name = field.rpartition(".")
     bad_section = bad
     for part in section.split("."):
@@ -165,10 +165,10 @@ def test_plugins_by_module_path_are_checked_before_any_rollout(plugin):
 
 
 @pytest.mark.slow  # a GRPO run: the agent loop and the RL step compiled
-def test_grpo_through_a_plugin_rollout_logs_its_rewards(plugin):
+def test_grpo_through_a_plugin_rollout_logs_its_rewards(plugin, data_cache_dir):
   from glm_jax.rl import trainer
 
-  config = plugin_config(str(plugin / "cache"))
+  config = plugin_config(data_cache_dir)
   summary = trainer.run(config, str(plugin / "run"))
   recorded = [json.loads(line) for line in open(plugin / "record.jsonl")]
   assert len(recorded) == config.rl.steps
@@ -179,13 +179,13 @@ def test_grpo_through_a_plugin_rollout_logs_its_rewards(plugin):
     assert logged[step]["reward_mean"] == pytest.approx(np.mean(rewards), abs=1e-6)
     groups = sorted({g for g, _ in samples})
     assert groups == list(range(config.rl.prompts_per_step))  # fan-out samples joined their prompt's group
-    assert len(samples) >= config.rl.prompts_per_step * config.rl.group_size
+    assert len(samples) == (config.rl.prompts_per_step + 1) * config.rl.group_size  # and the one branch
   assert summary["step"] == config.rl.steps and 0.0 <= summary["eval_accuracy"] <= 1.0
 
 
 @pytest.mark.parametrize("rollouts", ["in_process", "rollout_server"])
 @pytest.mark.slow  # a distillation run: the agent loop, the teachers' scorer and the distillation step compiled
-def test_distillation_on_environments_scores_each_episode_by_its_teacher(plugin, rollouts):
+def test_distillation_on_environments_scores_each_episode_by_its_teacher(plugin, data_cache_dir, rollouts):
   """Two teachers, each an Echo environment and a model of its own seed (no fine-tuning): each step's logged
   teacher_kl/<name> equals the KL recomputed here from the recorded episodes, the teacher's log-probs by a plain
   forward pass of a model built from its seed, on the model's turns only (the loss mask). "rollout_server": the
@@ -198,7 +198,7 @@ def test_distillation_on_environments_scores_each_episode_by_its_teacher(plugin,
   from glm_jax.model import GlmMoeDsa, ModelConfig
   from glm_jax.rl import trainer
 
-  config = plugin_config(str(plugin / "cache"))
+  config = plugin_config(data_cache_dir)
   config.trainer = "distill"
   config.teachers = ml_collections.ConfigDict()
   for name, word, seed in [("amen", "amen", 7), ("selah", "selah", 8)]:
@@ -235,14 +235,14 @@ def test_distillation_on_environments_scores_each_episode_by_its_teacher(plugin,
 
 
 @pytest.mark.slow  # async GRPO with a rollout worker process (its imports and compiles)
-def test_async_grpo_with_a_rollout_process_plays_the_plugin(plugin, monkeypatch):
+def test_async_grpo_with_a_rollout_process_plays_the_plugin(plugin, data_cache_dir, monkeypatch):
   """The worker process loads the plugin's environment and rollout function by module path and runs the episodes;
   each logged step's reward mean is that of the rollout (by its index) the plugin recorded in the worker."""
   from glm_jax.rl import trainer
 
   path = [str(plugin / "plugins"), os.environ.get("PYTHONPATH")]
   monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, path)))  # the worker process imports the plugin
-  config = plugin_config(str(plugin / "cache"))
+  config = plugin_config(data_cache_dir)
   config.rl.async_rollouts = config.rl.rollout_process = True
   config.rl.max_pending, config.rl.tau = 1, config.rl.steps  # no rollout is too stale to train on
   summary = trainer.run(config, str(plugin / "run"))
@@ -256,14 +256,14 @@ def test_async_grpo_with_a_rollout_process_plays_the_plugin(plugin, monkeypatch)
   assert summary["workers_replaced"] == 0 and os.path.exists(plugin / "run" / "rollout" / "tokenizer.json")
 
 
-def test_tokens_outside_the_models_turns_get_no_gradient(tmp_path):
+def test_tokens_outside_the_models_turns_get_no_gradient(data_cache_dir):
   """GRPO's loss on an agentic batch: d loss / d logp is exactly 0 on the prompt, the tool results and the padding
   (loss mask 0), and not on the model's own tokens."""
   import jax
   import jax.numpy as jnp
 
   cfg = default_data_config()
-  cfg.cache_dir = str(tmp_path / "cache")
+  cfg.cache_dir = data_cache_dir
   tok = load_tokenizer(cfg)
   samples = []
   for i in range(2):
