@@ -74,6 +74,8 @@ class RunContext(RunSetup):
   skips: ConsecutiveSkips  # stops the run after rl.max_consecutive_skips skipped updates in a row
   stop: StopSignals  # a preemption or Ctrl-C: a checkpoint at the next update, then Stopped
   rollout_fn: Callable | None = None  # agentic: rl.rollout_fn (glm_jax/rl/agentic.py)
+  # eval_accuracy by the policy's step: the last step's, logged, is also the summary's
+  eval_accuracy: dict[int, float] = dataclasses.field(default_factory=dict)
 
   @classmethod
   def after_warm_start(cls, setup: RunSetup, **loop_fields) -> RunContext:

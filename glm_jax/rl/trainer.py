@@ -187,10 +187,16 @@ def _context(setup: RunSetup, start: int, stop: StopSignals) -> RunContext:
 
 
 def _eval_accuracy(ctx: RunContext, state) -> float:
-  if ctx.environments:  # the mean reward of greedy episodes on the held-out tasks
-    actx = agentic.rollout_context(ctx, ctx.greedy, ctx.served(state.params), state.rest, 1, 0)
-    return float(np.mean(actx.run_episodes(ctx.eval_problems, jax.random.key(0)).rewards))
-  return greedy_accuracy(ctx.greedy, ctx.served(state.params), state.rest, ctx.eval_problems, ctx.reward_fn)
+  """The policy's greedy accuracy on the held-out problems, once a step (kept in ctx.eval_accuracy)."""
+  step = int(state.step)
+  if step not in ctx.eval_accuracy:
+    if ctx.environments:  # the mean reward of greedy episodes on the held-out tasks
+      actx = agentic.rollout_context(ctx, ctx.greedy, ctx.served(state.params), state.rest, 1, 0)
+      accuracy = float(np.mean(actx.run_episodes(ctx.eval_problems, jax.random.key(0)).rewards))
+    else:
+      accuracy = greedy_accuracy(ctx.greedy, ctx.served(state.params), state.rest, ctx.eval_problems, ctx.reward_fn)
+    ctx.eval_accuracy[step] = accuracy
+  return ctx.eval_accuracy[step]
 
 
 def _step_rollout(ctx: RunContext, params, rest, version: int, index: int, group_size: int):

@@ -23,6 +23,7 @@ import json
 import os
 import time
 
+import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
@@ -103,14 +104,22 @@ def supervised_finetune(
   return state.params, state.rest, loss
 
 
+def committed(state):
+  """`state` with every array committed to its devices, as the outputs of a jitted step are. Restored or fine-tuned
+  weights are committed while a freshly initialized optimizer state is not, and jit compiles a function again for
+  arguments that differ only in that: the first step's program would then serve no later step."""
+  return jax.tree.map(lambda x: jax.device_put(x, x.sharding) if isinstance(x, jax.Array) else x, state)
+
+
 def warm_start(setup: RunSetup, state):
   """(state, step, info): the latest checkpoint's state; else the warm-started policy, kept in <workdir>/init:
-  rl.init_from's weights, or config.sft.steps of fine-tuning, or the random initialization."""
+  rl.init_from's weights, or config.sft.steps of fine-tuning, or the random initialization. Every array of the
+  state is committed to its devices (`committed`)."""
   config, checkpointer = setup.config, setup.checkpointer
   latest, restored = checkpointer.restore_latest(state)
   if latest is not None:
     logging.info("resuming from %s step %d", checkpointer.directory, latest)
-    return restored, latest, {}
+    return committed(restored), latest, {}
   init = Checkpointer(os.path.join(setup.workdir, "init"), save_every=1, keep=1, async_save=False)
   info = {}
   if init.steps():
@@ -139,7 +148,7 @@ def warm_start(setup: RunSetup, state):
       info["sft_s"] = time.perf_counter() - t0
     init.save(0, state, None, config.to_dict(), tokenizer=setup.vocab.record(), force=True)
   init.close()
-  return state, 0, info
+  return committed(state), 0, info
 
 
 def reference_policy(workdir: str, state):
